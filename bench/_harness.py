@@ -1,0 +1,58 @@
+"""Shared helpers for benchmarks: time a callable, print one JSON object per figure.
+
+Each figure is ``{"name", "unit", "p50", "p99", "n", ...extra}``; design §7. Benchmarks are not
+tests: nothing here asserts a number.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+__all__ = ["emit", "measure", "measure_async", "percentiles"]
+
+
+def percentiles(samples_ms: list[float]) -> tuple[float, float]:
+    """p50 and p99 (nearest-rank) of the samples."""
+    ordered = sorted(samples_ms)
+    p50 = statistics.median(ordered)
+    p99 = ordered[min(len(ordered) - 1, max(0, round(0.99 * len(ordered)) - 1))]
+    return p50, p99
+
+
+def emit(name: str, unit: str, **fields: Any) -> None:
+    """Print one figure as a JSON line."""
+    print(json.dumps({"name": name, "unit": unit, **fields}), flush=True)
+    sys.stdout.flush()
+
+
+def measure(name: str, fn: Callable[[], object], *, n: int, warmup: int = 3, **extra: Any) -> None:
+    """Call ``fn`` ``n`` times, print p50/p99 in milliseconds."""
+    for _ in range(warmup):
+        fn()
+    samples: list[float] = []
+    for _ in range(n):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1000)
+    p50, p99 = percentiles(samples)
+    emit(name, "ms", p50=round(p50, 4), p99=round(p99, 4), n=n, **extra)
+
+
+async def measure_async(
+    name: str, fn: Callable[[], Awaitable[object]], *, n: int, warmup: int = 3, **extra: Any
+) -> None:
+    """Await ``fn()`` ``n`` times, print p50/p99 in milliseconds."""
+    for _ in range(warmup):
+        await fn()
+    samples: list[float] = []
+    for _ in range(n):
+        start = time.perf_counter()
+        await fn()
+        samples.append((time.perf_counter() - start) * 1000)
+    p50, p99 = percentiles(samples)
+    emit(name, "ms", p50=round(p50, 4), p99=round(p99, 4), n=n, **extra)

@@ -1,0 +1,52 @@
+# dracpu developer recipes. `just` itself is installed into .venv by `scripts/bootstrap dev`
+# (PyPI package rust-just); run `.venv/bin/just <recipe>` or put .venv/bin on PATH.
+
+set shell := ["bash", "-euo", "pipefail", "-c"]
+
+venv := justfile_directory() / ".venv/bin"
+
+# list the recipes
+default:
+    @just --list
+
+# everything CI runs: lint, types, layering, generated code, tests
+test *ARGS:
+    scripts/test {{ARGS}}
+
+# ruff lint and format check
+lint:
+    {{venv}}/ruff check src tests bench scripts
+    {{venv}}/ruff format --check src tests bench scripts
+
+# apply ruff's fixes and formatting
+fmt:
+    {{venv}}/ruff check --fix src tests bench scripts
+    {{venv}}/ruff format src tests bench scripts
+
+# mypy --strict over src, tests and bench
+typecheck:
+    {{venv}}/mypy
+
+# the import-layering contracts (pyproject [tool.importlinter])
+layers:
+    {{venv}}/lint-imports
+
+# regenerate src/dracpu/_gen from proto/ (betterproto2 + grpclib stubs)
+proto:
+    {{venv}}/python scripts/gen_proto.py
+
+# fail when src/dracpu/_gen is stale
+proto-check:
+    {{venv}}/python scripts/gen_proto.py --check
+
+# run every benchmark; one JSON object per figure on stdout
+bench:
+    for f in bench/bench_*.py; do echo "# $f" >&2; {{venv}}/python "$f"; done
+
+# this machine's topology and what it would publish
+inspect *ARGS:
+    {{venv}}/dracpu inspect {{ARGS}}
+
+# end-to-end tests on a kind cluster (needs Docker and kind; see tests/e2e/README.md)
+e2e:
+    tests/e2e/run.sh

@@ -1,0 +1,108 @@
+"""The one error tree of dracpu.
+
+Every error we raise on purpose is a :class:`DracpuError`. Library exceptions are translated at
+the adapter that calls the library (``raise SomeDracpuError(...) from exc``), so nothing above the
+adapters ever sees a ``grpclib``, ``kubernetes`` or ``OSError`` exception it has to interpret.
+
+Errors that involve a peer say whose fault they are (:class:`LocalProtocolError` versus
+:class:`RemoteProtocolError`), as h11 does.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AllocationError",
+    "CdiError",
+    "CheckpointError",
+    "ClaimConflictError",
+    "ClaimError",
+    "ConfigError",
+    "CpuSetParseError",
+    "DracpuError",
+    "InsufficientCpusError",
+    "KubeAPIError",
+    "KubeClientError",
+    "KubeConflictError",
+    "KubeNotFoundError",
+    "KubeServerError",
+    "LocalProtocolError",
+    "ProtocolError",
+    "RemoteProtocolError",
+    "TopologyError",
+]
+
+
+class DracpuError(Exception):
+    """Base of every error dracpu raises on purpose."""
+
+
+class ConfigError(DracpuError):
+    """A flag, config-file key or environment value is invalid. The CLI exits with code 2."""
+
+
+class CpuSetParseError(DracpuError, ValueError):
+    """Text is not a valid Linux CPU list (``"0-3,8"``)."""
+
+
+class TopologyError(DracpuError):
+    """The CPU topology under ``<host-root>/sys`` is missing or malformed (names the file)."""
+
+
+class ProtocolError(DracpuError):
+    """A wire protocol (mux, ttrpc, NRI) was violated."""
+
+
+class LocalProtocolError(ProtocolError):
+    """We were asked to send something the protocol forbids: our bug, not the peer's."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent something the protocol forbids: drop the connection, keep serving."""
+
+
+class AllocationError(DracpuError):
+    """CPUs cannot be allocated as requested."""
+
+
+class InsufficientCpusError(AllocationError):
+    """Fewer free CPUs than requested (or none fitting the policy)."""
+
+
+class ClaimConflictError(AllocationError):
+    """A claim conflicts with node state: overlapping CPUs, same UID with other devices, ..."""
+
+
+class ClaimError(DracpuError):
+    """A ResourceClaim cannot be prepared: not allocated, bad capacity, unknown device, ..."""
+
+
+class CdiError(DracpuError):
+    """A CDI spec cannot be written, read or removed."""
+
+
+class CheckpointError(DracpuError):
+    """The checkpoint file is corrupt, truncated, of an unknown version or cannot be written."""
+
+
+class KubeAPIError(DracpuError):
+    """The Kubernetes API server answered with an error or could not be reached."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class KubeClientError(KubeAPIError):
+    """A 4xx answer: our request was wrong or the object is in another state."""
+
+
+class KubeNotFoundError(KubeClientError):
+    """404: the object does not exist."""
+
+
+class KubeConflictError(KubeClientError):
+    """409: a resourceVersion conflict or an object that already exists."""
+
+
+class KubeServerError(KubeAPIError):
+    """A 5xx answer or a connection failure: transient, retried with backoff."""
