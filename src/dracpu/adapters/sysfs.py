@@ -1,0 +1,350 @@
+"""Read the node's CPU topology from ``<host-root>/sys`` into a :class:`Topology`.
+
+Synchronous plain file reads (callers on the event loop use ``anyio.to_thread.run_sync``). What is
+read, relative to ``<host-root>/sys/devices``:
+
+- ``system/cpu/online`` (required), ``present`` (fallback ``possible``) for the offline CPUs,
+  ``isolated`` (optional) for the kernel's ``isolcpus``;
+- per online CPU ``system/cpu/cpuN/topology/{physical_package_id, die_id, cluster_id, core_id,
+  thread_siblings_list}`` and the level-3 ``cache/indexK/{level, type, id, shared_cpu_list}``;
+- ``system/node/nodeX/cpulist`` plus the ``nodeX`` link under ``cpuN/`` for the NUMA node;
+- ``cpu_core/cpus`` and ``cpu_atom/cpus`` (hybrid P-/E-cores), ``system/cpu/smt/control``.
+
+Every missing or malformed file that we need becomes one :class:`~dracpu.errors.TopologyError`
+whose message starts with the file's path; no ``OSError`` or ``ValueError`` escapes.
+
+Speed: a 1024-CPU node is read in a few milliseconds. Files shared by many CPUs are read once:
+node cpulists once per node, the L3 ``shared_cpu_list``/``id`` once per cache domain (every CPU
+of a domain is still checked to have the level-3 cache at the same index), and the NUMA link of
+a CPU is checked with one ``lstat`` instead of a directory listing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from dracpu.core.cpuset import EMPTY, CpuSet
+from dracpu.core.topology import CoreKey, CoreType, CpuInfo, Topology
+from dracpu.errors import CpuSetParseError, TopologyError
+
+__all__ = ["read_topology"]
+
+# Paths relative to the host root (Linux ABI: Documentation/ABI/stable/sysfs-devices-system-cpu,
+# Documentation/ABI/testing/sysfs-devices-system-cpu, Documentation/ABI/stable/sysfs-devices-node).
+CPU_DIR = "sys/devices/system/cpu"
+NODE_DIR = "sys/devices/system/node"
+# Hybrid Intel CPUs register one PMU per core type (arch/x86/events/intel/core.c): "cpu_core"
+# for P-cores and "cpu_atom" for E-cores, each with a "cpus" cpulist.
+CPU_CORE_CPUS = "sys/devices/cpu_core/cpus"
+CPU_ATOM_CPUS = "sys/devices/cpu_atom/cpus"
+SMT_CONTROL = f"{CPU_DIR}/smt/control"
+
+# smt/control values (Documentation/ABI/testing/sysfs-devices-system-cpu); upstream maps "on" to
+# true and these four to false, anything else falls back to "some core has 2+ threads".
+SMT_ON = "on"
+SMT_OFF_VALUES = frozenset({"off", "forceoff", "notsupported", "notimplemented"})
+
+# cluster_id is 65535 (BAD_APICID / "no cluster") on x86 CPUs without clusters; upstream maps it
+# to -1, as we do for a missing file.
+NO_CLUSTER_RAW = 65535
+NO_CLUSTER = -1
+
+# The cache level we align on (the "uncore cache" of kubelet's cpu manager) and the cache types
+# that hold data; an "Instruction" level-3 cache is not the LLC.
+L3_LEVEL = 3
+L3_TYPES = frozenset({"Unified", "Data"})
+
+# Larger than any sysfs attribute (one page, PAGE_SIZE is 4..64 KiB).
+_READ_SIZE = 1 << 17
+
+_INT = re.compile(r"-?[0-9]+")
+_NODE_ENTRY = re.compile(r"node([0-9]+)")
+_INDEX_ENTRY = re.compile(r"index([0-9]+)")
+
+
+def read_topology(host_root: Path) -> Topology:
+    """Read every online CPU under ``<host_root>/sys``; :class:`TopologyError` on a bad file."""
+    return _Reader(host_root).read()
+
+
+class _Reader:
+    """One pass over sysfs; remembers files shared by several CPUs."""
+
+    def __init__(self, host_root: Path) -> None:
+        self._root = os.fspath(host_root)
+        self._l3_index: int | None = None  # index of the L3 in cache/, learnt on the first CPU
+        self._l3_of: dict[int, int] = {}  # cpu -> L3 id, filled one cache domain at a time
+
+    # --- files -----------------------------------------------------------------------------
+
+    def _path(self, rel: str) -> str:
+        return os.path.join(self._root, rel)
+
+    def _read(self, rel: str) -> str | None:
+        """The file's text without surrounding whitespace; ``None`` when it does not exist."""
+        try:
+            fd = os.open(self._path(rel), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise TopologyError(f"{self._path(rel)}: cannot open: {exc.strerror}") from exc
+        try:
+            # A sysfs attribute is at most one page, returned by the first read(); loop only
+            # for the (fake) files that fill the buffer.
+            data = os.read(fd, _READ_SIZE)
+            if len(data) == _READ_SIZE:
+                while chunk := os.read(fd, _READ_SIZE):
+                    data += chunk
+        except OSError as exc:
+            raise TopologyError(f"{self._path(rel)}: cannot read: {exc.strerror}") from exc
+        finally:
+            os.close(fd)
+        try:
+            return data.decode("ascii").strip()
+        except UnicodeDecodeError as exc:
+            raise TopologyError(f"{self._path(rel)}: malformed: not ASCII text") from exc
+
+    def _required(self, rel: str) -> str:
+        text = self._read(rel)
+        if text is None:
+            raise TopologyError(f"{self._path(rel)}: missing")
+        return text
+
+    def _int(self, rel: str, text: str) -> int:
+        if not _INT.fullmatch(text):
+            raise TopologyError(f"{self._path(rel)}: malformed: {text!r} is not an integer")
+        return int(text)
+
+    def _required_int(self, rel: str) -> int:
+        return self._int(rel, self._required(rel))
+
+    def _optional_int(self, rel: str, default: int) -> int:
+        text = self._read(rel)
+        return default if text is None else self._int(rel, text)
+
+    def _cpulist(self, rel: str, text: str) -> CpuSet:
+        try:
+            return CpuSet.parse(text)
+        except CpuSetParseError as exc:
+            raise TopologyError(f"{self._path(rel)}: malformed: {exc}") from exc
+
+    def _required_cpulist(self, rel: str) -> CpuSet:
+        return self._cpulist(rel, self._required(rel))
+
+    def _optional_cpulist(self, rel: str) -> CpuSet | None:
+        text = self._read(rel)
+        return None if text is None else self._cpulist(rel, text)
+
+    def _listdir(self, rel: str) -> list[str] | None:
+        try:
+            return os.listdir(self._path(rel))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            raise TopologyError(f"{self._path(rel)}: cannot list: {exc.strerror}") from exc
+
+    # --- the machine -----------------------------------------------------------------------
+
+    def read(self) -> Topology:
+        online_rel = f"{CPU_DIR}/online"
+        online = self._required_cpulist(online_rel)
+        if not online:
+            raise TopologyError(f"{self._path(online_rel)}: malformed: no online CPU")
+        present = self._optional_cpulist(f"{CPU_DIR}/present")
+        if present is None:
+            present = self._optional_cpulist(f"{CPU_DIR}/possible")
+        offline = (present or EMPTY) - online
+        isolated = self._optional_cpulist(f"{CPU_DIR}/isolated") or EMPTY
+
+        numa_of = self._numa_nodes(online)
+        core_types = self._core_types()
+
+        keys: dict[int, CoreKey] = {}
+        by_key: dict[CoreKey, int] = {}  # core key -> bit mask of its online CPUs
+        raw: list[tuple[int, int, int, int, int]] = []
+        for cpu in online:
+            topo = f"{CPU_DIR}/cpu{cpu}/topology"
+            socket = self._required_int(f"{topo}/physical_package_id")
+            die = self._optional_int(f"{topo}/die_id", 0)
+            cluster = self._optional_int(f"{topo}/cluster_id", NO_CLUSTER)
+            if cluster == NO_CLUSTER_RAW:
+                cluster = NO_CLUSTER
+            core_id = self._required_int(f"{topo}/core_id")
+            key = (socket, die, cluster, core_id)
+            keys[cpu] = key
+            by_key[key] = by_key.get(key, 0) | (1 << cpu)
+            raw.append((cpu, socket, die, cluster, core_id))
+
+        online_mask = online.mask
+        for cpu in online:
+            self._check_siblings(cpu, CpuSet.from_mask(by_key[keys[cpu]]), online_mask)
+
+        cpus: dict[int, CpuInfo] = {}
+        for cpu, socket, die, cluster, core_id in raw:
+            cpus[cpu] = CpuInfo(
+                cpu_id=cpu,
+                socket_id=socket,
+                die_id=die,
+                cluster_id=cluster,
+                core_id=core_id,
+                numa_node=numa_of[cpu],
+                l3_id=self._l3_id(cpu),
+                core_type=core_types(cpu),
+            )
+
+        return Topology(
+            cpus=cpus,
+            smt_enabled=self._smt_enabled(max(m.bit_count() for m in by_key.values())),
+            offline=offline,
+            isolated=isolated,
+        )
+
+    def _check_siblings(self, cpu: int, core: CpuSet, online_mask: int) -> None:
+        """The kernel's SMT siblings of ``cpu`` must be the online CPUs with its core key."""
+        topo = f"{CPU_DIR}/cpu{cpu}/topology"
+        rel = f"{topo}/thread_siblings_list"
+        text = self._read(rel)
+        if text is None:
+            rel = f"{topo}/core_cpus_list"
+            text = self._read(rel)
+            if text is None:
+                raise TopologyError(
+                    f"{self._path(f'{topo}/thread_siblings_list')}: missing "
+                    "(and no core_cpus_list either)"
+                )
+        listed = self._cpulist(rel, text)
+        siblings = CpuSet.from_mask(listed.mask & online_mask)
+        if siblings != core:
+            raise TopologyError(
+                f"{self._path(rel)}: lists online siblings {str(siblings)!r} but the online CPUs "
+                f"with the same (physical_package_id, die_id, cluster_id, core_id) as cpu{cpu} "
+                f"are {str(core)!r}"
+            )
+
+    # --- NUMA ------------------------------------------------------------------------------
+
+    def _numa_nodes(self, online: CpuSet) -> dict[int, int]:
+        """cpu -> NUMA node, from node/nodeX/cpulist, each checked against cpuN/nodeX."""
+        entries = self._listdir(NODE_DIR)
+        if entries is None:
+            # A kernel without CONFIG_NUMA has no node directory: one node, 0.
+            return dict.fromkeys(online, 0)
+        node_of: dict[int, int] = {}
+        for entry in entries:
+            match = _NODE_ENTRY.fullmatch(entry)
+            if match is None:
+                continue
+            node = int(match.group(1))
+            rel = f"{NODE_DIR}/{entry}/cpulist"
+            for cpu in self._required_cpulist(rel) & online:
+                other = node_of.setdefault(cpu, node)
+                if other != node:
+                    raise TopologyError(
+                        f"{self._path(rel)}: lists cpu{cpu}, which "
+                        f"{self._path(f'{NODE_DIR}/node{other}/cpulist')} lists too"
+                    )
+        for cpu in online:
+            listed = node_of.get(cpu)
+            link = f"{CPU_DIR}/cpu{cpu}/node{listed}"
+            if listed is None or not os.path.lexists(self._path(link)):
+                self._numa_mismatch(cpu, listed)
+        return node_of
+
+    def _numa_mismatch(self, cpu: int, listed: int | None) -> None:
+        cpu_rel = f"{CPU_DIR}/cpu{cpu}"
+        linked = sorted(
+            int(m.group(1))
+            for entry in self._listdir(cpu_rel) or []
+            if (m := _NODE_ENTRY.fullmatch(entry)) is not None
+        )
+        if not linked:
+            raise TopologyError(f"{self._path(cpu_rel)}: no nodeX entry: NUMA node unknown")
+        if listed is None:
+            raise TopologyError(
+                f"{self._path(f'{NODE_DIR}/node{linked[0]}/cpulist')}: does not list cpu{cpu} "
+                f"although {self._path(f'{cpu_rel}/node{linked[0]}')} exists"
+            )
+        raise TopologyError(
+            f"{self._path(f'{NODE_DIR}/node{listed}/cpulist')}: lists cpu{cpu} but "
+            f"{self._path(cpu_rel)} links to node{linked[0]}"
+        )
+
+    # --- caches ----------------------------------------------------------------------------
+
+    def _l3_id(self, cpu: int) -> int | None:
+        index = self._find_l3_index(cpu)
+        if index is None:
+            return None
+        known = self._l3_of.get(cpu)
+        if known is not None:
+            return known
+        cache = f"{CPU_DIR}/cpu{cpu}/cache/index{index}"
+        shared_rel = f"{cache}/shared_cpu_list"
+        shared = self._required_cpulist(shared_rel)
+        if cpu not in shared:
+            raise TopologyError(f"{self._path(shared_rel)}: does not list cpu{cpu} itself")
+        text = self._read(f"{cache}/id")
+        # arm64 has no cache id: the lowest CPU sharing the cache names it (as upstream does).
+        l3 = shared.min() if text is None else self._int(f"{cache}/id", text)
+        for member in shared:
+            self._l3_of.setdefault(member, l3)
+        return self._l3_of[cpu]
+
+    def _is_l3(self, cache: str) -> bool:
+        level = self._read(f"{cache}/level")
+        if level is None:
+            return False
+        if self._int(f"{cache}/level", level) != L3_LEVEL:
+            return False
+        return self._required(f"{cache}/type") in L3_TYPES
+
+    def _find_l3_index(self, cpu: int) -> int | None:
+        caches = f"{CPU_DIR}/cpu{cpu}/cache"
+        if self._l3_index is not None and self._is_l3(f"{caches}/index{self._l3_index}"):
+            return self._l3_index
+        indexes = sorted(
+            int(m.group(1))
+            for entry in self._listdir(caches) or []
+            if (m := _INDEX_ENTRY.fullmatch(entry)) is not None
+        )
+        for index in indexes:
+            if self._is_l3(f"{caches}/index{index}"):
+                self._l3_index = index
+                return index
+        return None
+
+    # --- node-wide facts -------------------------------------------------------------------
+
+    def _core_types(self) -> _CoreTypes:
+        p_cores = self._optional_cpulist(CPU_CORE_CPUS)
+        e_cores = self._optional_cpulist(CPU_ATOM_CPUS)
+        return _CoreTypes(p_cores, e_cores)
+
+    def _smt_enabled(self, smt_width: int) -> bool:
+        control = self._read(SMT_CONTROL)
+        if control == SMT_ON:
+            return True
+        if control in SMT_OFF_VALUES:
+            return False
+        return smt_width > 1
+
+
+class _CoreTypes:
+    """cpu -> core type: ``cpu_atom`` CPUs are E-cores, ``cpu_core`` CPUs (or, when only
+    ``cpu_atom`` exists, all the others) are P-cores; no hybrid PMU at all: standard."""
+
+    __slots__ = ("_e_cores", "_p_cores", "_rest")
+
+    def __init__(self, p_cores: CpuSet | None, e_cores: CpuSet | None) -> None:
+        self._p_cores = p_cores or EMPTY
+        self._e_cores = e_cores or EMPTY
+        self._rest = CoreType.P_CORE if e_cores is not None else CoreType.STANDARD
+
+    def __call__(self, cpu: int) -> CoreType:
+        if cpu in self._e_cores:
+            return CoreType.E_CORE
+        if cpu in self._p_cores:
+            return CoreType.P_CORE
+        return self._rest

@@ -1,0 +1,554 @@
+"""Fake machines: compact descriptions, a writer of fake sysfs trees, and the model they describe.
+
+A :class:`MachineSpec` describes a machine as a hierarchy — sockets → dies → NUMA nodes → L3
+caches → clusters → cores → threads — plus the quirks real kernels show (``core_id`` repeating per
+socket, SMT siblings numbered ``+ncores`` apart, arm64 caches without ``id``, hybrid P/E cores,
+offline and isolated CPUs). :func:`write_sysfs` writes the files the kernel would show under
+``<root>/sys``; :func:`build_topology` builds the :class:`~dracpu.core.topology.Topology` the
+same machine must read as, without touching any file. Tests read the written tree with
+:func:`dracpu.adapters.sysfs.read_topology` and compare it with :func:`build_topology`.
+
+:data:`FIXTURES` names the machines used by tests, benchmarks and ``dracpu sim --topology NAME``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from fnmatch import translate
+from pathlib import Path
+from typing import Literal
+
+from dracpu.core.cpuset import EMPTY, CpuSet
+from dracpu.core.topology import CoreType, CpuInfo, Topology
+from dracpu.errors import ConfigError
+
+__all__ = [
+    "E_CORES_PER_CLUSTER",
+    "FIXTURES",
+    "CoreIdScheme",
+    "CpuNumbering",
+    "L3Mode",
+    "MachineSpec",
+    "build_topology",
+    "fixture",
+    "write_sysfs",
+]
+
+CoreIdScheme = Literal["per-socket", "global"]
+CpuNumbering = Literal["linux", "adjacent"]
+L3Mode = Literal["id", "shared-cpu-list", "none"]
+
+# Intel Gracemont E-cores come in modules of four sharing one L2 (one sysfs cluster).
+E_CORES_PER_CLUSTER = 4
+# What x86 kernels write in cluster_id when the CPU has no cluster (BAD_APICID & 0xffff).
+NO_CLUSTER_RAW = 65535
+# smt_control value meaning "on when some core has 2+ threads, else notsupported".
+SMT_AUTO = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class MachineSpec:
+    """A machine, described compactly; every count is per parent level.
+
+    Cores per L3 cache are ``clusters_per_l3 * cores_per_cluster``, each with
+    ``threads_per_core`` threads; with ``hybrid=(p, e)`` each L3 instead has ``p`` P-cores (with
+    ``threads_per_core`` threads, one cluster each) then ``e`` single-thread E-cores in clusters
+    of :data:`E_CORES_PER_CLUSTER`, and ``cpu_core``/``cpu_atom`` PMU files are written.
+
+    - ``core_id_scheme``: ``per-socket`` restarts ``core_id`` (and cluster ids) on each socket, as
+      real servers do; ``global`` makes them machine-unique. ``core_id`` = index * ``core_id_step``.
+    - ``cpu_numbering``: ``linux`` numbers the first thread of every core, then the second
+      threads, ... (x86: siblings ``+ncores`` apart); ``adjacent`` numbers a core's threads
+      consecutively (POWER, Intel hybrid desktops).
+    - ``l3``: ``id`` writes ``cache/index3/id``; ``shared-cpu-list`` omits it (arm64: the L3 is
+      named by the lowest online CPU of its ``shared_cpu_list``); ``none`` writes no L3.
+    - clusters: with ``clusters_per_l3 > 1`` (or hybrid) ``cluster_id`` holds real ids, else 65535.
+    - ``die_id_file=False`` omits ``die_id`` (arm64); ``numa_sysfs=False`` omits
+      ``devices/system/node`` and the ``cpuN/nodeX`` links (a kernel without CONFIG_NUMA).
+    - ``offline`` CPUs are present but not online (no topology/cache directories);
+      ``isolated`` is written verbatim to ``devices/system/cpu/isolated``.
+    - ``smt_control``: the text of ``smt/control``; ``"auto"`` = ``on`` with SMT else
+      ``notsupported``; ``None`` = no file.
+    """
+
+    sockets: int = 1
+    dies_per_socket: int = 1
+    numa_per_die: int = 1
+    l3_per_numa: int = 1
+    clusters_per_l3: int = 1
+    cores_per_cluster: int = 1
+    threads_per_core: int = 1
+    hybrid: tuple[int, int] | None = None
+    core_id_scheme: CoreIdScheme = "per-socket"
+    core_id_step: int = 1
+    cpu_numbering: CpuNumbering = "linux"
+    l3: L3Mode = "id"
+    die_id_file: bool = True
+    numa_sysfs: bool = True
+    offline: CpuSet = EMPTY
+    isolated: CpuSet = EMPTY
+    smt_control: str | None = SMT_AUTO
+    description: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        counts = {
+            "sockets": self.sockets,
+            "dies_per_socket": self.dies_per_socket,
+            "numa_per_die": self.numa_per_die,
+            "l3_per_numa": self.l3_per_numa,
+            "clusters_per_l3": self.clusters_per_l3,
+            "cores_per_cluster": self.cores_per_cluster,
+            "threads_per_core": self.threads_per_core,
+            "core_id_step": self.core_id_step,
+        }
+        for name, value in counts.items():
+            if value < 1:
+                raise ConfigError(f"machine spec: {name} must be at least 1, not {value}")
+        if self.hybrid is not None:
+            p_cores, e_cores = self.hybrid
+            if p_cores < 0 or e_cores < 0 or p_cores + e_cores == 0:
+                raise ConfigError(f"machine spec: bad hybrid core counts {self.hybrid}")
+            if self.clusters_per_l3 != 1 or self.cores_per_cluster != 1:
+                raise ConfigError(
+                    "machine spec: hybrid replaces clusters_per_l3 and cores_per_cluster"
+                )
+        if self.dies_per_socket > 1 and not self.die_id_file:
+            raise ConfigError("machine spec: several dies per socket need die_id files")
+        if self.numa_per_die * self.dies_per_socket * self.sockets > 1 and not self.numa_sysfs:
+            raise ConfigError("machine spec: several NUMA nodes need devices/system/node")
+        total = self.cpu_count
+        if self.offline.mask >> total or self.isolated.mask >> total:
+            raise ConfigError(f"machine spec: offline/isolated CPUs beyond cpu{total - 1}")
+        if len(self.offline) == total:
+            raise ConfigError("machine spec: every CPU is offline")
+
+    @property
+    def cores_per_l3(self) -> int:
+        if self.hybrid is not None:
+            return self.hybrid[0] + self.hybrid[1]
+        return self.clusters_per_l3 * self.cores_per_cluster
+
+    @property
+    def cpu_count(self) -> int:
+        """Present CPUs (online + offline)."""
+        per_l3 = (
+            self.hybrid[0] * self.threads_per_core + self.hybrid[1]
+            if self.hybrid is not None
+            else self.cores_per_l3 * self.threads_per_core
+        )
+        return self.sockets * self.dies_per_socket * self.numa_per_die * self.l3_per_numa * per_l3
+
+    @property
+    def online(self) -> CpuSet:
+        return CpuSet.range(0, self.cpu_count) - self.offline
+
+
+# --- layout: the single source both the writer and the model builder use -------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Core:
+    socket: int
+    die: int
+    numa: int
+    l3: int  # machine-wide index of the L3 cache
+    cluster: int  # the raw cluster_id written to sysfs (65535: none)
+    core_id: int
+    core_type: CoreType
+    threads: tuple[int, ...] = ()  # CPU ids, filled when numbering
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    spec: MachineSpec
+    cores: tuple[_Core, ...]
+    core_of: Mapping[int, _Core]  # every present CPU -> its core
+    online: CpuSet
+
+    def online_of(self, cpus: Iterable[int]) -> CpuSet:
+        return CpuSet(cpus) & self.online
+
+    def group(self, attr: str) -> dict[int, CpuSet]:
+        masks: dict[int, int] = {}
+        for core in self.cores:
+            key: int = getattr(core, attr)
+            for cpu in core.threads:
+                masks[key] = masks.get(key, 0) | 1 << cpu
+        return {k: CpuSet.from_mask(m) & self.online for k, m in masks.items()}
+
+
+def _layout(spec: MachineSpec) -> _Layout:
+    cores: list[tuple[_Core, int]] = []  # (core, thread count)
+    numa = l3 = 0
+    core_index = cluster_index = 0
+    clustered = spec.hybrid is not None or spec.clusters_per_l3 > 1
+    for socket in range(spec.sockets):
+        if spec.core_id_scheme == "per-socket":
+            core_index = cluster_index = 0
+        for die in range(spec.dies_per_socket):
+            for _ in range(spec.numa_per_die):
+                for _ in range(spec.l3_per_numa):
+                    for kind, cluster_size, threads in _core_groups(spec):
+                        for position in range(cluster_size):
+                            cluster = cluster_index if clustered else NO_CLUSTER_RAW
+                            core = _Core(
+                                socket=socket,
+                                die=die,
+                                numa=numa,
+                                l3=l3,
+                                cluster=cluster,
+                                core_id=core_index * spec.core_id_step,
+                                core_type=kind,
+                            )
+                            cores.append((core, threads))
+                            core_index += 1
+                            if position == cluster_size - 1 or kind is CoreType.P_CORE:
+                                cluster_index += 1
+                    l3 += 1
+                numa += 1
+
+    threads_of: list[list[int]] = [[] for _ in cores]
+    next_cpu = 0
+    if spec.cpu_numbering == "linux":
+        for thread in range(max(t for _, t in cores)):
+            for index, (_, count) in enumerate(cores):
+                if thread < count:
+                    threads_of[index].append(next_cpu)
+                    next_cpu += 1
+    else:
+        for index, (_, count) in enumerate(cores):
+            threads_of[index].extend(range(next_cpu, next_cpu + count))
+            next_cpu += count
+
+    numbered = tuple(
+        _Core(c.socket, c.die, c.numa, c.l3, c.cluster, c.core_id, c.core_type, tuple(t))
+        for (c, _), t in zip(cores, threads_of, strict=True)
+    )
+    core_of = {cpu: core for core in numbered for cpu in core.threads}
+    return _Layout(spec, numbered, core_of, spec.online)
+
+
+def _core_groups(spec: MachineSpec) -> list[tuple[CoreType, int, int]]:
+    """(core type, cores per cluster, threads per core) for each cluster of one L3 cache."""
+    if spec.hybrid is None:
+        return [(CoreType.STANDARD, spec.cores_per_cluster, spec.threads_per_core)] * (
+            spec.clusters_per_l3
+        )
+    p_cores, e_cores = spec.hybrid
+    groups: list[tuple[CoreType, int, int]] = []
+    if p_cores:
+        groups.append((CoreType.P_CORE, p_cores, spec.threads_per_core))
+    for start in range(0, e_cores, E_CORES_PER_CLUSTER):
+        groups.append((CoreType.E_CORE, min(E_CORES_PER_CLUSTER, e_cores - start), 1))
+    return groups
+
+
+def _l3_ids(layout: _Layout) -> dict[int, int]:
+    """L3 cache index -> the L3 id the model holds (the written id, or arm64's lowest CPU)."""
+    if layout.spec.l3 == "id":
+        return {core.l3: core.l3 for core in layout.cores}
+    return {index: cpus.min() for index, cpus in layout.group("l3").items() if cpus}
+
+
+# --- the model -----------------------------------------------------------------------------------
+
+
+def build_topology(spec: MachineSpec) -> Topology:
+    """The topology a correct sysfs reader must find in ``write_sysfs(spec, ...)``."""
+    layout = _layout(spec)
+    l3_ids = _l3_ids(layout) if spec.l3 != "none" else {}
+    cpus: dict[int, CpuInfo] = {}
+    for cpu in layout.online:
+        core = layout.core_of[cpu]
+        cpus[cpu] = CpuInfo(
+            cpu_id=cpu,
+            socket_id=core.socket,
+            die_id=core.die,
+            cluster_id=-1 if core.cluster == NO_CLUSTER_RAW else core.cluster,
+            core_id=core.core_id,
+            numa_node=core.numa,
+            l3_id=l3_ids.get(core.l3),
+            core_type=core.core_type,
+        )
+    return Topology(
+        cpus=cpus,
+        smt_enabled=_smt_enabled(spec, layout),
+        offline=spec.offline,
+        isolated=spec.isolated,
+    )
+
+
+def _smt_control_text(spec: MachineSpec) -> str | None:
+    if spec.smt_control != SMT_AUTO:
+        return spec.smt_control
+    return "on" if spec.threads_per_core > 1 else "notsupported"
+
+
+def _smt_enabled(spec: MachineSpec, layout: _Layout) -> bool:
+    text = _smt_control_text(spec)
+    if text == "on":
+        return True
+    if text in ("off", "forceoff", "notsupported", "notimplemented"):
+        return False
+    return any(len(layout.online_of(core.threads)) > 1 for core in layout.cores)
+
+
+# --- the sysfs tree ------------------------------------------------------------------------------
+
+_CPU = "sys/devices/system/cpu"
+_NODE = "sys/devices/system/node"
+
+
+def write_sysfs(
+    spec: MachineSpec,
+    root: Path,
+    *,
+    omit: Iterable[str] = (),
+    override: Mapping[str, str] | None = None,
+) -> None:
+    """Write the machine's sysfs files under ``root/sys`` (``root`` is the host root).
+
+    ``omit``: glob patterns (``fnmatch``, ``*`` crosses ``/``) of paths relative to ``root``
+    (``"sys/devices/system/cpu/cpu3/topology/core_id"``) not to write; a pattern matching a
+    directory omits everything under it. ``override``: path -> text written instead of (or in
+    addition to) the generated file. Together they make broken machines for error tests.
+    """
+    files, links = _sysfs_files(spec)
+    patterns = [re.compile(translate(p)) for p in omit]
+    if patterns:
+        files = {p: t for p, t in files.items() if not _omitted(p, patterns)}
+        links = {p: t for p, t in links.items() if not _omitted(p, patterns)}
+    if override:
+        files.update(override)
+    made: set[str] = set()
+    for rel, text in files.items():
+        _write(root, rel, text, made)
+    for rel, target in links.items():
+        parent = os.path.dirname(rel)
+        if parent not in made:
+            os.makedirs(root / parent, exist_ok=True)
+            made.add(parent)
+        os.symlink(target, root / rel)
+
+
+def _omitted(rel: str, patterns: list[re.Pattern[str]]) -> bool:
+    path = rel
+    while path:
+        if any(p.match(path) for p in patterns):
+            return True
+        path = os.path.dirname(path)
+    return False
+
+
+def _write(root: Path, rel: str, text: str, made: set[str]) -> None:
+    parent = os.path.dirname(rel)
+    if parent not in made:
+        os.makedirs(root / parent, exist_ok=True)
+        made.add(parent)
+    with open(root / rel, "w", encoding="ascii") as handle:
+        handle.write(text)
+
+
+def _sysfs_files(spec: MachineSpec) -> tuple[dict[str, str], dict[str, str]]:
+    """(path -> text, symlink path -> target), paths relative to the host root."""
+    layout = _layout(spec)
+    online = layout.online
+    total = spec.cpu_count
+    present = CpuSet.range(0, total)
+    files: dict[str, str] = {}
+    links: dict[str, str] = {}
+
+    def put(rel: str, value: object) -> None:
+        files[rel] = f"{value}\n"
+
+    put(f"{_CPU}/online", online)
+    put(f"{_CPU}/present", present)
+    put(f"{_CPU}/possible", present)
+    put(f"{_CPU}/offline", spec.offline)
+    put(f"{_CPU}/isolated", spec.isolated)
+    put(f"{_CPU}/kernel_max", 8191)
+    smt = _smt_control_text(spec)
+    if smt is not None:
+        put(f"{_CPU}/smt/control", smt)
+        put(
+            f"{_CPU}/smt/active",
+            int(any(len(layout.online_of(c.threads)) > 1 for c in layout.cores)),
+        )
+
+    if spec.hybrid is not None:
+        by_type: dict[CoreType, int] = {}
+        for core in layout.cores:
+            for cpu in core.threads:
+                by_type[core.core_type] = by_type.get(core.core_type, 0) | 1 << cpu
+        put("sys/devices/cpu_core/cpus", CpuSet.from_mask(by_type.get(CoreType.P_CORE, 0)))
+        put("sys/devices/cpu_atom/cpus", CpuSet.from_mask(by_type.get(CoreType.E_CORE, 0)))
+
+    sockets = layout.group("socket")
+    nodes = layout.group("numa")
+    l3s = layout.group("l3")
+    l3_written_id = {core.l3: core.l3 for core in layout.cores}
+    clusters: dict[tuple[int, int], int] = {}
+    dies: dict[tuple[int, int], int] = {}
+    for core in layout.cores:
+        for cpu in core.threads:
+            key = (core.socket, core.cluster)
+            clusters[key] = clusters.get(key, 0) | 1 << cpu
+            die_key = (core.socket, core.die)
+            dies[die_key] = dies.get(die_key, 0) | 1 << cpu
+
+    if spec.numa_sysfs:
+        node_ids = CpuSet(nodes)
+        put(f"{_NODE}/possible", node_ids)
+        put(f"{_NODE}/online", node_ids)
+        put(f"{_NODE}/has_cpu", CpuSet(n for n, cpus in nodes.items() if cpus))
+        put(f"{_NODE}/has_memory", node_ids)
+        for node, cpus in nodes.items():
+            put(f"{_NODE}/node{node}/cpulist", cpus)
+            put(f"{_NODE}/node{node}/cpumap", _hex_mask(cpus, total))
+
+    for cpu in range(total):
+        core = layout.core_of[cpu]
+        base = f"{_CPU}/cpu{cpu}"
+        if cpu:
+            put(f"{base}/online", int(cpu in online))
+        if spec.numa_sysfs:
+            links[f"{base}/node{core.numa}"] = f"../../node/node{core.numa}"
+        if cpu not in online:
+            continue  # the kernel removes topology/ and cache/ of an offline CPU
+        siblings = layout.online_of(core.threads)
+        cluster_cpus = (
+            CpuSet.from_mask(clusters[(core.socket, core.cluster)]) & online
+            if core.cluster != NO_CLUSTER_RAW
+            else siblings
+        )
+        package = sockets[core.socket]
+        topo = f"{base}/topology"
+        put(f"{topo}/physical_package_id", core.socket)
+        if spec.die_id_file:
+            put(f"{topo}/die_id", core.die)
+            put(f"{topo}/die_cpus_list", CpuSet.from_mask(dies[(core.socket, core.die)]) & online)
+        put(f"{topo}/cluster_id", core.cluster)
+        put(f"{topo}/cluster_cpus_list", cluster_cpus)
+        put(f"{topo}/core_id", core.core_id)
+        put(f"{topo}/thread_siblings_list", siblings)
+        put(f"{topo}/thread_siblings", _hex_mask(siblings, total))
+        put(f"{topo}/core_cpus_list", siblings)
+        put(f"{topo}/core_siblings_list", package)
+        put(f"{topo}/package_cpus_list", package)
+
+        cache = f"{base}/cache"
+        l2_cpus = cluster_cpus if core.core_type is CoreType.E_CORE else siblings
+        levels: list[tuple[int, str, int, CpuSet, str]] = [
+            (1, "Data", core.threads[0], siblings, "48K"),
+            (1, "Instruction", core.threads[0], siblings, "32K"),
+            (2, "Unified", l2_cpus.min(), l2_cpus, "2048K"),
+        ]
+        if spec.l3 != "none":
+            levels.append((3, "Unified", l3_written_id[core.l3], l3s[core.l3], "32768K"))
+        for index, (level, kind, cache_id, shared, size) in enumerate(levels):
+            entry = f"{cache}/index{index}"
+            put(f"{entry}/level", level)
+            put(f"{entry}/type", kind)
+            put(f"{entry}/shared_cpu_list", shared)
+            put(f"{entry}/size", size)
+            if spec.l3 == "id":
+                put(f"{entry}/id", cache_id)
+    return files, links
+
+
+def _hex_mask(cpus: CpuSet, total: int) -> str:
+    """The kernel's cpumask format: 32-bit hex words, most significant first, comma separated."""
+    words = max(1, (total + 31) // 32)
+    mask = cpus.mask
+    return ",".join(f"{(mask >> (32 * w)) & 0xFFFFFFFF:08x}" for w in reversed(range(words)))
+
+
+# --- named machines ------------------------------------------------------------------------------
+
+FIXTURES: dict[str, MachineSpec] = {
+    "dual-socket-smt2": MachineSpec(
+        sockets=2,
+        numa_per_die=2,
+        l3_per_numa=2,
+        cores_per_cluster=4,
+        threads_per_core=2,
+        description=(
+            "x86 server: 2 sockets x 2 NUMA x 2 L3 x 4 cores x SMT2 = 64 CPUs; core_id repeats "
+            "per socket; siblings are cpuN and cpuN+32"
+        ),
+    ),
+    "hybrid-desktop": MachineSpec(
+        hybrid=(8, 8),
+        threads_per_core=2,
+        cpu_numbering="adjacent",
+        core_id_step=4,
+        description=(
+            "Intel hybrid desktop: 8 P-cores x SMT2 (cpu0-15) + 8 E-cores in 2 clusters "
+            "(cpu16-23), one L3, cpu_core/cpu_atom PMU files"
+        ),
+    ),
+    "arm64-server": MachineSpec(
+        numa_per_die=2,
+        clusters_per_l3=4,
+        cores_per_cluster=4,
+        l3="shared-cpu-list",
+        die_id_file=False,
+        smt_control="notsupported",
+        description=(
+            "arm64 server: 1 socket x 2 NUMA x 1 L3 x 4 clusters x 4 cores = 32 CPUs, no SMT, "
+            "no cache id files (L3 named by its lowest CPU), no die_id"
+        ),
+    ),
+    "smt4": MachineSpec(
+        sockets=2,
+        l3_per_numa=2,
+        cores_per_cluster=4,
+        threads_per_core=4,
+        cpu_numbering="adjacent",
+        description=(
+            "POWER-like: 2 sockets x 1 NUMA x 2 L3 x 4 cores x SMT4 = 64 CPUs, threads of a "
+            "core numbered adjacently"
+        ),
+    ),
+    "vm-2cpu": MachineSpec(
+        cores_per_cluster=2,
+        smt_control="notsupported",
+        description="a 2-vCPU virtual machine: 1 socket, 1 NUMA node, 1 L3, no SMT",
+    ),
+    "offline-isolated": MachineSpec(
+        numa_per_die=2,
+        cores_per_cluster=4,
+        threads_per_core=2,
+        offline=CpuSet.parse("5,14-15"),
+        isolated=CpuSet.parse("2,7,10,14"),
+        description=(
+            "16-CPU SMT2 box (2 NUMA x 4 cores x SMT2, siblings +8) with cpu5,14,15 offline "
+            "and isolcpus=2,7,10,14 (14 is offline, so it does not count)"
+        ),
+    ),
+    "big-1024": MachineSpec(
+        sockets=2,
+        numa_per_die=4,
+        l3_per_numa=4,
+        cores_per_cluster=16,
+        threads_per_core=2,
+        description=(
+            "benchmark machine: 2 sockets x 4 NUMA x 4 L3 x 16 cores x SMT2 = 1024 CPUs, "
+            "siblings +512"
+        ),
+    ),
+}
+"""The named machines (``dracpu sim --topology NAME``)."""
+
+
+def fixture(name: str) -> MachineSpec:
+    """The named machine; :class:`ConfigError` listing the names when unknown."""
+    try:
+        return FIXTURES[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown topology {name!r}: choose one of {', '.join(sorted(FIXTURES))}"
+        ) from None
