@@ -1,0 +1,766 @@
+"""The devices this node publishes and the ``resource.k8s.io/v1`` ResourceSlices that carry them.
+
+Pure: a :class:`~dracpu.core.topology.Topology` and the reserved CPUs go in, plain ``dict``
+objects ready for ``json.dumps`` (or the API) come out. Names and attributes are the
+compatibility contract of the upstream Go driver ``kubernetes-sigs/dra-driver-cpu`` (design §2):
+
+Individual mode (``cpudev000``, ``cpudev001``, ...): one device per non-reserved online CPU. The
+number is an enumeration index, not the CPU id. CPUs are grouped by core, each group holding the
+core's non-reserved CPUs in ascending order, groups ordered by their lowest non-reserved CPU, so
+SMT siblings get adjacent numbers (upstream ``cpuDeviceInfos``; the same order whatever the SMT
+width). Three digits, more when there are 1000 devices or more (Go's ``%03d`` only pads).
+
+Grouped mode: one device per NUMA node (``cpudevnuma000``), per socket (``cpudevsocket000``) or
+one for the machine (``cpudevmachine``), with capacity ``dra.cpu/cpu`` = the group's non-reserved
+CPUs and ``allowMultipleAllocations: true``. A NUMA node or socket with no allocatable CPU is not
+published; ``cpudevmachine`` always is.
+
+Our additions to the upstream attributes (design §6):
+
+* ``dra.cpu/isolated`` (bool) on **every** individual device, ``true`` on the kernel's isolated
+  CPUs (``isolcpus``). Present on every device so a selector is a plain
+  ``device.attributes["dra.cpu"].isolated`` / ``!device.attributes["dra.cpu"].isolated``: a CEL
+  selector that reads an absent attribute is an evaluation error, not ``false``.
+* ``dra.cpu/numIsolatedCPUs`` (int) on every grouped device. Isolated CPUs are part of their
+  group: they count in ``dra.cpu/cpu`` and ``dra.cpu/numCPUs`` and can be handed out to exclusive
+  claims like any other CPU (they never join the shared pool). The attribute only says how many
+  of the group's CPUs are isolated, so a claim can avoid (``== 0``) or look for such groups.
+* ``dra.cpu/cacheL3ID`` is omitted for a CPU without an L3 cache (upstream publishes 0 there,
+  which would claim a cache shared with every other such CPU).
+* No ``dieID``/``clusterID``: ``socketID`` and ``cacheL3ID`` already express the locality a
+  selector can use, and raw die/cluster ids repeat across sockets, so they would only invite
+  wrong ``matchAttribute`` constraints.
+
+Attribute keys are the full qualified names (``dra.cpu/socketID``), as upstream publishes them;
+in CEL they are grouped by domain (``device.attributes["dra.cpu"].socketID``).
+
+Slices: one pool named after the node, devices chunked in order into slices of at most 128
+devices (64 when a device has a list-typed attribute, taints or counter consumption: the
+apiserver's ``ResourceSliceMaxDevicesWithAdvancedFeatures``), every slice carrying the same
+``generation`` and ``resourceSliceCount``. Slice names are fixed (``<node>-dra.cpu-000``,
+``-001``, ...), so a publisher can GET/PUT each slice by name and repair it in place; the index is
+zero-padded so that name order (the scheduler's first-fit order) is device order.
+
+:func:`validate_slice` re-checks a ResourceSlice object against the apiserver's own rules
+(``pkg/apis/resource/validation``), for our tests and the simulator's fake API server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from fractions import Fraction
+from typing import Any
+
+from dracpu.core.cpuset import CpuSet
+from dracpu.core.topology import Topology
+from dracpu.errors import ConfigError, TopologyError
+
+__all__ = [
+    "API_VERSION",
+    "ATTR_CACHE_L3_ID",
+    "ATTR_CORE_ID",
+    "ATTR_CORE_TYPE",
+    "ATTR_CPU_ID",
+    "ATTR_ISOLATED",
+    "ATTR_LEGACY_NUMA_NODE_ID",
+    "ATTR_NUMA_NODE",
+    "ATTR_NUM_CPUS",
+    "ATTR_NUM_ISOLATED_CPUS",
+    "ATTR_DRANET_NUMA_NODE",
+    "ATTR_SMT_ENABLED",
+    "ATTR_SOCKET_ID",
+    "CAPACITY_CPU",
+    "DRIVER_NAME",
+    "KIND",
+    "MAX_ATTRIBUTES_AND_CAPACITIES_PER_DEVICE",
+    "MAX_DEVICES_PER_SLICE",
+    "MAX_DEVICES_PER_SLICE_ADVANCED",
+    "CpuDeviceMode",
+    "Device",
+    "GroupBy",
+    "build_resource_slices",
+    "devices_by_name",
+    "max_devices_per_slice",
+    "published_devices",
+    "slice_name",
+    "validate_pool",
+    "validate_slice",
+]
+
+# --- names of the compatibility contract (design §2; upstream pkg/device/attributes.go, builder.go)
+
+DRIVER_NAME = "dra.cpu"  # upstream cmd/dracpu/app.go driverName; also the DeviceClass name
+API_VERSION = "resource.k8s.io/v1"  # the GA DRA API, the one upstream publishes
+KIND = "ResourceSlice"
+
+CAPACITY_CPU = "dra.cpu/cpu"  # upstream device.CPUResourceQualifiedName
+
+ATTR_NUMA_NODE = "resource.kubernetes.io/numaNode"  # KEP-6072 StandardDeviceAttributeNUMANode
+ATTR_SOCKET_ID = "dra.cpu/socketID"  # upstream AttributeSocketID
+ATTR_SMT_ENABLED = "dra.cpu/smtEnabled"  # upstream AttributeSMTEnabled
+ATTR_CACHE_L3_ID = "dra.cpu/cacheL3ID"  # upstream AttributeCacheL3ID
+ATTR_CORE_TYPE = "dra.cpu/coreType"  # upstream AttributeCoreType
+ATTR_CORE_ID = "dra.cpu/coreID"  # upstream AttributeCoreID (raw sysfs core_id)
+ATTR_CPU_ID = "dra.cpu/cpuID"  # upstream AttributeCPUID
+ATTR_NUM_CPUS = "dra.cpu/numCPUs"  # upstream AttributeNumCPUs (grouped)
+ATTR_LEGACY_NUMA_NODE_ID = "dra.cpu/numaNodeID"  # upstream addCompatibilityAttributes (legacy)
+ATTR_DRANET_NUMA_NODE = "dra.net/numaNode"  # upstream addCompatibilityAttributes (DraNet alias)
+ATTR_ISOLATED = "dra.cpu/isolated"  # ours (design §6): on every individual device
+ATTR_NUM_ISOLATED_CPUS = "dra.cpu/numIsolatedCPUs"  # ours: on every grouped device
+
+# Device name prefixes: upstream CPUDevicePrefix, CPUDeviceNUMAGroupedPrefix,
+# CPUDeviceSocketGroupedPrefix, CPUDeviceMachineGrouped.
+_PREFIX_CPU = "cpudev"
+_PREFIX_NUMA = "cpudevnuma"
+_PREFIX_SOCKET = "cpudevsocket"
+_NAME_MACHINE = "cpudevmachine"
+
+# --- apiserver limits (k8s.io/api resource/v1 types.go, reference kubelet-and-k8s-api.md §6.4) ---
+
+MAX_DEVICES_PER_SLICE = 128  # ResourceSliceMaxDevices
+MAX_DEVICES_PER_SLICE_ADVANCED = 64  # ResourceSliceMaxDevicesWithAdvancedFeatures (1.36+)
+MAX_ATTRIBUTES_AND_CAPACITIES_PER_DEVICE = 32  # ResourceSliceMaxAttributesAndCapacitiesPerDevice
+_MAX_ATTRIBUTE_VALUES_PER_DEVICE = 48  # ResourceSliceMaxAttributeValuesPerDevice (1.36+)
+_MAX_ID_LENGTH = 32  # DeviceMaxIDLength: the C-identifier part of a qualified name
+_MAX_DOMAIN_LENGTH = 63  # DeviceMaxDomainLength = DriverNameMaxLength
+_MAX_ATTRIBUTE_VALUE_LENGTH = 64  # DeviceAttributeMaxValueLength (string and version values)
+_MAX_DNS_SUBDOMAIN = 253  # validation.DNS1123SubdomainMaxLength: object, node and pool names
+_MAX_DNS_LABEL = 63  # validation.DNS1123LabelMaxLength: device names
+_MAX_TAINTS = 16  # DeviceTaintsMaxLength (1.35+)
+_MAX_VALID_VALUES = 10  # CapacityRequestPolicyDiscreteMaxOptions
+_LIST_ATTRIBUTE_TYPES = ("ints", "bools", "strings", "versions")  # DRAListTypeAttributes (1.36)
+_SCALAR_ATTRIBUTE_TYPES = ("int", "bool", "string", "version")
+
+# Slice names: "<node>-dra.cpu-NNN". The index is padded to 3 digits: 16384 CPUs (CpuSet's
+# MAX_CPU_ID + 1) in slices of 64 need 256 slices, so name order is numeric order.
+_SLICE_SUFFIX = f"-{DRIVER_NAME}-"
+_SLICE_INDEX_WIDTH = 3
+_NODE_HASH_LENGTH = 10  # hex digits of sha256(node) kept when a long node name is shortened
+
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS_LABEL_RE = re.compile(rf"^{_DNS_LABEL}$")
+_DNS_SUBDOMAIN_RE = re.compile(rf"^{_DNS_LABEL}(\.{_DNS_LABEL})*$")
+_C_IDENTIFIER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Semantic Versioning 2.0.0, as the apiserver's semverRe.
+_SEMVER_RE = re.compile(
+    r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
+    r"(-(0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(\.(0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*)?"
+    r"(\+[0-9a-zA-Z-]+(\.[0-9a-zA-Z-]+)*)?$"
+)
+# resource.Quantity: sign, digits with an optional fraction, then a binary-SI, decimal-SI or
+# decimal-exponent suffix (k8s.io/apimachinery/pkg/api/resource/quantity.go).
+_QUANTITY_RE = re.compile(
+    r"^([+-]?)(\d+(?:\.\d*)?|\.\d+)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?\d+)?$"
+)
+_QUANTITY_SUFFIX: dict[str, Fraction] = {
+    "": Fraction(1),
+    "n": Fraction(1, 10**9),
+    "u": Fraction(1, 10**6),
+    "m": Fraction(1, 1000),
+    "k": Fraction(10**3),
+    "M": Fraction(10**6),
+    "G": Fraction(10**9),
+    "T": Fraction(10**12),
+    "P": Fraction(10**15),
+    "E": Fraction(10**18),
+    "Ki": Fraction(2**10),
+    "Mi": Fraction(2**20),
+    "Gi": Fraction(2**30),
+    "Ti": Fraction(2**40),
+    "Pi": Fraction(2**50),
+    "Ei": Fraction(2**60),
+}
+
+
+class CpuDeviceMode(StrEnum):
+    """``--cpu-device-mode`` / config ``cpuDeviceMode`` (upstream values)."""
+
+    GROUPED = "grouped"
+    INDIVIDUAL = "individual"
+
+
+class GroupBy(StrEnum):
+    """``--group-by`` / config ``groupBy`` (upstream values)."""
+
+    NUMANODE = "numanode"
+    SOCKET = "socket"
+    MACHINE = "machine"
+
+
+AttributeValue = bool | int | str
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """One published device.
+
+    ``cpus``: individual mode the one CPU; grouped mode the group's allocatable (online,
+    non-reserved) CPUs, isolated ones included. ``attributes`` are keyed by the qualified name
+    as published; ``capacity`` is ``{"dra.cpu/cpu": n}`` for grouped devices, empty otherwise.
+    """
+
+    name: str
+    cpus: CpuSet
+    attributes: Mapping[str, AttributeValue]
+    capacity: Mapping[str, int]
+    grouped: bool
+
+
+# --- devices -------------------------------------------------------------------------------------
+
+
+def published_devices(
+    topology: Topology, *, reserved: CpuSet, mode: CpuDeviceMode, group_by: GroupBy
+) -> list[Device]:
+    """The devices this node publishes, in publication (and allocation priority) order.
+
+    ``reserved`` CPUs are never published; reserved CPUs that are not online are ignored.
+    ``group_by`` only matters in grouped mode.
+    """
+    allocatable = topology.online - reserved
+    if CpuDeviceMode(mode) is CpuDeviceMode.INDIVIDUAL:
+        return _individual_devices(topology, allocatable)
+    return _grouped_devices(topology, allocatable, GroupBy(group_by))
+
+
+def devices_by_name(devices: Iterable[Device]) -> dict[str, Device]:
+    """Index devices by name (what Prepare needs to turn an allocation into CPUs)."""
+    return {device.name: device for device in devices}
+
+
+def _individual_order(topology: Topology, allocatable: CpuSet) -> list[int]:
+    """Allocatable CPUs core by core, cores ordered by their lowest allocatable CPU.
+
+    Upstream ``cpuDeviceInfos`` sorts core groups by their first non-reserved CPU; a core whose
+    lowest CPU is reserved therefore sorts by its remaining CPU, not by the reserved one.
+    """
+    groups = [core & allocatable for core in topology.cores_of(allocatable)]
+    groups.sort(key=CpuSet.min)
+    return [cpu for group in groups for cpu in group]
+
+
+def _individual_devices(topology: Topology, allocatable: CpuSet) -> list[Device]:
+    smt = topology.smt_enabled
+    isolated = topology.isolated
+    devices: list[Device] = []
+    for index, cpu in enumerate(_individual_order(topology, allocatable)):
+        info = topology.info(cpu)
+        attributes: dict[str, AttributeValue] = {}
+        if info.numa_node >= 0:  # KEP-6072: omit, never publish -1
+            attributes[ATTR_NUMA_NODE] = info.numa_node
+        attributes[ATTR_SOCKET_ID] = info.socket_id
+        attributes[ATTR_SMT_ENABLED] = smt
+        if info.l3_id is not None:
+            attributes[ATTR_CACHE_L3_ID] = info.l3_id
+        attributes[ATTR_CORE_TYPE] = info.core_type.value
+        attributes[ATTR_CORE_ID] = info.core_id
+        attributes[ATTR_CPU_ID] = cpu
+        if info.numa_node >= 0:
+            attributes[ATTR_LEGACY_NUMA_NODE_ID] = info.numa_node
+            attributes[ATTR_DRANET_NUMA_NODE] = info.numa_node
+        attributes[ATTR_ISOLATED] = cpu in isolated
+        devices.append(
+            Device(
+                name=f"{_PREFIX_CPU}{index:03d}",
+                cpus=CpuSet.from_mask(1 << cpu),
+                attributes=attributes,
+                capacity={},
+                grouped=False,
+            )
+        )
+    return devices
+
+
+def _grouped_device(
+    name: str,
+    cpus: CpuSet,
+    topology: Topology,
+    leading: Mapping[str, AttributeValue],
+    trailing: Mapping[str, AttributeValue] | None = None,
+) -> Device:
+    n = len(cpus)
+    attributes: dict[str, AttributeValue] = dict(leading)
+    attributes[ATTR_SMT_ENABLED] = topology.smt_enabled
+    attributes[ATTR_NUM_CPUS] = n
+    attributes.update(trailing or {})
+    attributes[ATTR_NUM_ISOLATED_CPUS] = len(cpus & topology.isolated)
+    return Device(
+        name=name, cpus=cpus, attributes=attributes, capacity={CAPACITY_CPU: n}, grouped=True
+    )
+
+
+def _grouped_devices(topology: Topology, allocatable: CpuSet, group_by: GroupBy) -> list[Device]:
+    devices: list[Device] = []
+    if group_by is GroupBy.MACHINE:
+        return [_grouped_device(_NAME_MACHINE, allocatable, topology, {})]
+    if group_by is GroupBy.SOCKET:
+        for socket_id, members in topology.sockets.items():
+            cpus = members & allocatable
+            if cpus:
+                name = f"{_PREFIX_SOCKET}{socket_id:03d}"
+                devices.append(_grouped_device(name, cpus, topology, {ATTR_SOCKET_ID: socket_id}))
+        return devices
+    for numa_id, members in topology.numa_nodes.items():
+        cpus = members & allocatable
+        if not cpus:
+            continue
+        if numa_id < 0:
+            raise TopologyError(
+                f"cpu{cpus.min()} belongs to no NUMA node: group by socket or machine instead"
+            )
+        # Upstream: "All CPUs in a NUMA node belong to the same socket"; take the lowest's.
+        socket_id = topology.info(cpus.min()).socket_id
+        leading = {ATTR_NUMA_NODE: numa_id, ATTR_SOCKET_ID: socket_id}
+        legacy = {ATTR_LEGACY_NUMA_NODE_ID: numa_id, ATTR_DRANET_NUMA_NODE: numa_id}
+        name = f"{_PREFIX_NUMA}{numa_id:03d}"
+        devices.append(_grouped_device(name, cpus, topology, leading, legacy))
+    return devices
+
+
+# --- slices --------------------------------------------------------------------------------------
+
+
+def slice_name(node_name: str, index: int) -> str:
+    """The fixed name of slice ``index`` of this node's pool: ``<node>-dra.cpu-000``.
+
+    A node name too long to fit in 253 characters with the suffix is shortened and made unique
+    again with a hash of the full name.
+    """
+    suffix = f"{_SLICE_SUFFIX}{index:0{_SLICE_INDEX_WIDTH}d}"
+    if len(node_name) + len(suffix) <= _MAX_DNS_SUBDOMAIN:
+        return node_name + suffix
+    digest = hashlib.sha256(node_name.encode()).hexdigest()[:_NODE_HASH_LENGTH]
+    keep = _MAX_DNS_SUBDOMAIN - len(suffix) - 1 - _NODE_HASH_LENGTH
+    return f"{node_name[:keep].rstrip('.-')}-{digest}{suffix}"
+
+
+def _wire_attribute(value: AttributeValue) -> dict[str, Any]:
+    if isinstance(value, bool):  # before int: bool is an int in Python
+        return {"bool": value}
+    if isinstance(value, int):
+        return {"int": value}
+    return {"string": value}
+
+
+def _wire_device(device: Device, consumable_capacity: bool) -> dict[str, Any]:
+    wire: dict[str, Any] = {
+        "name": device.name,
+        "attributes": {key: _wire_attribute(value) for key, value in device.attributes.items()},
+    }
+    if device.capacity:
+        capacity: dict[str, Any] = {}
+        for key, amount in device.capacity.items():
+            entry: dict[str, Any] = {"value": str(amount)}
+            if consumable_capacity and device.grouped:
+                entry["requestPolicy"] = _request_policy(amount)
+            capacity[key] = entry
+        wire["capacity"] = capacity
+    if device.grouped:
+        wire["allowMultipleAllocations"] = True
+    return wire
+
+
+def _request_policy(amount: int) -> dict[str, Any]:
+    """Whole CPUs, one by default (design §6; KEP-5075 CapacityRequestPolicy).
+
+    ``step`` is left out when the group has a single CPU: the apiserver requires
+    ``min + step <= value``.
+    """
+    valid_range: dict[str, str] = {"min": "1"}
+    if amount >= 2:
+        valid_range["step"] = "1"
+    return {"default": "1", "validRange": valid_range}
+
+
+def max_devices_per_slice(wire_devices: Iterable[Mapping[str, Any]]) -> int:
+    """128, or 64 when any device uses an "advanced feature" (list-typed attribute, taints,
+    counter consumption): the apiserver's per-slice limit for these devices."""
+    for device in wire_devices:
+        if device.get("taints") or device.get("consumesCounters"):
+            return MAX_DEVICES_PER_SLICE_ADVANCED
+        for attribute in (device.get("attributes") or {}).values():
+            if isinstance(attribute, Mapping) and any(
+                k in attribute for k in _LIST_ATTRIBUTE_TYPES
+            ):
+                return MAX_DEVICES_PER_SLICE_ADVANCED
+    return MAX_DEVICES_PER_SLICE
+
+
+def build_resource_slices(
+    node_name: str,
+    devices: Sequence[Device],
+    *,
+    consumable_capacity: bool = True,
+    generation: int = 1,
+    owner_uid: str | None = None,
+) -> list[dict[str, Any]]:
+    """The complete ResourceSlice objects of this node's pool, in order.
+
+    ``consumable_capacity=False`` leaves ``requestPolicy`` out (clusters whose apiserver drops
+    it). ``owner_uid`` is the Node's UID: the slices get the Node as controller owner so they are
+    garbage-collected with it. No devices still gives one (empty) slice: an empty pool tells the
+    scheduler this node has nothing, where no pool would mean "unknown".
+    """
+    errors = _node_name_errors(node_name)
+    if errors:
+        raise ConfigError(f"invalid node name {node_name!r}: {errors[0]}")
+    if generation < 0:
+        raise ConfigError(f"invalid pool generation {generation}: must be >= 0")
+    wire_devices = [_wire_device(device, consumable_capacity) for device in devices]
+    per_slice = max_devices_per_slice(wire_devices)
+    chunks = [wire_devices[i : i + per_slice] for i in range(0, len(wire_devices), per_slice)]
+    if not chunks:
+        chunks = [[]]
+    slices: list[dict[str, Any]] = []
+    for index, chunk in enumerate(chunks):
+        metadata: dict[str, Any] = {"name": slice_name(node_name, index)}
+        if owner_uid is not None:
+            metadata["ownerReferences"] = [
+                {
+                    "apiVersion": "v1",
+                    "kind": "Node",
+                    "name": node_name,
+                    "uid": owner_uid,
+                    "controller": True,
+                }
+            ]
+        slices.append(
+            {
+                "apiVersion": API_VERSION,
+                "kind": KIND,
+                "metadata": metadata,
+                "spec": {
+                    "driver": DRIVER_NAME,
+                    "nodeName": node_name,
+                    "pool": {
+                        "name": node_name,
+                        "generation": generation,
+                        "resourceSliceCount": len(chunks),
+                    },
+                    "devices": chunk,
+                },
+            }
+        )
+    return slices
+
+
+# --- validation (the apiserver's rules, pkg/apis/resource/validation/validation.go) -------------
+
+
+def _dns_subdomain_errors(value: str) -> list[str]:
+    if not value:
+        return ["must not be empty"]
+    if len(value) > _MAX_DNS_SUBDOMAIN:
+        return [f"must be no more than {_MAX_DNS_SUBDOMAIN} characters"]
+    if not _DNS_SUBDOMAIN_RE.match(value):
+        return ["must be a lowercase RFC 1123 subdomain"]
+    return []
+
+
+def _node_name_errors(value: object) -> list[str]:
+    if not isinstance(value, str):
+        return ["must be a string"]
+    return _dns_subdomain_errors(value)
+
+
+def _driver_name_errors(value: object) -> list[str]:
+    """ValidateCSIDriverName: <= 63 characters, a DNS subdomain once lowercased."""
+    if not isinstance(value, str) or not value:
+        return ["must be a non-empty string"]
+    if len(value) > _MAX_DOMAIN_LENGTH:
+        return [f"must be no more than {_MAX_DOMAIN_LENGTH} characters"]
+    if not _DNS_SUBDOMAIN_RE.match(value.lower()):
+        return ["must be an RFC 1123 subdomain"]
+    return []
+
+
+def _qualified_name_errors(name: str) -> list[str]:
+    """validateQualifiedName: ``<C identifier>`` or ``<domain>/<C identifier>``."""
+    domain, slash, ident = name.rpartition("/")
+    errors: list[str] = []
+    if slash:
+        if "/" in domain:
+            errors.append("must contain at most one '/'")
+        elif not domain:
+            errors.append("the domain must not be empty")
+        else:
+            errors.extend(f"domain {e}" for e in _driver_name_errors(domain))
+    if not ident:
+        errors.append("the name must not be empty")
+    else:
+        if len(ident) > _MAX_ID_LENGTH:
+            errors.append(f"name must be no more than {_MAX_ID_LENGTH} characters")
+        if not _C_IDENTIFIER_RE.match(ident):
+            errors.append("name must be a C identifier ([A-Za-z_][A-Za-z0-9_]*)")
+    return errors
+
+
+def _parse_quantity(value: object) -> Fraction | None:
+    if not isinstance(value, str):
+        return None
+    match = _QUANTITY_RE.match(value)
+    if match is None:
+        return None
+    sign, number, suffix = match.group(1), match.group(2), match.group(3) or ""
+    amount = Fraction(number)
+    if suffix[:1] in ("e", "E"):
+        amount *= Fraction(10) ** int(suffix[1:])
+    else:
+        amount *= _QUANTITY_SUFFIX[suffix]
+    return -amount if sign == "-" else amount
+
+
+def _attribute_errors(path: str, attribute: object) -> tuple[list[str], int]:
+    """Errors of one DeviceAttribute and how many values it holds."""
+    if not isinstance(attribute, Mapping):
+        return [f"{path}: must be an object"], 0
+    present = [k for k in (*_SCALAR_ATTRIBUTE_TYPES, *_LIST_ATTRIBUTE_TYPES) if k in attribute]
+    unknown = sorted(set(attribute) - set(_SCALAR_ATTRIBUTE_TYPES) - set(_LIST_ATTRIBUTE_TYPES))
+    errors = [f"{path}: unknown field {k!r}" for k in unknown]
+    if len(present) != 1:
+        errors.append(f"{path}: exactly one value must be specified, got {len(present)}")
+        return errors, len(present)
+    kind = present[0]
+    value = attribute[kind]
+    values = list(value) if kind in _LIST_ATTRIBUTE_TYPES and isinstance(value, list) else [value]
+    if kind in _LIST_ATTRIBUTE_TYPES and (not isinstance(value, list) or not value):
+        errors.append(f"{path}.{kind}: must be a non-empty list")
+    element = kind.rstrip("s")
+    for item in values:
+        if element == "int" and (not isinstance(item, int) or isinstance(item, bool)):
+            errors.append(f"{path}.{kind}: {item!r} is not an integer")
+        elif element == "bool" and not isinstance(item, bool):
+            errors.append(f"{path}.{kind}: {item!r} is not a boolean")
+        elif element in ("string", "version"):
+            if not isinstance(item, str):
+                errors.append(f"{path}.{kind}: {item!r} is not a string")
+            elif len(item.encode()) > _MAX_ATTRIBUTE_VALUE_LENGTH:
+                errors.append(
+                    f"{path}.{kind}: must be no more than {_MAX_ATTRIBUTE_VALUE_LENGTH} bytes"
+                )
+            elif element == "version" and not _SEMVER_RE.match(item):
+                errors.append(f"{path}.{kind}: {item!r} is not a semantic version")
+    return errors, len(values)
+
+
+def _request_policy_errors(path: str, capacity: Fraction, policy: object) -> list[str]:
+    if not isinstance(policy, Mapping):
+        return [f"{path}: must be an object"]
+    errors: list[str] = []
+    default = _parse_quantity(policy["default"]) if "default" in policy else None
+    if "default" in policy and default is None:
+        errors.append(f"{path}.default: {policy['default']!r} is not a quantity")
+    valid_values = policy.get("validValues")
+    valid_range = policy.get("validRange")
+    if valid_values and valid_range is not None:
+        return [*errors, f"{path}: cannot specify both validValues and validRange"]
+    if valid_values:
+        if default is None:
+            return [*errors, f"{path}.default: required when validValues is defined"]
+        options = [_parse_quantity(v) for v in valid_values]
+        if any(o is None for o in options):
+            return [*errors, f"{path}.validValues: every value must be a quantity"]
+        if len(options) > _MAX_VALID_VALUES:
+            errors.append(f"{path}.validValues: must have at most {_MAX_VALID_VALUES} entries")
+        if options != sorted(options):  # type: ignore[type-var]
+            errors.append(f"{path}.validValues: must be sorted in ascending order")
+        if any(o > capacity for o in options if o is not None):
+            errors.append(f"{path}.validValues: an option is larger than the capacity value")
+        if default not in options:
+            errors.append(f"{path}.default: must be one of validValues")
+    elif valid_range is not None:
+        if default is None:
+            return [*errors, f"{path}.default: required when validRange is defined"]
+        if not isinstance(valid_range, Mapping) or "min" not in valid_range:
+            return [*errors, f"{path}.validRange.min: required when validRange is defined"]
+        bounds = {
+            k: _parse_quantity(valid_range[k]) for k in ("min", "max", "step") if k in valid_range
+        }
+        if any(v is None for v in bounds.values()):
+            return [*errors, f"{path}.validRange: min, max and step must be quantities"]
+        low, high, step = bounds["min"], bounds.get("max"), bounds.get("step")
+        assert low is not None
+        if low > capacity:
+            errors.append(f"{path}.validRange.min: larger than the capacity value")
+        if default < low:
+            errors.append(f"{path}.validRange.min: default is less than min")
+        if high is not None:
+            if low > high:
+                errors.append(f"{path}.validRange.max: min is larger than max")
+            if high > capacity:
+                errors.append(f"{path}.validRange.max: larger than the capacity value")
+            if default > high:
+                errors.append(f"{path}.validRange.max: default is more than max")
+        if step is not None:
+            if step <= 0:
+                errors.append(f"{path}.validRange.step: must be positive")
+            else:
+                if low + step > capacity:
+                    errors.append(f"{path}.validRange.step: one step is larger than the capacity")
+                for what, value in (("default", default), ("max", high)):
+                    if value is not None and (value - low) % step:
+                        errors.append(f"{path}.validRange.step: {what} is not min + n * step")
+    return errors
+
+
+def _device_errors(path: str, device: object) -> list[str]:
+    if not isinstance(device, Mapping):
+        return [f"{path}: must be an object"]
+    errors: list[str] = []
+    name = device.get("name")
+    if not isinstance(name, str) or len(name) > _MAX_DNS_LABEL or not _DNS_LABEL_RE.match(name):
+        errors.append(f"{path}.name: {name!r} is not a DNS label (RFC 1123, <= 63 characters)")
+    attributes = device.get("attributes") or {}
+    capacity = device.get("capacity") or {}
+    if not isinstance(attributes, Mapping) or not isinstance(capacity, Mapping):
+        return [*errors, f"{path}: attributes and capacity must be objects"]
+    total = len(attributes) + len(capacity)
+    if total > MAX_ATTRIBUTES_AND_CAPACITIES_PER_DEVICE:
+        errors.append(
+            f"{path}: {total} attributes and capacities, at most "
+            f"{MAX_ATTRIBUTES_AND_CAPACITIES_PER_DEVICE} allowed"
+        )
+    values = 0
+    for key, attribute in attributes.items():
+        errors.extend(f"{path}.attributes[{key}]: {e}" for e in _qualified_name_errors(str(key)))
+        attribute_errors, count = _attribute_errors(f"{path}.attributes[{key}]", attribute)
+        errors.extend(attribute_errors)
+        values += count
+    if values > _MAX_ATTRIBUTE_VALUES_PER_DEVICE:
+        errors.append(
+            f"{path}: {values} attribute values, at most {_MAX_ATTRIBUTE_VALUES_PER_DEVICE} allowed"
+        )
+    multi = device.get("allowMultipleAllocations") is True
+    for key, entry in capacity.items():
+        where = f"{path}.capacity[{key}]"
+        errors.extend(f"{where}: {e}" for e in _qualified_name_errors(str(key)))
+        if not isinstance(entry, Mapping):
+            errors.append(f"{where}: must be an object")
+            continue
+        value = _parse_quantity(entry.get("value"))
+        if value is None:
+            errors.append(f"{where}.value: {entry.get('value')!r} is not a quantity")
+            continue
+        if "requestPolicy" in entry:
+            if not multi:
+                errors.append(f"{where}.requestPolicy: allowMultipleAllocations must be true")
+            else:
+                errors.extend(
+                    _request_policy_errors(f"{where}.requestPolicy", value, entry["requestPolicy"])
+                )
+    taints = device.get("taints") or []
+    if len(taints) > _MAX_TAINTS:
+        errors.append(f"{path}.taints: at most {_MAX_TAINTS} allowed")
+    return errors
+
+
+def validate_slice(obj: Mapping[str, Any]) -> list[str]:
+    """The apiserver's create-time checks of one ResourceSlice; an empty list means valid.
+
+    Covers what the OpenAPI schema does not: name syntax, device and attribute limits, qualified
+    names, attribute values and capacity request policies. Pair it with a schema check.
+    """
+    errors: list[str] = []
+    if obj.get("apiVersion") != API_VERSION:
+        errors.append(f"apiVersion: must be {API_VERSION!r}, got {obj.get('apiVersion')!r}")
+    if obj.get("kind") != KIND:
+        errors.append(f"kind: must be {KIND!r}, got {obj.get('kind')!r}")
+    metadata = obj.get("metadata")
+    if not isinstance(metadata, Mapping):
+        errors.append("metadata: required")
+    elif "name" in metadata:
+        errors.extend(f"metadata.name: {e}" for e in _node_name_errors(metadata["name"]))
+    elif "generateName" not in metadata:
+        errors.append("metadata.name: name or generateName is required")
+    spec = obj.get("spec")
+    if not isinstance(spec, Mapping):
+        return [*errors, "spec: required"]
+    errors.extend(f"spec.driver: {e}" for e in _driver_name_errors(spec.get("driver")))
+    pool = spec.get("pool")
+    if not isinstance(pool, Mapping):
+        errors.append("spec.pool: required")
+    else:
+        pool_name = pool.get("name")
+        if not isinstance(pool_name, str) or not pool_name:
+            errors.append("spec.pool.name: required")
+        elif len(pool_name) > _MAX_DNS_SUBDOMAIN:
+            errors.append(f"spec.pool.name: must be no more than {_MAX_DNS_SUBDOMAIN} characters")
+        else:
+            for part in pool_name.split("/"):
+                errors.extend(f"spec.pool.name: {e}" for e in _dns_subdomain_errors(part))
+        generation = pool.get("generation")
+        if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
+            errors.append(f"spec.pool.generation: {generation!r} must be an integer >= 0")
+        count = pool.get("resourceSliceCount")
+        if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
+            errors.append(f"spec.pool.resourceSliceCount: {count!r} must be an integer > 0")
+    selectors = [
+        k
+        for k in ("nodeName", "nodeSelector", "allNodes", "perDeviceNodeSelection")
+        if spec.get(k) not in (None, "")
+    ]
+    if len(selectors) != 1:
+        errors.append(
+            "spec: exactly one of nodeName, nodeSelector, allNodes, perDeviceNodeSelection "
+            f"is required, got {selectors or 'none'}"
+        )
+    if "nodeName" in spec:
+        errors.extend(f"spec.nodeName: {e}" for e in _node_name_errors(spec["nodeName"]))
+    for flag in ("allNodes", "perDeviceNodeSelection"):
+        if flag in spec and spec[flag] is not True:
+            errors.append(f"spec.{flag}: must be either unset or true")
+    devices = spec.get("devices")
+    if devices is not None and spec.get("sharedCounters") is not None:
+        errors.append("spec: only one of sharedCounters or devices is allowed")
+    devices = devices or []
+    if not isinstance(devices, list):
+        return [*errors, "spec.devices: must be a list"]
+    limit = max_devices_per_slice(d for d in devices if isinstance(d, Mapping))
+    if len(devices) > limit:
+        return [*errors, f"spec.devices: {len(devices)} devices, at most {limit} allowed"]
+    seen: set[object] = set()
+    for i, device in enumerate(devices):
+        errors.extend(_device_errors(f"spec.devices[{i}]", device))
+        name = device.get("name") if isinstance(device, Mapping) else None
+        if name in seen:
+            errors.append(f"spec.devices[{i}].name: duplicate device name {name!r}")
+        seen.add(name)
+    return errors
+
+
+def validate_pool(slices: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Checks across the slices of one pool: same driver, pool and generation, a
+    ``resourceSliceCount`` equal to the number of slices, unique slice and device names."""
+    errors: list[str] = []
+    if not slices:
+        return ["pool: no slices"]
+    specs = [s.get("spec") or {} for s in slices]
+    for key in ("driver", "nodeName"):
+        values = {spec.get(key) for spec in specs}
+        if len(values) != 1:
+            errors.append(f"pool: slices disagree on spec.{key}: {sorted(map(str, values))}")
+    pools = [spec.get("pool") or {} for spec in specs]
+    for key in ("name", "generation", "resourceSliceCount"):
+        values = {p.get(key) for p in pools}
+        if len(values) != 1:
+            errors.append(f"pool: slices disagree on spec.pool.{key}: {sorted(map(str, values))}")
+    counts = {p.get("resourceSliceCount") for p in pools}
+    if counts != {len(slices)}:
+        errors.append(
+            f"pool: resourceSliceCount {sorted(map(str, counts))} but {len(slices)} slices"
+        )
+    names = [(s.get("metadata") or {}).get("name") for s in slices]
+    if len(set(names)) != len(names):
+        errors.append("pool: duplicate slice names")
+    seen: set[object] = set()
+    for spec in specs:
+        for device in spec.get("devices") or []:
+            name = device.get("name")
+            if name in seen:
+                errors.append(f"pool: device {name!r} is published twice")
+            seen.add(name)
+    return errors
