@@ -1,0 +1,314 @@
+"""Sans-IO ttrpc: one connection's byte stream in, calls and answers out (containerd/ttrpc).
+
+Framing (``channel.go``; ``reference/nri-ttrpc-cdi.md`` §1)::
+
+    +------------------+------------------+---------+----------+----------------------+
+    | length u32 (BE)  | stream id u32    | type u8 | flags u8 | data (length bytes)  |
+    +------------------+------------------+---------+----------+----------------------+
+
+``length`` counts only the data and may be at most 4 MiB. Types: 1 request (data is a
+``ttrpc.Request``), 2 response (a ``ttrpc.Response``), 3 data (streaming only, never used by NRI).
+A client opens a stream per call with an odd id, 1, 3, 5, ... strictly increasing; the server
+answers once, on the same id, possibly out of order.
+
+What happens on a violation, modelled on the Go implementation where it keeps the connection:
+
+* a message longer than 4 MiB: its bytes are discarded without buffering; a server then owes
+  the peer RESOURCE_EXHAUSTED "message length N exceed maximum message size of 4194304"
+  (event :class:`TtrpcBadRequest`), a client reports that status as the stream's response;
+* a request envelope that does not parse: a server owes INVALID_ARGUMENT (TtrpcBadRequest);
+* a message type other than 1-3 sent to a server: ignored "for future compat", as Go does.
+
+Everything else (an even or reused stream id, a response to no outstanding request, data
+frames, a response envelope that does not parse, EOF inside a message) raises
+:class:`RemoteProtocolError`, and the connection stays broken: drop it. Go answers some of these
+with INVALID_ARGUMENT instead; a runtime that does them is broken, and NRI recovers by
+reconnecting. Sending what the protocol forbids raises :class:`LocalProtocolError` and changes
+nothing, so after an oversized response you can still ``send_error``.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Sequence
+from typing import NoReturn
+
+from dracpu.errors import LocalProtocolError, RemoteProtocolError
+from dracpu.wire._buffer import ReceiveBuffer
+from dracpu.wire.events import (
+    NEED_DATA,
+    ConnectionClosed,
+    NeedData,
+    TtrpcBadRequest,
+    TtrpcRequest,
+    TtrpcResponse,
+)
+from dracpu.wire.protowire import decode_request, decode_response, encode_request, encode_response
+
+__all__ = [
+    "FLAG_NO_DATA",
+    "FLAG_REMOTE_CLOSED",
+    "FLAG_REMOTE_OPEN",
+    "TTRPC_HEADER_LEN",
+    "TTRPC_MAX_DATA_LEN",
+    "Code",
+    "MessageType",
+    "Role",
+    "TtrpcConnection",
+    "TtrpcEvent",
+]
+
+TTRPC_HEADER = struct.Struct(">IIBB")  # channel.go readMessageHeader: length, stream, type, flags
+TTRPC_HEADER_LEN = 10  # channel.go messageHeaderLength
+TTRPC_MAX_DATA_LEN = 4 << 20  # channel.go messageLengthMax (header not counted)
+FIRST_STREAM_ID = 1  # client.go NewClient: nextStreamID: 1
+STREAM_ID_STEP = 2  # client.go createStream: client ids stay odd (even ids: server-initiated)
+MAX_STREAM_ID = 0xFFFF_FFFF  # the stream id is a uint32 on the wire
+FLAG_REMOTE_CLOSED = 0x1  # channel.go flagRemoteClosed (streaming only)
+FLAG_REMOTE_OPEN = 0x2  # channel.go flagRemoteOpen (streaming only)
+FLAG_NO_DATA = 0x4  # channel.go flagNoData (streaming only)
+
+
+class MessageType(enum.IntEnum):
+    """ttrpc message types (channel.go ``messageType``)."""
+
+    REQUEST = 1
+    RESPONSE = 2
+    DATA = 3
+
+
+class Code(enum.IntEnum):
+    """google.rpc status codes (googleapis ``google/rpc/code.proto``)."""
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    OUT_OF_RANGE = 11
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    DATA_LOSS = 15
+    UNAUTHENTICATED = 16
+
+
+class Role(enum.Enum):
+    """Which side of the calls on this connection we are."""
+
+    CLIENT = "client"
+    SERVER = "server"
+
+
+TtrpcEvent = TtrpcRequest | TtrpcResponse | TtrpcBadRequest | ConnectionClosed | NeedData
+
+
+def _oversize_message(length: int) -> str:
+    # channel.go recv(): the exact text Go puts in the RESOURCE_EXHAUSTED status.
+    return f"message length {length} exceed maximum message size of {TTRPC_MAX_DATA_LEN}"
+
+
+def _frame(stream_id: int, message_type: MessageType, data: bytes) -> bytes:
+    if len(data) > TTRPC_MAX_DATA_LEN:
+        raise LocalProtocolError(
+            f"ttrpc {message_type.name.lower()} of {len(data)} bytes on stream {stream_id} "
+            f"exceeds the {TTRPC_MAX_DATA_LEN}-byte limit"
+        )
+    return TTRPC_HEADER.pack(len(data), stream_id, message_type, 0) + data
+
+
+class TtrpcConnection:
+    """One ttrpc connection (one NRI mux conn id), as a client or as a server.
+
+    ``receive_data(b"")`` signals EOF. Call ``next_event()`` until it returns ``NEED_DATA``.
+    """
+
+    def __init__(self, role: Role) -> None:
+        self._role = role
+        self._buffer = ReceiveBuffer()
+        self._eof = False
+        self._error: str | None = None
+        self._skip = 0  # bytes of an oversized or ignored message still to discard
+        self._after_skip: TtrpcBadRequest | TtrpcResponse | None = None
+        self._next_stream_id = FIRST_STREAM_ID  # client: id of the next request
+        self._last_stream_id = 0  # server: highest request id seen
+        self._outstanding: set[int] = set()  # streams still waiting for their response
+
+    @property
+    def role(self) -> Role:
+        return self._role
+
+    @property
+    def outstanding(self) -> frozenset[int]:
+        """Streams awaiting a response: sent by us (client) or owed by us (server)."""
+        return frozenset(self._outstanding)
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes received and not yet parsed (at most one message: 10 + 4 MiB)."""
+        return len(self._buffer)
+
+    # --- receiving ------------------------------------------------------------------------
+
+    def receive_data(self, data: bytes) -> None:
+        """Feed bytes of this connection's stream; ``b""`` means the peer closed it."""
+        if self._eof:
+            raise LocalProtocolError("ttrpc: receive_data after EOF")
+        if not data:
+            self._eof = True
+        elif self._skip:
+            dropped = min(self._skip, len(data))
+            self._skip -= dropped
+            self._buffer.extend(memoryview(data)[dropped:])
+        else:
+            self._buffer.extend(data)
+
+    def next_event(self) -> TtrpcEvent:
+        """Parse the next event out of the received bytes."""
+        if self._error is not None:
+            raise RemoteProtocolError(self._error)
+        while True:
+            if self._skip:
+                self._skip -= self._buffer.discard(self._skip)
+                if self._skip:
+                    break
+            if self._after_skip is not None:
+                event, self._after_skip = self._after_skip, None
+                return event
+            header = self._buffer.unpack_header(TTRPC_HEADER)
+            if header is None:
+                break
+            length, stream_id, message_type, _flags = header
+            wanted = self._check_header(stream_id, message_type)
+            if not wanted or length > TTRPC_MAX_DATA_LEN:
+                self._buffer.discard(TTRPC_HEADER_LEN)
+                self._skip = length
+                if wanted:
+                    self._after_skip = self._oversized(length, stream_id)
+                continue
+            if len(self._buffer) < TTRPC_HEADER_LEN + length:
+                break
+            self._buffer.discard(TTRPC_HEADER_LEN)
+            return self._handle(stream_id, self._buffer.take(length))
+        if self._eof:
+            if self._skip or len(self._buffer):
+                self._fail("ttrpc: connection closed in the middle of a message")
+            return ConnectionClosed()
+        return NEED_DATA
+
+    def _fail(self, message: str) -> NoReturn:
+        self._error = message
+        raise RemoteProtocolError(message)
+
+    def _check_header(self, stream_id: int, message_type: int) -> bool:
+        """Fail on a header no data can make valid (early, before buffering any data).
+
+        ``False`` means: skip this message silently.
+        """
+        if self._role is Role.SERVER:
+            if message_type == MessageType.REQUEST:
+                if stream_id % 2 == 0:
+                    self._fail(f"ttrpc: request on even stream id {stream_id}: ids must be odd")
+                if stream_id <= self._last_stream_id:
+                    self._fail(
+                        f"ttrpc: request on stream id {stream_id}, not above the last one "
+                        f"({self._last_stream_id}): ids must increase"
+                    )
+                return True
+            if message_type in (MessageType.RESPONSE, MessageType.DATA):
+                kind = MessageType(message_type).name.lower()
+                self._fail(f"ttrpc: server received a {kind} message on stream {stream_id}")
+            return False  # unknown type: Go's server ignores it (server.go, "future compat")
+        if message_type != MessageType.RESPONSE:
+            self._fail(f"ttrpc: client received message type {message_type} on stream {stream_id}")
+        if stream_id not in self._outstanding:
+            self._fail(f"ttrpc: response on stream {stream_id}, which has no request outstanding")
+        return True
+
+    def _oversized(self, length: int, stream_id: int) -> TtrpcBadRequest | TtrpcResponse:
+        """What the stream gets for a message over the limit, once its bytes are discarded."""
+        status = _oversize_message(length)
+        if self._role is Role.SERVER:
+            self._last_stream_id = stream_id
+            self._outstanding.add(stream_id)
+            return TtrpcBadRequest(stream_id, Code.RESOURCE_EXHAUSTED, status)
+        self._outstanding.discard(stream_id)
+        return TtrpcResponse(stream_id, Code.RESOURCE_EXHAUSTED, status, b"")
+
+    def _handle(
+        self, stream_id: int, data: bytes
+    ) -> TtrpcRequest | TtrpcResponse | TtrpcBadRequest:
+        """Decode a complete message whose header ``_check_header`` accepted."""
+        if self._role is Role.SERVER:
+            self._last_stream_id = stream_id
+            self._outstanding.add(stream_id)
+            try:
+                req = decode_request(data)
+            except RemoteProtocolError as exc:
+                # server.go: InvalidArgument "unmarshal request error: %v", connection kept.
+                return TtrpcBadRequest(
+                    stream_id, Code.INVALID_ARGUMENT, f"unmarshal request error: {exc}"
+                )
+            return TtrpcRequest(
+                stream_id, req.service, req.method, req.payload, req.timeout_nano, req.metadata
+            )
+        try:
+            resp = decode_response(data)
+        except RemoteProtocolError as exc:
+            self._fail(f"ttrpc: response on stream {stream_id} does not parse: {exc}")
+        self._outstanding.discard(stream_id)
+        return TtrpcResponse(stream_id, resp.status_code, resp.status_message, resp.payload)
+
+    # --- sending --------------------------------------------------------------------------
+
+    def send_request(
+        self,
+        service: str,
+        method: str,
+        payload: bytes,
+        timeout_nano: int = 0,
+        metadata: Sequence[tuple[str, str]] = (),
+    ) -> tuple[int, bytes]:
+        """Start a unary call; return its stream id and the message bytes to send."""
+        if self._role is not Role.CLIENT:
+            raise LocalProtocolError("ttrpc: a server connection cannot send requests")
+        stream_id = self._next_stream_id
+        if stream_id > MAX_STREAM_ID:
+            raise LocalProtocolError("ttrpc: stream ids exhausted on this connection")
+        data = encode_request(service, method, payload, timeout_nano, metadata)
+        message = _frame(stream_id, MessageType.REQUEST, data)
+        self._next_stream_id += STREAM_ID_STEP
+        self._outstanding.add(stream_id)
+        return stream_id, message
+
+    def send_response(self, stream_id: int, payload: bytes) -> bytes:
+        """Answer the request on ``stream_id`` with success and ``payload``."""
+        self._check_answerable(stream_id)
+        message = _frame(stream_id, MessageType.RESPONSE, encode_response(payload))
+        self._outstanding.discard(stream_id)
+        return message
+
+    def send_error(self, stream_id: int, code: int, message: str) -> bytes:
+        """Answer the request on ``stream_id`` with an error status (``code`` != OK)."""
+        self._check_answerable(stream_id)
+        if code == Code.OK:
+            raise LocalProtocolError("ttrpc: send_error needs a non-OK code; use send_response")
+        data = encode_response(b"", code, message)
+        out = _frame(stream_id, MessageType.RESPONSE, data)
+        self._outstanding.discard(stream_id)
+        return out
+
+    def _check_answerable(self, stream_id: int) -> None:
+        if self._role is not Role.SERVER:
+            raise LocalProtocolError("ttrpc: a client connection cannot send responses")
+        if stream_id not in self._outstanding:
+            raise LocalProtocolError(
+                f"ttrpc: no request to answer on stream {stream_id} (never received or answered)"
+            )
