@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dracpu.core.cpuset import EMPTY, CpuSet
@@ -73,14 +74,15 @@ class _Reader:
     """One pass over sysfs; remembers files shared by several CPUs."""
 
     def __init__(self, host_root: Path) -> None:
-        self._root = os.fspath(host_root)
+        root = os.fspath(host_root)
+        self._prefix = root if root.endswith("/") else root + "/"
         self._l3_index: int | None = None  # index of the L3 in cache/, learnt on the first CPU
         self._l3_of: dict[int, int] = {}  # cpu -> L3 id, filled one cache domain at a time
 
     # --- files -----------------------------------------------------------------------------
 
     def _path(self, rel: str) -> str:
-        return os.path.join(self._root, rel)
+        return self._prefix + rel
 
     def _read(self, rel: str) -> str | None:
         """The file's text without surrounding whitespace; ``None`` when it does not exist."""
@@ -161,28 +163,40 @@ class _Reader:
         numa_of = self._numa_nodes(online)
         core_types = self._core_types()
 
+        sockets = _SharedId("physical_package_id", ("package_cpus_list", "core_siblings_list"))
+        dies = _SharedId("die_id", ("die_cpus_list",), default=0)
+        clusters = _SharedId("cluster_id", ("cluster_cpus_list",), default=NO_CLUSTER)
         keys: dict[int, CoreKey] = {}
         by_key: dict[CoreKey, int] = {}  # core key -> bit mask of its online CPUs
-        raw: list[tuple[int, int, int, int, int]] = []
         for cpu in online:
             topo = f"{CPU_DIR}/cpu{cpu}/topology"
-            socket = self._required_int(f"{topo}/physical_package_id")
-            die = self._optional_int(f"{topo}/die_id", 0)
-            cluster = self._optional_int(f"{topo}/cluster_id", NO_CLUSTER)
-            if cluster == NO_CLUSTER_RAW:
-                cluster = NO_CLUSTER
-            core_id = self._required_int(f"{topo}/core_id")
-            key = (socket, die, cluster, core_id)
+            cluster = self._shared_id(clusters, cpu, topo, online)
+            key = (
+                self._shared_id(sockets, cpu, topo, online),
+                self._shared_id(dies, cpu, topo, online),
+                NO_CLUSTER if cluster == NO_CLUSTER_RAW else cluster,
+                self._required_int(f"{topo}/core_id"),
+            )
             keys[cpu] = key
             by_key[key] = by_key.get(key, 0) | (1 << cpu)
-            raw.append((cpu, socket, die, cluster, core_id))
 
+        # The kernel's SMT siblings of a core must be the online CPUs with its core key: this
+        # proves (socket, die, cluster, core_id) identifies a core on this machine. Read once
+        # per core, with its lowest CPU (the kernel builds these masks symmetrically).
         online_mask = online.mask
-        for cpu in online:
-            self._check_siblings(cpu, CpuSet.from_mask(by_key[keys[cpu]]), online_mask)
+        for key, core in by_key.items():
+            cpu = (core & -core).bit_length() - 1
+            rel, listed = self._siblings(f"{CPU_DIR}/cpu{cpu}/topology")
+            if listed.mask & online_mask != core:
+                raise TopologyError(
+                    f"{self._path(rel)}: lists online siblings "
+                    f"{str(CpuSet.from_mask(listed.mask & online_mask))!r} but the online CPUs "
+                    f"with cpu{cpu}'s (physical_package_id, die_id, cluster_id, core_id) = "
+                    f"{key} are {str(CpuSet.from_mask(core))!r}"
+                )
 
         cpus: dict[int, CpuInfo] = {}
-        for cpu, socket, die, cluster, core_id in raw:
+        for cpu, (socket, die, cluster, core_id) in keys.items():
             cpus[cpu] = CpuInfo(
                 cpu_id=cpu,
                 socket_id=socket,
@@ -201,27 +215,43 @@ class _Reader:
             isolated=isolated,
         )
 
-    def _check_siblings(self, cpu: int, core: CpuSet, online_mask: int) -> None:
-        """The kernel's SMT siblings of ``cpu`` must be the online CPUs with its core key."""
-        topo = f"{CPU_DIR}/cpu{cpu}/topology"
-        rel = f"{topo}/thread_siblings_list"
+    def _shared_id(self, shared: _SharedId, cpu: int, topo: str, online: CpuSet) -> int:
+        """Read the id with the group's lowest CPU and give it to every online CPU of its list:
+        the kernel only lists CPUs of the same package (die, cluster) there. Without a list file
+        (older kernels) each CPU's own id is read."""
+        known = shared.known.get(cpu)
+        if known is not None:
+            return known
+        rel = f"{topo}/{shared.id_name}"
         text = self._read(rel)
         if text is None:
-            rel = f"{topo}/core_cpus_list"
+            if shared.default is None:
+                raise TopologyError(f"{self._path(rel)}: missing")
+            return shared.default
+        value = self._int(rel, text)
+        for name in shared.list_names:
+            list_rel = f"{topo}/{name}"
+            group = self._optional_cpulist(list_rel)
+            if group is None:
+                continue
+            if cpu not in group:
+                raise TopologyError(f"{self._path(list_rel)}: does not list cpu{cpu} itself")
+            for member in group & online:
+                shared.known[member] = value
+            break
+        return value
+
+    def _siblings(self, topo: str) -> tuple[str, CpuSet]:
+        """(the file read, the SMT siblings it lists): ``thread_siblings_list``, or the newer
+        name ``core_cpus_list`` when only that exists."""
+        for name in ("thread_siblings_list", "core_cpus_list"):
+            rel = f"{topo}/{name}"
             text = self._read(rel)
-            if text is None:
-                raise TopologyError(
-                    f"{self._path(f'{topo}/thread_siblings_list')}: missing "
-                    "(and no core_cpus_list either)"
-                )
-        listed = self._cpulist(rel, text)
-        siblings = CpuSet.from_mask(listed.mask & online_mask)
-        if siblings != core:
-            raise TopologyError(
-                f"{self._path(rel)}: lists online siblings {str(siblings)!r} but the online CPUs "
-                f"with the same (physical_package_id, die_id, cluster_id, core_id) as cpu{cpu} "
-                f"are {str(core)!r}"
-            )
+            if text is not None:
+                return rel, self._cpulist(rel, text)
+        raise TopologyError(
+            f"{self._path(f'{topo}/thread_siblings_list')}: missing (and no core_cpus_list)"
+        )
 
     # --- NUMA ------------------------------------------------------------------------------
 
@@ -274,12 +304,12 @@ class _Reader:
     # --- caches ----------------------------------------------------------------------------
 
     def _l3_id(self, cpu: int) -> int | None:
+        known = self._l3_of.get(cpu)
+        if known is not None:
+            return known  # read with a lower CPU of the same cache domain
         index = self._find_l3_index(cpu)
         if index is None:
             return None
-        known = self._l3_of.get(cpu)
-        if known is not None:
-            return known
         cache = f"{CPU_DIR}/cpu{cpu}/cache/index{index}"
         shared_rel = f"{cache}/shared_cpu_list"
         shared = self._required_cpulist(shared_rel)
@@ -329,6 +359,18 @@ class _Reader:
         if control in SMT_OFF_VALUES:
             return False
         return smt_width > 1
+
+
+@dataclass(frozen=True, slots=True)
+class _SharedId:
+    """A per-CPU id that a group of CPUs share and that the kernel also lists as a group
+    (``physical_package_id`` with ``package_cpus_list``, ...). ``default``: the value when the
+    id file is missing (``None``: the file is required). ``known``: cpu -> id found so far."""
+
+    id_name: str
+    list_names: tuple[str, ...]
+    default: int | None = None
+    known: dict[int, int] = field(default_factory=dict)
 
 
 class _CoreTypes:

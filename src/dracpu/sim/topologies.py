@@ -323,15 +323,16 @@ def write_sysfs(
         links = {p: t for p, t in links.items() if not _omitted(p, patterns)}
     if override:
         files.update(override)
+    prefix = os.fspath(root).rstrip("/") + "/"
     made: set[str] = set()
     for rel, text in files.items():
-        _write(root, rel, text, made)
+        _write(prefix, rel, text, made)
     for rel, target in links.items():
-        parent = os.path.dirname(rel)
+        parent = rel.rpartition("/")[0]
         if parent not in made:
-            os.makedirs(root / parent, exist_ok=True)
+            os.makedirs(prefix + parent, exist_ok=True)
             made.add(parent)
-        os.symlink(target, root / rel)
+        os.symlink(target, prefix + rel)
 
 
 def _omitted(rel: str, patterns: list[re.Pattern[str]]) -> bool:
@@ -343,13 +344,16 @@ def _omitted(rel: str, patterns: list[re.Pattern[str]]) -> bool:
     return False
 
 
-def _write(root: Path, rel: str, text: str, made: set[str]) -> None:
-    parent = os.path.dirname(rel)
+def _write(root: str, rel: str, text: str, made: set[str]) -> None:
+    parent = rel.rpartition("/")[0]
     if parent not in made:
-        os.makedirs(root / parent, exist_ok=True)
+        os.makedirs(root + parent, exist_ok=True)
         made.add(parent)
-    with open(root / rel, "w", encoding="ascii") as handle:
-        handle.write(text)
+    fd = os.open(root + rel, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, text.encode("ascii"))
+    finally:
+        os.close(fd)
 
 
 def _sysfs_files(spec: MachineSpec) -> tuple[dict[str, str], dict[str, str]]:
@@ -434,28 +438,26 @@ def _sysfs_files(spec: MachineSpec) -> tuple[dict[str, str], dict[str, str]]:
         put(f"{topo}/cluster_cpus_list", cluster_cpus)
         put(f"{topo}/core_id", core.core_id)
         put(f"{topo}/thread_siblings_list", siblings)
-        put(f"{topo}/thread_siblings", _hex_mask(siblings, total))
         put(f"{topo}/core_cpus_list", siblings)
         put(f"{topo}/core_siblings_list", package)
         put(f"{topo}/package_cpus_list", package)
 
         cache = f"{base}/cache"
         l2_cpus = cluster_cpus if core.core_type is CoreType.E_CORE else siblings
-        levels: list[tuple[int, str, int, CpuSet, str]] = [
-            (1, "Data", core.threads[0], siblings, "48K"),
-            (1, "Instruction", core.threads[0], siblings, "32K"),
-            (2, "Unified", l2_cpus.min(), l2_cpus, "2048K"),
-        ]
+        # L1d, L1i, L2 (only what tells them from the L3), then the L3 unless there is none.
+        put(f"{cache}/index0/level", 1)
+        put(f"{cache}/index0/type", "Data")
+        put(f"{cache}/index1/level", 1)
+        put(f"{cache}/index1/type", "Instruction")
+        put(f"{cache}/index2/level", 2)
+        put(f"{cache}/index2/type", "Unified")
+        put(f"{cache}/index2/shared_cpu_list", l2_cpus)
         if spec.l3 != "none":
-            levels.append((3, "Unified", l3_written_id[core.l3], l3s[core.l3], "32768K"))
-        for index, (level, kind, cache_id, shared, size) in enumerate(levels):
-            entry = f"{cache}/index{index}"
-            put(f"{entry}/level", level)
-            put(f"{entry}/type", kind)
-            put(f"{entry}/shared_cpu_list", shared)
-            put(f"{entry}/size", size)
+            put(f"{cache}/index3/level", 3)
+            put(f"{cache}/index3/type", "Unified")
+            put(f"{cache}/index3/shared_cpu_list", l3s[core.l3])
             if spec.l3 == "id":
-                put(f"{entry}/id", cache_id)
+                put(f"{cache}/index3/id", l3_written_id[core.l3])
     return files, links
 
 
