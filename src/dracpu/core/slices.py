@@ -355,7 +355,7 @@ def _wire_device(device: Device, consumable_capacity: bool) -> dict[str, Any]:
         capacity: dict[str, Any] = {}
         for key, amount in device.capacity.items():
             entry: dict[str, Any] = {"value": str(amount)}
-            if consumable_capacity and device.grouped:
+            if consumable_capacity and device.grouped and amount >= 1:
                 entry["requestPolicy"] = _request_policy(amount)
             capacity[key] = entry
         wire["capacity"] = capacity
@@ -368,7 +368,8 @@ def _request_policy(amount: int) -> dict[str, Any]:
     """Whole CPUs, one by default (design §6; KEP-5075 CapacityRequestPolicy).
 
     ``step`` is left out when the group has a single CPU: the apiserver requires
-    ``min + step <= value``.
+    ``min + step <= value``. An empty group (``cpudevmachine`` with every CPU reserved) gets no
+    policy at all, since ``min`` may not exceed the value.
     """
     valid_range: dict[str, str] = {"min": "1"}
     if amount >= 2:

@@ -1,0 +1,638 @@
+"""Published devices and ResourceSlice objects (design §2, reference anchors-upstream.md §C).
+
+Every named fixture machine is checked twice: generic invariants (every online non-reserved CPU
+published once, SMT siblings numbered adjacently, schema- and apiserver-valid slices) and concrete
+devices derived by hand from the fixture's description.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from dracpu.core.cpuset import CpuSet
+from dracpu.core.slices import (
+    API_VERSION,
+    ATTR_CACHE_L3_ID,
+    ATTR_CORE_ID,
+    ATTR_CORE_TYPE,
+    ATTR_CPU_ID,
+    ATTR_DRANET_NUMA_NODE,
+    ATTR_ISOLATED,
+    ATTR_LEGACY_NUMA_NODE_ID,
+    ATTR_NUM_CPUS,
+    ATTR_NUM_ISOLATED_CPUS,
+    ATTR_NUMA_NODE,
+    ATTR_SMT_ENABLED,
+    ATTR_SOCKET_ID,
+    CAPACITY_CPU,
+    DRIVER_NAME,
+    MAX_DEVICES_PER_SLICE,
+    MAX_DEVICES_PER_SLICE_ADVANCED,
+    CpuDeviceMode,
+    Device,
+    GroupBy,
+    build_resource_slices,
+    devices_by_name,
+    max_devices_per_slice,
+    published_devices,
+    slice_name,
+    validate_pool,
+    validate_slice,
+)
+from dracpu.core.topology import CoreType, CpuInfo, Topology
+from dracpu.errors import ConfigError, TopologyError
+from dracpu.sim.topologies import FIXTURES, build_topology
+
+# The Kubernetes version whose OpenAPI schemas we validate against: the newest kubernetes-validate
+# ships, and the one our client library (kubernetes 37) targets. resource.k8s.io/v1 is GA since
+# 1.34, so any version from 1.34 on has the schema.
+K8S_VERSION = "1.37"
+
+INDIVIDUAL = CpuDeviceMode.INDIVIDUAL
+GROUPED = CpuDeviceMode.GROUPED
+NODE = "node-a"
+
+
+def schema_check(obj: dict[str, Any]) -> None:
+    """Validate against the Kubernetes OpenAPI schema; a missing schema is a failure too."""
+    try:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    except kubernetes_validate.SchemaNotFoundError as exc:
+        pytest.fail(f"no schema: {exc.message}")
+    except kubernetes_validate.ValidationError as exc:
+        pytest.fail(f"{obj['metadata'].get('name')}: {exc.message}")
+
+
+def assert_valid(slices: list[dict[str, Any]], *, schema: bool = True) -> None:
+    for obj in slices:
+        assert validate_slice(obj) == []
+        if schema:
+            schema_check(obj)
+    assert validate_pool(slices) == []
+    json.dumps(slices)  # plain JSON types only
+
+
+def devices_of(
+    name: str, mode: CpuDeviceMode, group_by: GroupBy = GroupBy.NUMANODE, reserved: str = ""
+) -> dict[str, Device]:
+    topology = build_topology(FIXTURES[name])
+    found = published_devices(
+        topology, reserved=CpuSet.parse(reserved), mode=mode, group_by=group_by
+    )
+    return devices_by_name(found)
+
+
+def cpu_of(device: Device) -> int:
+    assert len(device.cpus) == 1
+    return device.cpus.min()
+
+
+def numbering(devices: dict[str, Device]) -> list[int]:
+    """CPU of cpudev000, cpudev001, ... in name order."""
+    return [cpu_of(devices[name]) for name in sorted(devices, key=lambda n: int(n[6:]))]
+
+
+# --- generic invariants, every fixture -------------------------------------------------------
+
+
+def _reserved_choices(topology: Topology) -> list[CpuSet]:
+    """No CPU, the first CPU alone (splitting its core), the first core, a whole NUMA node."""
+    first = topology.online.min()
+    first_numa = next(iter(topology.numa_nodes.values()))
+    return [CpuSet(), CpuSet([first]), topology.siblings(first), first_numa]
+
+
+@pytest.mark.parametrize("name", sorted(FIXTURES))
+def test_individual_devices_cover_every_allocatable_cpu_once_siblings_adjacent(name: str) -> None:
+    topology = build_topology(FIXTURES[name])
+    for reserved in _reserved_choices(topology):
+        devices = published_devices(
+            topology, reserved=reserved, mode=INDIVIDUAL, group_by=GroupBy.NUMANODE
+        )
+        cpus = [cpu_of(d) for d in devices]
+        assert sorted(cpus) == list(topology.online - reserved)
+        assert [d.name for d in devices] == [f"cpudev{i:03d}" for i in range(len(devices))]
+        position = {cpu: i for i, cpu in enumerate(cpus)}
+        for core in topology.cores.values():
+            mine = sorted(position[c] for c in core - reserved)
+            if not mine:
+                continue
+            # a core's allocatable threads are consecutive devices, in ascending CPU order
+            assert mine == list(range(mine[0], mine[0] + len(mine)))
+            assert [cpus[i] for i in mine] == sorted(core - reserved)
+        for device in devices:
+            info = topology.info(cpu_of(device))
+            assert device.attributes[ATTR_CPU_ID] == info.cpu_id
+            assert device.attributes[ATTR_CORE_ID] == info.core_id
+            assert device.attributes[ATTR_SOCKET_ID] == info.socket_id
+            assert device.attributes[ATTR_NUMA_NODE] == info.numa_node
+            assert device.attributes[ATTR_LEGACY_NUMA_NODE_ID] == info.numa_node
+            assert device.attributes[ATTR_DRANET_NUMA_NODE] == info.numa_node
+            assert device.attributes[ATTR_CORE_TYPE] == info.core_type.value
+            assert device.attributes[ATTR_SMT_ENABLED] is topology.smt_enabled
+            assert device.attributes[ATTR_ISOLATED] is (info.cpu_id in topology.isolated)
+            assert device.attributes.get(ATTR_CACHE_L3_ID) == info.l3_id
+            assert device.capacity == {}
+            assert not device.grouped
+
+
+@pytest.mark.parametrize("name", sorted(FIXTURES))
+@pytest.mark.parametrize("group_by", list(GroupBy))
+def test_grouped_devices_partition_allocatable_cpus(name: str, group_by: GroupBy) -> None:
+    topology = build_topology(FIXTURES[name])
+    groups = {
+        GroupBy.NUMANODE: topology.numa_nodes,
+        GroupBy.SOCKET: topology.sockets,
+        GroupBy.MACHINE: {0: topology.online},
+    }[group_by]
+    for reserved in _reserved_choices(topology):
+        devices = published_devices(topology, reserved=reserved, mode=GROUPED, group_by=group_by)
+        expected = {
+            gid: cpus - reserved
+            for gid, cpus in groups.items()
+            if cpus - reserved or group_by is GroupBy.MACHINE
+        }
+        assert [d.cpus for d in devices] == list(expected.values())
+        for gid, device in zip(expected, devices, strict=True):
+            n = len(device.cpus)
+            assert device.grouped
+            assert device.capacity == {CAPACITY_CPU: n}
+            assert device.attributes[ATTR_NUM_CPUS] == n
+            assert device.attributes[ATTR_NUM_ISOLATED_CPUS] == len(device.cpus & topology.isolated)
+            assert device.attributes[ATTR_SMT_ENABLED] is topology.smt_enabled
+            if group_by is GroupBy.NUMANODE:
+                assert device.name == f"cpudevnuma{gid:03d}"
+                assert device.attributes[ATTR_NUMA_NODE] == gid
+                assert device.attributes[ATTR_SOCKET_ID] == topology.sockets_of(device.cpus)[0]
+            elif group_by is GroupBy.SOCKET:
+                assert device.name == f"cpudevsocket{gid:03d}"
+                assert device.attributes[ATTR_SOCKET_ID] == gid
+                assert ATTR_NUMA_NODE not in device.attributes
+            else:
+                assert device.name == "cpudevmachine"
+                assert set(device.attributes) == {
+                    ATTR_SMT_ENABLED,
+                    ATTR_NUM_CPUS,
+                    ATTR_NUM_ISOLATED_CPUS,
+                }
+
+
+@pytest.mark.parametrize("name", sorted(FIXTURES))
+@pytest.mark.parametrize(
+    ("mode", "group_by"),
+    [(INDIVIDUAL, GroupBy.NUMANODE), (GROUPED, GroupBy.NUMANODE), (GROUPED, GroupBy.SOCKET)],
+)
+def test_slices_of_every_fixture_are_valid(
+    name: str, mode: CpuDeviceMode, group_by: GroupBy
+) -> None:
+    topology = build_topology(FIXTURES[name])
+    first = topology.online.min()
+    devices = published_devices(topology, reserved=CpuSet([first]), mode=mode, group_by=group_by)
+    slices = build_resource_slices(NODE, devices, owner_uid="0d4b7a1e-5f0c-4c55-9a43-1c2c3d4e5f60")
+    assert_valid(slices)
+    published = [d["name"] for s in slices for d in s["spec"]["devices"]]
+    assert published == [d.name for d in devices]
+    for obj in slices:
+        assert len(obj["spec"]["devices"]) <= MAX_DEVICES_PER_SLICE
+        for device in obj["spec"]["devices"]:
+            assert len(device["attributes"]) + len(device.get("capacity", {})) <= 32
+
+
+# --- concrete devices of each fixture ----------------------------------------------------------
+
+
+def test_dual_socket_individual_numbering_and_attributes() -> None:
+    # 2 sockets x 2 NUMA x 2 L3 x 4 cores x SMT2; first threads cpu0-31, siblings +32.
+    devices = devices_of("dual-socket-smt2", INDIVIDUAL)
+    assert len(devices) == 64
+    assert numbering(devices)[:6] == [0, 32, 1, 33, 2, 34]
+    cpu16 = devices["cpudev032"]  # the 17th core: socket 1's first core
+    assert cpu_of(cpu16) == 16
+    assert cpu16.attributes == {
+        ATTR_NUMA_NODE: 2,
+        ATTR_SOCKET_ID: 1,
+        ATTR_SMT_ENABLED: True,
+        ATTR_CACHE_L3_ID: 4,
+        ATTR_CORE_TYPE: "standard",
+        ATTR_CORE_ID: 0,  # raw core_id repeats per socket, as upstream publishes it
+        ATTR_CPU_ID: 16,
+        ATTR_LEGACY_NUMA_NODE_ID: 2,
+        ATTR_DRANET_NUMA_NODE: 2,
+        ATTR_ISOLATED: False,
+    }
+    cpu63 = devices["cpudev063"]
+    assert cpu_of(cpu63) == 63
+    assert cpu63.attributes[ATTR_CORE_ID] == 15
+    assert cpu63.attributes[ATTR_CACHE_L3_ID] == 7
+    assert cpu63.attributes[ATTR_NUMA_NODE] == 3
+
+
+def test_reserved_cpu_whose_sibling_is_free_sorts_by_the_free_sibling() -> None:
+    # Upstream orders core groups by their first non-reserved CPU: with cpu0 reserved, cpu32
+    # (alone on core 0) comes after cpu1..31 and their siblings. Keeping this order keeps device
+    # names meaning the same CPUs as under the Go driver.
+    devices = devices_of("dual-socket-smt2", INDIVIDUAL, reserved="0")
+    order = numbering(devices)
+    assert len(order) == 63
+    assert order[:4] == [1, 33, 2, 34]
+    assert order[61] == 63
+    assert order[62] == 32
+    assert 0 not in order
+
+
+def test_reserved_full_core_is_left_out_and_numbering_restarts() -> None:
+    devices = devices_of("dual-socket-smt2", INDIVIDUAL, reserved="0,32")
+    assert numbering(devices)[:2] == [1, 33]
+    assert len(devices) == 62
+    assert "cpudev062" not in devices
+
+
+def test_dual_socket_grouped_by_numa_and_socket() -> None:
+    numa = devices_of("dual-socket-smt2", GROUPED)
+    assert list(numa) == ["cpudevnuma000", "cpudevnuma001", "cpudevnuma002", "cpudevnuma003"]
+    assert numa["cpudevnuma002"].cpus == CpuSet.parse("16-23,48-55")
+    assert numa["cpudevnuma002"].capacity == {CAPACITY_CPU: 16}
+    assert numa["cpudevnuma002"].attributes == {
+        ATTR_NUMA_NODE: 2,
+        ATTR_SOCKET_ID: 1,
+        ATTR_SMT_ENABLED: True,
+        ATTR_NUM_CPUS: 16,
+        ATTR_LEGACY_NUMA_NODE_ID: 2,
+        ATTR_DRANET_NUMA_NODE: 2,
+        ATTR_NUM_ISOLATED_CPUS: 0,
+    }
+    sockets = devices_of("dual-socket-smt2", GROUPED, GroupBy.SOCKET, reserved="0,32")
+    assert list(sockets) == ["cpudevsocket000", "cpudevsocket001"]
+    assert sockets["cpudevsocket000"].cpus == CpuSet.parse("1-15,33-47")
+    assert sockets["cpudevsocket000"].capacity == {CAPACITY_CPU: 30}
+    assert sockets["cpudevsocket001"].attributes[ATTR_SOCKET_ID] == 1
+    assert sockets["cpudevsocket001"].capacity == {CAPACITY_CPU: 32}
+
+
+def test_group_with_every_cpu_reserved_is_not_published_but_machine_always_is() -> None:
+    numa = devices_of("dual-socket-smt2", GROUPED, reserved="8-15,40-47")
+    assert list(numa) == ["cpudevnuma000", "cpudevnuma002", "cpudevnuma003"]
+    socket = devices_of("dual-socket-smt2", GROUPED, GroupBy.SOCKET, reserved="0-15,32-47")
+    assert list(socket) == ["cpudevsocket001"]
+    machine = devices_of("vm-2cpu", GROUPED, GroupBy.MACHINE, reserved="0-1")
+    assert list(machine) == ["cpudevmachine"]
+    assert machine["cpudevmachine"].capacity == {CAPACITY_CPU: 0}
+    assert machine["cpudevmachine"].cpus == CpuSet()
+    slices = build_resource_slices(NODE, list(machine.values()))
+    capacity = slices[0]["spec"]["devices"][0]["capacity"]
+    assert capacity == {CAPACITY_CPU: {"value": "0"}}  # no request policy: min 1 > value 0
+    assert_valid(slices)
+
+
+def test_hybrid_desktop_core_types_and_adjacent_threads() -> None:
+    # 8 P-cores x SMT2 numbered adjacently (cpu0-15), 8 E-cores (cpu16-23); core_id step 4.
+    devices = devices_of("hybrid-desktop", INDIVIDUAL)
+    assert numbering(devices) == list(range(24))
+    assert devices["cpudev000"].attributes[ATTR_CORE_TYPE] == "p-core"
+    assert devices["cpudev015"].attributes[ATTR_CORE_TYPE] == "p-core"
+    assert devices["cpudev016"].attributes[ATTR_CORE_TYPE] == "e-core"
+    assert devices["cpudev023"].attributes[ATTR_CORE_TYPE] == "e-core"
+    assert devices["cpudev002"].attributes[ATTR_CORE_ID] == 4
+    assert devices["cpudev003"].attributes[ATTR_CORE_ID] == 4
+    assert devices["cpudev016"].attributes[ATTR_CORE_ID] == 32
+    assert devices["cpudev023"].attributes[ATTR_SMT_ENABLED] is True
+    grouped = devices_of("hybrid-desktop", GROUPED)
+    assert list(grouped) == ["cpudevnuma000"]
+    assert grouped["cpudevnuma000"].capacity == {CAPACITY_CPU: 24}
+
+
+def test_arm64_l3_named_by_lowest_cpu_and_smt_disabled() -> None:
+    devices = devices_of("arm64-server", INDIVIDUAL)
+    assert numbering(devices) == list(range(32))
+    assert devices["cpudev000"].attributes[ATTR_CACHE_L3_ID] == 0
+    assert devices["cpudev016"].attributes[ATTR_CACHE_L3_ID] == 16
+    assert devices["cpudev016"].attributes[ATTR_NUMA_NODE] == 1
+    assert devices["cpudev031"].attributes[ATTR_SMT_ENABLED] is False
+    grouped = devices_of("arm64-server", GROUPED)
+    assert [d.capacity for d in grouped.values()] == [{CAPACITY_CPU: 16}, {CAPACITY_CPU: 16}]
+
+
+def test_smt4_keeps_all_four_threads_of_a_core_together() -> None:
+    # 2 sockets x 2 L3 x 4 cores x SMT4, threads numbered adjacently.
+    devices = devices_of("smt4", INDIVIDUAL, reserved="1")
+    assert numbering(devices)[:7] == [0, 2, 3, 4, 5, 6, 7]
+    assert [devices[f"cpudev00{i}"].attributes[ATTR_CORE_ID] for i in range(7)] == [
+        0, 0, 0, 1, 1, 1, 1,
+    ]  # fmt: skip
+    cpu32 = devices["cpudev031"]
+    assert cpu_of(cpu32) == 32
+    assert cpu32.attributes[ATTR_SOCKET_ID] == 1
+    assert cpu32.attributes[ATTR_CORE_ID] == 0
+    assert cpu32.attributes[ATTR_NUMA_NODE] == 1
+    assert cpu32.attributes[ATTR_CACHE_L3_ID] == 2
+
+
+def test_offline_and_isolated_cpus() -> None:
+    # 16 CPUs, 2 NUMA x 4 cores x SMT2, siblings +8; cpu5,14,15 offline; isolcpus 2,7,10,14.
+    devices = devices_of("offline-isolated", INDIVIDUAL)
+    assert numbering(devices) == [0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 6, 7, 13]
+    isolated = [cpu_of(d) for d in devices.values() if d.attributes[ATTR_ISOLATED]]
+    assert sorted(isolated) == [2, 7, 10]
+    assert all(isinstance(d.attributes[ATTR_ISOLATED], bool) for d in devices.values())
+    grouped = devices_of("offline-isolated", GROUPED)
+    assert grouped["cpudevnuma000"].cpus == CpuSet.parse("0-3,8-11")
+    assert grouped["cpudevnuma000"].attributes[ATTR_NUM_ISOLATED_CPUS] == 2
+    assert grouped["cpudevnuma001"].cpus == CpuSet.parse("4,6-7,12-13")
+    assert grouped["cpudevnuma001"].capacity == {CAPACITY_CPU: 5}
+    assert grouped["cpudevnuma001"].attributes[ATTR_NUM_ISOLATED_CPUS] == 1
+
+
+def test_vm_two_cpus() -> None:
+    devices = devices_of("vm-2cpu", INDIVIDUAL)
+    assert numbering(devices) == [0, 1]
+    assert devices["cpudev001"].attributes[ATTR_SMT_ENABLED] is False
+    assert devices_of("vm-2cpu", GROUPED, GroupBy.MACHINE)["cpudevmachine"].capacity == {
+        CAPACITY_CPU: 2
+    }
+    assert devices_of("vm-2cpu", INDIVIDUAL, reserved="0-1") == {}
+
+
+def test_big_1024_individual_splits_into_128_device_slices() -> None:
+    topology = build_topology(FIXTURES["big-1024"])
+    devices = published_devices(
+        topology, reserved=CpuSet.parse("0,512"), mode=INDIVIDUAL, group_by=GroupBy.NUMANODE
+    )
+    assert len(devices) == 1022
+    assert devices[0].name == "cpudev000"
+    assert cpu_of(devices[0]) == 1
+    assert cpu_of(devices[1]) == 513
+    assert devices[1000].name == "cpudev1000"  # %03d only pads; wider numbers just grow
+    slices = build_resource_slices(NODE, devices, generation=7)
+    assert [len(s["spec"]["devices"]) for s in slices] == [128] * 7 + [126]
+    assert [s["metadata"]["name"] for s in slices] == [f"{NODE}-dra.cpu-{i:03d}" for i in range(8)]
+    for obj in slices:
+        assert obj["spec"]["pool"] == {"name": NODE, "generation": 7, "resourceSliceCount": 8}
+        assert obj["spec"]["nodeName"] == NODE
+        assert obj["spec"]["driver"] == DRIVER_NAME
+    assert slices[1]["spec"]["devices"][0]["name"] == "cpudev128"
+    for obj in slices[:2]:  # the schema check is slow on 128-device slices: two suffice
+        schema_check(obj)
+    assert_valid(slices, schema=False)
+
+
+# --- the wire form -----------------------------------------------------------------------------
+
+
+def test_wire_form_of_individual_and_grouped_devices() -> None:
+    individual = list(devices_of("offline-isolated", INDIVIDUAL).values())
+    (obj,) = build_resource_slices(NODE, individual[4:5])
+    assert obj == {
+        "apiVersion": API_VERSION,
+        "kind": "ResourceSlice",
+        "metadata": {"name": "node-a-dra.cpu-000"},
+        "spec": {
+            "driver": "dra.cpu",
+            "nodeName": NODE,
+            "pool": {"name": NODE, "generation": 1, "resourceSliceCount": 1},
+            "devices": [
+                {
+                    "name": "cpudev004",
+                    "attributes": {
+                        "resource.kubernetes.io/numaNode": {"int": 0},
+                        "dra.cpu/socketID": {"int": 0},
+                        "dra.cpu/smtEnabled": {"bool": True},
+                        "dra.cpu/cacheL3ID": {"int": 0},
+                        "dra.cpu/coreType": {"string": "standard"},
+                        "dra.cpu/coreID": {"int": 2},
+                        "dra.cpu/cpuID": {"int": 2},
+                        "dra.cpu/numaNodeID": {"int": 0},
+                        "dra.net/numaNode": {"int": 0},
+                        "dra.cpu/isolated": {"bool": True},
+                    },
+                }
+            ],
+        },
+    }
+    grouped = list(devices_of("offline-isolated", GROUPED).values())
+    (obj,) = build_resource_slices(NODE, grouped, owner_uid="uid-1", generation=3)
+    assert obj["metadata"]["ownerReferences"] == [
+        {"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": "uid-1", "controller": True}
+    ]
+    numa1 = obj["spec"]["devices"][1]
+    assert numa1["name"] == "cpudevnuma001"
+    assert numa1["allowMultipleAllocations"] is True
+    assert numa1["capacity"] == {
+        "dra.cpu/cpu": {
+            "value": "5",
+            "requestPolicy": {"default": "1", "validRange": {"min": "1", "step": "1"}},
+        }
+    }
+    assert numa1["attributes"]["dra.cpu/numCPUs"] == {"int": 5}
+    assert numa1["attributes"]["dra.cpu/numIsolatedCPUs"] == {"int": 1}
+    (fallback,) = build_resource_slices(NODE, grouped, consumable_capacity=False)
+    assert fallback["spec"]["devices"][1]["capacity"] == {"dra.cpu/cpu": {"value": "5"}}
+    assert fallback["spec"]["devices"][1]["allowMultipleAllocations"] is True
+
+
+def test_one_cpu_group_gets_a_policy_without_step() -> None:
+    # min + step must not exceed the capacity value, so a 1-CPU group has no step.
+    devices = devices_of("vm-2cpu", GROUPED, GroupBy.SOCKET, reserved="0")
+    slices = build_resource_slices(NODE, list(devices.values()))
+    capacity = slices[0]["spec"]["devices"][0]["capacity"]["dra.cpu/cpu"]
+    assert capacity == {"value": "1", "requestPolicy": {"default": "1", "validRange": {"min": "1"}}}
+    assert_valid(slices)
+    broken = copy.deepcopy(slices[0])
+    broken["spec"]["devices"][0]["capacity"]["dra.cpu/cpu"]["requestPolicy"]["validRange"][
+        "step"
+    ] = "1"
+    assert any("step" in e for e in validate_slice(broken))
+
+
+def test_no_devices_still_publishes_one_empty_slice() -> None:
+    slices = build_resource_slices(NODE, [])
+    assert len(slices) == 1
+    assert slices[0]["spec"]["devices"] == []
+    assert slices[0]["spec"]["pool"]["resourceSliceCount"] == 1
+    assert_valid(slices)
+
+
+def test_bad_node_name_and_generation_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="Node_A"):
+        build_resource_slices("Node_A", [])
+    with pytest.raises(ConfigError, match="generation"):
+        build_resource_slices(NODE, [], generation=-1)
+
+
+def test_long_node_name_gives_a_valid_unique_slice_name() -> None:
+    long_a = "a" * 240 + ".example"
+    long_b = "a" * 240 + ".exampld"
+    name_a, name_b = slice_name(long_a, 0), slice_name(long_b, 0)
+    assert len(name_a) <= 253
+    assert name_a != name_b
+    assert name_a.endswith("-dra.cpu-000")
+    (obj,) = build_resource_slices(long_a, [])
+    assert obj["metadata"]["name"] == name_a
+    assert validate_slice(obj) == []
+    assert slice_name(NODE, 12) == "node-a-dra.cpu-012"
+
+
+def test_numa_node_unknown_is_an_error_in_numa_grouping() -> None:
+    cpus = {
+        c: CpuInfo(
+            cpu_id=c, socket_id=0, die_id=0, cluster_id=-1, core_id=c, numa_node=-1, l3_id=None
+        )
+        for c in range(2)
+    }
+    topology = Topology(cpus=cpus, smt_enabled=False)
+    with pytest.raises(TopologyError, match="NUMA"):
+        published_devices(topology, reserved=CpuSet(), mode=GROUPED, group_by=GroupBy.NUMANODE)
+    (device, _) = published_devices(
+        topology, reserved=CpuSet(), mode=INDIVIDUAL, group_by=GroupBy.NUMANODE
+    )
+    assert ATTR_NUMA_NODE not in device.attributes  # KEP-6072: never publish -1
+    assert ATTR_CACHE_L3_ID not in device.attributes  # no L3: no id (upstream would say 0)
+    assert device.attributes[ATTR_CORE_TYPE] == CoreType.STANDARD.value
+    assert_valid(build_resource_slices(NODE, [device]))
+
+
+# --- limits and the validator --------------------------------------------------------------------
+
+
+def _wire_device(name: str, **attributes: Any) -> dict[str, Any]:
+    return {"name": name, "attributes": attributes}
+
+
+def test_list_typed_attribute_halves_the_device_limit() -> None:
+    plain = [_wire_device("d", **{"dra.cpu/cpuID": {"int": 1}})]
+    listed = [_wire_device("d", **{"resource.kubernetes.io/pcieRoot": {"strings": ["pci0000:00"]}})]
+    assert max_devices_per_slice(plain) == MAX_DEVICES_PER_SLICE
+    assert max_devices_per_slice(listed) == MAX_DEVICES_PER_SLICE_ADVANCED
+    assert max_devices_per_slice([{"name": "d", "taints": [{"key": "k"}]}]) == 64
+
+
+def _slice_with(devices: list[dict[str, Any]]) -> dict[str, Any]:
+    (obj,) = build_resource_slices(NODE, [])
+    obj["spec"]["devices"] = devices
+    return obj
+
+
+def test_validator_enforces_device_counts() -> None:
+    many = [_wire_device(f"d{i}", **{"dra.cpu/cpuID": {"int": i}}) for i in range(129)]
+    assert validate_slice(_slice_with(many[:128])) == []
+    assert any("129 devices, at most 128" in e for e in validate_slice(_slice_with(many)))
+    listed = [_wire_device(f"d{i}", **{"a.b/roots": {"strings": ["x"]}}) for i in range(65)]
+    assert validate_slice(_slice_with(listed[:64])) == []
+    assert any("at most 64" in e for e in validate_slice(_slice_with(listed)))
+    duplicate = [_wire_device("d0"), _wire_device("d0")]
+    assert any("duplicate" in e for e in validate_slice(_slice_with(duplicate)))
+
+
+def test_validator_enforces_attribute_limits_and_names() -> None:
+    too_many = {f"dra.cpu/a{i}": {"int": i} for i in range(33)}
+    assert any(
+        "33 attributes" in e for e in validate_slice(_slice_with([_wire_device("d", **too_many)]))
+    )
+    bad_names = {
+        "dra.cpu/" + "x" * 33: {"int": 1},  # identifier longer than 32
+        "dra.cpu/1abc": {"int": 1},  # not a C identifier
+        "Bad_Domain/abc": {"int": 1},  # domain not a DNS subdomain
+        ("d" * 64) + "/abc": {"int": 1},  # domain longer than 63
+        "a/b/c": {"int": 1},
+        "/abc": {"int": 1},
+        "dra.cpu/": {"int": 1},
+    }
+    for key, attribute in bad_names.items():
+        errors = validate_slice(_slice_with([_wire_device("d", **{key: attribute})]))
+        assert errors, key
+    good = {"plain_id": {"int": 1}, "dra.cpu/" + "x" * 32: {"bool": True}}
+    assert validate_slice(_slice_with([_wire_device("d", **good)])) == []
+    bad_values: list[dict[str, Any]] = [
+        {"int": 1, "bool": True},
+        {},
+        {"string": "x" * 65},
+        {"version": "1.2"},
+        {"int": True},
+        {"ints": []},
+        {"float": 1.5},
+    ]
+    for attribute in bad_values:
+        errors = validate_slice(_slice_with([_wire_device("d", **{"dra.cpu/x": attribute})]))
+        assert errors, attribute
+    assert (
+        validate_slice(_slice_with([_wire_device("d", **{"dra.cpu/v": {"version": "1.2.3-rc.1"}})]))
+        == []
+    )
+    for bad_device_name in ("CPU0", "-a", "a" * 64, ""):
+        assert validate_slice(_slice_with([_wire_device(bad_device_name)])), bad_device_name
+
+
+def test_validator_enforces_request_policy_rules() -> None:
+    def device(value: str, policy: dict[str, Any], multi: bool = True) -> dict[str, Any]:
+        wire: dict[str, Any] = {
+            "name": "d",
+            "capacity": {"dra.cpu/cpu": {"value": value, "requestPolicy": policy}},
+        }
+        if multi:
+            wire["allowMultipleAllocations"] = True
+        return wire
+
+    ok = {"default": "1", "validRange": {"min": "1", "step": "1"}}
+    assert validate_slice(_slice_with([device("8", ok)])) == []
+    assert validate_slice(_slice_with([device("8", ok, multi=False)]))
+    invalid: list[dict[str, Any]] = [
+        {"validRange": {"min": "1"}},  # default required
+        {"default": "1", "validRange": {"min": "9"}},  # min above the value
+        {"default": "2", "validRange": {"min": "1", "step": "2"}},  # default off the step grid
+        {"default": "1", "validRange": {"min": "1", "max": "9"}},  # max above the value
+        {"default": "1", "validValues": ["2", "1"]},  # not ascending
+        {"default": "3", "validValues": ["1", "2"]},  # default not an option
+        {"default": "1", "validValues": ["1"], "validRange": {"min": "1"}},
+        {"default": "1", "validRange": {"step": "1"}},  # min required
+    ]
+    for policy in invalid:
+        assert validate_slice(_slice_with([device("8", policy)])), policy
+    assert (
+        validate_slice(
+            _slice_with([device("8", {"default": "500m", "validRange": {"min": "500m"}})])
+        )
+        == []
+    )
+    assert validate_slice(_slice_with([device("eight", ok)]))
+
+
+def test_validator_enforces_spec_and_pool() -> None:
+    (obj,) = build_resource_slices(NODE, [])
+    cases: list[tuple[str, Any]] = [
+        ("driver", "Not A Driver"),
+        ("driver", "d" * 64),
+        ("nodeName", "Node_A"),
+        ("allNodes", True),  # a second node selection field
+    ]
+    for key, value in cases:
+        broken = copy.deepcopy(obj)
+        broken["spec"][key] = value
+        assert validate_slice(broken), (key, value)
+    for key, value in (("generation", -1), ("resourceSliceCount", 0), ("name", "")):
+        broken = copy.deepcopy(obj)
+        broken["spec"]["pool"][key] = value
+        assert validate_slice(broken), (key, value)
+    for top, value in (("apiVersion", "resource.k8s.io/v1beta1"), ("kind", "Pod")):
+        broken = copy.deepcopy(obj)
+        broken[top] = value
+        assert validate_slice(broken), top
+    broken = copy.deepcopy(obj)
+    broken["metadata"]["name"] = "UPPER"
+    assert validate_slice(broken)
+
+
+def test_pool_validator_catches_inconsistent_slices() -> None:
+    devices = list(devices_of("big-1024", INDIVIDUAL).values())
+    slices = build_resource_slices(NODE, devices)
+    assert validate_pool(slices) == []
+    assert validate_pool(slices[:-1])  # resourceSliceCount 8, only 7 slices
+    mixed = copy.deepcopy(slices)
+    mixed[0]["spec"]["pool"]["generation"] = 2
+    assert any("generation" in e for e in validate_pool(mixed))
+    twice = copy.deepcopy(slices)
+    twice[1]["spec"]["devices"][0]["name"] = "cpudev000"
+    assert any("cpudev000" in e for e in validate_pool(twice))
