@@ -32,6 +32,7 @@ from __future__ import annotations
 import enum
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NoReturn
 
 from dracpu.errors import LocalProtocolError, RemoteProtocolError
@@ -53,6 +54,7 @@ __all__ = [
     "TTRPC_HEADER_LEN",
     "TTRPC_MAX_DATA_LEN",
     "Code",
+    "MessageHeader",
     "MessageType",
     "Role",
     "TtrpcConnection",
@@ -108,6 +110,28 @@ class Role(enum.Enum):
 
 
 TtrpcEvent = TtrpcRequest | TtrpcResponse | TtrpcBadRequest | ConnectionClosed | NeedData
+
+
+@dataclass(frozen=True, slots=True)
+class MessageHeader:
+    """The 10-byte header of a ttrpc message, for tools and tests (the parser inlines it)."""
+
+    length: int
+    stream_id: int
+    type: int
+    flags: int = 0
+
+    def encode(self) -> bytes:
+        try:
+            return TTRPC_HEADER.pack(self.length, self.stream_id, self.type, self.flags)
+        except struct.error as exc:
+            raise LocalProtocolError(f"ttrpc: header {self} does not fit the wire") from exc
+
+    @classmethod
+    def decode(cls, data: bytes) -> MessageHeader:
+        if len(data) < TTRPC_HEADER_LEN:
+            raise RemoteProtocolError(f"ttrpc: a header needs 10 bytes, got {len(data)}")
+        return cls(*TTRPC_HEADER.unpack_from(data))
 
 
 def _oversize_message(length: int) -> str:
