@@ -37,7 +37,7 @@ __all__ = [
     "write_sysfs",
 ]
 
-CoreIdScheme = Literal["per-socket", "global"]
+CoreIdScheme = Literal["global", "per-socket", "per-die", "per-cluster"]
 CpuNumbering = Literal["linux", "adjacent"]
 L3Mode = Literal["id", "shared-cpu-list", "none"]
 
@@ -58,8 +58,10 @@ class MachineSpec:
     ``threads_per_core`` threads, one cluster each) then ``e`` single-thread E-cores in clusters
     of :data:`E_CORES_PER_CLUSTER`, and ``cpu_core``/``cpu_atom`` PMU files are written.
 
-    - ``core_id_scheme``: ``per-socket`` restarts ``core_id`` (and cluster ids) on each socket, as
-      real servers do; ``global`` makes them machine-unique. ``core_id`` = index * ``core_id_step``.
+    - ``core_id_scheme``: where ``core_id`` restarts from 0: ``per-socket`` (real x86 servers),
+      ``per-die``, ``per-cluster`` (needs real clusters), or never (``global``). Cluster ids
+      restart per socket (``per-socket``), per die (``per-die``, ``per-cluster``) or never.
+      ``core_id`` = index * ``core_id_step``.
     - ``cpu_numbering``: ``linux`` numbers the first thread of every core, then the second
       threads, ... (x86: siblings ``+ncores`` apart); ``adjacent`` numbers a core's threads
       consecutively (POWER, Intel hybrid desktops).
@@ -115,6 +117,12 @@ class MachineSpec:
                 raise ConfigError(
                     "machine spec: hybrid replaces clusters_per_l3 and cores_per_cluster"
                 )
+        if (
+            self.core_id_scheme == "per-cluster"
+            and self.hybrid is None
+            and (self.clusters_per_l3 == 1 and self.l3_per_numa * self.numa_per_die > 1)
+        ):
+            raise ConfigError("machine spec: per-cluster core ids need clusters_per_l3 > 1")
         if self.dies_per_socket > 1 and not self.die_id_file:
             raise ConfigError("machine spec: several dies per socket need die_id files")
         if self.numa_per_die * self.dies_per_socket * self.sockets > 1 and not self.numa_sysfs:
@@ -186,13 +194,19 @@ def _layout(spec: MachineSpec) -> _Layout:
     core_index = cluster_index = 0
     clustered = spec.hybrid is not None or spec.clusters_per_l3 > 1
     for socket in range(spec.sockets):
-        if spec.core_id_scheme == "per-socket":
+        if spec.core_id_scheme != "global":
             core_index = cluster_index = 0
         for die in range(spec.dies_per_socket):
+            if spec.core_id_scheme in ("per-die", "per-cluster"):
+                core_index = cluster_index = 0
             for _ in range(spec.numa_per_die):
                 for _ in range(spec.l3_per_numa):
                     for kind, cluster_size, threads in _core_groups(spec):
                         for position in range(cluster_size):
+                            if spec.core_id_scheme == "per-cluster" and (
+                                position == 0 or kind is CoreType.P_CORE
+                            ):
+                                core_index = 0
                             cluster = cluster_index if clustered else NO_CLUSTER_RAW
                             core = _Core(
                                 socket=socket,
