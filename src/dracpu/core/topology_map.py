@@ -126,7 +126,22 @@ def render_map(
     lines.append("")
     lines.extend(_devices_summary(devices))
     lines.extend(_slices_summary(slices))
-    return "\n".join(lines) + "\n"
+    return "".join(folded + "\n" for line in lines for folded in _fold(line))
+
+
+def _fold(line: str) -> Iterator[str]:
+    """Wrap a line longer than LINE_WIDTH after a comma or space (long cpusets), continuation
+    lines indented four more than the line."""
+    indent = " " * (len(line) - len(line.lstrip(" ")) + 4)
+    while len(line) > LINE_WIDTH:
+        cut = max(
+            line.rfind(",", len(indent), LINE_WIDTH), line.rfind(" ", len(indent), LINE_WIDTH)
+        )
+        if cut <= len(indent):
+            break  # nothing to break at: leave it long rather than split a number
+        yield line[: cut + 1].rstrip()
+        line = indent + line[cut + 1 :].lstrip()
+    yield line
 
 
 def _count(n: int, noun: str) -> str:
