@@ -200,7 +200,11 @@ def _fields(data: bytes) -> list[_Field]:
     fields: list[_Field] = []
     pos, end = 0, len(data)
     while pos < end:
-        key, pos = decode_varint(data, pos)
+        key = data[pos]
+        if key < 0x80:  # one-byte tag: every field this module knows (inlined: the hot path)
+            pos += 1
+        else:
+            key, pos = decode_varint(data, pos)
         number, wire_type = key >> 3, key & 7
         if not 1 <= number <= MAX_FIELD_NUMBER:
             raise RemoteProtocolError(f"protobuf: invalid field number {number}")
@@ -208,7 +212,10 @@ def _fields(data: bytes) -> list[_Field]:
         if wire_type == WIRE_VARINT:
             value, pos = decode_varint(data, pos)
         elif wire_type == WIRE_LEN:
-            size, pos = decode_varint(data, pos)
+            if pos < end and data[pos] < 0x80:
+                size, pos = data[pos], pos + 1
+            else:
+                size, pos = decode_varint(data, pos)
             if size > end - pos:
                 raise RemoteProtocolError(
                     f"protobuf: field {number} declares {size} bytes, {end - pos} remain"
