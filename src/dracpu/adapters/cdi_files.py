@@ -1,0 +1,395 @@
+"""Our CDI spec files on disk: atomic write, delete, read, list (synchronous; callers use
+``anyio.to_thread``).
+
+Runtimes watch the CDI directory with fsnotify for Write, Rename and Remove only (Create is not
+watched on Linux) and read only ``*.json`` / ``*.yaml`` files (reference nri-ttrpc-cdi.md §5.4,
+§5.6). So a spec is written to a temp file in the SAME directory whose name does not end in
+``.json`` (``.dra.k8s.io-cpu_claim-<uid>.json.tmp-<random>``), fsynced, renamed over the final name
+(the Rename event makes the runtime rescan; it never sees a half-written spec) and the directory
+is fsynced.
+
+Only files named exactly like ours (``dra.k8s.io-cpu_claim-<uuid>.json``), our temp files and our
+watch probes are ever removed or replaced; other vendors' files are never opened for writing. Reads
+use ``O_NOFOLLOW | O_NONBLOCK`` and accept only regular files of bounded size, so a symlink, FIFO or
+device planted under one of our names cannot redirect or hang us. Every ``OSError`` becomes a
+:class:`CdiError` naming the path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import secrets
+import stat
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dracpu.core.cdi_spec import (
+    claim_uid_from_file_name,
+    is_valid_claim_uid,
+    parse_spec,
+    spec_bytes,
+    spec_file_name,
+)
+from dracpu.core.cpuset import CpuSet
+from dracpu.errors import CdiError
+
+__all__ = [
+    "DIR_MODE",
+    "MAX_SPEC_BYTES",
+    "PROBE_PREFIX",
+    "SPEC_MODE",
+    "CdiDirScan",
+    "delete_spec",
+    "dir_identity",
+    "ensure_dir",
+    "is_our_probe_file",
+    "is_our_temp_file",
+    "list_our_specs",
+    "probe_file_name",
+    "read_spec",
+    "read_spec_bytes",
+    "remove_our_file",
+    "scan_dir",
+    "spec_path",
+    "temp_file_name",
+    "touch_probe",
+    "write_spec",
+]
+
+# Spec files are world-readable: the runtime (root) reads them, and so do rootless podman and
+# node tools; they hold no secret. Upstream's file writer also used 0644 (pkg/driver/cdi.go).
+SPEC_MODE = 0o644
+# Mode of a CDI dir we create; the DaemonSet mounts /var/run/cdi as DirectoryOrCreate (0755) and
+# upstream creates it with os.MkdirAll(dir, 0755).
+DIR_MODE = 0o755
+# Largest spec we agree to read. Ours are a few hundred bytes (a worst-case cpuset of every other
+# CPU up to id 16383 is ~50 KB); anything bigger under our name is not ours.
+MAX_SPEC_BYTES = 1 << 20
+# Temp files: "." + final name + ".tmp-" + random hex. Hidden, and not ending in .json/.yaml, so
+# runtimes ignore them (CDI loads only .json and .yaml).
+_TEMP_MARK = ".tmp-"
+_TEMP_RE = re.compile(r"\.(?P<final>.+)" + re.escape(_TEMP_MARK) + r"[0-9a-f]{8,64}")
+# Watch probes (tasks/cdi_watcher.py): a hidden, non-.json file the watcher creates to prove its
+# watch is live.
+PROBE_PREFIX = ".dracpu-cdi-probe-"
+_PROBE_RE = re.compile(re.escape(PROBE_PREFIX) + r"[0-9]+-[0-9a-f]{8,64}")
+
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+Fsync = Callable[[int], None]
+
+
+# --- names -----------------------------------------------------------------------------------
+
+
+def spec_path(cdi_dir: str | os.PathLike[str], claim_uid: str) -> Path:
+    """``<cdi_dir>/dra.k8s.io-cpu_claim-<uid>.json`` (the uid is validated)."""
+    return Path(cdi_dir) / spec_file_name(claim_uid)
+
+
+def temp_file_name(claim_uid: str) -> str:
+    """A fresh temp name for a claim's spec: ``.<final name>.tmp-<16 hex>``."""
+    return "." + spec_file_name(claim_uid) + _TEMP_MARK + secrets.token_hex(8)
+
+
+def is_our_temp_file(name: str) -> bool:
+    """True for a temp file name :func:`temp_file_name` makes."""
+    match = _TEMP_RE.fullmatch(name)
+    return match is not None and claim_uid_from_file_name(match.group("final")) is not None
+
+
+def probe_file_name() -> str:
+    """A fresh watch-probe name: ``.dracpu-cdi-probe-<pid>-<16 hex>``."""
+    return f"{PROBE_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+
+
+def is_our_probe_file(name: str) -> bool:
+    return _PROBE_RE.fullmatch(name) is not None
+
+
+# --- directory -------------------------------------------------------------------------------
+
+
+def ensure_dir(cdi_dir: str | os.PathLike[str]) -> None:
+    """Create the CDI dir (and parents, mode 0755) if missing; it must be a directory."""
+    path = Path(cdi_dir)
+    try:
+        path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    except FileExistsError as exc:  # exists, but is not a directory
+        raise CdiError(f"CDI dir {str(path)!r} exists and is not a directory") from exc
+    except OSError as exc:
+        raise CdiError(f"cannot create CDI dir {str(path)!r}: {exc.strerror or exc}") from exc
+
+
+def dir_identity(cdi_dir: str | os.PathLike[str]) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of the CDI dir, ``None`` when it is missing or not a directory.
+
+    A watch is tied to the inode: when the dir is removed and re-created, the watcher restarts.
+    """
+    try:
+        st = os.stat(cdi_dir)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode):
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _fsync_dir(path: Path, fsync: Fsync) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --- write and delete ------------------------------------------------------------------------
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def write_spec(
+    cdi_dir: str | os.PathLike[str],
+    claim_uid: str,
+    cpus: CpuSet,
+    *,
+    fsync: Fsync = os.fsync,
+) -> Path:
+    """Atomically write the spec of a claim; return its path.
+
+    Temp file in the same dir (mode 0644, never a ``.json`` name) → write → fsync → rename over
+    ``dra.k8s.io-cpu_claim-<uid>.json`` → fsync the dir. The dir is created if missing. On any
+    failure the temp file is removed and an existing spec is left as it was. ``fsync`` is a seam
+    for tests (fault injection) and benchmarks.
+    """
+    data = spec_bytes(claim_uid, cpus)  # validates uid and cpuset before touching the disk
+    directory = Path(cdi_dir)
+    final = directory / spec_file_name(claim_uid)
+    ensure_dir(directory)
+    temp = directory / temp_file_name(claim_uid)
+    try:
+        fd = os.open(temp, _CREATE_FLAGS, SPEC_MODE)
+    except OSError as exc:
+        raise CdiError(f"cannot create CDI temp file {str(temp)!r}: {exc.strerror or exc}") from exc
+    renamed = False
+    try:
+        try:
+            os.fchmod(fd, SPEC_MODE)  # the umask must not narrow it
+            _write_all(fd, data)
+            fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(temp, final)
+        renamed = True
+    except OSError as exc:
+        raise CdiError(f"cannot write CDI spec {str(final)!r}: {exc.strerror or exc}") from exc
+    finally:
+        if not renamed:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+    try:
+        _fsync_dir(directory, fsync)
+    except OSError as exc:
+        raise CdiError(
+            f"wrote CDI spec {str(final)!r} but cannot fsync its dir: {exc.strerror or exc}"
+        ) from exc
+    return final
+
+
+def delete_spec(
+    cdi_dir: str | os.PathLike[str], claim_uid: str, *, fsync: Fsync = os.fsync
+) -> bool:
+    """Remove a claim's spec; ``True`` if a file was removed, ``False`` if there was none."""
+    path = spec_path(cdi_dir, claim_uid)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise CdiError(f"cannot remove CDI spec {str(path)!r}: {exc.strerror or exc}") from exc
+    with contextlib.suppress(OSError):  # removal is done; durability of a tmpfs entry is moot
+        _fsync_dir(path.parent, fsync)
+    return True
+
+
+def remove_our_file(cdi_dir: str | os.PathLike[str], name: str) -> bool:
+    """Remove one of OUR files by base name (spec, temp or probe); refuse any other name."""
+    if not (
+        claim_uid_from_file_name(name) is not None
+        or is_our_temp_file(name)
+        or is_our_probe_file(name)
+    ):
+        raise CdiError(f"refusing to remove {name!r}: not a dracpu CDI file name")
+    path = Path(cdi_dir) / name
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise CdiError(f"cannot remove {str(path)!r}: {exc.strerror or exc}") from exc
+    return True
+
+
+def touch_probe(cdi_dir: str | os.PathLike[str], name: str) -> None:
+    """Create or update a watch-probe file (empty, mode 0644)."""
+    if not is_our_probe_file(name):
+        raise CdiError(f"refusing to write {name!r}: not a dracpu probe name")
+    path = Path(cdi_dir) / name
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, SPEC_MODE)
+        try:
+            os.write(fd, b"x")  # a write gives an event even where a bare create would not
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise CdiError(f"cannot write CDI watch probe {str(path)!r}: {exc.strerror}") from exc
+
+
+# --- read ------------------------------------------------------------------------------------
+
+
+def _read_regular(path: Path) -> bytes:
+    """Read a regular file without following a symlink or blocking on a FIFO; bounded size."""
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CdiError(f"CDI spec {str(path)!r} is a symlink, not a regular file") from exc
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise CdiError(f"cannot open CDI spec {str(path)!r}: {exc.strerror or exc}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CdiError(f"CDI spec {str(path)!r} is not a regular file")
+        if st.st_size > MAX_SPEC_BYTES:
+            raise CdiError(f"CDI spec {str(path)!r} is too large ({st.st_size} bytes)")
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            total += len(chunk)
+            if total > MAX_SPEC_BYTES:
+                raise CdiError(f"CDI spec {str(path)!r} is too large (> {MAX_SPEC_BYTES} bytes)")
+            chunks.append(chunk)
+        return b"".join(chunks)
+    except OSError as exc:
+        raise CdiError(f"cannot read CDI spec {str(path)!r}: {exc.strerror or exc}") from exc
+    finally:
+        os.close(fd)
+
+
+def read_spec_bytes(cdi_dir: str | os.PathLike[str], claim_uid: str) -> bytes | None:
+    """The raw content of a claim's spec file, ``None`` when it does not exist."""
+    try:
+        return _read_regular(spec_path(cdi_dir, claim_uid))
+    except FileNotFoundError:
+        return None
+
+
+def read_spec(cdi_dir: str | os.PathLike[str], claim_uid: str) -> CpuSet | None:
+    """The cpuset in a claim's spec file, ``None`` when it does not exist.
+
+    Raises :class:`CdiError` when the file is unreadable, malformed, or names another claim.
+    """
+    path = spec_path(cdi_dir, claim_uid)
+    data = read_spec_bytes(cdi_dir, claim_uid)
+    if data is None:
+        return None
+    return _parse_file(path, claim_uid, data)
+
+
+def _parse_file(path: Path, claim_uid: str, data: bytes) -> CpuSet:
+    try:
+        uid, cpus = parse_spec(data)
+    except CdiError as exc:
+        raise CdiError(f"CDI spec {str(path)!r}: {exc}") from exc
+    if uid != claim_uid:
+        raise CdiError(f"CDI spec {str(path)!r} is for claim {uid}, not {claim_uid}")
+    return cpus
+
+
+@dataclass(frozen=True, slots=True)
+class CdiDirScan:
+    """What :func:`scan_dir` found: our spec files (content or read error), temp and probe files.
+
+    ``specs`` maps claim UID → bytes, or the :class:`CdiError` when the file could not be read.
+    ``leftovers`` maps the name of each of our temp / probe files to its age in seconds.
+    """
+
+    specs: dict[str, bytes | CdiError] = field(default_factory=dict)
+    leftovers: dict[str, float] = field(default_factory=dict)
+
+
+def scan_dir(cdi_dir: str | os.PathLike[str], *, only: Collection[str] | None = None) -> CdiDirScan:
+    """Read our spec files (all, or only those of the claim UIDs in ``only``).
+
+    A missing dir is empty. Other vendors' files are not opened. With ``only``, the directory is
+    not listed and no leftovers are reported.
+    """
+    directory = Path(cdi_dir)
+    specs: dict[str, bytes | CdiError] = {}
+    leftovers: dict[str, float] = {}
+    if only is not None:
+        for uid in only:
+            if not is_valid_claim_uid(uid):
+                continue  # no file of ours can have that name
+            try:
+                data = read_spec_bytes(directory, uid)
+            except CdiError as exc:
+                specs[uid] = exc
+                continue
+            if data is not None:
+                specs[uid] = data
+        return CdiDirScan(specs, leftovers)
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return CdiDirScan(specs, leftovers)
+    except OSError as exc:
+        raise CdiError(f"cannot list CDI dir {str(directory)!r}: {exc.strerror or exc}") from exc
+    now = time.time()
+    for entry in entries:
+        owner = claim_uid_from_file_name(entry.name)
+        if owner is not None:
+            try:
+                specs[owner] = _read_regular(Path(entry.path))
+            except FileNotFoundError:
+                continue  # removed since listing
+            except CdiError as exc:
+                specs[owner] = exc
+        elif is_our_temp_file(entry.name) or is_our_probe_file(entry.name):
+            try:
+                mtime = entry.stat(follow_symlinks=False).st_mtime
+            except OSError:
+                continue
+            leftovers[entry.name] = max(0.0, now - mtime)
+    return CdiDirScan(specs, leftovers)
+
+
+def list_our_specs(cdi_dir: str | os.PathLike[str]) -> dict[str, CpuSet | CdiError]:
+    """Every spec file of ours in the dir: claim UID → cpuset, or the error reading/parsing it."""
+    directory = Path(cdi_dir)
+    result: dict[str, CpuSet | CdiError] = {}
+    for uid, content in scan_dir(directory).specs.items():
+        if isinstance(content, CdiError):
+            result[uid] = content
+            continue
+        try:
+            result[uid] = _parse_file(directory / spec_file_name(uid), uid, content)
+        except CdiError as exc:
+            result[uid] = exc
+    return result

@@ -1,0 +1,393 @@
+"""Keep the CDI dir holding exactly the specs of the prepared claims (design §3, ``cdi_watcher``).
+
+A spec of a prepared claim that someone deletes or edits is rewritten; a spec of ours that no
+prepared claim owns is removed; other vendors' files are never touched. :func:`reconcile` does one
+pass (the daemon also calls it at start-up); :func:`run` watches the dir with ``watchfiles.awatch``
+and reconciles the files named by each batch of events, plus a full pass every
+``resync_interval`` seconds.
+
+Start-up: the task creates the dir, starts the watch and proves it is live by writing a probe file
+(``.dracpu-cdi-probe-*``, not ``.json``: runtimes ignore it) until the watch reports it; only then
+does it reconcile the whole dir and call ``task_status.started()``, so no change can fall between
+the first pass and the watch. If inotify reports nothing within ``probe_timeout`` (some
+filesystems, exhausted watches) it falls back to polling. When the dir is removed or replaced, the
+watch is restarted on the new dir.
+
+Our own writes cause events too; they are harmless: temp files are filtered out, and a spec we just
+wrote compares equal on the next pass, so nothing is rewritten twice.
+
+Races with the state owner (it writes and removes specs on Prepare/Unprepare while this task runs):
+the desired claims are read AFTER the files, so a spec written for a claim reserved before the read
+is never taken for an orphan. A spec rewritten for a claim being unprepared at that instant is
+removed again by the pass its own event triggers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import anyio.abc
+from watchfiles import Change, awatch
+
+from dracpu.adapters import cdi_files
+from dracpu.core.cdi_spec import claim_uid_from_file_name, plan_reconcile
+from dracpu.core.cpuset import CpuSet
+from dracpu.errors import CdiError
+
+__all__ = [
+    "DEFAULT_DEBOUNCE_MS",
+    "DEFAULT_PROBE_TIMEOUT",
+    "DEFAULT_RESYNC_INTERVAL",
+    "DEFAULT_STEP_MS",
+    "STALE_LEFTOVER_AGE",
+    "ReconcileReport",
+    "reconcile",
+    "reconcile_scan",
+    "run",
+]
+
+logger = logging.getLogger(__name__)
+
+# watchfiles groups the events of a burst: it returns once no new event came for STEP ms, and at
+# the latest DEBOUNCE ms after the first one. A deleted spec must come back fast (the runtime may
+# look it up any moment), so these are far below watchfiles' 1600/50 ms defaults.
+DEFAULT_DEBOUNCE_MS = 200
+DEFAULT_STEP_MS = 50
+# A full pass this often even without events: a safety net for lost events (queue overflow).
+DEFAULT_RESYNC_INTERVAL = 30.0
+# How long to wait for the watch to report our probe before falling back to polling.
+DEFAULT_PROBE_TIMEOUT = 3.0
+# Interval between probe writes while waiting for the watch to see one.
+_PROBE_PERIOD = 0.1
+# Wait before retrying after the dir could not be watched or created (after start).
+_RETRY_DELAY = 1.0
+# Poll period when inotify does not work.
+_POLL_DELAY_MS = 300
+# Our temp and probe files older than this are leftovers of a crash and are removed. A write takes
+# milliseconds, so a younger temp file may belong to a write in progress (the state owner's).
+STALE_LEFTOVER_AGE = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcileReport:
+    """What one reconcile pass did. Claim UIDs and file names are sorted."""
+
+    created: tuple[str, ...] = ()  # prepared claims whose missing spec was written
+    repaired: tuple[str, ...] = ()  # prepared claims whose edited/broken spec was rewritten
+    removed: tuple[str, ...] = ()  # claim UIDs of our orphan specs that were removed
+    removed_leftovers: tuple[str, ...] = ()  # stale temp / probe file names removed
+    errors: tuple[str, ...] = ()  # actions that failed (each message names the file)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.created or self.repaired or self.removed or self.removed_leftovers)
+
+
+def reconcile_scan(
+    cdi_dir: str | os.PathLike[str],
+    scan: cdi_files.CdiDirScan,
+    desired: Mapping[str, CpuSet],
+    *,
+    only: Collection[str] | None = None,
+    stale_age: float | None = STALE_LEFTOVER_AGE,
+) -> ReconcileReport:
+    """Bring the dir in line with ``desired`` given a :func:`cdi_files.scan_dir` result (sync).
+
+    ``only`` restricts the pass to those claim UIDs (the scan must have been made with the same
+    ``only``). Leftover temp/probe files older than ``stale_age`` seconds are removed (``None``:
+    keep them). Never raises for a bad file: failures are in the report.
+    """
+    existing: dict[str, bytes | None] = {}
+    for uid, content in scan.specs.items():
+        if isinstance(content, CdiError):
+            logger.warning("unreadable CDI spec of claim %s: %s", uid, content)
+            existing[uid] = None
+        else:
+            existing[uid] = content
+    plan = plan_reconcile(existing, desired, only=only)
+    created: list[str] = []
+    repaired: list[str] = []
+    removed: list[str] = []
+    leftovers: list[str] = []
+    errors: list[str] = [f"claim {uid}: {reason}" for uid, reason in plan.invalid]
+    for uid, cpus in plan.create:
+        try:
+            cdi_files.write_spec(cdi_dir, uid, cpus)
+            created.append(uid)
+        except CdiError as exc:
+            errors.append(str(exc))
+    for uid, cpus in plan.repair:
+        try:
+            cdi_files.write_spec(cdi_dir, uid, cpus)
+            repaired.append(uid)
+        except CdiError as exc:
+            errors.append(str(exc))
+    for uid in plan.remove:
+        try:
+            cdi_files.delete_spec(cdi_dir, uid)
+            removed.append(uid)
+        except CdiError as exc:
+            errors.append(str(exc))
+    if only is None and stale_age is not None:
+        for name, age in sorted(scan.leftovers.items()):
+            if age < stale_age:
+                continue
+            try:
+                if cdi_files.remove_our_file(cdi_dir, name):
+                    leftovers.append(name)
+            except CdiError as exc:
+                errors.append(str(exc))
+    return ReconcileReport(
+        tuple(created), tuple(repaired), tuple(removed), tuple(leftovers), tuple(errors)
+    )
+
+
+def reconcile(
+    cdi_dir: str | os.PathLike[str],
+    desired: Mapping[str, CpuSet],
+    *,
+    only: Collection[str] | None = None,
+    stale_age: float | None = STALE_LEFTOVER_AGE,
+) -> ReconcileReport:
+    """One synchronous pass: scan our files, then write/repair/remove so the dir matches.
+
+    Raises :class:`CdiError` only when the dir itself cannot be listed; problems with single files
+    are in the report. Run it in a worker thread from async code.
+    """
+    scan = cdi_files.scan_dir(cdi_dir, only=only)
+    return reconcile_scan(cdi_dir, scan, desired, only=only, stale_age=stale_age)
+
+
+def _log_report(report: ReconcileReport) -> None:
+    if report.created or report.repaired or report.removed:
+        logger.info(
+            "CDI specs reconciled: created %s, repaired %s, removed orphans %s",
+            list(report.created),
+            list(report.repaired),
+            list(report.removed),
+        )
+    if report.removed_leftovers:
+        logger.info("removed stale CDI temp files %s", list(report.removed_leftovers))
+    for message in report.errors:
+        logger.error("CDI reconcile: %s", message)
+
+
+class _Watch:
+    """State of one :func:`run`: the dir, the desired-claims provider and the tuning knobs."""
+
+    def __init__(
+        self,
+        path: Path,
+        desired: Callable[[], Mapping[str, CpuSet]],
+        on_report: Callable[[ReconcileReport], None] | None,
+        debounce_ms: int,
+        step_ms: int,
+        resync_interval: float,
+        probe_timeout: float,
+    ) -> None:
+        self.path = path
+        self.desired = desired
+        self.on_report = on_report
+        self.debounce_ms = debounce_ms
+        self.step_ms = step_ms
+        self.resync_interval = resync_interval
+        self.probe_timeout = probe_timeout
+        self.probe = cdi_files.probe_file_name()
+        self.dir_text = str(path)
+        self.probe_error: CdiError | None = None
+        self.live = False
+
+    def wanted(self, change: Change, path: str) -> bool:
+        """watchfiles filter: our spec files, our probe, and the dir itself."""
+        if path == self.dir_text:
+            return True
+        name = os.path.basename(path)
+        return claim_uid_from_file_name(name) is not None or name == self.probe
+
+    async def reconcile_pass(self, only: Collection[str] | None) -> ReconcileReport:
+        try:
+            scan = await anyio.to_thread.run_sync(lambda: cdi_files.scan_dir(self.path, only=only))
+        except CdiError as exc:
+            report = ReconcileReport(errors=(str(exc),))
+        else:
+            # The snapshot is taken after the files were read (see the module docstring).
+            snapshot = dict(self.desired())
+            report = await anyio.to_thread.run_sync(
+                lambda: reconcile_scan(self.path, scan, snapshot, only=only)
+            )
+        _log_report(report)
+        if self.on_report is not None:
+            self.on_report(report)
+        return report
+
+    async def guard(self, seen: anyio.Event, stop: anyio.Event) -> None:
+        """Write the probe until the watch reports it; then stay until the watch ends.
+
+        Sets ``stop`` (the watch's stop event) when the probe is not seen in time, and whenever
+        this task ends: watchfiles waits for changes in a worker thread that a cancellation cannot
+        interrupt, but the thread checks ``stop`` every ``step_ms``.
+        """
+        try:
+            with anyio.move_on_after(self.probe_timeout):
+                while not seen.is_set():
+                    try:
+                        await anyio.to_thread.run_sync(cdi_files.touch_probe, self.path, self.probe)
+                    except CdiError as exc:
+                        self.probe_error = exc
+                    with anyio.move_on_after(_PROBE_PERIOD):
+                        await seen.wait()
+            if seen.is_set():
+                await anyio.sleep_forever()
+        finally:
+            stop.set()
+
+    async def remove_probe(self) -> None:
+        try:
+            await anyio.to_thread.run_sync(cdi_files.remove_our_file, self.path, self.probe)
+        except CdiError as exc:
+            logger.warning("CDI watcher: %s", exc)
+
+    async def watch_once(
+        self, polling: bool, task_status: anyio.abc.TaskStatus[None], first: bool
+    ) -> bool:
+        """Watch the dir until it is removed or replaced.
+
+        Return ``True`` if the watch went live (probe seen), ``False`` if no probe event came
+        within ``probe_timeout``. Raises ``OSError`` when the watch cannot be set up.
+        """
+        identity = await anyio.to_thread.run_sync(cdi_files.dir_identity, self.path)
+        self.probe_error = None
+        self.live = False
+        seen = anyio.Event()
+        stop = anyio.Event()
+        watcher = awatch(
+            self.path,
+            watch_filter=self.wanted,
+            debounce=self.debounce_ms,
+            step=self.step_ms,
+            stop_event=stop,
+            rust_timeout=max(1, round(self.resync_interval * 1000)),
+            yield_on_timeout=True,
+            recursive=False,
+            force_polling=polling,
+            poll_delay_ms=_POLL_DELAY_MS,
+        )
+        failure: OSError | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.guard, seen, stop)
+            try:
+                async with contextlib.aclosing(watcher):
+                    async for changes in watcher:
+                        if self.live:
+                            if not await self.handle(changes, identity):
+                                break
+                        elif any(os.path.basename(p) == self.probe for _, p in changes):
+                            self.live = True
+                            seen.set()
+                            await self.remove_probe()
+                            await self.reconcile_pass(None)  # the watch is live: full pass
+                            if first:
+                                task_status.started()
+            except OSError as exc:  # RustNotify: dir missing, no inotify watches left, ...
+                failure = exc
+            tg.cancel_scope.cancel()  # ends the guard
+        if not self.live:
+            await self.remove_probe()
+        if failure is not None:
+            raise failure
+        return self.live
+
+    async def handle(self, changes: set[tuple[Change, str]], identity: object) -> bool:
+        """Reconcile after a batch of events (or a timeout); ``False`` when the dir is gone."""
+        current = await anyio.to_thread.run_sync(cdi_files.dir_identity, self.path)
+        if current != identity:
+            logger.warning("CDI dir %s was removed or replaced", self.path)
+            return False
+        only = self.named_claims(changes)
+        if only is None or only:
+            await self.reconcile_pass(only)
+        return True
+
+    def named_claims(self, changes: set[tuple[Change, str]]) -> set[str] | None:
+        """Claim UIDs named by a batch; ``None`` (full pass) for a timeout or a dir event."""
+        if not changes:
+            return None
+        uids: set[str] = set()
+        for _, path in changes:
+            uid = claim_uid_from_file_name(os.path.basename(path))
+            if uid is None:
+                if path == self.dir_text:
+                    return None
+                continue  # our probe
+            uids.add(uid)
+        return uids
+
+
+async def run(
+    cdi_dir: str | os.PathLike[str],
+    desired: Callable[[], Mapping[str, CpuSet]],
+    *,
+    debounce_ms: int = DEFAULT_DEBOUNCE_MS,
+    step_ms: int = DEFAULT_STEP_MS,
+    resync_interval: float = DEFAULT_RESYNC_INTERVAL,
+    probe_timeout: float = DEFAULT_PROBE_TIMEOUT,
+    force_polling: bool = False,
+    on_report: Callable[[ReconcileReport], None] | None = None,
+    task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Watch ``cdi_dir`` forever, keeping our specs equal to ``desired()``.
+
+    ``desired`` returns a snapshot ``{claim_uid: cpus}`` of the prepared claims; it is called on
+    the event loop, after the files of a pass were read. ``on_report`` receives every pass's
+    report (metrics, tests). ``started()`` is called once the watch is proven live and the first
+    full pass is done. Raises :class:`CdiError` at start if the dir cannot be created or written.
+    """
+    path = Path(cdi_dir)
+    await anyio.to_thread.run_sync(cdi_files.ensure_dir, path)
+    watch = _Watch(path, desired, on_report, debounce_ms, step_ms, resync_interval, probe_timeout)
+    polling = force_polling
+    first = True
+    while True:
+        problem: object = None
+        try:
+            live = await watch.watch_once(polling, task_status, first)
+        except FileNotFoundError as exc:  # the dir vanished between ensure_dir and the watch
+            live, problem = False, exc
+        except OSError as exc:  # inotify unusable (no watches left, ...)
+            if polling:
+                live, problem = False, exc
+            else:
+                logger.warning("cannot watch CDI dir %s with inotify (%s); polling", path, exc)
+                polling = True
+                continue
+        if live:
+            first = False
+        elif problem is None and watch.probe_error is None and not polling:
+            logger.warning(
+                "inotify reported no event in CDI dir %s within %.1f s; polling instead",
+                path,
+                probe_timeout,
+            )
+            polling = True
+            continue
+        else:
+            problem = problem or watch.probe_error or "the watch reported no change"
+            if first and not isinstance(problem, FileNotFoundError):
+                raise CdiError(f"cannot watch CDI dir {str(path)!r}: {problem}")
+            logger.error(
+                "cannot watch CDI dir %s (%s); retrying in %.1f s", path, problem, _RETRY_DELAY
+            )
+            await anyio.sleep(_RETRY_DELAY)
+        try:
+            await anyio.to_thread.run_sync(cdi_files.ensure_dir, path)
+        except CdiError as exc:
+            if first:
+                raise
+            logger.error("CDI watcher: %s; retrying in %.1f s", exc, _RETRY_DELAY)
+            await anyio.sleep(_RETRY_DELAY)
