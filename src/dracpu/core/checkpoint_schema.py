@@ -1,0 +1,230 @@
+"""The checkpoint: what survives a restart of dracpu (and a reboot of the node), as versioned JSON.
+
+Only the prepared claims are persisted: containers are learnt again from NRI ``Synchronize``.
+Layout (version 1)::
+
+    {"checksum": "sha256:<hex>",
+     "claims": {"<claimUID>": {"cpus": "4-5", "mems": "0" | null,
+                               "namespace": "ns", "name": "claim",
+                               "results": [{"request": "req", "pool": "node", "device": "dev",
+                                            "consumedCpus": 2 | null, "cpuset": "4-5" | null}]}},
+     "version": 1}
+
+``checksum`` is the SHA-256 of the canonical JSON (sorted keys, no whitespace, ASCII) of the
+document without the ``checksum`` key, so a flipped byte or a truncated file is detected even
+when it still parses. ``mems`` are NUMA node ids (``null``: no memory pinning). ``results`` are the
+claim's allocation results, needed to tell an idempotent re-prepare from a conflicting one; an
+adopted claim (found as a CDI spec only) has none.
+
+:func:`decode` refuses anything else with a :class:`CheckpointError` naming the problem: not
+UTF-8, not JSON, wrong shape, unknown version, bad checksum, bad field types, malformed or
+overlapping cpusets. Whether the claims fit the node (online, not reserved) is checked when the
+state is restored (:func:`dracpu.core.state.restore_state`), since it needs the topology.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from dracpu.core.commands import DeviceResult
+from dracpu.core.cpuset import CpuSet
+from dracpu.errors import CheckpointError, CpuSetParseError
+
+__all__ = [
+    "CHECKPOINT_VERSION",
+    "CheckpointData",
+    "PreparedClaim",
+    "decode",
+    "encode",
+]
+
+CHECKPOINT_VERSION = 1  # bump on any incompatible change of the layout above
+_CHECKSUM_PREFIX = "sha256:"
+_SHA256_HEX_LEN = 64  # hashlib.sha256().hexdigest() length
+_TOP_KEYS = frozenset({"version", "checksum", "claims"})
+_CLAIM_KEYS = frozenset({"cpus", "mems", "namespace", "name", "results"})
+_RESULT_KEYS = frozenset({"request", "pool", "device", "consumedCpus", "cpuset"})
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedClaim:
+    """A claim this node has prepared: its CPUs are held exclusively until Unprepare.
+
+    ``mems``: the NUMA nodes of ``cpus`` its containers' memory is pinned to, or ``None``.
+    ``results``: the allocation results it was prepared for, sorted
+    (:meth:`DeviceResult.sort_key`); empty for a claim adopted from its CDI spec.
+    """
+
+    claim_uid: str
+    cpus: CpuSet
+    namespace: str = ""
+    name: str = ""
+    mems: CpuSet | None = None
+    results: tuple[DeviceResult, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointData:
+    """The persisted content: prepared claims by UID (read-only view, never copied)."""
+
+    claims: Mapping[str, PreparedClaim] = field(default_factory=lambda: MappingProxyType({}))
+
+
+# --- encode ---------------------------------------------------------------------------------------
+
+
+def _canonical(doc: Mapping[str, Any]) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def _checksum(payload: Mapping[str, Any]) -> str:
+    return _CHECKSUM_PREFIX + hashlib.sha256(_canonical(payload)).hexdigest()
+
+
+def _result_doc(result: DeviceResult) -> dict[str, Any]:
+    return {
+        "request": result.request,
+        "pool": result.pool,
+        "device": result.device,
+        "consumedCpus": result.consumed_cpus,
+        "cpuset": None if result.cpuset is None else str(result.cpuset),
+    }
+
+
+def _claim_doc(claim: PreparedClaim) -> dict[str, Any]:
+    return {
+        "cpus": str(claim.cpus),
+        "mems": None if claim.mems is None else str(claim.mems),
+        "namespace": claim.namespace,
+        "name": claim.name,
+        "results": [_result_doc(r) for r in claim.results],
+    }
+
+
+def encode(data: CheckpointData) -> bytes:
+    """The checkpoint file's bytes (canonical JSON plus a final newline)."""
+    payload: dict[str, Any] = {
+        "version": CHECKPOINT_VERSION,
+        "claims": {uid: _claim_doc(claim) for uid, claim in data.claims.items()},
+    }
+    payload["checksum"] = _checksum(payload)
+    return _canonical(payload) + b"\n"
+
+
+# --- decode ---------------------------------------------------------------------------------------
+
+
+def decode(raw: bytes) -> CheckpointData:
+    """Parse and verify a checkpoint; :class:`CheckpointError` says what is wrong."""
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"checkpoint is not UTF-8 text: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"checkpoint is not valid JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"checkpoint must be a JSON object, not {type(doc).__name__}")
+    version = doc.get("version")
+    if type(version) is not int:
+        raise CheckpointError(f"checkpoint has no integer 'version' (got {version!r})")
+    if version != CHECKPOINT_VERSION:
+        raise CheckpointError(
+            f"checkpoint version {version} is unknown: this dracpu reads version "
+            f"{CHECKPOINT_VERSION}"
+        )
+    keys = set(doc)
+    if keys != _TOP_KEYS:
+        raise CheckpointError(f"checkpoint keys must be {sorted(_TOP_KEYS)}, got {sorted(keys)}")
+    checksum = doc.pop("checksum")
+    if (
+        not isinstance(checksum, str)
+        or not checksum.startswith(_CHECKSUM_PREFIX)
+        or len(checksum) != len(_CHECKSUM_PREFIX) + _SHA256_HEX_LEN
+    ):
+        raise CheckpointError(f"checkpoint checksum {checksum!r} is not 'sha256:<64 hex digits>'")
+    expected = _checksum(doc)
+    if checksum != expected:
+        raise CheckpointError(
+            f"checkpoint checksum mismatch: file says {checksum}, content hashes to {expected}"
+        )
+    claims_doc = doc["claims"]
+    if not isinstance(claims_doc, dict):
+        raise CheckpointError("checkpoint 'claims' must be an object")
+    claims: dict[str, PreparedClaim] = {}
+    held = 0
+    for uid, claim_doc in claims_doc.items():
+        claim = _decode_claim(uid, claim_doc)
+        if held & claim.cpus.mask:
+            raise CheckpointError(
+                f"checkpoint claim {uid} holds cpus {claim.cpus & CpuSet.from_mask(held)} "
+                "that another claim holds too"
+            )
+        held |= claim.cpus.mask
+        claims[uid] = claim
+    return CheckpointData(MappingProxyType(claims))
+
+
+def _cpuset(text: object, what: str, *, optional: bool = False) -> CpuSet | None:
+    if text is None and optional:
+        return None
+    if not isinstance(text, str):
+        raise CheckpointError(f"checkpoint {what} must be a cpuset string, not {text!r}")
+    try:
+        return CpuSet.parse(text)
+    except CpuSetParseError as exc:
+        raise CheckpointError(f"checkpoint {what}: {exc}") from exc
+
+
+def _string(value: object, what: str) -> str:
+    if not isinstance(value, str):
+        raise CheckpointError(f"checkpoint {what} must be a string, not {value!r}")
+    return value
+
+
+def _decode_claim(uid: str, doc: object) -> PreparedClaim:
+    if not uid:
+        raise CheckpointError("checkpoint has a claim with an empty UID")
+    if not isinstance(doc, dict) or set(doc) != _CLAIM_KEYS:
+        got = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
+        raise CheckpointError(f"checkpoint claim {uid} must have keys {sorted(_CLAIM_KEYS)}: {got}")
+    cpus = _cpuset(doc["cpus"], f"claim {uid} cpus")
+    assert cpus is not None  # not optional
+    if not cpus:
+        raise CheckpointError(f"checkpoint claim {uid} holds no CPU")
+    mems = _cpuset(doc["mems"], f"claim {uid} mems", optional=True)
+    results_doc = doc["results"]
+    if not isinstance(results_doc, list):
+        raise CheckpointError(f"checkpoint claim {uid} results must be a list")
+    results = tuple(_decode_result(uid, i, r) for i, r in enumerate(results_doc))
+    return PreparedClaim(
+        claim_uid=uid,
+        cpus=cpus,
+        namespace=_string(doc["namespace"], f"claim {uid} namespace"),
+        name=_string(doc["name"], f"claim {uid} name"),
+        mems=mems,
+        results=tuple(sorted(results, key=DeviceResult.sort_key)),
+    )
+
+
+def _decode_result(uid: str, index: int, doc: object) -> DeviceResult:
+    what = f"claim {uid} result {index}"
+    if not isinstance(doc, dict) or set(doc) != _RESULT_KEYS:
+        got = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
+        raise CheckpointError(f"checkpoint {what} must have keys {sorted(_RESULT_KEYS)}: {got}")
+    consumed = doc["consumedCpus"]
+    if consumed is not None and (type(consumed) is not int or consumed <= 0):
+        raise CheckpointError(
+            f"checkpoint {what} consumedCpus must be a positive integer or null, not {consumed!r}"
+        )
+    return DeviceResult(
+        request=_string(doc["request"], f"{what} request"),
+        pool=_string(doc["pool"], f"{what} pool"),
+        device=_string(doc["device"], f"{what} device"),
+        consumed_cpus=consumed,
+        cpuset=_cpuset(doc["cpuset"], f"{what} cpuset", optional=True),
+    )

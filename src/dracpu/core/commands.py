@@ -1,0 +1,293 @@
+"""Commands: what the tasks ask the state owner to do (design §3).
+
+Every command is a frozen, slotted value. :func:`dracpu.core.state.apply` turns ``(state,
+command)`` into ``(new state, effects)``; exactly one of the effects is a
+:class:`~dracpu.core.effects.Reply` carrying the result (or a ``DracpuError``) for the requester.
+
+Who sends what:
+
+- the kubelet plugin: :class:`PrepareClaim`, :class:`UnprepareClaim`;
+- the NRI plugin: :class:`CreateContainer`, :class:`UpdateContainer`, :class:`StopContainer`,
+  :class:`RemoveContainer`, :class:`Synchronize`, :class:`RuntimeDisconnected`,
+  :class:`InvalidateContainers` (an unsolicited ``UpdateContainers`` failed);
+- the pod-resources sync: :class:`PodsListed`;
+- the state owner itself at start and on SIGHUP: :class:`AdoptClaims`, :class:`Resync`.
+
+A container's ``DRA_CPUSET_<claimUID>=<cpuset>`` environment becomes :class:`ClaimEnv` values
+through :meth:`Container.from_env` (parsing by :func:`dracpu.core.cdi_spec.parse_env`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from dracpu.core.cdi_spec import parse_env
+from dracpu.core.cpuset import CpuSet
+from dracpu.errors import CdiError
+
+if TYPE_CHECKING:
+    from dracpu.core.allocator import AllocationPolicy
+    from dracpu.core.state import NodeConfig
+
+__all__ = [
+    "AdoptClaims",
+    "AdoptedClaim",
+    "ClaimEnv",
+    "Command",
+    "Container",
+    "CreateContainer",
+    "DeviceResult",
+    "InvalidateContainers",
+    "PodsListed",
+    "PrepareClaim",
+    "RemoveContainer",
+    "Resync",
+    "RuntimeDisconnected",
+    "StopContainer",
+    "Synchronize",
+    "UnprepareClaim",
+    "UpdateContainer",
+    "claims_from_env",
+]
+
+# --- claims ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceResult:
+    """One allocation result of a claim for our driver (``status.allocation.devices.results``).
+
+    ``consumed_cpus``: grouped devices: ``consumedCapacity["dra.cpu/cpu"]`` as a whole number (the
+    adapter rejects fractions; the state machine rejects missing, zero and negative values);
+    individual devices: ``None`` (or 1). ``cpuset``: an explicit cpuset chosen by an external
+    allocator (upstream opaque config ``cpuConfig.cpuset``, ``groupBy: machine``); it must lie in
+    the device's group and have exactly ``consumed_cpus`` CPUs. ``None``: dracpu picks the CPUs.
+    """
+
+    request: str
+    pool: str
+    device: str
+    consumed_cpus: int | None = None
+    cpuset: CpuSet | None = None
+
+    def sort_key(self) -> tuple[str, str, str, int, str]:
+        """A total order, so that the same results in another order compare equal."""
+        return (
+            self.request,
+            self.pool,
+            self.device,
+            -1 if self.consumed_cpus is None else self.consumed_cpus,
+            "" if self.cpuset is None else "+" + str(self.cpuset),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PrepareClaim:
+    """``NodePrepareResources`` for one claim: pick its CPUs, write its CDI spec, checkpoint.
+
+    All results of the claim are unioned into ONE cpuset (upstream: one CDI env var per claim).
+    ``policy`` and ``pin_memory`` override the node defaults for this claim (its opaque config);
+    ``None`` keeps the default.
+    """
+
+    claim_uid: str
+    namespace: str
+    name: str
+    results: tuple[DeviceResult, ...]
+    policy: AllocationPolicy | None = None
+    pin_memory: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class UnprepareClaim:
+    """``NodeUnprepareResources`` for one claim: delete its CDI spec, free its CPUs, checkpoint.
+
+    Unpreparing a claim this node does not hold succeeds (the kubelet retries blindly)."""
+
+    claim_uid: str
+
+
+@dataclass(frozen=True, slots=True)
+class AdoptedClaim:
+    """A claim found on disk (a CDI spec of ours) that the checkpoint does not know."""
+
+    claim_uid: str
+    cpus: CpuSet
+
+
+@dataclass(frozen=True, slots=True)
+class AdoptClaims:
+    """At start, before NRI ``Synchronize``: take over claims whose CDI spec exists but which the
+    checkpoint lacks (an upgrade from the upstream driver, which keeps no checkpoint; a lost
+    checkpoint). Claims that conflict with state are refused and reported; they are not deleted.
+    """
+
+    claims: tuple[AdoptedClaim, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PodsListed:
+    """The kubelet's PodResources ``List``: the claim UIDs the node's active pods still use.
+
+    The adapter takes the UID from each of our CDI device ids (``dra.k8s.io/cpu=claim-<uid>``).
+    ``reports_claims``: ``False`` when the listing cannot show DRA claims at all (the kubelet's
+    ``KubeletPodResourcesDynamicResources`` gate is off): nothing is released then.
+
+    A prepared claim is released only when it is missing from two listings in a row, no known
+    container uses it, and the listing is not contradicted by a running container of ours.
+    """
+
+    claims_in_use: frozenset[str]
+    reports_claims: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Resync:
+    """SIGHUP or start: rewrite every CDI spec, prune the CDI specs no claim owns, republish the
+    slices. ``config``: a new node config (topology change); refused if a prepared claim would
+    hold a CPU that is no longer allocatable."""
+
+    config: NodeConfig | None = None
+
+
+# --- containers -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimEnv:
+    """One ``DRA_CPUSET_<claimUID>=<cpuset>`` of a container's environment."""
+
+    claim_uid: str
+    cpus: CpuSet
+
+
+def claims_from_env(env: Sequence[str]) -> tuple[ClaimEnv, ...]:
+    """The claims a container's environment (``KEY=VALUE`` strings) names, in env order.
+
+    Parsing is :func:`dracpu.core.cdi_spec.parse_env` (the owner of the env format); a malformed
+    ``DRA_CPUSET_*`` entry raises :class:`~dracpu.errors.CdiError`: the caller fails closed.
+    """
+    return tuple(ClaimEnv(uid, cpus) for uid, cpus in parse_env(env).items())
+
+
+@dataclass(frozen=True, slots=True)
+class Container:
+    """A container as the runtime describes it (NRI ``Container`` + its ``PodSandbox``).
+
+    ``claims``: what its ``DRA_CPUSET_*`` env says (not trusted: checked against state).
+    ``env_error``: the env could not be parsed; the container is refused (fail closed) at
+    creation and confined to the shared pool at ``Synchronize``.
+    """
+
+    id: str
+    pod_uid: str
+    pod_namespace: str = ""
+    pod_name: str = ""
+    name: str = ""
+    claims: tuple[ClaimEnv, ...] = ()
+    env_error: str | None = None
+
+    @classmethod
+    def from_env(
+        cls,
+        id: str,
+        pod_uid: str,
+        env: Sequence[str],
+        *,
+        pod_namespace: str = "",
+        pod_name: str = "",
+        name: str = "",
+    ) -> Container:
+        """Build from the runtime's env list; a malformed env becomes ``env_error``."""
+        try:
+            claims = claims_from_env(env)
+        except CdiError as exc:
+            return cls(id, pod_uid, pod_namespace, pod_name, name, (), str(exc))
+        return cls(id, pod_uid, pod_namespace, pod_name, name, claims)
+
+    @property
+    def exclusive(self) -> bool:
+        """It names claims: it gets their CPUs, not the shared pool."""
+        return bool(self.claims)
+
+    def describe(self) -> str:
+        """``container <name> (<id>) of pod <ns>/<name>``, for error messages."""
+        pod = f"{self.pod_namespace}/{self.pod_name}" if self.pod_name else self.pod_uid
+        return f"container {self.name or '?'} ({self.id}) of pod {pod}"
+
+
+@dataclass(frozen=True, slots=True)
+class CreateContainer:
+    """NRI ``CreateContainer``: answer with the container's cpuset (+ mems) and the updates of
+    the shared containers (``ContainerPinned``), or an error that fails the creation."""
+
+    container: Container
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateContainer:
+    """NRI ``UpdateContainer`` (e.g. an in-place resize): same answer as :class:`CreateContainer`;
+    the NRI side sends the container's own cpuset as an update instead of an adjustment."""
+
+    container: Container
+
+
+@dataclass(frozen=True, slots=True)
+class StopContainer:
+    """NRI ``StopContainer``: forget the container (its claims stay prepared until Unprepare);
+    the reply may carry updates that widen shared containers (the response can carry them)."""
+
+    container_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class RemoveContainer:
+    """NRI ``RemoveContainer`` (a state change without a reply payload): forget the container."""
+
+    container_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Synchronize:
+    """NRI ``Synchronize`` after (re)connecting: the runtime's full container list replaces what
+    we knew; every container is re-pinned in the reply.
+
+    ``unsolicited_updates``: the runtime's NRI handles plugin-initiated ``UpdateContainers``
+    without deadlocking (NRI >= v0.12.1, containerd/nri#301): then Unprepare widens the shared
+    containers at once instead of at the next container event.
+    """
+
+    containers: tuple[Container, ...]
+    unsolicited_updates: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeDisconnected:
+    """The NRI connection is gone: no unsolicited updates until the next :class:`Synchronize`."""
+
+
+@dataclass(frozen=True, slots=True)
+class InvalidateContainers:
+    """An ``UpdateContainers`` call for these containers failed: their cpusets are unknown, so
+    the next reply that can carry updates sends them again."""
+
+    container_ids: tuple[str, ...]
+
+
+Command = (
+    PrepareClaim
+    | UnprepareClaim
+    | AdoptClaims
+    | PodsListed
+    | Resync
+    | CreateContainer
+    | UpdateContainer
+    | StopContainer
+    | RemoveContainer
+    | Synchronize
+    | RuntimeDisconnected
+    | InvalidateContainers
+)
+"""Every command :func:`dracpu.core.state.apply` understands."""
