@@ -19,6 +19,9 @@ __all__ = ["MAX_CPU_ID", "CpuSet"]
 # twice that so a future machine is not refused, and refuse anything larger so that a typo like
 # "100000000" cannot make us allocate a gigantic bit mask.
 MAX_CPU_ID = 16383
+_MAX_DIGITS = len(str(MAX_CPU_ID))
+# Error messages quote at most this much of a bad text (a sysfs file is at most one page).
+_SHOWN_CHARS = 120
 
 
 class CpuSet:
@@ -32,7 +35,9 @@ class CpuSet:
         mask = 0
         for cpu in cpus:
             if not isinstance(cpu, int) or isinstance(cpu, bool) or not 0 <= cpu <= MAX_CPU_ID:
-                raise CpuSetParseError(f"invalid CPU id {cpu!r}: must be an integer 0..{MAX_CPU_ID}")
+                raise CpuSetParseError(
+                    f"invalid CPU id {cpu!r}: must be an integer 0..{MAX_CPU_ID}"
+                )
             mask |= 1 << cpu
         object.__setattr__(self, "_mask", mask)
 
@@ -48,6 +53,8 @@ class CpuSet:
     @classmethod
     def range(cls, start: int, stop: int) -> CpuSet:
         """CPUs ``start`` .. ``stop - 1`` (like :func:`range`)."""
+        if start < 0:
+            raise CpuSetParseError(f"invalid CPU range {start}..{stop - 1}: negative CPU id")
         if start >= stop:
             return EMPTY
         return cls.from_mask(((1 << (stop - start)) - 1) << start)
@@ -65,7 +72,7 @@ class CpuSet:
             end = _parse_id(last, text) if dash else start
             if end < start:
                 raise CpuSetParseError(
-                    f"invalid cpuset {text!r}: range {part!r} ends before it starts"
+                    f"invalid cpuset {_shown(text)}: range {_shown(part)} ends before it starts"
                 )
             mask |= ((1 << (end - start + 1)) - 1) << start
         return cls.from_mask(mask)
@@ -128,27 +135,43 @@ class CpuSet:
     # --- algebra -------------------------------------------------------------------------------
 
     def __or__(self, other: CpuSet) -> CpuSet:
+        if not isinstance(other, CpuSet):
+            return NotImplemented
         return CpuSet.from_mask(self._mask | other._mask)
 
     def __and__(self, other: CpuSet) -> CpuSet:
+        if not isinstance(other, CpuSet):
+            return NotImplemented
         return CpuSet.from_mask(self._mask & other._mask)
 
     def __sub__(self, other: CpuSet) -> CpuSet:
+        if not isinstance(other, CpuSet):
+            return NotImplemented
         return CpuSet.from_mask(self._mask & ~other._mask)
 
     def __xor__(self, other: CpuSet) -> CpuSet:
+        if not isinstance(other, CpuSet):
+            return NotImplemented
         return CpuSet.from_mask(self._mask ^ other._mask)
 
     def __le__(self, other: CpuSet) -> bool:
+        if not isinstance(other, CpuSet):
+            return NotImplemented
         return self.issubset(other)
 
     def __ge__(self, other: CpuSet) -> bool:
+        if not isinstance(other, CpuSet):
+            return NotImplemented
         return self.issuperset(other)
 
     def __lt__(self, other: CpuSet) -> bool:
+        if not isinstance(other, CpuSet):
+            return NotImplemented
         return self._mask != other._mask and self.issubset(other)
 
     def __gt__(self, other: CpuSet) -> bool:
+        if not isinstance(other, CpuSet):
+            return NotImplemented
         return self._mask != other._mask and self.issuperset(other)
 
     @staticmethod
@@ -194,13 +217,20 @@ class CpuSet:
 
 def _parse_id(token: str, text: str) -> int:
     if not token or not token.isascii() or not token.isdigit():
-        raise CpuSetParseError(f"invalid cpuset {text!r}: {token!r} is not a CPU id")
-    value = int(token)
-    if value > MAX_CPU_ID:
+        raise CpuSetParseError(f"invalid cpuset {_shown(text)}: {_shown(token)} is not a CPU id")
+    # Compare digit counts first: int() of thousands of digits is slow or refused by Python.
+    if len(token.lstrip("0")) > _MAX_DIGITS or int(token) > MAX_CPU_ID:
         raise CpuSetParseError(
-            f"invalid cpuset {text!r}: CPU id {value} is above the limit {MAX_CPU_ID}"
+            f"invalid cpuset {_shown(text)}: CPU id {_shown(token)} is above the limit {MAX_CPU_ID}"
         )
-    return value
+    return int(token)
+
+
+def _shown(text: str) -> str:
+    """``repr`` of text for an error message, cut short when it is long."""
+    if len(text) <= _SHOWN_CHARS:
+        return repr(text)
+    return f"{text[:_SHOWN_CHARS]!r}... ({len(text)} characters)"
 
 
 EMPTY = CpuSet()

@@ -45,7 +45,9 @@ class CpuInfo:
     cluster_id: int  # topology/cluster_id, -1 when absent or 65535 (no cluster)
     core_id: int  # topology/core_id, raw: repeats across sockets
     numa_node: int  # the nodeX entry under cpuN/
-    l3_id: int | None  # cache indexK (level 3) id; lowest CPU of shared_cpu_list when no id; None: no L3
+    # cache indexK (level 3) id; the lowest CPU of its shared_cpu_list when there is no id
+    # file (arm64); None: no L3 cache
+    l3_id: int | None
     core_type: CoreType = CoreType.STANDARD
 
     @property
@@ -132,17 +134,23 @@ class Topology:
         return sorted({self.cpus[c].socket_id for c in cpus if c in self.cpus})
 
     def l3_caches_of(self, cpus: CpuSet) -> list[int]:
-        return sorted({l3 for c in cpus if c in self.cpus and (l3 := self.cpus[c].l3_id) is not None})
+        return sorted(
+            {l3 for c in cpus if c in self.cpus and (l3 := self.cpus[c].l3_id) is not None}
+        )
 
     def by_core_type(self, core_type: CoreType) -> CpuSet:
         return CpuSet(c.cpu_id for c in self.cpus.values() if c.core_type is core_type)
 
     def sorted_siblings_adjacent(self, cpus: CpuSet) -> list[int]:
-        """``cpus`` ordered core by core (cores by lowest CPU id), siblings adjacent.
+        """``cpus`` ordered core by core, siblings adjacent; the cores ordered by their lowest
+        CPU *in* ``cpus`` (a core whose lowest CPU is left out sorts by its next one).
 
-        This is the order individual-mode devices are numbered in (``cpudev000`` ...).
+        This is the order individual-mode devices are numbered in (``cpudev000`` ...), as
+        upstream ``cpuDeviceInfos`` sorts its core groups of non-reserved CPUs.
         """
-        return [cpu for core in self.cores_of(cpus) for cpu in core & cpus]
+        groups = [core & cpus for core in self.cores_of(cpus)]
+        groups.sort(key=CpuSet.min)
+        return [cpu for group in groups for cpu in group]
 
 
 def _group(infos: Iterable[CpuInfo], key: Callable[[CpuInfo], K]) -> dict[K, CpuSet]:
