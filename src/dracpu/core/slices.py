@@ -47,6 +47,7 @@ zero-padded so that name order (the scheduler's first-fit order) is device order
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -134,6 +135,10 @@ _MAX_TAINTS = 16  # DeviceTaintsMaxLength (1.35+)
 _MAX_VALID_VALUES = 10  # CapacityRequestPolicyDiscreteMaxOptions
 _LIST_ATTRIBUTE_TYPES = ("ints", "bools", "strings", "versions")  # DRAListTypeAttributes (1.36)
 _SCALAR_ATTRIBUTE_TYPES = ("int", "bool", "string", "version")
+_LIST_KEYS = frozenset(_LIST_ATTRIBUTE_TYPES)
+# A str of at most this many characters is within the 64-byte limit whatever its encoding
+# (UTF-8 needs at most 4 bytes per character).
+_MAX_ASCII_FAST = _MAX_ATTRIBUTE_VALUE_LENGTH // 4
 
 # Slice names: "<node>-dra.cpu-NNN". The index is padded to 3 digits: 16384 CPUs (CpuSet's
 # MAX_CPU_ID + 1) in slices of 64 need 256 slices, so name order is numeric order.
@@ -384,8 +389,9 @@ def max_devices_per_slice(wire_devices: Iterable[Mapping[str, Any]]) -> int:
         if device.get("taints") or device.get("consumesCounters"):
             return MAX_DEVICES_PER_SLICE_ADVANCED
         for attribute in (device.get("attributes") or {}).values():
-            if isinstance(attribute, Mapping) and any(
-                k in attribute for k in _LIST_ATTRIBUTE_TYPES
+            # type() first: the ABC isinstance check is slow on 1000-device pools
+            if (type(attribute) is dict or isinstance(attribute, Mapping)) and not (
+                _LIST_KEYS.isdisjoint(attribute)
             ):
                 return MAX_DEVICES_PER_SLICE_ADVANCED
     return MAX_DEVICES_PER_SLICE
@@ -479,8 +485,11 @@ def _driver_name_errors(value: object) -> list[str]:
     return []
 
 
-def _qualified_name_errors(name: str) -> list[str]:
-    """validateQualifiedName: ``<C identifier>`` or ``<domain>/<C identifier>``."""
+@functools.lru_cache(maxsize=1024)
+def _qualified_name_errors(name: str) -> tuple[str, ...]:
+    """validateQualifiedName: ``<C identifier>`` or ``<domain>/<C identifier>``.
+
+    Cached: a slice repeats the same few names on every device."""
     domain, slash, ident = name.rpartition("/")
     errors: list[str] = []
     if slash:
@@ -497,7 +506,7 @@ def _qualified_name_errors(name: str) -> list[str]:
             errors.append(f"name must be no more than {_MAX_ID_LENGTH} characters")
         if not _C_IDENTIFIER_RE.match(ident):
             errors.append("name must be a C identifier ([A-Za-z_][A-Za-z0-9_]*)")
-    return errors
+    return tuple(errors)
 
 
 def _parse_quantity(value: object) -> Fraction | None:
@@ -517,6 +526,14 @@ def _parse_quantity(value: object) -> Fraction | None:
 
 def _attribute_errors(path: str, attribute: object) -> tuple[list[str], int]:
     """Errors of one DeviceAttribute and how many values it holds."""
+    if type(attribute) is dict and len(attribute) == 1:  # fast path: a well-formed scalar
+        ((kind, value),) = attribute.items()
+        if (
+            (kind == "int" and type(value) is int)
+            or (kind == "bool" and type(value) is bool)
+            or (kind == "string" and type(value) is str and len(value) <= _MAX_ASCII_FAST)
+        ):
+            return [], 1
     if not isinstance(attribute, Mapping):
         return [f"{path}: must be an object"], 0
     present = [k for k in (*_SCALAR_ATTRIBUTE_TYPES, *_LIST_ATTRIBUTE_TYPES) if k in attribute]
