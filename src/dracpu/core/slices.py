@@ -237,22 +237,11 @@ def devices_by_name(devices: Iterable[Device]) -> dict[str, Device]:
     return {device.name: device for device in devices}
 
 
-def _individual_order(topology: Topology, allocatable: CpuSet) -> list[int]:
-    """Allocatable CPUs core by core, cores ordered by their lowest allocatable CPU.
-
-    Upstream ``cpuDeviceInfos`` sorts core groups by their first non-reserved CPU; a core whose
-    lowest CPU is reserved therefore sorts by its remaining CPU, not by the reserved one.
-    """
-    groups = [core & allocatable for core in topology.cores_of(allocatable)]
-    groups.sort(key=CpuSet.min)
-    return [cpu for group in groups for cpu in group]
-
-
 def _individual_devices(topology: Topology, allocatable: CpuSet) -> list[Device]:
     smt = topology.smt_enabled
     isolated = topology.isolated
     devices: list[Device] = []
-    for index, cpu in enumerate(_individual_order(topology, allocatable)):
+    for index, cpu in enumerate(topology.sorted_siblings_adjacent(allocatable)):
         info = topology.info(cpu)
         attributes: dict[str, AttributeValue] = {}
         if info.numa_node >= 0:  # KEP-6072: omit, never publish -1
