@@ -329,7 +329,10 @@ def write_sysfs(
     (``"sys/devices/system/cpu/cpu3/topology/core_id"``) not to write; a pattern matching a
     directory omits everything under it. ``override``: path -> text written instead of (or in
     addition to) the generated file. Together they make broken machines for error tests.
+    ``root/sys`` must not exist yet.
     """
+    if os.path.lexists(os.path.join(root, "sys")):
+        raise ConfigError(f"{os.path.join(root, 'sys')} already exists: write into an empty root")
     files, links = _sysfs_files(spec)
     patterns = [re.compile(translate(p)) for p in omit]
     if patterns:
