@@ -200,3 +200,14 @@ def test_inspect_this_machine() -> None:
     )
     assert text.returncode == 0, text.stderr
     assert text.stdout.startswith("cpus: ")
+
+
+def test_invalid_node_name_exits_2_with_one_line(
+    capsys: pytest.CaptureFixture[str], roots: dict[str, Path]
+) -> None:
+    code = main(["inspect", "--host-root", str(roots["vm-2cpu"]), "--node-name", "Bad_Node"])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1
+    assert "Bad_Node" in err
