@@ -1,0 +1,705 @@
+"""Settings of ``dracpu run``: flags, environment and the YAML config file (design §5).
+
+Precedence, lowest first::
+
+    built-in defaults  <  environment (NODE_NAME, KUBECONFIG, HOST_ROOT)  <  config file  <  flags
+
+Only flags given *explicitly* on the command line override the file: every ``run`` flag has the
+argparse default ``SUPPRESS``, so an absent flag is absent from the namespace (upstream does the
+same with ``flag.Visit``). The environment behaves like a flag *default*: it is what the
+DaemonSet's pod spec injects for every node (``NODE_NAME`` from the downward API, ``HOST_ROOT``),
+so an operator's config file or an explicit flag is the more deliberate choice and wins over it.
+Upstream reads ``HOST_ROOT`` only from the environment; we also accept ``--host-root`` and the key
+``hostRoot``. An empty ``NODE_NAME``, ``KUBECONFIG``, ``hostnameOverride`` or ``kubeconfig`` means
+"not given" (as an empty Go string does upstream), and so does a YAML ``null`` for any key.
+
+The config file is a YAML mapping. Upstream's keys keep their meaning: ``cpuDeviceMode``,
+``groupBy``, ``reservedCPUs``, ``hostnameOverride``, ``kubeconfig`` and the optional
+``apiVersion: v1alpha1``. Upstream's ``exposePCIeRoots``, ``sysfsOverlay`` and
+``publishNodeAllocatableResourceMapping`` are accepted only with their "off" value (so an
+upstream file that spells its defaults still loads) and refused otherwise, since dracpu does not
+implement them. Every other ``run`` flag has a camelCase key of its own (``kubeletRootDir``,
+``cdiDir``, ``nriSocket``, ``stateDir``, ``hostRoot``, ``bindAddress``, ``logFormat``,
+``verbosity``, ``memoryPinning``, ``nriPluginName``, ``nriPluginIndex``); upstream refuses
+``bindAddress`` and ``kubeletRootDir`` in the file, we accept them (design §5: every flag is also
+settable in the file). Unknown keys, keys that differ from ours only by case, duplicate keys and
+values of the wrong YAML type are errors.
+
+Every bad value raises :class:`~dracpu.errors.ConfigError` with one line naming where the value
+came from (the flag, the file and key, or the environment variable) and the value itself; the CLI
+prints it and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import ipaddress
+import json
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, NoReturn
+
+import yaml
+
+from dracpu import DRIVER_NAME
+from dracpu.core.cpuset import CpuSet
+from dracpu.core.slices import CpuDeviceMode, GroupBy
+from dracpu.errors import ConfigError, DracpuError
+
+__all__ = [
+    "CONFIG_API_VERSION",
+    "UNIX_PATH_MAX",
+    "BindAddress",
+    "Config",
+    "LogFormat",
+    "add_run_arguments",
+    "load_config",
+]
+
+LogFormat = Literal["text", "json"]
+
+# The only config-file apiVersion upstream accepts (internal/driverconfig/config.go).
+CONFIG_API_VERSION = "v1alpha1"
+
+# sun_path of struct sockaddr_un is 108 bytes on Linux, one of them the terminating NUL; upstream
+# checks the same limit (pkg/driver/driver.go `unixPathMax = 107`).
+UNIX_PATH_MAX = 107
+
+# Defaults: design §5 and upstream internal/driverconfig/defaults.go.
+DEFAULT_KUBELET_ROOT_DIR = Path("/var/lib/kubelet")
+DEFAULT_CDI_DIR = Path("/var/run/cdi")  # the CDI spec directory runtimes read by default
+DEFAULT_NRI_SOCKET = Path("/var/run/nri/nri.sock")  # containerd/nri pkg/api DefaultSocketPath
+DEFAULT_STATE_DIR = Path("/var/lib/dracpu")  # design §5
+DEFAULT_HOST_ROOT = Path("/")
+DEFAULT_BIND_ADDRESS = ":8080"  # upstream --bind-address default
+DEFAULT_NRI_PLUGIN_NAME = DRIVER_NAME  # upstream stub.WithPluginName("dra.cpu")
+DEFAULT_NRI_PLUGIN_INDEX = "00"  # upstream stub.WithPluginIdx("00")
+
+# Socket and file names under the kubelet root, as the kubeletplugin helper upstream derives
+# them (RegistrarDirectoryPath, PluginDataDirectoryPath; "<driver>-reg.sock" while rolling
+# updates are off) and the kubelet's pod-resources socket (pkg/kubelet/apis/podresources).
+REGISTRATION_SOCKET = Path("plugins_registry") / f"{DRIVER_NAME}-reg.sock"
+DRA_SOCKET = Path("plugins") / DRIVER_NAME / "dra.sock"
+POD_RESOURCES_SOCKET = Path("pod-resources") / "kubelet.sock"
+CHECKPOINT_FILE = "checkpoint.json"  # design §5
+
+_LOG_FORMATS: tuple[LogFormat, ...] = ("text", "json")
+_NO_CPUS = CpuSet()
+
+# Kubernetes object names (node names, and with them pool names) are RFC 1123 DNS subdomains.
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_DNS_SUBDOMAIN_MAX = 253
+# An NRI plugin name becomes part of "<index>-<name>" and of log lines; keep it a plain token.
+_NRI_PLUGIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# NRI orders plugins by a two-digit index (containerd/nri pkg/stub: "00".."99").
+_NRI_PLUGIN_INDEX = re.compile(r"[0-9]{2}")
+_HOSTNAME = re.compile(
+    r"[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?(\.[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?)*"
+)
+# Go's strconv.ParseBool, which upstream's boolean flags use.
+_GO_TRUE = frozenset({"1", "t", "T", "TRUE", "true", "True"})
+_GO_FALSE = frozenset({"0", "f", "F", "FALSE", "false", "False"})
+
+
+@dataclass(frozen=True, slots=True)
+class BindAddress:
+    """Where ``/healthz``, ``/readyz`` and ``/metrics`` listen."""
+
+    host: str
+    """An IP address or host name; ``""`` listens on every interface (Go's ``:8080``)."""
+    port: int
+    """TCP port, 0..65535 (0 picks a free port)."""
+
+    @classmethod
+    def parse(cls, text: str) -> BindAddress:
+        """Parse ``:8080``, ``127.0.0.1:9000``, ``[::1]:8080`` or ``localhost:8080``.
+
+        Raises :class:`ValueError` with the reason.
+        """
+        host, sep, port_text = text.rpartition(":")
+        if not sep:
+            raise ValueError('missing ":<port>"')
+        if not port_text.isascii() or not port_text.isdigit() or int(port_text) > 65535:
+            raise ValueError(f"port {port_text!r} is not a number 0..65535")
+        if host.startswith("[") and host.endswith("]"):
+            try:
+                ipaddress.IPv6Address(host[1:-1])
+            except ValueError:
+                raise ValueError(f"{host} is not an IPv6 address") from None
+            host = host[1:-1]
+        elif ":" in host:
+            raise ValueError("an IPv6 address must be in brackets, e.g. [::1]:8080")
+        elif host and not _HOSTNAME.fullmatch(host):
+            raise ValueError(f"{host!r} is neither an IP address nor a host name")
+        return cls(host, int(port_text))
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """Everything ``dracpu run`` needs to know, validated; build it with :func:`load_config`."""
+
+    node_name: str
+    """The node this daemon serves; also the name of the ResourceSlice pool (required)."""
+    kubeconfig: Path | None = None
+    """A kubeconfig file for API access; ``None`` uses the in-cluster service account."""
+    cpu_device_mode: CpuDeviceMode = CpuDeviceMode.GROUPED
+    """``grouped`` (one device with capacity per group) or ``individual`` (one per CPU)."""
+    group_by: GroupBy = GroupBy.NUMANODE
+    """How grouped mode groups CPUs: by NUMA node, socket or the whole machine."""
+    reserved_cpus: CpuSet = _NO_CPUS
+    """CPUs never published and never in the shared pool (system and kubelet CPUs)."""
+    kubelet_root_dir: Path = DEFAULT_KUBELET_ROOT_DIR
+    """The kubelet's ``--root-dir``; the plugin and pod-resources sockets live under it."""
+    cdi_dir: Path = DEFAULT_CDI_DIR
+    """Directory where CDI spec files are written (the runtime must read it)."""
+    nri_socket: Path = DEFAULT_NRI_SOCKET
+    """The runtime's NRI socket we connect to."""
+    state_dir: Path = DEFAULT_STATE_DIR
+    """Directory of the checkpoint (created 0700 if missing)."""
+    host_root: Path = DEFAULT_HOST_ROOT
+    """The host's root as mounted in the container; sysfs is read under ``<host_root>/sys``."""
+    bind_address: BindAddress = BindAddress("", 8080)
+    """Listening address of ``/healthz``, ``/readyz`` and ``/metrics``."""
+    log_format: LogFormat = "text"
+    """``text`` for people, ``json`` (one object per line) for log collectors."""
+    verbosity: int = 0
+    """klog-style level: 0 logs info and above, 1+ also debug, 6+ also libraries' debug."""
+    memory_pinning: bool = False
+    """Also pin ``cpuset.mems`` to the NUMA nodes of a claim's CPUs (per-claim override later)."""
+    nri_plugin_name: str = DEFAULT_NRI_PLUGIN_NAME
+    """Name we register with the runtime's NRI."""
+    nri_plugin_index: str = DEFAULT_NRI_PLUGIN_INDEX
+    """Two-digit NRI plugin index: the runtime calls plugins in index order."""
+
+    @property
+    def registration_socket(self) -> Path:
+        """Kubelet plugin-registration socket: ``<root>/plugins_registry/dra.cpu-reg.sock``."""
+        return self.kubelet_root_dir / REGISTRATION_SOCKET
+
+    @property
+    def dra_socket(self) -> Path:
+        """DRA gRPC socket the kubelet calls: ``<root>/plugins/dra.cpu/dra.sock``."""
+        return self.kubelet_root_dir / DRA_SOCKET
+
+    @property
+    def pod_resources_socket(self) -> Path:
+        """The kubelet's PodResources socket: ``<root>/pod-resources/kubelet.sock``."""
+        return self.kubelet_root_dir / POD_RESOURCES_SOCKET
+
+    @property
+    def checkpoint_path(self) -> Path:
+        """The checkpoint file: ``<state_dir>/checkpoint.json``."""
+        return self.state_dir / CHECKPOINT_FILE
+
+
+# --- command-line flags -------------------------------------------------------------------------
+
+
+def _go_bool(text: str) -> bool:
+    if text in _GO_TRUE:
+        return True
+    if text in _GO_FALSE:
+        return False
+    raise ValueError(f"invalid boolean {text!r} (use true or false)")
+
+
+class _GoBoolAction(argparse.Action):
+    """A Go-style boolean flag: ``--flag`` is true, ``--flag=false`` / ``--flag=true`` as given."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[object] | None,
+        option_string: str | None = None,
+    ) -> None:
+        if values is None:
+            setattr(namespace, self.dest, True)
+            return
+        try:
+            setattr(namespace, self.dest, _go_bool(str(values)))
+        except ValueError as exc:
+            raise argparse.ArgumentError(self, str(exc)) from exc
+
+
+class _VerbosityAction(argparse.Action):
+    """klog's ``-v=N`` / ``--v=N`` / ``-v N``, and also ``-v``, ``-vv``, ... counting up."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[object] | None,
+        option_string: str | None = None,
+    ) -> None:
+        current = getattr(namespace, self.dest, 0)
+        if values is None:
+            setattr(namespace, self.dest, current + 1)
+        elif isinstance(values, str) and values and set(values) == {"v"}:  # -vv arrives as "v"
+            setattr(namespace, self.dest, current + 1 + len(values))
+        elif isinstance(values, str) and values.isascii() and values.isdigit():
+            setattr(namespace, self.dest, int(values))
+        else:
+            raise argparse.ArgumentError(self, f"invalid verbosity {values!r}: use a number >= 0")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every ``dracpu run`` flag to ``parser``; none has a default (see the module doc)."""
+    s = argparse.SUPPRESS
+    parser.add_argument("--config", default=s, metavar="FILE", help="YAML config file")
+    parser.add_argument(
+        "--node-name",
+        "--hostname-override",
+        dest="node_name",
+        default=s,
+        metavar="NAME",
+        help="node this daemon serves (env NODE_NAME; required)",
+    )
+    parser.add_argument(
+        "--kubeconfig", default=s, metavar="FILE", help="kubeconfig (env KUBECONFIG; in-cluster)"
+    )
+    parser.add_argument(
+        "--cpu-device-mode",
+        default=s,
+        metavar="|".join(CpuDeviceMode),
+        help="one device per CPU group with capacity, or one per CPU (default grouped)",
+    )
+    parser.add_argument(
+        "--group-by",
+        default=s,
+        metavar="|".join(GroupBy),
+        help="CPU groups of grouped mode (default numanode)",
+    )
+    parser.add_argument(
+        "--reserved-cpus",
+        default=s,
+        metavar="SET",
+        help="CPUs never published nor shared, Linux list syntax e.g. 0-1 (default none)",
+    )
+    parser.add_argument(
+        "--kubelet-root-dir",
+        default=s,
+        metavar="DIR",
+        help=f"the kubelet's root directory (default {DEFAULT_KUBELET_ROOT_DIR})",
+    )
+    parser.add_argument(
+        "--cdi-dir",
+        default=s,
+        metavar="DIR",
+        help=f"CDI spec directory (default {DEFAULT_CDI_DIR})",
+    )
+    parser.add_argument(
+        "--nri-socket",
+        default=s,
+        metavar="PATH",
+        help=f"the runtime's NRI socket (default {DEFAULT_NRI_SOCKET})",
+    )
+    parser.add_argument(
+        "--state-dir",
+        default=s,
+        metavar="DIR",
+        help=f"checkpoint directory (default {DEFAULT_STATE_DIR})",
+    )
+    parser.add_argument(
+        "--host-root",
+        default=s,
+        metavar="DIR",
+        help="read sysfs under <host-root>/sys (env HOST_ROOT; default /)",
+    )
+    parser.add_argument(
+        "--bind-address",
+        default=s,
+        metavar="[HOST]:PORT",
+        help=f"/healthz, /readyz and /metrics (default {DEFAULT_BIND_ADDRESS})",
+    )
+    parser.add_argument(
+        "--log-format", default=s, metavar="|".join(_LOG_FORMATS), help="default text"
+    )
+    parser.add_argument(
+        "-v",
+        "--v",
+        dest="verbosity",
+        action=_VerbosityAction,
+        nargs="?",
+        default=s,
+        metavar="N",
+        help="log verbosity as klog: -v=4 (or -v, -vv, ...); 1+ logs debug (default 0)",
+    )
+    parser.add_argument(
+        "--memory-pinning",
+        dest="memory_pinning",
+        action=_GoBoolAction,
+        nargs="?",
+        default=s,
+        metavar="BOOL",
+        help="also pin cpuset.mems to the claim's NUMA nodes (default false)",
+    )
+    parser.add_argument(
+        "--nri-plugin-name",
+        default=s,
+        metavar="NAME",
+        help=f"NRI plugin name (default {DEFAULT_NRI_PLUGIN_NAME})",
+    )
+    parser.add_argument(
+        "--nri-plugin-index",
+        default=s,
+        metavar="NN",
+        help=f"two-digit NRI plugin index (default {DEFAULT_NRI_PLUGIN_INDEX})",
+    )
+    # Upstream flags we accept for drop-in compatibility (its Helm chart always passes
+    # --expose-pcie-roots=<bool>) but do not implement: only their "off" value is allowed.
+    parser.add_argument(
+        "--expose-pcie-roots",
+        dest="expose_pcie_roots",
+        action=_GoBoolAction,
+        nargs="?",
+        default=s,
+        metavar="BOOL",
+        help="upstream compatibility: only false is accepted",
+    )
+    parser.add_argument(
+        "--sysfs-overlay",
+        dest="sysfs_overlay",
+        default=s,
+        metavar="FILE",
+        help='upstream compatibility: only "" is accepted (use --host-root)',
+    )
+
+
+# --- loading ------------------------------------------------------------------------------------
+
+
+class _BadValue(ValueError):
+    """A value that cannot be used; the message is the reason, without the source."""
+
+
+def _show(value: object) -> str:
+    """A value as it appears in an error line: JSON style, so strings get double quotes."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _string(raw: object) -> str:
+    if not isinstance(raw, str):
+        raise _BadValue(f"must be a string, not {_yaml_type(raw)}")
+    return raw
+
+
+def _yaml_type(raw: object) -> str:
+    return {
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        list: "a list",
+        dict: "a mapping",
+    }.get(type(raw), type(raw).__name__)
+
+
+def _choice(enum: type[CpuDeviceMode] | type[GroupBy]) -> Callable[[object], object]:
+    def convert(raw: object) -> object:
+        text = _string(raw)
+        try:
+            return enum(text)
+        except ValueError:
+            allowed = ", ".join(_show(member.value) for member in enum)
+            raise _BadValue(f"must be one of {allowed}") from None
+
+    return convert
+
+
+def _log_format(raw: object) -> LogFormat:
+    text = _string(raw)
+    for fmt in _LOG_FORMATS:
+        if text == fmt:
+            return fmt
+    raise _BadValue('must be "text" or "json"')
+
+
+def _cpuset(raw: object) -> CpuSet:
+    text = _string(raw)
+    try:
+        return CpuSet.parse(text)
+    except DracpuError as exc:
+        raise _BadValue(str(exc)) from exc
+
+
+def _absolute_path(raw: object) -> Path:
+    text = _string(raw)
+    if not text:
+        raise _BadValue("must not be empty")
+    if not os.path.isabs(text):
+        raise _BadValue("must be an absolute path")
+    return Path(os.path.normpath(text))
+
+
+def _optional_path(raw: object) -> Path | None:
+    """A client-side file (kubeconfig): relative is resolved against the working directory."""
+    text = _string(raw)
+    if not text:
+        return None
+    if os.pathsep in text:
+        raise _BadValue(f"lists several files ({os.pathsep!r}-separated); give exactly one")
+    return Path(os.path.abspath(text))
+
+
+def _node_name(raw: object) -> str | None:
+    text = _string(raw)
+    if not text:
+        return None
+    if len(text) > _DNS_SUBDOMAIN_MAX or not _DNS_SUBDOMAIN.fullmatch(text):
+        raise _BadValue(
+            "is not a valid node name (lowercase RFC 1123 subdomain: a-z, 0-9, '-' and '.')"
+        )
+    return text
+
+
+def _bind_address(raw: object) -> BindAddress:
+    text = _string(raw)
+    try:
+        return BindAddress.parse(text)
+    except ValueError as exc:
+        raise _BadValue(str(exc)) from exc
+
+
+def _verbosity(raw: object) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:
+        raise _BadValue("must be a number >= 0")
+    return raw
+
+
+def _boolean(raw: object) -> bool:
+    if not isinstance(raw, bool):
+        raise _BadValue(f"must be true or false, not {_yaml_type(raw)}")
+    return raw
+
+
+def _nri_plugin_name(raw: object) -> str:
+    text = _string(raw)
+    if not _NRI_PLUGIN_NAME.fullmatch(text):
+        raise _BadValue("must be letters, digits, '.', '_' or '-', starting with a letter or digit")
+    return text
+
+
+def _nri_plugin_index(raw: object) -> str:
+    # YAML reads an unquoted 00 / 07 as the number 0 / 7, so a number 0..99 is accepted too.
+    reason = 'must be two digits, "00" to "99"'
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        if 0 <= raw <= 99:
+            return f"{raw:02d}"
+        raise _BadValue(reason)
+    text = _string(raw)
+    if not _NRI_PLUGIN_INDEX.fullmatch(text):
+        raise _BadValue(reason)
+    return text
+
+
+def _unsupported(off: object, what: str) -> Callable[[object], object]:
+    def convert(raw: object) -> object:
+        if raw != off or type(raw) is not type(off):
+            raise _BadValue(f"dracpu does not support {what}; only {_show(off)} is accepted")
+        return raw
+
+    return convert
+
+
+@dataclass(frozen=True, slots=True)
+class _Setting:
+    """One setting: its name (the Config field and the argparse ``dest``), its flag, its
+    config-file key, the converter of a raw flag / file / environment value, the environment
+    variable if any, and whether it is a Config field (upstream-compatibility settings are not)."""
+
+    name: str
+    flag: str | None
+    key: str
+    convert: Callable[[object], object]
+    env: str | None = None
+    stored: bool = True
+
+
+_SETTINGS: tuple[_Setting, ...] = (
+    _Setting("node_name", "--node-name", "hostnameOverride", _node_name, env="NODE_NAME"),
+    _Setting("kubeconfig", "--kubeconfig", "kubeconfig", _optional_path, env="KUBECONFIG"),
+    _Setting("cpu_device_mode", "--cpu-device-mode", "cpuDeviceMode", _choice(CpuDeviceMode)),
+    _Setting("group_by", "--group-by", "groupBy", _choice(GroupBy)),
+    _Setting("reserved_cpus", "--reserved-cpus", "reservedCPUs", _cpuset),
+    _Setting("kubelet_root_dir", "--kubelet-root-dir", "kubeletRootDir", _absolute_path),
+    _Setting("cdi_dir", "--cdi-dir", "cdiDir", _absolute_path),
+    _Setting("nri_socket", "--nri-socket", "nriSocket", _absolute_path),
+    _Setting("state_dir", "--state-dir", "stateDir", _absolute_path),
+    _Setting("host_root", "--host-root", "hostRoot", _absolute_path, env="HOST_ROOT"),
+    _Setting("bind_address", "--bind-address", "bindAddress", _bind_address),
+    _Setting("log_format", "--log-format", "logFormat", _log_format),
+    _Setting("verbosity", "--v", "verbosity", _verbosity),
+    _Setting("memory_pinning", "--memory-pinning", "memoryPinning", _boolean),
+    _Setting("nri_plugin_name", "--nri-plugin-name", "nriPluginName", _nri_plugin_name),
+    _Setting("nri_plugin_index", "--nri-plugin-index", "nriPluginIndex", _nri_plugin_index),
+    _Setting(
+        "expose_pcie_roots",
+        "--expose-pcie-roots",
+        "exposePCIeRoots",
+        _unsupported(False, "PCIe root attributes"),
+        stored=False,
+    ),
+    _Setting(
+        "sysfs_overlay",
+        "--sysfs-overlay",
+        "sysfsOverlay",
+        _unsupported("", "sysfs overlays (use --host-root with a sysfs tree)"),
+        stored=False,
+    ),
+    _Setting(
+        "publish_node_allocatable_resource_mapping",
+        None,
+        "publishNodeAllocatableResourceMapping",
+        _unsupported(False, "KEP-5517 node allocatable resource mappings"),
+        stored=False,
+    ),
+)
+
+_FILE_KEYS: frozenset[str] = frozenset({"apiVersion"} | {s.key for s in _SETTINGS})
+
+
+def _fail(source: str, raw: object, reason: str) -> NoReturn:
+    raise ConfigError(f"{source}: invalid value {_show(raw)}: {reason}")
+
+
+def _converted(setting: _Setting, raw: object, source: str) -> object:
+    try:
+        return setting.convert(raw)
+    except _BadValue as exc:
+        _fail(source, raw, str(exc))
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A safe loader that refuses a mapping key given twice (upstream: yaml.UnmarshalStrict)."""
+
+
+def _construct_unique_mapping(
+    loader: yaml.SafeLoader, node: yaml.MappingNode
+) -> dict[object, object]:
+    loader.flatten_mapping(node)
+    seen: set[object] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            hash(key)
+        except TypeError:
+            continue  # construct_mapping below reports the unhashable key
+        if key in seen:
+            mark = key_node.start_mark
+            raise yaml.MarkedYAMLError(problem=f"duplicate key {_show(key)}", problem_mark=mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=True)
+
+
+_UniqueKeyLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping
+)
+
+
+def _read_file(path: str) -> dict[str, object]:
+    where = f"config file {path}"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"{where}: cannot read: {reason}") from exc
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: builds no objects
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{where}: not valid YAML: {_yaml_problem(exc)}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: must be a mapping of keys to values, not {_yaml_type(data)}")
+    bad_keys = sorted((str(k) for k in data if k not in _FILE_KEYS), key=str)
+    if bad_keys:
+        raise ConfigError(f"{where}: " + "; ".join(_unknown_key(k) for k in bad_keys))
+    version = data.get("apiVersion", CONFIG_API_VERSION)
+    if version != CONFIG_API_VERSION:
+        raise ConfigError(
+            f"{where}: apiVersion: invalid value {_show(version)}: "
+            f"must be {_show(CONFIG_API_VERSION)}"
+        )
+    return {str(k): v for k, v in data.items() if k != "apiVersion"}
+
+
+def _unknown_key(key: str) -> str:
+    folded = [k for k in sorted(_FILE_KEYS) if k.lower() == key.lower()]
+    close = folded or difflib.get_close_matches(key, sorted(_FILE_KEYS), n=1)
+    hint = f" (did you mean {_show(close[0])}?)" if close else ""
+    return f"unknown key {_show(key)}{hint}"
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem:
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
+        return f"{exc.problem}{where}"
+    return " ".join(str(exc).split())
+
+
+def load_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Config:
+    """Merge defaults < environment < config file < explicit flags, validate, build a Config.
+
+    ``args`` is the namespace of a parser given :func:`add_run_arguments`. Raises
+    :class:`~dracpu.errors.ConfigError` with one line naming the bad value and its source.
+    """
+    values: dict[str, object] = {}
+    sources: dict[str, str] = {}
+
+    def take(setting: _Setting, raw: object, source: str) -> None:
+        value = _converted(setting, raw, source)
+        if setting.stored and value is not None:
+            values[setting.name] = value
+            sources[setting.name] = source
+
+    for setting in _SETTINGS:
+        if setting.env is not None and environ.get(setting.env):
+            take(setting, environ[setting.env], f"environment variable {setting.env}")
+    config_file = getattr(args, "config", None)
+    if config_file is not None:
+        if not config_file:
+            raise ConfigError('--config: invalid value "": give the path of a YAML file')
+        data = _read_file(config_file)
+        for setting in _SETTINGS:
+            if setting.key in data and data[setting.key] is not None:
+                take(setting, data[setting.key], f"config file {config_file}: {setting.key}")
+    for setting in _SETTINGS:
+        if setting.flag is not None and hasattr(args, setting.name):
+            take(setting, getattr(args, setting.name), setting.flag)
+
+    if "node_name" not in values:
+        raise ConfigError(
+            "no node name: give --node-name (or --hostname-override), set NODE_NAME, "
+            "or set hostnameOverride in the config file"
+        )
+    config = Config(**values)  # type: ignore[arg-type]
+    _check_socket_paths(config, sources)
+    return config
+
+
+def _check_socket_paths(config: Config, sources: Mapping[str, str]) -> None:
+    checks = (
+        ("kubelet_root_dir", "registration socket", config.registration_socket),
+        ("kubelet_root_dir", "DRA socket", config.dra_socket),
+        ("kubelet_root_dir", "pod-resources socket", config.pod_resources_socket),
+        ("nri_socket", "NRI socket", config.nri_socket),
+    )
+    for field, what, path in checks:
+        size = len(os.fsencode(path))
+        if size > UNIX_PATH_MAX:
+            source = sources.get(field, "default")
+            raise ConfigError(
+                f"{source}: {what} path {_show(str(path))} is {size} bytes, over the "
+                f"{UNIX_PATH_MAX}-byte limit of a Unix socket path"
+            )
