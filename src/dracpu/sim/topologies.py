@@ -31,6 +31,7 @@ __all__ = [
     "CoreIdScheme",
     "CpuNumbering",
     "L3Mode",
+    "SMT_AUTO",
     "MachineSpec",
     "build_topology",
     "fixture",
