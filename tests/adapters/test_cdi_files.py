@@ -1,0 +1,349 @@
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dracpu.adapters.cdi_files import (
+    MAX_SPEC_BYTES,
+    delete_spec,
+    dir_identity,
+    ensure_dir,
+    is_our_probe_file,
+    is_our_temp_file,
+    list_our_specs,
+    probe_file_name,
+    read_spec,
+    read_spec_bytes,
+    remove_our_file,
+    scan_dir,
+    spec_path,
+    temp_file_name,
+    touch_probe,
+    write_spec,
+)
+from dracpu.core.cdi_spec import parse_spec, spec_bytes, spec_file_name
+from dracpu.core.cpuset import CpuSet
+from dracpu.errors import CdiError
+
+UID = "8ec6fd12-bb08-4936-a857-866f50153c21"
+OTHER = "0b7e3a52-4c1f-4d7e-9a31-2f9a4c1d5e60"
+CPUS = CpuSet.parse("2-3")
+
+VENDOR_FILES = {
+    "nvidia.com-gpu.yaml": b"---\ncdiVersion: 0.5.0\nkind: nvidia.com/gpu\n",
+    "dra.cpu.json": b'{"cdiVersion":"0.8.0","kind":"dra.k8s.io/cpu","devices":[]}',
+    "dra.k8s.io-cpu_claim-not-a-uid.json": b"{}",
+    f"dra.k8s.io-cpu_claim-{UID}.yaml": b"not ours: .yaml",
+}
+
+
+@pytest.fixture
+def umask_077() -> Iterator[None]:
+    old = os.umask(0o077)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def _write_vendor_files(directory: Path) -> dict[str, tuple[bytes, int]]:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, data in VENDOR_FILES.items():
+        (directory / name).write_bytes(data)
+    return _vendor_state(directory)
+
+
+def _vendor_state(directory: Path) -> dict[str, tuple[bytes, int]]:
+    """Content and mtime of each vendor file: both must survive untouched."""
+    return {
+        name: ((directory / name).read_bytes(), (directory / name).stat().st_mtime_ns)
+        for name in VENDOR_FILES
+    }
+
+
+# --- names -------------------------------------------------------------------------------------
+
+
+def test_temp_and_probe_names() -> None:
+    temp = temp_file_name(UID)
+    assert temp.startswith(f".dra.k8s.io-cpu_claim-{UID}.json.tmp-")
+    assert not temp.endswith((".json", ".yaml"))
+    assert is_our_temp_file(temp)
+    assert temp != temp_file_name(UID)
+    assert not is_our_temp_file(spec_file_name(UID))
+    assert not is_our_temp_file(".nvidia.json.tmp-0123abcd")
+    assert not is_our_temp_file(f".dra.k8s.io-cpu_claim-{UID}.json.tmp-")
+    probe = probe_file_name()
+    assert is_our_probe_file(probe)
+    assert not probe.endswith((".json", ".yaml"))
+    assert not is_our_probe_file("dracpu-cdi-probe-1-0123abcd")
+    assert spec_path("/var/run/cdi", UID) == Path(f"/var/run/cdi/dra.k8s.io-cpu_claim-{UID}.json")
+
+
+# --- write -------------------------------------------------------------------------------------
+
+
+def test_write_spec_creates_dir_and_file(tmp_path: Path, umask_077: None) -> None:
+    cdi = tmp_path / "var" / "run" / "cdi"
+    path = write_spec(cdi, UID, CPUS)
+    assert path == cdi / f"dra.k8s.io-cpu_claim-{UID}.json"
+    assert path.read_bytes() == spec_bytes(UID, CPUS)
+    # Readable by the runtime and node tools whatever the daemon's umask.
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    assert stat.S_IMODE(cdi.stat().st_mode) == 0o755 & ~0o077  # mkdir honours the umask
+    assert os.listdir(cdi) == [path.name]
+
+
+def test_write_spec_replaces_an_existing_spec(tmp_path: Path) -> None:
+    write_spec(tmp_path, UID, CpuSet.parse("0-7"))
+    write_spec(tmp_path, UID, CPUS)
+    assert read_spec(tmp_path, UID) == CPUS
+    assert os.listdir(tmp_path) == [spec_file_name(UID)]
+
+
+def test_no_json_file_appears_before_the_rename(tmp_path: Path) -> None:
+    seen: list[list[str]] = []
+
+    def watching_fsync(fd: int) -> None:
+        # Called for the temp file (before the rename), then for the dir (after it).
+        seen.append(sorted(os.listdir(tmp_path)))
+        os.fsync(fd)
+
+    write_spec(tmp_path, UID, CPUS, fsync=watching_fsync)
+    before_rename, after_rename = seen
+    assert len(before_rename) == 1
+    (temp,) = before_rename
+    assert is_our_temp_file(temp)
+    assert temp.startswith(".")
+    assert not temp.endswith((".json", ".yaml"))  # runtimes read only those
+    assert after_rename == [spec_file_name(UID)]
+
+
+def test_failed_write_keeps_the_old_spec_and_leaves_no_temp(tmp_path: Path) -> None:
+    write_spec(tmp_path, UID, CPUS)
+    before = (tmp_path / spec_file_name(UID)).read_bytes()
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    with pytest.raises(CdiError) as info:
+        write_spec(tmp_path, UID, CpuSet.parse("8-9"), fsync=failing_fsync)
+    assert spec_file_name(UID) in str(info.value)
+    assert "Input/output error" in str(info.value)
+    assert os.listdir(tmp_path) == [spec_file_name(UID)]
+    assert (tmp_path / spec_file_name(UID)).read_bytes() == before
+
+
+def test_failed_dir_fsync_is_reported_after_the_rename(tmp_path: Path) -> None:
+    calls = 0
+
+    def second_fsync_fails(fd: int) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise OSError(errno.EIO, "Input/output error")
+
+    with pytest.raises(CdiError, match="cannot fsync its dir"):
+        write_spec(tmp_path, UID, CPUS, fsync=second_fsync_fails)
+    # The spec is in place (a later reconcile removes it if the caller rolls the claim back).
+    assert read_spec(tmp_path, UID) == CPUS
+
+
+def test_write_spec_validates_before_touching_the_disk(tmp_path: Path) -> None:
+    cdi = tmp_path / "cdi"
+    with pytest.raises(CdiError, match="invalid claim UID"):
+        write_spec(cdi, "../../etc/x", CPUS)
+    with pytest.raises(CdiError, match="empty cpuset"):
+        write_spec(cdi, UID, CpuSet())
+    assert not cdi.exists()
+
+
+def test_write_spec_into_a_file_instead_of_a_dir(tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "cdi"
+    not_a_dir.write_bytes(b"")
+    with pytest.raises(CdiError, match="not a directory"):
+        write_spec(not_a_dir, UID, CPUS)
+    with pytest.raises(CdiError, match="not a directory"):
+        ensure_dir(not_a_dir)
+
+
+def test_write_spec_over_a_directory_named_like_ours(tmp_path: Path) -> None:
+    (tmp_path / spec_file_name(UID)).mkdir()
+    with pytest.raises(CdiError, match=spec_file_name(UID)):
+        write_spec(tmp_path, UID, CPUS)
+    assert sorted(os.listdir(tmp_path)) == [spec_file_name(UID)]
+
+
+def test_write_spec_replaces_a_symlink_not_its_target(tmp_path: Path) -> None:
+    target = tmp_path / "precious"
+    target.write_bytes(b"keep me")
+    cdi = tmp_path / "cdi"
+    cdi.mkdir()
+    (cdi / spec_file_name(UID)).symlink_to(target)
+    write_spec(cdi, UID, CPUS)
+    assert target.read_bytes() == b"keep me"
+    assert not (cdi / spec_file_name(UID)).is_symlink()
+    assert read_spec(cdi, UID) == CPUS
+
+
+# --- delete ------------------------------------------------------------------------------------
+
+
+def test_delete_is_idempotent_and_touches_nothing_else(tmp_path: Path) -> None:
+    vendor = _write_vendor_files(tmp_path)
+    write_spec(tmp_path, UID, CPUS)
+    write_spec(tmp_path, OTHER, CPUS)
+    assert delete_spec(tmp_path, UID) is True
+    assert delete_spec(tmp_path, UID) is False
+    assert delete_spec(tmp_path / "missing-dir", UID) is False
+    assert read_spec(tmp_path, OTHER) == CPUS
+    assert _vendor_state(tmp_path) == vendor
+
+
+def test_delete_of_a_directory_named_like_ours_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / spec_file_name(UID)).mkdir()
+    with pytest.raises(CdiError, match=spec_file_name(UID)):
+        delete_spec(tmp_path, UID)
+
+
+def test_remove_our_file_refuses_other_names(tmp_path: Path) -> None:
+    _write_vendor_files(tmp_path)
+    for name in VENDOR_FILES:
+        with pytest.raises(CdiError, match="refusing to remove"):
+            remove_our_file(tmp_path, name)
+    with pytest.raises(CdiError, match="refusing to remove"):
+        remove_our_file(tmp_path, f"../{spec_file_name(UID)}")
+    assert sorted(os.listdir(tmp_path)) == sorted(VENDOR_FILES)
+    temp = temp_file_name(UID)
+    (tmp_path / temp).write_bytes(b"partial")
+    assert remove_our_file(tmp_path, temp) is True
+    assert remove_our_file(tmp_path, temp) is False
+
+
+def test_touch_probe(tmp_path: Path) -> None:
+    probe = probe_file_name()
+    touch_probe(tmp_path, probe)
+    touch_probe(tmp_path, probe)
+    assert (tmp_path / probe).exists()
+    with pytest.raises(CdiError, match="refusing to write"):
+        touch_probe(tmp_path, "dra.cpu.json")
+    with pytest.raises(CdiError, match="cannot write CDI watch probe"):
+        touch_probe(tmp_path / "missing", probe)
+
+
+# --- read --------------------------------------------------------------------------------------
+
+
+def test_read_spec(tmp_path: Path) -> None:
+    assert read_spec(tmp_path, UID) is None
+    assert read_spec(tmp_path / "missing-dir", UID) is None
+    write_spec(tmp_path, UID, CPUS)
+    assert read_spec(tmp_path, UID) == CPUS
+    assert read_spec_bytes(tmp_path, UID) == spec_bytes(UID, CPUS)
+
+
+def test_read_spec_of_a_malformed_file_names_it(tmp_path: Path) -> None:
+    path = tmp_path / spec_file_name(UID)
+    path.write_bytes(b'{"cdiVersion":"0.5.0"')
+    with pytest.raises(CdiError) as info:
+        read_spec(tmp_path, UID)
+    assert str(path) in str(info.value)
+    assert "not valid JSON" in str(info.value)
+
+
+def test_read_spec_of_another_claims_content(tmp_path: Path) -> None:
+    (tmp_path / spec_file_name(UID)).write_bytes(spec_bytes(OTHER, CPUS))
+    with pytest.raises(CdiError, match=f"is for claim {OTHER}, not {UID}"):
+        read_spec(tmp_path, UID)
+
+
+def test_read_spec_does_not_follow_symlinks(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere.json"
+    target.write_bytes(spec_bytes(UID, CPUS))
+    cdi = tmp_path / "cdi"
+    cdi.mkdir()
+    (cdi / spec_file_name(UID)).symlink_to(target)
+    with pytest.raises(CdiError, match="symlink"):
+        read_spec(cdi, UID)
+
+
+def test_read_spec_does_not_block_on_a_fifo(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / spec_file_name(UID))
+    with pytest.raises(CdiError, match="not a regular file"):
+        read_spec(tmp_path, UID)
+
+
+def test_read_spec_refuses_huge_files(tmp_path: Path) -> None:
+    (tmp_path / spec_file_name(UID)).write_bytes(b" " * (MAX_SPEC_BYTES + 1))
+    with pytest.raises(CdiError, match="too large"):
+        read_spec(tmp_path, UID)
+
+
+# --- list and scan -----------------------------------------------------------------------------
+
+
+def test_list_our_specs_sees_only_our_files(tmp_path: Path) -> None:
+    vendor = _write_vendor_files(tmp_path)
+    write_spec(tmp_path, UID, CPUS)
+    (tmp_path / spec_file_name(OTHER)).write_bytes(b"garbage")
+    (tmp_path / temp_file_name(UID)).write_bytes(b"partial")
+    found = list_our_specs(tmp_path)
+    assert set(found) == {UID, OTHER}
+    assert found[UID] == CPUS
+    assert isinstance(found[OTHER], CdiError)
+    assert spec_file_name(OTHER) in str(found[OTHER])
+    assert list_our_specs(tmp_path / "missing") == {}
+    assert _vendor_state(tmp_path) == vendor
+
+
+def test_list_of_a_file_instead_of_a_dir(tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "cdi"
+    not_a_dir.write_bytes(b"")
+    with pytest.raises(CdiError, match="cannot list CDI dir"):
+        list_our_specs(not_a_dir)
+
+
+def test_scan_dir_reports_contents_errors_and_leftovers(tmp_path: Path) -> None:
+    _write_vendor_files(tmp_path)
+    write_spec(tmp_path, UID, CPUS)
+    os.mkfifo(tmp_path / spec_file_name(OTHER))
+    old_temp = temp_file_name(UID)
+    (tmp_path / old_temp).write_bytes(b"partial")
+    an_hour_ago = time.time() - 3600
+    os.utime(tmp_path / old_temp, (an_hour_ago, an_hour_ago))
+    probe = probe_file_name()
+    touch_probe(tmp_path, probe)
+    scan = scan_dir(tmp_path)
+    assert scan.specs[UID] == spec_bytes(UID, CPUS)
+    assert parse_spec(scan.specs[UID]) == (UID, CPUS)  # type: ignore[arg-type]
+    assert isinstance(scan.specs[OTHER], CdiError)
+    assert set(scan.leftovers) == {old_temp, probe}
+    assert scan.leftovers[old_temp] > 3500
+    assert scan.leftovers[probe] < 60
+    # only=: reads just those claims, skips names no file of ours can have, lists nothing else.
+    only = scan_dir(tmp_path, only={UID, "not-a-uid"})
+    assert only.specs == {UID: spec_bytes(UID, CPUS)}
+    assert only.leftovers == {}
+    assert scan_dir(tmp_path, only={"0b7e3a52-4c1f-4d7e-9a31-000000000000"}).specs == {}
+
+
+def test_dir_identity(tmp_path: Path) -> None:
+    cdi = tmp_path / "cdi"
+    assert dir_identity(cdi) is None
+    ensure_dir(cdi)
+    first = dir_identity(cdi)
+    assert first is not None
+    ensure_dir(cdi)  # idempotent
+    assert dir_identity(cdi) == first
+    cdi.rmdir()
+    (tmp_path / "placeholder").mkdir()  # keep the old inode number from being reused at once
+    ensure_dir(cdi)
+    assert dir_identity(cdi) not in (None, first)
+    (tmp_path / "file").write_bytes(b"")
+    assert dir_identity(tmp_path / "file") is None
