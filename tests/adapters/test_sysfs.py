@@ -325,7 +325,7 @@ def read_error(root: Path) -> str:
         (f"{CPU}/online", f"{CPU}/online: missing"),
         (f"{CPU}/cpu3/topology/core_id", f"{CPU}/cpu3/topology/core_id: missing"),
         (f"{CPU}/cpu0/topology/physical_package_id", "cpu0/topology/physical_package_id: missing"),
-        (f"{CPU}/cpu1/topology", "cpu1/topology/core_id: missing"),
+        (f"{CPU}/cpu1/topology", "cpu1/topology/thread_siblings_list: missing"),
         (f"{CPU}/cpu2/topology/[tc]*_[sc]*s_list", "cpu2/topology/thread_siblings_list: missing"),
         (f"{CPU}/cpu2/topology/core_cpus_list", None),  # thread_siblings_list suffices
         (f"{CPU}/cpu1/node0", f"{CPU}/cpu1: no nodeX entry"),

@@ -5,11 +5,11 @@ read, relative to ``<host-root>/sys/devices``:
 
 - ``system/cpu/online`` (required), ``present`` (fallback ``possible``) for the offline CPUs,
   ``isolated`` (optional) for the kernel's ``isolcpus``;
-- per online CPU ``system/cpu/cpuN/topology/core_id``; ``physical_package_id``, ``die_id`` and
+- per online CPU ``system/cpu/cpuN/topology/core_id``; with the lowest CPU of each core its
+  ``thread_siblings_list`` (or ``core_cpus_list``); ``physical_package_id``, ``die_id`` and
   ``cluster_id`` with the lowest CPU of each package (die, cluster) as listed by
-  ``package_cpus_list`` (``die_cpus_list``, ``cluster_cpus_list``); ``thread_siblings_list``
-  with the lowest CPU of each core; the level-3 ``cache/indexK/{level, type, id,
-  shared_cpu_list}`` with the lowest CPU of each L3 domain;
+  ``package_cpus_list`` (``die_cpus_list``, ``cluster_cpus_list``) or by the SMT siblings; the
+  level-3 ``cache/indexK/{level, type, id, shared_cpu_list}`` with the lowest CPU of each L3;
 - ``system/node/nodeX/cpulist`` plus the ``nodeX`` link under ``cpuN/`` for the NUMA node;
 - ``cpu_core/cpus`` and ``cpu_atom/cpus`` (hybrid P-/E-cores), ``system/cpu/smt/control``.
 
@@ -172,11 +172,25 @@ class _Reader:
         clusters = _SharedId("cluster_id", ("cluster_cpus_list",), default=NO_CLUSTER)
         keys: dict[int, CoreKey] = {}
         by_key: dict[CoreKey, int] = {}  # core key -> bit mask of its online CPUs
+        listed: dict[int, tuple[str, CpuSet]] = {}  # cpu -> (siblings file read, its siblings)
         for cpu in online:
             topo = f"{CPU_DIR}/cpu{cpu}/topology"
+            seed = cpu not in listed
+            if seed:
+                rel, siblings = self._siblings(topo)
+                if cpu not in siblings:
+                    raise TopologyError(f"{self._path(rel)}: does not list cpu{cpu} itself")
+                siblings &= online
+                for sibling in siblings:
+                    listed.setdefault(sibling, (rel, siblings))
             socket = self._shared_id(sockets, cpu, topo, online)
             die = self._shared_id(dies, cpu, topo, online)
             cluster = self._shared_id(clusters, cpu, topo, online)
+            if seed:
+                # SMT threads share their core's package, die and cluster.
+                for shared, value in ((sockets, socket), (dies, die), (clusters, cluster)):
+                    for sibling in siblings:
+                        shared.known.setdefault(sibling, value)
             key = (
                 socket,
                 die,
@@ -186,18 +200,15 @@ class _Reader:
             keys[cpu] = key
             by_key[key] = by_key.get(key, 0) | (1 << cpu)
 
-        # The kernel's SMT siblings of a core must be the online CPUs with its core key: this
-        # proves (socket, die, cluster, core_id) identifies a core on this machine. Read once
-        # per core, with its lowest CPU (the kernel builds these masks symmetrically).
-        online_mask = online.mask
+        # The kernel's SMT siblings of each core must be the online CPUs with its core key: this
+        # proves (socket, die, cluster, core_id) identifies a core on this machine.
         for key, core in by_key.items():
             cpu = (core & -core).bit_length() - 1
-            rel, listed = self._siblings(f"{CPU_DIR}/cpu{cpu}/topology")
-            if listed.mask & online_mask != core:
+            rel, siblings = listed[cpu]
+            if siblings.mask != core:
                 raise TopologyError(
-                    f"{self._path(rel)}: lists online siblings "
-                    f"{str(CpuSet.from_mask(listed.mask & online_mask))!r} but the online CPUs "
-                    f"with cpu{cpu}'s (physical_package_id, die_id, cluster_id, core_id) = "
+                    f"{self._path(rel)}: lists online siblings {str(siblings)!r} but the online "
+                    f"CPUs with cpu{cpu}'s (physical_package_id, die_id, cluster_id, core_id) = "
                     f"{key} are {str(CpuSet.from_mask(core))!r}"
                 )
 
