@@ -395,13 +395,15 @@ def _string(raw: object) -> str:
 
 
 def _yaml_type(raw: object) -> str:
-    return {
+    names = {
         bool: "a boolean",
         int: "a number",
         float: "a number",
+        str: "a string",
         list: "a list",
         dict: "a mapping",
-    }.get(type(raw), type(raw).__name__)
+    }
+    return names.get(type(raw), type(raw).__name__)
 
 
 def _choice(enum: type[CpuDeviceMode] | type[GroupBy]) -> Callable[[object], object]:

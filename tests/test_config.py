@@ -1,0 +1,509 @@
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import pytest
+
+from dracpu.config import (
+    UNIX_PATH_MAX,
+    BindAddress,
+    Config,
+    add_run_arguments,
+    load_config,
+)
+from dracpu.core.cpuset import CpuSet
+from dracpu.core.slices import CpuDeviceMode, GroupBy
+from dracpu.errors import ConfigError
+
+NO_ENV: Mapping[str, str] = {}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dracpu run")
+    add_run_arguments(parser)
+    return parser
+
+
+def _load(argv: Sequence[str], env: Mapping[str, str] = NO_ENV) -> Config:
+    return load_config(_parser().parse_args(list(argv)), env)
+
+
+def _file(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def _error(argv: Sequence[str], env: Mapping[str, str] = NO_ENV) -> str:
+    with pytest.raises(ConfigError) as info:
+        _load(argv, env)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+# --- defaults and derived paths -----------------------------------------------------------------
+
+
+def test_defaults_are_the_documented_ones() -> None:
+    config = _load(["--node-name", "node-a"])
+    assert config == Config(node_name="node-a")
+    assert config.kubeconfig is None
+    assert config.cpu_device_mode is CpuDeviceMode.GROUPED
+    assert config.group_by is GroupBy.NUMANODE
+    assert config.reserved_cpus == CpuSet()
+    assert config.kubelet_root_dir == Path("/var/lib/kubelet")
+    assert config.cdi_dir == Path("/var/run/cdi")
+    assert config.nri_socket == Path("/var/run/nri/nri.sock")
+    assert config.state_dir == Path("/var/lib/dracpu")
+    assert config.host_root == Path("/")
+    assert config.bind_address == BindAddress("", 8080)
+    assert (config.log_format, config.verbosity, config.memory_pinning) == ("text", 0, False)
+    assert (config.nri_plugin_name, config.nri_plugin_index) == ("dra.cpu", "00")
+
+
+def test_derived_paths() -> None:
+    config = _load(["--node-name", "n", "--kubelet-root-dir", "/k/", "--state-dir", "/s"])
+    assert config.registration_socket == Path("/k/plugins_registry/dra.cpu-reg.sock")
+    assert config.dra_socket == Path("/k/plugins/dra.cpu/dra.sock")
+    assert config.pod_resources_socket == Path("/k/pod-resources/kubelet.sock")
+    assert config.checkpoint_path == Path("/s/checkpoint.json")
+
+
+def test_every_flag() -> None:
+    config = _load(
+        [
+            "--hostname-override=node-b",
+            "--kubeconfig=/etc/kube.conf",
+            "--cpu-device-mode=individual",
+            "--group-by=socket",
+            "--reserved-cpus=0-1,8",
+            "--kubelet-root-dir=/k",
+            "--cdi-dir=/cdi",
+            "--nri-socket=/nri/nri.sock",
+            "--state-dir=/state",
+            "--host-root=/host",
+            "--bind-address=127.0.0.1:9000",
+            "--log-format=json",
+            "--v=4",
+            "--memory-pinning",
+            "--nri-plugin-name=cpu",
+            "--nri-plugin-index=10",
+        ]
+    )
+    assert config == Config(
+        node_name="node-b",
+        kubeconfig=Path("/etc/kube.conf"),
+        cpu_device_mode=CpuDeviceMode.INDIVIDUAL,
+        group_by=GroupBy.SOCKET,
+        reserved_cpus=CpuSet.parse("0-1,8"),
+        kubelet_root_dir=Path("/k"),
+        cdi_dir=Path("/cdi"),
+        nri_socket=Path("/nri/nri.sock"),
+        state_dir=Path("/state"),
+        host_root=Path("/host"),
+        bind_address=BindAddress("127.0.0.1", 9000),
+        log_format="json",
+        verbosity=4,
+        memory_pinning=True,
+        nri_plugin_name="cpu",
+        nri_plugin_index="10",
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "verbosity"),
+    [
+        (["-v=4"], 4),
+        (["--v=4"], 4),
+        (["-v", "4"], 4),
+        (["--v", "2"], 2),
+        (["-v4"], 4),
+        (["-v"], 1),
+        (["-vvv"], 3),
+        (["-v", "-v"], 2),
+        (["-v=0"], 0),
+    ],
+)
+def test_verbosity_flag_forms(argv: list[str], verbosity: int) -> None:
+    assert _load(["--node-name", "n", *argv]).verbosity == verbosity
+
+
+@pytest.mark.parametrize(
+    ("argv", "value"),
+    [
+        (["--memory-pinning"], True),
+        (["--memory-pinning=true"], True),
+        (["--memory-pinning=false"], False),
+        (["--memory-pinning=0"], False),
+        (["--memory-pinning", "True"], True),
+    ],
+)
+def test_memory_pinning_takes_go_booleans(argv: list[str], value: bool) -> None:
+    assert _load(["--node-name", "n", *argv]).memory_pinning is value
+
+
+@pytest.mark.parametrize("argv", [["-v=x"], ["-v", "-1"], ["--memory-pinning=yes"]])
+def test_malformed_flag_syntax_is_refused_by_the_parser(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        _parser().parse_args(["--node-name", "n", *argv])
+    assert info.value.code == 2
+
+
+# --- precedence ---------------------------------------------------------------------------------
+
+
+def test_file_overrides_defaults_and_explicit_flags_override_the_file(tmp_path: Path) -> None:
+    path = _file(
+        tmp_path,
+        "cpuDeviceMode: individual\ngroupBy: socket\nreservedCPUs: '0-3'\nstateDir: /from-file\n",
+    )
+    config = _load(["--config", path, "--node-name", "n", "--group-by", "machine"])
+    assert config.cpu_device_mode is CpuDeviceMode.INDIVIDUAL  # file over default
+    assert config.group_by is GroupBy.MACHINE  # flag over file
+    assert config.reserved_cpus == CpuSet.parse("0-3")
+    assert config.state_dir == Path("/from-file")
+    assert config.cdi_dir == Path("/var/run/cdi")  # neither: default
+
+
+def test_a_flag_left_out_does_not_override_the_file(tmp_path: Path) -> None:
+    # argparse defaults are SUPPRESS: a flag not given must not reset the file's value.
+    path = _file(tmp_path, "memoryPinning: true\nverbosity: 3\nlogFormat: json\n")
+    config = _load(["--config", path, "--node-name", "n"])
+    assert (config.memory_pinning, config.verbosity, config.log_format) == (True, 3, "json")
+
+
+def test_environment_is_below_the_file_and_the_flags(tmp_path: Path) -> None:
+    env = {"NODE_NAME": "from-env", "HOST_ROOT": "/env-root", "KUBECONFIG": "/env/kube"}
+    assert _load([], env).node_name == "from-env"
+    assert _load([], env).host_root == Path("/env-root")
+    assert _load([], env).kubeconfig == Path("/env/kube")
+    path = _file(tmp_path, "hostnameOverride: from-file\nhostRoot: /file-root\n")
+    from_file = _load(["--config", path], env)
+    assert (from_file.node_name, from_file.host_root) == ("from-file", Path("/file-root"))
+    from_flag = _load(["--config", path, "--node-name", "from-flag", "--host-root", "/f"], env)
+    assert (from_flag.node_name, from_flag.host_root) == ("from-flag", Path("/f"))
+
+
+def test_empty_values_mean_not_given(tmp_path: Path) -> None:
+    path = _file(tmp_path, 'hostnameOverride: ""\nkubeconfig: ""\ngroupBy: null\n')
+    config = _load(["--config", path], {"NODE_NAME": "from-env", "KUBECONFIG": ""})
+    assert config.node_name == "from-env"
+    assert config.kubeconfig is None
+    assert config.group_by is GroupBy.NUMANODE
+
+
+def test_upstream_config_file_loads(tmp_path: Path) -> None:
+    # Every key of kubernetes-sigs/dra-driver-cpu's config file, with upstream's meaning.
+    path = _file(
+        tmp_path,
+        "apiVersion: v1alpha1\n"
+        "cpuDeviceMode: grouped\n"
+        "groupBy: socket\n"
+        'reservedCPUs: "0-1,64-65"\n'
+        "hostnameOverride: worker-7\n"
+        "kubeconfig: /etc/dracpu/kubeconfig\n"
+        "exposePCIeRoots: false\n"
+        'sysfsOverlay: ""\n'
+        "publishNodeAllocatableResourceMapping: false\n",
+    )
+    config = _load(["--config", path, "--expose-pcie-roots=false"])
+    assert config == Config(
+        node_name="worker-7",
+        kubeconfig=Path("/etc/dracpu/kubeconfig"),
+        cpu_device_mode=CpuDeviceMode.GROUPED,
+        group_by=GroupBy.SOCKET,
+        reserved_cpus=CpuSet.parse("0-1,64-65"),
+    )
+
+
+def test_our_own_file_keys(tmp_path: Path) -> None:
+    path = _file(
+        tmp_path,
+        "hostnameOverride: n\n"
+        "kubeletRootDir: /k\n"
+        "cdiDir: /cdi\n"
+        "nriSocket: /nri.sock\n"
+        "stateDir: /state\n"
+        "hostRoot: /host\n"
+        "bindAddress: '[::1]:8081'\n"
+        "logFormat: json\n"
+        "verbosity: 5\n"
+        "memoryPinning: true\n"
+        "nriPluginName: dra.cpu-test\n"
+        "nriPluginIndex: 07\n",  # YAML reads an unquoted 07 as the number 7
+    )
+    config = _load(["--config", path])
+    assert config == Config(
+        node_name="n",
+        kubelet_root_dir=Path("/k"),
+        cdi_dir=Path("/cdi"),
+        nri_socket=Path("/nri.sock"),
+        state_dir=Path("/state"),
+        host_root=Path("/host"),
+        bind_address=BindAddress("::1", 8081),
+        log_format="json",
+        verbosity=5,
+        memory_pinning=True,
+        nri_plugin_name="dra.cpu-test",
+        nri_plugin_index="07",
+    )
+
+
+def test_empty_config_file_is_no_settings(tmp_path: Path) -> None:
+    assert _load(["--config", _file(tmp_path, "# nothing\n"), "--node-name", "n"]) == Config("n")
+
+
+# --- bind addresses -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "host", "port"),
+    [
+        (":8080", "", 8080),
+        ("127.0.0.1:9000", "127.0.0.1", 9000),
+        ("[::1]:8080", "::1", 8080),
+        ("[::]:0", "::", 0),
+        ("localhost:65535", "localhost", 65535),
+    ],
+)
+def test_bind_address_parse_and_format(text: str, host: str, port: int) -> None:
+    address = BindAddress.parse(text)
+    assert (address.host, address.port) == (host, port)
+    assert str(address) == text
+
+
+# --- errors: one line naming the source and the value -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["--cpu-device-mode", "bogus"],
+            '--cpu-device-mode: invalid value "bogus": must be one of "grouped", "individual"',
+        ),
+        (
+            ["--group-by", "numa"],
+            '--group-by: invalid value "numa": must be one of "numanode", "socket", "machine"',
+        ),
+        (
+            ["--reserved-cpus", "3-1"],
+            "--reserved-cpus: invalid value \"3-1\": invalid cpuset '3-1': "
+            "range '3-1' ends before it starts",
+        ),
+        (
+            ["--kubelet-root-dir", "var/lib/kubelet"],
+            '--kubelet-root-dir: invalid value "var/lib/kubelet": must be an absolute path',
+        ),
+        (["--state-dir", ""], '--state-dir: invalid value "": must not be empty'),
+        (["--bind-address", "8080"], '--bind-address: invalid value "8080": missing ":<port>"'),
+        (
+            ["--bind-address", ":99999"],
+            "--bind-address: invalid value \":99999\": port '99999' is not a number 0..65535",
+        ),
+        (
+            ["--bind-address", "::1:80"],
+            '--bind-address: invalid value "::1:80": an IPv6 address must be in brackets, '
+            "e.g. [::1]:8080",
+        ),
+        (
+            ["--bind-address", "[zz]:80"],
+            '--bind-address: invalid value "[zz]:80": [zz] is not an IPv6 address',
+        ),
+        (["--log-format", "xml"], '--log-format: invalid value "xml": must be "text" or "json"'),
+        (
+            ["--nri-plugin-index", "7"],
+            '--nri-plugin-index: invalid value "7": must be two digits, "00" to "99"',
+        ),
+        (
+            ["--nri-plugin-name", "a b"],
+            "--nri-plugin-name: invalid value \"a b\": must be letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit",
+        ),
+        (
+            ["--node-name", "Node_1"],
+            '--node-name: invalid value "Node_1": is not a valid node name (lowercase RFC 1123 '
+            "subdomain: a-z, 0-9, '-' and '.')",
+        ),
+        (
+            ["--expose-pcie-roots"],
+            "--expose-pcie-roots: invalid value true: dracpu does not support PCIe root "
+            "attributes; only false is accepted",
+        ),
+        (
+            ["--sysfs-overlay", "/x.yaml"],
+            '--sysfs-overlay: invalid value "/x.yaml": dracpu does not support sysfs overlays '
+            '(use --host-root with a sysfs tree); only "" is accepted',
+        ),
+        (["--config", ""], '--config: invalid value "": give the path of a YAML file'),
+    ],
+)
+def test_bad_flag_values(argv: list[str], expected: str) -> None:
+    node = [] if "--node-name" in argv else ["--node-name", "n"]
+    assert _error([*node, *argv]) == expected
+
+
+def test_missing_node_name() -> None:
+    assert _error([], {"NODE_NAME": ""}) == (
+        "no node name: give --node-name (or --hostname-override), set NODE_NAME, "
+        "or set hostnameOverride in the config file"
+    )
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        (
+            {"NODE_NAME": "UPPER"},
+            'environment variable NODE_NAME: invalid value "UPPER": is not a valid node name '
+            "(lowercase RFC 1123 subdomain: a-z, 0-9, '-' and '.')",
+        ),
+        (
+            {"NODE_NAME": "n", "KUBECONFIG": "/a:/b"},
+            'environment variable KUBECONFIG: invalid value "/a:/b": lists several files '
+            "(':'-separated); give exactly one",
+        ),
+        (
+            {"NODE_NAME": "n", "HOST_ROOT": "host"},
+            'environment variable HOST_ROOT: invalid value "host": must be an absolute path',
+        ),
+    ],
+)
+def test_bad_environment_values(env: dict[str, str], expected: str) -> None:
+    assert _error([], env) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("cpuDevMode: grouped\n", 'unknown key "cpuDevMode" (did you mean "cpuDeviceMode"?)'),
+        ("CPUDeviceMode: grouped\n", 'unknown key "CPUDeviceMode" (did you mean "cpuDeviceMode"?)'),
+        ("zzz: 1\n", 'unknown key "zzz"'),
+        ("b_unknown: 1\na_unknown: 2\n", 'unknown key "a_unknown"; unknown key "b_unknown"'),
+        (
+            "cpuDeviceMode: bogus\n",
+            'cpuDeviceMode: invalid value "bogus": must be one of "grouped", "individual"',
+        ),
+        ("reservedCPUs: 3\n", "reservedCPUs: invalid value 3: must be a string, not a number"),
+        (
+            "memoryPinning: 'yes'\n",
+            'memoryPinning: invalid value "yes": must be true or false, not a string',
+        ),
+        ("verbosity: -1\n", "verbosity: invalid value -1: must be a number >= 0"),
+        ("verbosity: true\n", "verbosity: invalid value true: must be a number >= 0"),
+        (
+            "nriPluginIndex: 100\n",
+            'nriPluginIndex: invalid value 100: must be two digits, "00" to "99"',
+        ),
+        (
+            "kubeletRootDir: [a]\n",
+            'kubeletRootDir: invalid value ["a"]: must be a string, not a list',
+        ),
+        ("apiVersion: v1beta1\n", 'apiVersion: invalid value "v1beta1": must be "v1alpha1"'),
+        (
+            "exposePCIeRoots: true\n",
+            "exposePCIeRoots: invalid value true: dracpu does not "
+            "support PCIe root attributes; only false is accepted",
+        ),
+        (
+            "publishNodeAllocatableResourceMapping: true\n",
+            "publishNodeAllocatableResourceMapping:"
+            " invalid value true: dracpu does not support KEP-5517 node allocatable resource "
+            "mappings; only false is accepted",
+        ),
+        ("- a\n- b\n", "must be a mapping of keys to values, not a list"),
+        ("just text\n", "must be a mapping of keys to values, not a string"),
+        (
+            "groupBy: socket\ngroupBy: machine\n",
+            'not valid YAML: duplicate key "groupBy" at line 2 column 1',
+        ),
+        (
+            "a: [1\n",
+            "not valid YAML: expected ',' or ']', but got '<stream end>' at line 2 column 1",
+        ),
+    ],
+)
+def test_bad_config_files(tmp_path: Path, text: str, expected: str) -> None:
+    path = _file(tmp_path, text)
+    assert _error(["--config", path, "--node-name", "n"]) == f"config file {path}: {expected}"
+
+
+def test_unreadable_config_files(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.yaml"
+    assert _error(["--config", str(missing), "--node-name", "n"]) == (
+        f"config file {missing}: cannot read: No such file or directory"
+    )
+    assert _error(["--config", str(tmp_path), "--node-name", "n"]) == (
+        f"config file {tmp_path}: cannot read: Is a directory"
+    )
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00")
+    assert _error(["--config", str(binary), "--node-name", "n"]).startswith(
+        f"config file {binary}: cannot read: 'utf-8' codec can't decode"
+    )
+
+
+def test_the_file_is_named_when_its_value_is_bad_even_if_a_flag_is_fine(tmp_path: Path) -> None:
+    path = _file(tmp_path, "groupBy: rack\n")
+    assert _error(["--config", path, "--node-name", "n", "--cpu-device-mode", "grouped"]) == (
+        f'config file {path}: groupBy: invalid value "rack": must be one of "numanode", '
+        '"socket", "machine"'
+    )
+
+
+def test_socket_paths_longer_than_the_unix_limit_are_refused(tmp_path: Path) -> None:
+    # <root>/plugins_registry/dra.cpu-reg.sock is the longest socket under the kubelet root.
+    suffix = len("/plugins_registry/dra.cpu-reg.sock")
+    fits = "/" + "r" * (UNIX_PATH_MAX - suffix - 1)
+    assert _load(["--node-name", "n", "--kubelet-root-dir", fits]).kubelet_root_dir == Path(fits)
+    too_long = fits + "x"
+    socket = f"{too_long}/plugins_registry/dra.cpu-reg.sock"
+    assert _error(["--node-name", "n", "--kubelet-root-dir", too_long]) == (
+        f'--kubelet-root-dir: registration socket path "{socket}" is 108 bytes, over the '
+        "107-byte limit of a Unix socket path"
+    )
+    path = _file(tmp_path, f"nriSocket: /{'n' * 107}\n")
+    assert _error(["--config", path, "--node-name", "n"]) == (
+        f'config file {path}: nriSocket: NRI socket path "/{"n" * 107}" is 108 bytes, over '
+        "the 107-byte limit of a Unix socket path"
+    )
+
+
+# --- through the real command line --------------------------------------------------------------
+
+
+def test_dracpu_run_with_a_bad_flag_exits_2_with_one_line(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "dracpu", "run", "--node-name", "n", "--cpu-device-mode", "bogus"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr == (
+        'dracpu run: error: --cpu-device-mode: invalid value "bogus": must be one of '
+        '"grouped", "individual"\n'
+    )
+
+
+def test_dracpu_run_with_a_bad_config_file_exits_2_with_one_line(tmp_path: Path) -> None:
+    path = _file(tmp_path, "cpuDevMode: grouped\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "dracpu", "run", "--config", path, "--node-name", "n"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2
+    assert result.stderr == (
+        f'dracpu run: error: config file {path}: unknown key "cpuDevMode" '
+        '(did you mean "cpuDeviceMode"?)\n'
+    )
