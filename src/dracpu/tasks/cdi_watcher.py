@@ -67,8 +67,10 @@ DEFAULT_PROBE_TIMEOUT = 3.0
 _PROBE_PERIOD = 0.1
 # Wait before retrying after the dir could not be watched or created (after start).
 _RETRY_DELAY = 1.0
-# Poll period when inotify does not work.
+# Poll period when inotify does not work, and the full-pass interval then (a poller cannot see a
+# spec that was written and deleted between two of its scans).
 _POLL_DELAY_MS = 300
+_POLLING_RESYNC = 1.0
 # Our temp and probe files older than this are leftovers of a crash and are removed. A write takes
 # milliseconds, so a younger temp file may belong to a write in progress (the state owner's).
 STALE_LEFTOVER_AGE = 60.0
@@ -266,13 +268,15 @@ class _Watch:
         self.live = False
         seen = anyio.Event()
         stop = anyio.Event()
+        # A poller misses a file created and removed between two scans: pass more often.
+        resync = min(self.resync_interval, _POLLING_RESYNC) if polling else self.resync_interval
         watcher = awatch(
             self.path,
             watch_filter=self.wanted,
             debounce=self.debounce_ms,
             step=self.step_ms,
             stop_event=stop,
-            rust_timeout=max(1, round(self.resync_interval * 1000)),
+            rust_timeout=max(1, round(resync * 1000)),
             yield_on_timeout=True,
             recursive=False,
             force_polling=polling,
