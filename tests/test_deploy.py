@@ -34,7 +34,9 @@ def test_every_listed_file_exists_and_nothing_is_left_out() -> None:
     assert listed == present
 
 
-@pytest.mark.parametrize("obj", _base_objects(), ids=lambda o: f"{o['kind']}/{o['metadata']['name']}")
+@pytest.mark.parametrize(
+    "obj", _base_objects(), ids=lambda o: f"{o['kind']}/{o['metadata']['name']}"
+)
 def test_base_objects_validate_strictly(obj: dict[str, Any]) -> None:
     # strict=True rejects unknown fields; a missing schema raises SchemaNotFoundError (a failure).
     kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
@@ -43,7 +45,9 @@ def test_base_objects_validate_strictly(obj: dict[str, Any]) -> None:
 def test_deviceclass_selects_our_driver() -> None:
     (cls,) = [o for o in _base_objects() if o["kind"] == "DeviceClass"]
     assert cls["metadata"]["name"] == DRIVER_NAME
-    assert cls["spec"]["selectors"] == [{"cel": {"expression": f'device.driver == "{DRIVER_NAME}"'}}]
+    assert cls["spec"]["selectors"] == [
+        {"cel": {"expression": f'device.driver == "{DRIVER_NAME}"'}}
+    ]
 
 
 def _daemonset_args(overlay_patch: bool) -> list[str]:

@@ -75,7 +75,9 @@ def _build_parser() -> argparse.ArgumentParser:
         choices=[m.value for m in CpuDeviceMode],
         default=CpuDeviceMode.GROUPED.value,
     )
-    inspect.add_argument("--group-by", choices=[g.value for g in GroupBy], default=GroupBy.NUMANODE.value)
+    inspect.add_argument(
+        "--group-by", choices=[g.value for g in GroupBy], default=GroupBy.NUMANODE.value
+    )
     inspect.add_argument(
         "--node-name", default=None, help="node (and pool) name; default: NODE_NAME or the hostname"
     )
@@ -91,7 +93,9 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="SET",
         help="free CPUs (default: every online CPU that is not reserved)",
     )
-    plan.add_argument("--policy", choices=[s.value for s in Strategy], default=Strategy.PACKED.value)
+    plan.add_argument(
+        "--policy", choices=[s.value for s in Strategy], default=Strategy.PACKED.value
+    )
     plan.add_argument("--full-cores", action="store_true", help="never split a physical core")
     plan.add_argument("-o", "--output", choices=["text", "json"], default="text")
 
@@ -101,7 +105,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _node_name(explicit: str | None) -> str:
-    return explicit or os.environ.get("NODE_NAME") or socket.gethostname()
+    # The kubelet registers a node under its lower-cased hostname (when no --hostname-override).
+    return explicit or os.environ.get("NODE_NAME") or socket.gethostname().lower()
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
