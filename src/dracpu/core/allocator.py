@@ -86,6 +86,7 @@ class _Unit:
     mask: int  # the unit's online CPUs
     size: int  # how many online CPUs
     ncores: int  # how many physical cores
+    width: int  # threads per core when every core of the unit has as many, else 0
     children: tuple[_Unit, ...]
 
 
@@ -108,7 +109,7 @@ def _build_index(topology: Topology) -> _Index:
             (info.numa_node, info.socket_id) if numa_first else (info.socket_id, info.numa_node)
         )
         l3 = info.l3_id if info.l3_id is not None else -1
-        unit = _Unit(_CORE, core.min(), core.mask, len(core), 1, ())
+        unit = _Unit(_CORE, core.min(), core.mask, len(core), 1, len(core), ())
         cores.append(unit)
         cells.setdefault((l1, l2, l3), []).append(unit)
 
@@ -119,9 +120,10 @@ def _build_index(topology: Topology) -> _Index:
             mask = 0
             for kid in kids:
                 mask |= kid.mask
-            units.append(
-                _Unit(level, ident, mask, mask.bit_count(), sum(k.ncores for k in kids), kids)
-            )
+            widths = {kid.width for kid in kids}
+            width = widths.pop() if len(widths) == 1 else 0
+            ncores = sum(kid.ncores for kid in kids)
+            units.append(_Unit(level, ident, mask, mask.bit_count(), ncores, width, kids))
         return tuple(units)
 
     by_l1: dict[int, dict[int, dict[int, list[_Unit]]]] = {}
@@ -133,7 +135,9 @@ def _build_index(topology: Topology) -> _Index:
         l1_units[l1] = list(group(_L2, l2_units))
     top = group(_L1, l1_units)
     mask = topology.online.mask
-    root = _Unit(_ROOT, -1, mask, mask.bit_count(), len(cores), top)
+    widths = {unit.width for unit in top}
+    width = widths.pop() if len(widths) == 1 else 0
+    root = _Unit(_ROOT, -1, mask, mask.bit_count(), len(cores), width, top)
     type_masks: dict[CoreType, int] = {}
     for info in topology.cpus.values():
         type_masks[info.core_type] = type_masks.get(info.core_type, 0) | (1 << info.cpu_id)
@@ -183,6 +187,10 @@ class _Pick:
 
     # --- orders -----------------------------------------------------------------------------
 
+    def ordered_cores(self, scope: _Unit) -> list[_Unit]:
+        """The cores with a free CPU under ``scope`` (itself if a core), in packing order."""
+        return [scope] if scope.level >= _CORE else self.ordered(scope, _CORE)
+
     def ordered(self, scope: _Unit, level: int) -> list[_Unit]:
         """Units at ``level`` under ``scope`` with a free CPU, in packing order."""
         kids = [kid for kid in scope.children if kid.mask & self.free]
@@ -194,13 +202,25 @@ class _Pick:
             out.extend(self.ordered(kid, level))
         return out
 
+    def fits(self, unit: _Unit, need: int) -> bool:
+        """Can ``unit`` alone give ``need`` CPUs (as whole cores, in full-cores mode)?"""
+        free = self.count(unit)
+        if free < need:
+            return False
+        if not self.full_cores:
+            return True
+        if unit.width:
+            # free holds whole cores only, all of this width: any multiple up to free works
+            return need % unit.width == 0
+        return _exact_cores(self.ordered_cores(unit), need) is not None
+
     def depth(self, unit: _Unit, need: int, bound: int) -> int:
         """The deepest level at which one unit inside ``unit`` holds ``need`` free CPUs."""
         best = unit.level
         if best >= bound:
             return best
         for kid in unit.children:
-            if self.count(kid) >= need:
+            if self.fits(kid, need):
                 best = max(best, self.depth(kid, need, bound))
                 if best >= bound:
                     break
@@ -214,10 +234,9 @@ class _Pick:
         best: tuple[int, int, int] | None = None
         chosen: _Unit | None = None
         for position, unit in enumerate(units):
-            free = self.count(unit)
-            if free < need:
+            if not self.fits(unit, need):
                 continue
-            key = (-self.depth(unit, need, bound), free, position)
+            key = (-self.depth(unit, need, bound), self.count(unit), position)
             if best is None or key < best:
                 best, chosen = key, unit
         return chosen
@@ -229,12 +248,14 @@ class _Pick:
         while need > 0:
             if level >= _THREAD or scope.level >= _CORE:
                 return self._threads(scope, need)
+            if level == _CORE and self.full_cores:
+                return self._exact(scope, need)
             units = self.ordered(scope, level)
             if not units:
                 return need
             unit = self.container(units, level, need)
             if unit is not None:
-                return self.fill(unit, level + 1, need)
+                return self.descend(unit, need)
             for unit in units:
                 if self.capacity(unit) <= need and self.count(unit) == self.capacity(unit):
                     need -= self.take(unit.mask)
@@ -243,15 +264,34 @@ class _Pick:
             units = [unit for unit in units if unit.mask & self.free]
             unit = self.container(units, level, need)
             if unit is not None:
-                return self.fill(unit, level + 1, need)
+                return self.descend(unit, need)
             level += 1
         return need
+
+    def descend(self, unit: _Unit, need: int) -> int:
+        """Take all of ``need`` inside ``unit``, a container that :meth:`fits` it."""
+        if not self.full_cores:
+            return self.fill(unit, unit.level + 1, need)
+        free, taken = self.free, self.taken
+        left = self.fill(unit, unit.level + 1, need)
+        if left:
+            # whole sub-units taken greedily left a remainder no core combination makes (cores
+            # of mixed width); the unit as a whole can (fits() said so): choose exactly in it
+            self.free, self.taken = free, taken
+            left = self._exact(unit, need)
+        return left
+
+    def _exact(self, scope: _Unit, need: int) -> int:
+        """Full-cores mode: whole cores under ``scope`` adding up to exactly ``need``."""
+        mask = _exact_cores(self.ordered_cores(scope), need)
+        if mask is None:
+            return need
+        return need - self.take(mask)
 
     def _threads(self, scope: _Unit, need: int) -> int:
         if self.full_cores:
             return need
-        cores = [scope] if scope.level >= _CORE else self.ordered(scope, _CORE)
-        for core in cores:
+        for core in self.ordered_cores(scope):
             mask = core.mask & self.free
             while mask and need:
                 low = mask & -mask
@@ -333,7 +373,8 @@ def _choose(index: _Index, free: int, count: int, policy: AllocationPolicy) -> i
         pick = _Pick(index, free, full_cores=True)
         if pick.fill(index.root, _L1, count) == 0:
             return pick.taken
-        return _exact_cores(index, free, count)
+        # greedy whole units made the rest unreachable: any exact combination, packing order
+        return _exact_cores(_Pick(index, free).ordered(index.root, _CORE), count)
     if policy.strategy is Strategy.SPREAD:
         return _spread(index, free, count)
     pick = _Pick(index, free)
@@ -364,18 +405,19 @@ def _spread(index: _Index, free: int, count: int) -> int:
     return taken
 
 
-def _exact_cores(index: _Index, free: int, count: int) -> int | None:
-    """Whole free cores adding up to exactly ``count`` CPUs, earlier cores preferred."""
-    pick = _Pick(index, free)
-    cores = [core for core in pick.ordered(index.root, _CORE) if core.mask & free == core.mask]
-    reach = [1]  # reach[i]: bit s set when s CPUs can be made of the first i cores
-    limit = (1 << (count + 1)) - 1
+def _exact_cores(cores: list[_Unit], need: int) -> int | None:
+    """The mask of some of ``cores`` adding up to exactly ``need`` CPUs, or None.
+
+    Subset sum over core sizes, as bit sets (bit s of ``reach[i]``: s CPUs can be made of the
+    first i cores); the choice keeps the earliest cores of ``cores`` (packing order).
+    """
+    reach = [1]
+    limit = (1 << (need + 1)) - 1
     for core in cores:
         reach.append((reach[-1] | (reach[-1] << core.size)) & limit)
-    if not reach[-1] >> count & 1:
+    if not reach[-1] >> need & 1:
         return None
     taken = 0
-    need = count
     for i in range(len(cores), 0, -1):
         if reach[i - 1] >> need & 1:
             continue
