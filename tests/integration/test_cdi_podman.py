@@ -1,0 +1,194 @@
+"""Our CDI specs, read by a real CDI consumer: podman (design §7).
+
+podman resolves ``--device dra.k8s.io/cpu=claim-<uid>`` with the CDI library vendored in it and
+injects the spec's env into the container, the same path containerd and CRI-O take for a DRA
+claim. podman 4.3 (Debian 12) reads specs only from the default dirs ``/etc/cdi`` and
+``/var/run/cdi`` (it has no spec-dir flag or setting), so each podman call runs in a private
+mount namespace (``unshare -m``) where a fresh tmpfs covers ``/run`` and the test's CDI dir is
+bind-mounted on ``/run/cdi``: the host's dirs are never touched.
+
+Needs root, podman, runc, ``unshare`` and a static busybox (Debian ``busybox-static``) for the
+image; skipped with the reason otherwise, or when podman cannot start containers in this
+environment (the skip shows podman's error).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import struct
+import subprocess
+import tarfile
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from dracpu.adapters.cdi_files import write_spec
+from dracpu.core.cdi_spec import device_id, parse_env, spec_file_name
+from dracpu.core.cpuset import CpuSet
+
+IMAGE = "localhost/dracpu-busybox:test"
+# Mounts a tmpfs over /run (so /run/cdi can exist without creating it on the host), binds the CDI
+# dir given as $1 there, then runs the rest of the arguments.
+NAMESPACE_SCRIPT = """
+set -e
+run=$(readlink -f /var/run)
+mount -t tmpfs tmpfs "$run"
+mkdir "$run/cdi"
+mount --bind "$1" "$run/cdi"
+shift
+exec "$@"
+"""
+PODMAN_TIMEOUT = 120
+
+
+def _is_static_elf(path: str) -> bool:
+    """True for a 64-bit little-endian ELF without a PT_INTERP program header."""
+    with open(path, "rb") as f:
+        header = f.read(64)
+        if len(header) < 64 or header[:4] != b"\x7fELF" or header[4] != 2 or header[5] != 1:
+            return False
+        (phoff,) = struct.unpack_from("<Q", header, 0x20)
+        phentsize, phnum = struct.unpack_from("<HH", header, 0x36)
+        f.seek(phoff)
+        table = f.read(phentsize * phnum)
+    return all(struct.unpack_from("<I", table, i * phentsize)[0] != 3 for i in range(phnum))
+
+
+def _missing_tool() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (podman with a private mount namespace)"
+    for tool in ("podman", "runc", "unshare"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    busybox = shutil.which("busybox")
+    if busybox is None or not _is_static_elf(busybox):
+        return "a static busybox is not installed (Debian package busybox-static)"
+    return None
+
+
+@dataclass(frozen=True)
+class Podman:
+    root: Path
+    conf: Path
+    version: str
+
+    def run(self, cdi_dir: Path, podman_args: Sequence[str]) -> subprocess.CompletedProcess[str]:
+        command = [
+            "unshare", "-m", "--propagation", "private",
+            "sh", "-c", NAMESPACE_SCRIPT, "sh", str(cdi_dir),
+            "podman",
+            "--root", str(self.root / "storage"),
+            "--runroot", str(self.root / "runroot"),
+            "--storage-driver", "vfs",
+            "--cgroup-manager", "cgroupfs",
+            "--events-backend", "none",
+            *podman_args,
+        ]  # fmt: skip
+        env = {**os.environ, "CONTAINERS_CONF": str(self.conf)}
+        return subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=PODMAN_TIMEOUT, check=False
+        )
+
+    def run_env(self, cdi_dir: Path, devices: Sequence[str]) -> subprocess.CompletedProcess[str]:
+        """``env`` in a container that asks for the given CDI devices."""
+        flags = [arg for device in devices for arg in ("--device", device)]
+        return self.run(cdi_dir, ["run", "--rm", "--pull", "never", *flags, IMAGE, "env"])
+
+
+def _ulimit(kind: int) -> int:
+    # Containers may not raise a limit here (no CAP_SYS_RESOURCE in some sandboxes): stay at or
+    # below the current soft limit.
+    soft, _ = resource.getrlimit(kind)
+    return 1024 if soft == resource.RLIM_INFINITY else min(soft, 1024)
+
+
+@pytest.fixture(scope="module")
+def podman(tmp_path_factory: pytest.TempPathFactory) -> Podman:
+    reason = _missing_tool()
+    if reason is not None:
+        pytest.skip(f"podman CDI test skipped: {reason}")
+    root = tmp_path_factory.mktemp("podman")
+    nofile, nproc = _ulimit(resource.RLIMIT_NOFILE), _ulimit(resource.RLIMIT_NPROC)
+    conf = root / "containers.conf"
+    conf.write_text(
+        "[containers]\n"
+        'netns = "none"\n'
+        f'default_ulimits = ["nofile={nofile}:{nofile}", "nproc={nproc}:{nproc}"]\n'
+        "[engine]\n"
+        'runtime = "runc"\n'
+    )
+    rootfs = root / "rootfs.tar"
+    busybox = shutil.which("busybox")
+    assert busybox is not None
+    with tarfile.open(rootfs, "w") as tar:
+        tar.add(busybox, arcname="bin/busybox")
+        for applet in ("sh", "env"):
+            link = tarfile.TarInfo(f"bin/{applet}")
+            link.type = tarfile.SYMTYPE
+            link.linkname = "busybox"
+            tar.addfile(link)
+    version = subprocess.run(
+        ["podman", "--version"], capture_output=True, text=True, check=True
+    ).stdout.split()[-1]
+    tool = Podman(root, conf, version)
+    empty_cdi = root / "empty-cdi"
+    empty_cdi.mkdir()
+    imported = tool.run(empty_cdi, ["import", str(rootfs), IMAGE])
+    if imported.returncode != 0:
+        pytest.skip(f"podman cannot import an image here: {imported.stderr.strip()}")
+    control = tool.run_env(empty_cdi, [])
+    if control.returncode != 0:
+        pytest.skip(f"podman cannot run containers here: {control.stderr.strip()}")
+    return tool
+
+
+def _env_lines(result: subprocess.CompletedProcess[str]) -> list[str]:
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()
+
+
+def test_podman_injects_the_env_of_our_spec(podman: Podman, tmp_path: Path) -> None:
+    uid = str(uuid.uuid4())
+    cpus = CpuSet.parse("0-3,8,10-11")
+    write_spec(tmp_path, uid, cpus)
+    lines = _env_lines(podman.run_env(tmp_path, [device_id(uid)]))
+    assert f"DRA_CPUSET_{uid}=0-3,8,10-11" in lines
+    assert parse_env(lines) == {uid: cpus}
+
+
+def test_podman_injects_two_claims_into_one_container(podman: Podman, tmp_path: Path) -> None:
+    claims = {str(uuid.uuid4()): CpuSet.parse("2-3"), str(uuid.uuid4()): CpuSet.parse("64,66")}
+    for uid, cpus in claims.items():
+        write_spec(tmp_path, uid, cpus)
+    lines = _env_lines(podman.run_env(tmp_path, [device_id(uid) for uid in claims]))
+    assert parse_env(lines) == claims
+
+
+def test_podman_cannot_resolve_a_claim_without_our_spec(podman: Podman, tmp_path: Path) -> None:
+    uid = str(uuid.uuid4())
+    write_spec(tmp_path, str(uuid.uuid4()), CpuSet.parse("1"))  # another claim's spec only
+    result = podman.run_env(tmp_path, [device_id(uid)])
+    assert result.returncode != 0
+    assert f"unresolvable CDI devices {device_id(uid)}" in result.stderr
+
+
+def test_podman_4_3_accepts_cdi_0_5_0_but_not_0_6_0(podman: Podman, tmp_path: Path) -> None:
+    # Why CDI_VERSION is 0.5.0 (design §2): the CDI library in podman 4.x and containerd
+    # 1.7.0-1.7.11 rejects newer versions, and the claim's device becomes unresolvable.
+    if not podman.version.startswith("4.3."):
+        pytest.skip(f"the version limit is known for podman 4.3, not {podman.version}")
+    uid = str(uuid.uuid4())
+    path = write_spec(tmp_path, uid, CpuSet.parse("5"))
+    assert parse_env(_env_lines(podman.run_env(tmp_path, [device_id(uid)]))) == {
+        uid: CpuSet.parse("5")
+    }
+    path.write_bytes(path.read_bytes().replace(b'"0.5.0"', b'"0.6.0"'))
+    assert path.name == spec_file_name(uid)
+    result = podman.run_env(tmp_path, [device_id(uid)])
+    assert result.returncode != 0
+    assert f"unresolvable CDI devices {device_id(uid)}" in result.stderr
