@@ -274,7 +274,7 @@ class StateMachine(Generic[S, E]):
     the rollback / follow-up hooks (see :mod:`dracpu.tasks.state_owner`)."""
 
     state: S
-    apply: Callable[[S, Command], tuple[S, Sequence[E | Reply]]]
+    apply: Callable[[S, Command], tuple[S, Sequence[E]]]
     execute: Callable[[E], Awaitable[object]]
     rollback: Rollback[S, E] | None = None
     follow_up: FollowUp[E, Command] | None = None

@@ -85,7 +85,7 @@ COMMAND_DEADLINE = 4.0
 
 S = TypeVar("S")
 C = TypeVar("C")
-E = TypeVar("E")
+E = TypeVar("E")  # the effect type, Reply included (the owner never passes a Reply to execute)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +152,7 @@ async def request(send: MemoryObjectSendStream[Request[C]], command: C) -> objec
     return value
 
 
-Rollback = Callable[[S, Sequence[E], DracpuError], Sequence[E | Reply]]
+Rollback = Callable[[S, Sequence[E], DracpuError], Sequence[E]]
 """``rollback(old_state, started_effects, error)``: effects that undo the commit-phase effects
 already started (the failed one included), ending with ``Reply(error)``
 (:func:`dracpu.core.state.rollback`)."""
@@ -170,7 +170,7 @@ class StateOwner(Generic[S, C, E]):
         self,
         receive: MemoryObjectReceiveStream[Request[C]],
         state: S,
-        apply: Callable[[S, C], tuple[S, Sequence[E | Reply]]],
+        apply: Callable[[S, C], tuple[S, Sequence[E]]],
         execute: Callable[[E], Awaitable[object]],
         *,
         rollback: Rollback[S, E] | None = None,
@@ -259,7 +259,7 @@ class StateOwner(Generic[S, C, E]):
         req: Request[C],
         name: str,
         new_state: S,
-        effects: Sequence[E | Reply],
+        effects: Sequence[E],
         *,
         follow_ups: bool,
     ) -> None:
@@ -388,7 +388,7 @@ def _answer(req: Request[C], value: object) -> None:
 async def run(
     receive: MemoryObjectReceiveStream[Request[C]],
     state: S,
-    apply: Callable[[S, C], tuple[S, Sequence[E | Reply]]],
+    apply: Callable[[S, C], tuple[S, Sequence[E]]],
     execute: Callable[[E], Awaitable[object]],
     *,
     rollback: Rollback[S, E] | None = None,
