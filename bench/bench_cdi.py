@@ -1,0 +1,117 @@
+"""CDI spec costs on the Prepare path and in the watcher.
+
+Run: ``.venv/bin/python bench/bench_cdi.py [--dir DIR]``. Figures (ms, p50/p99); each file figure
+is measured on a disk directory (``--dir``, default: the system temp dir) and, when ``/dev/shm``
+exists, on tmpfs (what ``/var/run/cdi`` is on a node); ``fs`` names the file system:
+
+* ``cdi.write_spec``: one atomic spec write (temp file in the CDI dir, write, fsync, rename, fsync
+  of the dir), what Prepare pays per claim;
+* ``cdi.plain_write_2k_fsync``: open + write 2 KiB + fsync + close of a plain file, the floor the
+  DRA Prepare benchmark compares with;
+* ``cdi.delete_spec``: what Unprepare pays per claim;
+* ``cdi.reconcile_noop_200``: one full watcher pass over 200 correct specs (read and compare all);
+* ``cdi.spec_bytes`` / ``cdi.parse_spec``: the pure build+encode and parse of one spec.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._harness import measure
+from dracpu.adapters.cdi_files import delete_spec, write_spec
+from dracpu.core.cdi_spec import parse_spec, spec_bytes
+from dracpu.core.cpuset import CpuSet
+from dracpu.tasks.cdi_watcher import reconcile
+
+__all__ = ["main"]
+
+SAMPLES = 300
+WARMUP = 3
+# A claim of 8 CPUs spread over two ranges: a typical env value.
+CPUS = CpuSet.parse("4-7,68-71")
+# The floor file: 2 KiB, about the size of a checkpoint of a few claims.
+PLAIN_SIZE = 2048
+# A busy node: 200 prepared claims.
+CLAIMS = 200
+
+
+def _fs_type(path: Path) -> str:
+    """File system type of the mount holding ``path`` (longest mount point prefix)."""
+    best, kind = "", "unknown"
+    resolved = str(path.resolve())
+    with open("/proc/mounts") as mounts:
+        for line in mounts:
+            fields = line.split()
+            if len(fields) < 3:
+                continue
+            point = fields[1]
+            inside = resolved == point or resolved.startswith(point.rstrip("/") + "/")
+            if inside and len(point) > len(best):
+                best, kind = point, fields[2]
+    return kind
+
+
+def bench_dir(base: Path) -> None:
+    work = Path(tempfile.mkdtemp(prefix="dracpu-bench-cdi-", dir=base))
+    try:
+        fs = _fs_type(work)
+        uid = str(uuid.uuid4())
+        cdi = work / "cdi"
+        measure("cdi.write_spec", lambda: write_spec(cdi, uid, CPUS), n=SAMPLES, fs=fs)
+
+        plain = work / "plain"
+        payload = os.urandom(PLAIN_SIZE)
+
+        def plain_write() -> None:
+            fd = os.open(plain, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, payload)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        measure("cdi.plain_write_2k_fsync", plain_write, n=SAMPLES, fs=fs)
+
+        doomed = [str(uuid.uuid4()) for _ in range(SAMPLES + WARMUP)]
+        for claim in doomed:
+            write_spec(cdi, claim, CPUS)
+        next_claim = iter(doomed).__next__
+        measure(
+            "cdi.delete_spec", lambda: delete_spec(cdi, next_claim()), n=SAMPLES, warmup=WARMUP,
+            fs=fs,
+        )  # fmt: skip
+
+        many = work / "many"
+        desired = {str(uuid.uuid4()): CpuSet([i % 256, (i + 1) % 256]) for i in range(CLAIMS)}
+        reconcile(many, desired)
+        measure(f"cdi.reconcile_noop_{CLAIMS}", lambda: reconcile(many, desired), n=50, fs=fs)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    args = parser.parse_args()
+
+    uid = str(uuid.uuid4())
+    data = spec_bytes(uid, CPUS)
+    measure("cdi.spec_bytes", lambda: spec_bytes(uid, CPUS), n=SAMPLES * 10)
+    measure("cdi.parse_spec", lambda: parse_spec(data), n=SAMPLES * 10)
+
+    bench_dir(args.dir)
+    shm = Path("/dev/shm")
+    if shm.is_dir() and _fs_type(shm) == "tmpfs":
+        bench_dir(shm)
+
+
+if __name__ == "__main__":
+    main()
