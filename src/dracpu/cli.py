@@ -141,6 +141,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from dracpu.adapters.sysfs import read_topology
     from dracpu.core.allocator import AllocationPolicy, Strategy, allocate, describe_plan
     from dracpu.core.cpuset import CpuSet
+    from dracpu.errors import InsufficientCpusError
 
     topology = read_topology(args.host_root)
     reserved = args.reserved_cpus or CpuSet()
@@ -149,6 +150,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     try:
         cpus = allocate(topology, available, args.cpus, policy)
     except AllocationError as exc:
+        if not isinstance(exc, InsufficientCpusError):
+            raise  # an invalid request (--cpus 0, a count no whole cores make): bad input, exit 2
         print(f"dracpu plan: {exc}", file=sys.stderr)
         return EXIT_UNSATISFIABLE
     plan = describe_plan(topology, cpus)
