@@ -375,6 +375,7 @@ PARSE_ERRORS: list[tuple[str, bytes, str]] = [
     ("empty", b"", "not valid JSON"),
     ("duplicate key", EXPECTED.replace(b'"kind":', b'"kind":"x/y","kind":', 1), "duplicate key"),
     ("top-level list", b"[]", "JSON object"),
+    ("NaN", EXPECTED.replace(b'"0.5.0"', b"NaN"), "NaN is not a JSON value"),
     ("bad version", _spec_with(_set(("cdiVersion",), "2.0.0")), "invalid version"),
     ("other kind", _spec_with(_set(("kind",), "nvidia.com/gpu")), "is not ours"),
     ("unknown field", _spec_with(_set(("extra",), 1)), "unknown field 'extra'"),

@@ -35,6 +35,7 @@ __all__ = [
     "CDI_KIND",
     "CDI_VENDOR",
     "CDI_VERSION",
+    "DEVICE_PREFIX",
     "ENV_PREFIX",
     "KNOWN_CDI_VERSIONS",
     "NEWEST_CDI_VERSION",
@@ -247,6 +248,11 @@ def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
+def _reject_constant(name: str) -> object:
+    # Python's json accepts NaN / Infinity; JSON (and Go) do not.
+    raise CdiError(f"{name} is not a JSON value")
+
+
 def _strict_cpuset(text: str, what: str) -> CpuSet:
     if not text or text != text.strip():
         raise CdiError(f"{what}: cpuset {_quote(text)} is empty or has surrounding whitespace")
@@ -271,7 +277,9 @@ def parse_spec(data: bytes) -> tuple[str, CpuSet]:
     except UnicodeDecodeError as exc:
         raise CdiError(f"CDI spec is not UTF-8: {exc}") from exc
     try:
-        obj = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
+        obj = json.loads(
+            text, object_pairs_hook=_reject_duplicate_keys, parse_constant=_reject_constant
+        )
     except CdiError as exc:
         raise CdiError(f"CDI spec is not valid JSON: {exc}") from exc
     except ValueError as exc:  # json.JSONDecodeError, or a number too large
@@ -601,6 +609,8 @@ def validate_spec(obj: object, *, newest_known: str = NEWEST_CDI_VERSION) -> lis
 
     ``newest_known`` is the newest cdiVersion of the consumer's CDI library (``"0.5.0"`` for
     containerd 1.7.0-1.7.11 and podman 4.x, reference §5.7); newer versions are unknown to it.
+    A JSON ``null`` counts as an absent field, as in Go. Field names must match exactly (Go's
+    decoder would also accept other letter cases: this check is stricter).
     """
     out: list[str] = []
     obj = _drop_nulls(obj)
