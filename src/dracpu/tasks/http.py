@@ -53,6 +53,11 @@ READ_TIMEOUT = 5.0
 WRITE_TIMEOUT = 10.0
 # A probe's request head is ~100 bytes, Prometheus' ~300; 8 KiB is the usual server limit.
 MAX_REQUEST_BYTES = 8192
+# After answering we shut our side down and read what the peer still sends (a body we ignore)
+# for at most this long / this much: closing with unread data would send a TCP reset, which can
+# destroy our response before the peer reads it ("lingering close", as Apache and nginx do).
+LINGER_TIMEOUT = 1.0
+LINGER_BYTES = 65536
 # Probes and scrapes come one at a time; more concurrent connections than this are refused at
 # once (closed) so that a flood cannot use up the daemon's file descriptors.
 MAX_CONNECTIONS = 64
@@ -127,8 +132,8 @@ class Readiness:
         """The daemon is stopping: not ready from now on, whatever the flags say."""
         self._stopping = True
 
-    @property
-    def ready(self) -> bool:
+    def is_ready(self) -> bool:
+        """Every flag is ready (and there is at least one) and the daemon is not stopping."""
         return (
             not self._stopping and bool(self._flags) and all(f.ready for f in self._flags.values())
         )
@@ -145,7 +150,7 @@ class Readiness:
         ]
         if self._stopping:
             lines.append("[-]shutdown: stopping")
-        lines.append("readyz check passed" if self.ready else "readyz check failed")
+        lines.append("readyz check passed" if self.is_ready() else "readyz check failed")
         return "\n".join(lines) + "\n"
 
 
@@ -171,7 +176,7 @@ class _DaemonCollector:
         yield GaugeMetricFamily(
             "dracpu_ready",
             "1 when /readyz answers 200.",
-            value=1.0 if self._readiness.ready else 0.0,
+            value=1.0 if self._readiness.is_ready() else 0.0,
         )
         if self._owner_statistics is None:
             return
@@ -284,7 +289,7 @@ class _Server:
         if path == b"/healthz":
             return _text(200, "ok\n")
         if path == b"/readyz":
-            return _text(200 if self._readiness.ready else 503, self._readiness.report())
+            return _text(200 if self._readiness.is_ready() else 503, self._readiness.report())
         if path == b"/metrics":
             try:
                 body = generate_latest(self._registry)
@@ -333,6 +338,11 @@ class _Server:
         head_only = isinstance(request, _Request) and request.method == b"HEAD"
         with anyio.move_on_after(WRITE_TIMEOUT):
             await stream.send(response.encode(head_only=head_only))
+            await stream.send_eof()
+        with anyio.move_on_after(LINGER_TIMEOUT):
+            drained = 0
+            while drained < LINGER_BYTES:
+                drained += len(await stream.receive())
 
 
 async def run(
