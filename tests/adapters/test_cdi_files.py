@@ -323,6 +323,8 @@ def test_scan_dir_reports_contents_errors_and_leftovers(tmp_path: Path) -> None:
     assert scan.specs[UID] == spec_bytes(UID, CPUS)
     assert parse_spec(scan.specs[UID]) == (UID, CPUS)  # type: ignore[arg-type]
     assert isinstance(scan.specs[OTHER], CdiError)
+    assert set(scan.ages) == {UID, OTHER}
+    assert scan.ages[UID] < 60
     assert set(scan.leftovers) == {old_temp, probe}
     assert scan.leftovers[old_temp] > 3500
     assert scan.leftovers[probe] < 60
@@ -330,6 +332,8 @@ def test_scan_dir_reports_contents_errors_and_leftovers(tmp_path: Path) -> None:
     only = scan_dir(tmp_path, only={UID, "not-a-uid"})
     assert only.specs == {UID: spec_bytes(UID, CPUS)}
     assert only.leftovers == {}
+    os.utime(tmp_path / spec_file_name(UID), (an_hour_ago, an_hour_ago))
+    assert scan_dir(tmp_path, only={UID}).ages[UID] > 3500
     assert scan_dir(tmp_path, only={"0b7e3a52-4c1f-4d7e-9a31-000000000000"}).specs == {}
 
 

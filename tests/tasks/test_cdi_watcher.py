@@ -111,6 +111,16 @@ def test_reconcile_repairs_a_valid_spec_with_the_wrong_cpuset(tmp_path: Path) ->
     assert read_spec(tmp_path, A) == CPUS_A
 
 
+def test_reconcile_defers_young_orphans(tmp_path: Path) -> None:
+    write_spec(tmp_path, B, CPUS_B)  # just written: maybe a claim being prepared
+    write_spec(tmp_path, C, CPUS_B)
+    _age(tmp_path / spec_file_name(C), 60)
+    report = reconcile(tmp_path, {}, orphan_grace=5.0)
+    assert report == ReconcileReport(removed=(C,), deferred=(B,))
+    assert _ours(tmp_path) == {spec_file_name(B)}
+    assert reconcile(tmp_path, {}).removed == (B,)  # no grace: at start-up
+
+
 def test_reconcile_only_touches_the_named_claims(tmp_path: Path) -> None:
     write_spec(tmp_path, C, CPUS_A)  # orphan, not named
     report = reconcile(tmp_path, {A: CPUS_A, B: CPUS_B}, only={A})
@@ -265,10 +275,26 @@ async def test_edited_spec_is_restored(tmp_path: Path) -> None:
 @pytest.mark.anyio
 async def test_orphan_spec_is_removed(tmp_path: Path) -> None:
     cdi = tmp_path / "cdi"
-    async with watching(cdi, Claims({A: CPUS_A})):
+    async with watching(cdi, Claims({A: CPUS_A}), orphan_grace=0.0):
         write_spec(cdi, C, CPUS_B)
         await wait_until(lambda: not (cdi / spec_file_name(C)).exists())
         assert _spec_ok(cdi, A, CPUS_A)()
+
+
+@pytest.mark.anyio
+async def test_a_young_orphan_waits_for_a_later_pass(tmp_path: Path) -> None:
+    # The state owner writes a spec before it commits the claim: a fresh orphan may be a claim
+    # being prepared. Once it shows in desired(), it must survive.
+    cdi = tmp_path / "cdi"
+    claims = Claims({A: CPUS_A})
+    async with watching(cdi, claims, orphan_grace=0.5, resync_interval=0.1) as reports:
+        write_spec(cdi, B, CPUS_B)
+        await wait_until(lambda: any(B in r.deferred for r in reports))
+        claims.claims[B] = CPUS_B  # the owner commits the claim
+        write_spec(cdi, C, CPUS_B)  # a real orphan
+        await wait_until(lambda: not (cdi / spec_file_name(C)).exists())
+        assert _spec_ok(cdi, B, CPUS_B)()
+        assert not any(B in r.removed for r in reports)
 
 
 @pytest.mark.anyio
@@ -296,7 +322,7 @@ async def test_vendor_specs_are_never_touched(tmp_path: Path) -> None:
 async def test_periodic_resync_writes_claims_that_appeared(tmp_path: Path) -> None:
     cdi = tmp_path / "cdi"
     claims = Claims({A: CPUS_A})
-    async with watching(cdi, claims, resync_interval=0.2):
+    async with watching(cdi, claims, resync_interval=0.2, orphan_grace=0.0):
         claims.claims[B] = CPUS_B  # no file event: only the resync can notice
         del claims.claims[A]
         await wait_until(_spec_ok(cdi, B, CPUS_B))

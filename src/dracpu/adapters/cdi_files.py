@@ -327,11 +327,24 @@ class CdiDirScan:
     """What :func:`scan_dir` found: our spec files (content or read error), temp and probe files.
 
     ``specs`` maps claim UID → bytes, or the :class:`CdiError` when the file could not be read.
-    ``leftovers`` maps the name of each of our temp / probe files to its age in seconds.
+    ``ages`` maps the claim UID of each spec in ``specs`` to the age of the file (seconds since
+    its last modification; 0 when unknown). ``leftovers`` maps the name of each of our temp /
+    probe files to its age.
     """
 
     specs: dict[str, bytes | CdiError] = field(default_factory=dict)
+    ages: dict[str, float] = field(default_factory=dict)
     leftovers: dict[str, float] = field(default_factory=dict)
+
+
+def _age(path: Path, now: float) -> float | None:
+    """Seconds since ``path`` (not followed) was modified; ``None`` when it is gone."""
+    try:
+        return max(0.0, now - os.lstat(path).st_mtime)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return 0.0
 
 
 def scan_dir(cdi_dir: str | os.PathLike[str], *, only: Collection[str] | None = None) -> CdiDirScan:
@@ -341,43 +354,38 @@ def scan_dir(cdi_dir: str | os.PathLike[str], *, only: Collection[str] | None = 
     not listed and no leftovers are reported.
     """
     directory = Path(cdi_dir)
-    specs: dict[str, bytes | CdiError] = {}
-    leftovers: dict[str, float] = {}
-    if only is not None:
-        for uid in only:
-            if not is_valid_claim_uid(uid):
-                continue  # no file of ours can have that name
-            try:
-                data = read_spec_bytes(directory, uid)
-            except CdiError as exc:
-                specs[uid] = exc
-                continue
-            if data is not None:
-                specs[uid] = data
-        return CdiDirScan(specs, leftovers)
-    try:
-        entries = list(os.scandir(directory))
-    except FileNotFoundError:
-        return CdiDirScan(specs, leftovers)
-    except OSError as exc:
-        raise CdiError(f"cannot list CDI dir {str(directory)!r}: {exc.strerror or exc}") from exc
+    scan = CdiDirScan()
     now = time.time()
-    for entry in entries:
-        owner = claim_uid_from_file_name(entry.name)
+    if only is None:
+        try:
+            names = os.listdir(directory)
+        except FileNotFoundError:
+            return scan
+        except OSError as exc:
+            raise CdiError(
+                f"cannot list CDI dir {str(directory)!r}: {exc.strerror or exc}"
+            ) from exc
+    else:
+        names = [spec_file_name(uid) for uid in only if is_valid_claim_uid(uid)]
+    for name in names:
+        path = directory / name
+        owner = claim_uid_from_file_name(name)
         if owner is not None:
+            age = _age(path, now)
+            if age is None:
+                continue  # absent, or removed since listing
             try:
-                specs[owner] = _read_regular(Path(entry.path))
+                scan.specs[owner] = _read_regular(path)
             except FileNotFoundError:
-                continue  # removed since listing
-            except CdiError as exc:
-                specs[owner] = exc
-        elif is_our_temp_file(entry.name) or is_our_probe_file(entry.name):
-            try:
-                mtime = entry.stat(follow_symlinks=False).st_mtime
-            except OSError:
                 continue
-            leftovers[entry.name] = max(0.0, now - mtime)
-    return CdiDirScan(specs, leftovers)
+            except CdiError as exc:
+                scan.specs[owner] = exc
+            scan.ages[owner] = age
+        elif is_our_temp_file(name) or is_our_probe_file(name):
+            age = _age(path, now)
+            if age is not None:
+                scan.leftovers[name] = age
+    return scan
 
 
 def list_our_specs(cdi_dir: str | os.PathLike[str]) -> dict[str, CpuSet | CdiError]:

@@ -16,16 +16,20 @@ watch is restarted on the new dir.
 Our own writes cause events too; they are harmless: temp files are filtered out, and a spec we just
 wrote compares equal on the next pass, so nothing is rewritten twice.
 
-Races with the state owner (it writes and removes specs on Prepare/Unprepare while this task runs):
-the desired claims are read AFTER the files, so a spec written for a claim reserved before the read
-is never taken for an orphan. A spec rewritten for a claim being unprepared at that instant is
-removed again by the pass its own event triggers.
+Races with the state owner, which writes a claim's spec on Prepare and removes it on Unprepare
+before it commits the new state (after the checkpoint): the desired claims are read AFTER the
+files, and an orphan younger than ``orphan_grace`` is left for a later pass, so a spec written
+for a claim being prepared is not removed before the claim shows in ``desired()``. A spec
+rewritten for a claim being unprepared at that instant is an orphan for the next passes: removed
+once older than the grace. Orphans are harmless meanwhile (the NRI side refuses a claim it does not
+hold). A ``desired()`` that includes claims whose Prepare is in flight makes both windows vanish.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
@@ -42,6 +46,7 @@ from dracpu.errors import CdiError
 
 __all__ = [
     "DEFAULT_DEBOUNCE_MS",
+    "DEFAULT_ORPHAN_GRACE",
     "DEFAULT_PROBE_TIMEOUT",
     "DEFAULT_RESYNC_INTERVAL",
     "DEFAULT_STEP_MS",
@@ -59,8 +64,14 @@ logger = logging.getLogger(__name__)
 # look it up any moment), so these are far below watchfiles' 1600/50 ms defaults.
 DEFAULT_DEBOUNCE_MS = 200
 DEFAULT_STEP_MS = 50
-# A full pass this often even without events: a safety net for lost events (queue overflow).
-DEFAULT_RESYNC_INTERVAL = 30.0
+# A full pass this often even without events: a safety net for lost events (queue overflow), and
+# what removes orphans once they are older than the grace period. Cheap: ~5 ms for 200 specs.
+DEFAULT_RESYNC_INTERVAL = 10.0
+# An orphan spec (no prepared claim owns it) younger than this is left for a later pass. The state
+# owner writes a claim's spec before it commits the claim (after the checkpoint), so a pass in
+# between sees the new spec as an orphan; removing it could make the runtime miss the device.
+# Orphans are harmless meanwhile: the NRI side refuses env naming a claim it does not hold.
+DEFAULT_ORPHAN_GRACE = 5.0
 # How long to wait for the watch to report our probe before falling back to polling.
 DEFAULT_PROBE_TIMEOUT = 3.0
 # Interval between probe writes while waiting for the watch to see one.
@@ -83,6 +94,7 @@ class ReconcileReport:
     created: tuple[str, ...] = ()  # prepared claims whose missing spec was written
     repaired: tuple[str, ...] = ()  # prepared claims whose edited/broken spec was rewritten
     removed: tuple[str, ...] = ()  # claim UIDs of our orphan specs that were removed
+    deferred: tuple[str, ...] = ()  # claim UIDs of orphans too young to remove yet
     removed_leftovers: tuple[str, ...] = ()  # stale temp / probe file names removed
     errors: tuple[str, ...] = ()  # actions that failed (each message names the file)
 
@@ -97,13 +109,15 @@ def reconcile_scan(
     desired: Mapping[str, CpuSet],
     *,
     only: Collection[str] | None = None,
+    orphan_grace: float = 0.0,
     stale_age: float | None = STALE_LEFTOVER_AGE,
 ) -> ReconcileReport:
     """Bring the dir in line with ``desired`` given a :func:`cdi_files.scan_dir` result (sync).
 
     ``only`` restricts the pass to those claim UIDs (the scan must have been made with the same
-    ``only``). Leftover temp/probe files older than ``stale_age`` seconds are removed (``None``:
-    keep them). Never raises for a bad file: failures are in the report.
+    ``only``). Orphan specs modified less than ``orphan_grace`` seconds ago are kept (reported as
+    ``deferred``). Leftover temp/probe files older than ``stale_age`` seconds are removed
+    (``None``: keep them). Never raises for a bad file: failures are in the report.
     """
     existing: dict[str, bytes | None] = {}
     for uid, content in scan.specs.items():
@@ -116,6 +130,7 @@ def reconcile_scan(
     created: list[str] = []
     repaired: list[str] = []
     removed: list[str] = []
+    deferred: list[str] = []
     leftovers: list[str] = []
     errors: list[str] = [f"claim {uid}: {reason}" for uid, reason in plan.invalid]
     for uid, cpus in plan.create:
@@ -131,6 +146,9 @@ def reconcile_scan(
         except CdiError as exc:
             errors.append(str(exc))
     for uid in plan.remove:
+        if scan.ages.get(uid, math.inf) < orphan_grace:
+            deferred.append(uid)
+            continue
         try:
             cdi_files.delete_spec(cdi_dir, uid)
             removed.append(uid)
@@ -146,7 +164,12 @@ def reconcile_scan(
             except CdiError as exc:
                 errors.append(str(exc))
     return ReconcileReport(
-        tuple(created), tuple(repaired), tuple(removed), tuple(leftovers), tuple(errors)
+        tuple(created),
+        tuple(repaired),
+        tuple(removed),
+        tuple(deferred),
+        tuple(leftovers),
+        tuple(errors),
     )
 
 
@@ -155,15 +178,19 @@ def reconcile(
     desired: Mapping[str, CpuSet],
     *,
     only: Collection[str] | None = None,
+    orphan_grace: float = 0.0,
     stale_age: float | None = STALE_LEFTOVER_AGE,
 ) -> ReconcileReport:
     """One synchronous pass: scan our files, then write/repair/remove so the dir matches.
 
+    At daemon start-up (before the DRA socket serves) every orphan can go: ``orphan_grace=0``.
     Raises :class:`CdiError` only when the dir itself cannot be listed; problems with single files
     are in the report. Run it in a worker thread from async code.
     """
     scan = cdi_files.scan_dir(cdi_dir, only=only)
-    return reconcile_scan(cdi_dir, scan, desired, only=only, stale_age=stale_age)
+    return reconcile_scan(
+        cdi_dir, scan, desired, only=only, orphan_grace=orphan_grace, stale_age=stale_age
+    )
 
 
 def _log_report(report: ReconcileReport) -> None:
@@ -174,6 +201,8 @@ def _log_report(report: ReconcileReport) -> None:
             list(report.repaired),
             list(report.removed),
         )
+    if report.deferred:
+        logger.debug("young orphan CDI specs left for a later pass: %s", list(report.deferred))
     if report.removed_leftovers:
         logger.info("removed stale CDI temp files %s", list(report.removed_leftovers))
     for message in report.errors:
@@ -192,6 +221,7 @@ class _Watch:
         step_ms: int,
         resync_interval: float,
         probe_timeout: float,
+        orphan_grace: float,
     ) -> None:
         self.path = path
         self.desired = desired
@@ -200,6 +230,7 @@ class _Watch:
         self.step_ms = step_ms
         self.resync_interval = resync_interval
         self.probe_timeout = probe_timeout
+        self.orphan_grace = orphan_grace
         self.probe = cdi_files.probe_file_name()
         self.dir_text = str(path)
         self.probe_error: CdiError | None = None
@@ -212,7 +243,10 @@ class _Watch:
         name = os.path.basename(path)
         return claim_uid_from_file_name(name) is not None or name == self.probe
 
-    async def reconcile_pass(self, only: Collection[str] | None) -> ReconcileReport:
+    async def reconcile_pass(
+        self, only: Collection[str] | None, *, orphan_grace: float | None = None
+    ) -> ReconcileReport:
+        grace = self.orphan_grace if orphan_grace is None else orphan_grace
         try:
             scan = await anyio.to_thread.run_sync(lambda: cdi_files.scan_dir(self.path, only=only))
         except CdiError as exc:
@@ -221,7 +255,7 @@ class _Watch:
             # The snapshot is taken after the files were read (see the module docstring).
             snapshot = dict(self.desired())
             report = await anyio.to_thread.run_sync(
-                lambda: reconcile_scan(self.path, scan, snapshot, only=only)
+                lambda: reconcile_scan(self.path, scan, snapshot, only=only, orphan_grace=grace)
             )
         _log_report(report)
         if self.on_report is not None:
@@ -295,7 +329,9 @@ class _Watch:
                             self.live = True
                             seen.set()
                             await self.remove_probe()
-                            await self.reconcile_pass(None)  # the watch is live: full pass
+                            # The watch is live: a full pass. At start nothing is being prepared
+                            # yet (the DRA socket opens after this task started): no grace.
+                            await self.reconcile_pass(None, orphan_grace=0.0 if first else None)
                             if first:
                                 task_status.started()
             except OSError as exc:  # RustNotify: dir missing, no inotify watches left, ...
@@ -341,6 +377,7 @@ async def run(
     step_ms: int = DEFAULT_STEP_MS,
     resync_interval: float = DEFAULT_RESYNC_INTERVAL,
     probe_timeout: float = DEFAULT_PROBE_TIMEOUT,
+    orphan_grace: float = DEFAULT_ORPHAN_GRACE,
     force_polling: bool = False,
     on_report: Callable[[ReconcileReport], None] | None = None,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
@@ -354,7 +391,16 @@ async def run(
     """
     path = Path(cdi_dir)
     await anyio.to_thread.run_sync(cdi_files.ensure_dir, path)
-    watch = _Watch(path, desired, on_report, debounce_ms, step_ms, resync_interval, probe_timeout)
+    watch = _Watch(
+        path,
+        desired,
+        on_report,
+        debounce_ms,
+        step_ms,
+        resync_interval,
+        probe_timeout,
+        orphan_grace,
+    )
     polling = force_polling
     first = True
     while True:
