@@ -210,6 +210,19 @@ def test_hybrid_prefers_p_cores_then_spills_to_e_cores() -> None:
     assert len(result & e_cores) == 2
 
 
+def test_hybrid_full_cores_never_returns_more_than_asked() -> None:
+    # P-cores of 4 threads, the two free ones with an offline 4th thread; E-cores cpu12-15.
+    # The free P threads (6) outnumber the request (4) but no whole P-cores make 4.
+    p, e = CoreType.P_CORE, CoreType.E_CORE
+    rows = [(c, c // 4, p) for c in (0, 1, 2, 3, 4, 5, 6, 8, 9, 10)]
+    rows += [(c, c, e) for c in range(12, 16)]
+    cpus = {c: CpuInfo(c, 0, 0, -1, core, 0, 0, kind) for c, core, kind in rows}
+    topology = Topology(cpus=cpus, smt_enabled=True, offline=cs("7,11"))
+    result = allocate(topology, cs("4-6,8-10,12-15"), 4, FULL)
+    assert len(result) == 4
+    assert all(core <= result for core in topology.cores_of(result))
+
+
 def test_machine_without_l3_information() -> None:
     topology = build_topology(MachineSpec(cores_per_cluster=4, threads_per_core=2, l3="none"))
     result = allocate(topology, topology.online, 4)
@@ -333,6 +346,37 @@ def test_result_is_count_cpus_out_of_available_and_deterministic(
         isolated=topology.isolated,
     )
     assert allocate(rebuilt, free, count, policy) == result
+
+
+ALL_POLICIES = [
+    AllocationPolicy(strategy, full_cores, prefer)
+    for strategy in Strategy
+    for full_cores in (False, True)
+    for prefer in (None, CoreType.P_CORE, CoreType.E_CORE)
+]
+
+
+@PROPERTY_SETTINGS
+@given(situations(), st.sampled_from(ALL_POLICIES), st.booleans())
+def test_every_policy_returns_exactly_count_or_refuses_for_a_reason(
+    situation: tuple[Topology, CpuSet, int], policy: AllocationPolicy, round_count: bool
+) -> None:
+    topology, free, count = situation
+    if policy.full_cores and round_count:
+        count = max(topology.smt_width, count - count % topology.smt_width)
+    try:
+        result = allocate(topology, free, count, policy)
+    except InsufficientCpusError:
+        assert policy.full_cores  # enough free CPUs: only whole cores can be short
+        return
+    except AllocationError:
+        assert policy.full_cores
+        assert count % topology.smt_width
+        return
+    assert len(result) == count
+    assert result <= free
+    if policy.full_cores:
+        assert all(core <= result for core in topology.cores_of(result))
 
 
 @PROPERTY_SETTINGS

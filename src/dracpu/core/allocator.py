@@ -342,12 +342,13 @@ def allocate(
     if pool and pool != free:
         if pool.bit_count() >= count:
             result = _choose(index, pool, count, policy)
-            if result is not None:
-                return CpuSet.from_mask(result)
-        rest = _choose(index, free & ~pool, count - pool.bit_count(), policy)
-        if rest is not None:
-            return CpuSet.from_mask(pool | rest)
-        # fall through: mixing types in one descent may still succeed
+        else:
+            # not enough of the preferred type: all of it, the rest from the other cores
+            rest = _choose(index, free & ~pool, count - pool.bit_count(), policy)
+            result = None if rest is None else pool | rest
+        if result is not None:
+            return CpuSet.from_mask(result)
+        # whole cores could not add up within that split: one descent over every free CPU
     result = _choose(index, free, count, policy)
     if result is None:
         raise InsufficientCpusError(
