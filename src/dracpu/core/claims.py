@@ -1,0 +1,350 @@
+"""Reading a ResourceClaim for Prepare, and the status patch that records what we prepared.
+
+Pure: a ``resource.k8s.io/v1`` ResourceClaim as a plain JSON ``dict`` (what
+:meth:`dracpu.adapters.kube.KubeClient.get_resource_claim` returns) goes in; a
+:class:`ClaimAllocation` or a patch ``dict`` comes out. Every problem is a
+:class:`~dracpu.errors.ClaimError` naming the claim and the bad value.
+
+:func:`read_claim` checks what the Go kubelet-plugin helper checks before it calls a driver
+(reference kubelet-and-k8s-api.md §5.1: the UID must be the one the kubelet asked for, else the
+claim "got replaced"; the claim must be allocated) and what upstream's
+``prepareGroupedResourceClaim`` checks per result (reference anchors-upstream.md §D.2:
+``consumedCapacity["dra.cpu/cpu"]`` must be present, positive and whole). Results of other
+drivers are ignored. A result of OUR driver in another pool is refused: our devices live in the
+pool named after this node, so such a claim was allocated for another node and preparing only
+part of it would hand the pod fewer CPUs than the scheduler granted.
+
+:func:`device_status_patch` builds the JSON merge patch of the claim's ``status.devices``
+(``AllocatedDeviceStatus``, reference §6.2) that records the prepared cpuset as
+``data: {"cpuset": "0-3"}`` on each of our allocated devices. ``status.devices`` is replaced as a
+whole by a merge patch, so the patch carries every entry: other drivers' entries unchanged, ours
+updated (their ``conditions`` kept), and ``metadata.resourceVersion`` so the server refuses it
+(409) if the claim changed since it was read.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from dracpu import DRIVER_NAME
+from dracpu.core.commands import DeviceResult
+from dracpu.core.cpuset import MAX_CPU_ID, CpuSet
+from dracpu.errors import ClaimError
+
+__all__ = [
+    "CAPACITY_CPU",
+    "MAX_STATUS_DATA_BYTES",
+    "AllocatedDevice",
+    "ClaimAllocation",
+    "OpaqueConfig",
+    "device_status_patch",
+    "parse_whole_quantity",
+    "read_claim",
+]
+
+# The capacity grouped devices publish and allocations consume (upstream
+# device.CPUResourceQualifiedName; dracpu.core.slices.CAPACITY_CPU).
+CAPACITY_CPU = "dra.cpu/cpu"
+# No claim can need more CPUs than a CpuSet can hold.
+_MAX_CPUS = MAX_CPU_ID + 1
+# resource/v1 AllocatedDeviceStatusDataMaxLength: the JSON of status.devices[].data.
+MAX_STATUS_DATA_BYTES = 10 * 1024
+# Grouped device names (upstream CPUDeviceNUMAGroupedPrefix, CPUDeviceSocketGroupedPrefix + %03d,
+# CPUDeviceMachineGrouped); individual devices are "cpudev" + digits and never match.
+_GROUPED_DEVICE = re.compile(r"^cpudev(numa\d+|socket\d+|machine)$")
+# resource.Quantity (k8s.io/apimachinery/pkg/api/resource/quantity.go): sign, digits with an
+# optional fraction, then a binary-SI, decimal-SI or decimal-exponent suffix.
+_QUANTITY = re.compile(
+    r"^([+-]?)(\d+(?:\.\d*)?|\.\d+)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?\d+)?$"
+)
+# Longest quantity text we look at, and largest decimal exponent: bounds the arithmetic so a
+# hostile "1e999999999" cannot make us compute a huge number.
+_MAX_QUANTITY_TEXT = 64
+_MAX_EXPONENT = 40
+_SUFFIX = {
+    "": Fraction(1),
+    "n": Fraction(1, 10**9),
+    "u": Fraction(1, 10**6),
+    "m": Fraction(1, 1000),
+    "k": Fraction(10**3),
+    "M": Fraction(10**6),
+    "G": Fraction(10**9),
+    "T": Fraction(10**12),
+    "P": Fraction(10**15),
+    "E": Fraction(10**18),
+    "Ki": Fraction(2**10),
+    "Mi": Fraction(2**20),
+    "Gi": Fraction(2**30),
+    "Ti": Fraction(2**40),
+    "Pi": Fraction(2**50),
+    "Ei": Fraction(2**60),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class AllocatedDevice:
+    """One allocation result of our driver in our pool.
+
+    ``request``: the main request name (``req`` of ``req/sub``: the kubelet matches containers
+    by main request names). ``share_id``: the result's ``shareID`` (grouped devices with
+    consumable capacity). ``consumed_cpus``: ``consumedCapacity["dra.cpu/cpu"]`` as a whole
+    number, ``None`` when the result consumes no capacity (individual devices).
+    """
+
+    request: str
+    pool: str
+    device: str
+    share_id: str | None = None
+    consumed_cpus: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OpaqueConfig:
+    """An opaque config of our driver from ``status.allocation.devices.config`` (kept raw).
+
+    ``source``: ``FromClaim`` or ``FromClass``; ``requests``: the requests it applies to (empty:
+    all); ``parameters``: the JSON value as the server returned it.
+    """
+
+    source: str
+    requests: tuple[str, ...]
+    parameters: Any
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimAllocation:
+    """What Prepare needs from one ResourceClaim."""
+
+    uid: str
+    namespace: str
+    name: str
+    resource_version: str
+    devices: tuple[AllocatedDevice, ...]
+    configs: tuple[OpaqueConfig, ...]
+
+    def device_results(self) -> tuple[DeviceResult, ...]:
+        """The results as :class:`~dracpu.core.commands.PrepareClaim` takes them."""
+        return tuple(
+            DeviceResult(
+                request=d.request, pool=d.pool, device=d.device, consumed_cpus=d.consumed_cpus
+            )
+            for d in self.devices
+        )
+
+
+def parse_whole_quantity(value: object) -> int:
+    """A Kubernetes quantity that must be a whole number of CPUs from 1 to 16384.
+
+    ``"2"``, ``"2000m"``, ``"+3"``, ``"1e1"`` are accepted; ``"0"``, ``"-1"``, ``"1.5"``,
+    ``"500m"``, non-strings and amounts above 16384 raise :class:`ClaimError`.
+    """
+    if not isinstance(value, str):
+        raise ClaimError(f"{value!r} is not a quantity string")
+    match = _QUANTITY.match(value) if len(value) <= _MAX_QUANTITY_TEXT else None
+    if match is None:
+        raise ClaimError(f"{value!r} is not a Kubernetes quantity")
+    sign, number, suffix = match.group(1), match.group(2), match.group(3) or ""
+    amount = Fraction(number)
+    if suffix[:1] in ("e", "E"):
+        exponent = int(suffix[1:])
+        if abs(exponent) > _MAX_EXPONENT:
+            raise ClaimError(f"{value!r} is out of range: at most {_MAX_CPUS} CPUs")
+        amount *= Fraction(10) ** exponent
+    else:
+        amount *= _SUFFIX[suffix]
+    if sign == "-":
+        amount = -amount
+    if amount <= 0:
+        raise ClaimError(f"{value!r} is not positive")
+    if amount.denominator != 1:
+        raise ClaimError(f"{value!r} is not a whole number of CPUs")
+    if amount > _MAX_CPUS:
+        raise ClaimError(f"{value!r} is out of range: at most {_MAX_CPUS} CPUs")
+    return int(amount)
+
+
+def _or_empty(value: object, empty: object) -> Any:
+    """``value``, or ``empty`` when the field is absent or ``null`` (JSON omits empty lists)."""
+    return empty if value is None else value
+
+
+def _text(value: object) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def read_claim(
+    claim: Mapping[str, Any], *, uid: str, pool: str, driver: str = DRIVER_NAME
+) -> ClaimAllocation:
+    """Our allocated devices and opaque configs of ``claim``, checked.
+
+    ``uid`` is the UID the kubelet asked to prepare; ``pool`` is this node's pool (the node
+    name). Raises :class:`ClaimError` when the claim was replaced (other UID), is not allocated,
+    or a result of ours is malformed, in another pool, or consumes a capacity that is not a
+    positive whole number of CPUs.
+    """
+    metadata = claim.get("metadata")
+    if not isinstance(metadata, Mapping):
+        raise ClaimError(f"claim {uid}: the object has no metadata")
+    namespace, name = _text(metadata.get("namespace")), _text(metadata.get("name"))
+    label = f"claim {namespace}/{name}"
+    actual_uid = metadata.get("uid")
+    if actual_uid != uid:
+        raise ClaimError(f"{label} has UID {actual_uid!r}, expected {uid!r}: it was replaced")
+    status = claim.get("status")
+    allocation = status.get("allocation") if isinstance(status, Mapping) else None
+    if not isinstance(allocation, Mapping):
+        raise ClaimError(f"{label} (UID {uid}) is not allocated")
+    device_allocation = _or_empty(allocation.get("devices"), {})
+    if not isinstance(device_allocation, Mapping):
+        raise ClaimError(f"{label}: status.allocation.devices is not an object")
+    results = _or_empty(device_allocation.get("results"), [])
+    if not isinstance(results, list):
+        raise ClaimError(f"{label}: status.allocation.devices.results is not a list")
+    devices = tuple(
+        device
+        for index, result in enumerate(results)
+        if (device := _our_result(label, index, result, driver=driver, pool=pool)) is not None
+    )
+    configs = _our_configs(label, _or_empty(device_allocation.get("config"), []), driver=driver)
+    return ClaimAllocation(
+        uid=uid,
+        namespace=namespace,
+        name=name,
+        resource_version=_text(metadata.get("resourceVersion")),
+        devices=devices,
+        configs=configs,
+    )
+
+
+_RESULT_KEYS = ("request", "pool", "device")
+
+
+def _required_text(where: str, obj: Mapping[str, Any], key: str) -> str:
+    value = obj.get(key)
+    if not isinstance(value, str) or not value:
+        raise ClaimError(f"{where}.{key}: {value!r} is not a non-empty string")
+    return value
+
+
+def _our_result(
+    label: str, index: int, result: object, *, driver: str, pool: str
+) -> AllocatedDevice | None:
+    where = f"{label}: status.allocation.devices.results[{index}]"
+    if not isinstance(result, Mapping):
+        raise ClaimError(f"{where} is not an object")
+    if result.get("driver") != driver:
+        return None
+    request, result_pool, device = (_required_text(where, result, k) for k in _RESULT_KEYS)
+    if result_pool != pool:
+        raise ClaimError(
+            f"{where}: device {device!r} is in pool {result_pool!r}, not in this node's pool "
+            f"{pool!r}: the claim was allocated for another node"
+        )
+    share_id = result.get("shareID")
+    if share_id is not None and (not isinstance(share_id, str) or not share_id):
+        raise ClaimError(f"{where}.shareID: {share_id!r} is not a non-empty string")
+    consumed = result.get("consumedCapacity")
+    consumed_cpus: int | None = None
+    if consumed is not None:
+        if not isinstance(consumed, Mapping):
+            raise ClaimError(f"{where}.consumedCapacity: {consumed!r} is not an object")
+        if CAPACITY_CPU not in consumed:
+            raise ClaimError(f"{where}.consumedCapacity: no {CAPACITY_CPU!r} for {device!r}")
+        try:
+            consumed_cpus = parse_whole_quantity(consumed[CAPACITY_CPU])
+        except ClaimError as exc:
+            raise ClaimError(
+                f"{where}.consumedCapacity[{CAPACITY_CPU!r}] of {device!r}: {exc}"
+            ) from None
+    elif _GROUPED_DEVICE.match(device):
+        raise ClaimError(
+            f"{where}: grouped device {device!r} has no consumedCapacity[{CAPACITY_CPU!r}] "
+            "(does the cluster enable DRAConsumableCapacity?)"
+        )
+    return AllocatedDevice(
+        request=request.split("/", 1)[0],
+        pool=result_pool,
+        device=device,
+        share_id=share_id,
+        consumed_cpus=consumed_cpus,
+    )
+
+
+def _our_configs(label: str, configs: object, *, driver: str) -> tuple[OpaqueConfig, ...]:
+    if not isinstance(configs, list):
+        raise ClaimError(f"{label}: status.allocation.devices.config is not a list")
+    ours: list[OpaqueConfig] = []
+    for index, config in enumerate(configs):
+        where = f"{label}: status.allocation.devices.config[{index}]"
+        if not isinstance(config, Mapping):
+            raise ClaimError(f"{where} is not an object")
+        opaque = config.get("opaque")
+        if not isinstance(opaque, Mapping) or opaque.get("driver") != driver:
+            continue
+        requests = _or_empty(config.get("requests"), [])
+        if not isinstance(requests, list) or not all(isinstance(r, str) for r in requests):
+            raise ClaimError(f"{where}.requests: {requests!r} is not a list of strings")
+        ours.append(
+            OpaqueConfig(
+                source=_text(config.get("source")),
+                requests=tuple(requests),
+                parameters=opaque.get("parameters"),
+            )
+        )
+    return tuple(ours)
+
+
+def _status_key(entry: Mapping[str, Any]) -> tuple[object, object, object, object]:
+    """The list-map key of ``status.devices`` (driver, device, pool, shareID)."""
+    return (entry.get("driver"), entry.get("pool"), entry.get("device"), entry.get("shareID"))
+
+
+def device_status_patch(
+    claim: Mapping[str, Any],
+    allocation: ClaimAllocation,
+    cpus: CpuSet | str,
+    *,
+    driver: str = DRIVER_NAME,
+) -> dict[str, Any] | None:
+    """The merge patch recording ``data: {"cpuset": ...}`` on our devices in
+    ``status.devices``; ``None`` when we have no device in the claim.
+
+    Other drivers' entries are kept as they are; our entries keep their other fields
+    (``conditions``, ...). Raises :class:`ClaimError` if the data would exceed the server's
+    10 KiB limit.
+    """
+    if not allocation.devices:
+        return None
+    data = {"cpuset": str(cpus)}
+    if len(json.dumps(data, separators=(",", ":"))) > MAX_STATUS_DATA_BYTES:
+        raise ClaimError(
+            f"claim {allocation.namespace}/{allocation.name}: the cpuset is too long for "
+            f"status.devices[].data (at most {MAX_STATUS_DATA_BYTES} bytes)"
+        )
+    wanted: dict[tuple[object, object, object, object], dict[str, Any]] = {}
+    for device in allocation.devices:
+        entry: dict[str, Any] = {"driver": driver, "pool": device.pool, "device": device.device}
+        if device.share_id is not None:
+            entry["shareID"] = device.share_id
+        wanted[_status_key(entry)] = entry
+    status = claim.get("status")
+    existing = status.get("devices") if isinstance(status, Mapping) else None
+    merged: list[dict[str, Any]] = []
+    for old in existing if isinstance(existing, list) else []:
+        if not isinstance(old, Mapping):
+            continue
+        key = _status_key(old)
+        if key in wanted:
+            merged.append({**old, **wanted.pop(key), "data": data})
+        else:
+            merged.append(dict(old))
+    merged.extend({**entry, "data": data} for entry in wanted.values())
+    patch: dict[str, Any] = {"status": {"devices": merged}}
+    if allocation.resource_version:
+        patch["metadata"] = {"resourceVersion": allocation.resource_version}
+    return patch
