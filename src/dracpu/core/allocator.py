@@ -9,8 +9,9 @@ algorithm but written from its documented behaviour, with a stricter notion of "
 The machine is a tree of *units*: the coarser of {NUMA node, socket} (NUMA first when there are at
 least as many sockets as NUMA nodes, as the kubelet does), then the finer one, then L3 cache
 groups, then physical cores (keyed by ``(socket, die, cluster, core_id)``, never by the raw
-``core_id``), then threads. A unit is the intersection of its ancestors, so a sub-NUMA-clustered
-L3 or an L3 that spans NUMA nodes still nests. Starting at the top, at each level:
+``core_id``), then threads. A core belongs to the NUMA node, socket and L3 of its lowest CPU and a
+unit groups the cores that share its ancestors, so an L3 spanning two NUMA nodes is split at their
+boundary and the tree still nests. Starting at the top, at each level:
 
 1. If one unit can hold the whole (remaining) request, descend into the *best* such unit: the one
    in which the request fits deepest (inside one L3 beats only inside one NUMA node; for a request
@@ -23,13 +24,21 @@ L3 or an L3 that spans NUMA nodes still nests. Starting at the top, at each leve
 
 ``spread`` runs the same descent over one representative thread per core (the lowest free one),
 in rounds: no core gives a second thread while another core with a free thread has given none.
-``full_cores`` runs ``packed`` over the cores whose every online thread is free, and never splits
-one; if the greedy descent cannot hit the count exactly (cores of mixed width), an exact
-subset-sum over the free cores, in packing order, decides.
+``full_cores`` runs ``packed`` over the cores whose every online thread is free and never splits
+one. There a unit "holds" a request only if some of its whole free cores add up to exactly the
+count (always true for a multiple of the width when its cores share one width; a subset sum
+otherwise, e.g. next to offline threads), and the core level picks cores by that subset sum, in
+packing order. If greedy whole units inside a unit leave an unreachable remainder, the choice is
+redone exactly inside that unit; failing everywhere, over the whole machine.
 
 Hybrid machines: with ``prefer_core_type`` (P-cores by default) the request is served from that
 core type alone when it has room, otherwise all of that type's usable CPUs are taken and the rest
-comes from the other cores.
+comes from the other cores (``spread`` and ``full_cores`` apply within each part); if whole cores
+cannot add up that way, one descent over all free CPUs decides.
+
+Deviations from the kubelet, each a ported test case in ``tests/core/kubelet_cases.py``: a count
+of zero is an error; ``spread`` gives every core one thread before any core a second; the
+L3-aware step is always on and keeps best fit at the NUMA/socket levels above it.
 
 Everything works on bit masks (``CpuSet.mask``) and a per-topology index built once; a request
 touches only the units on its way down, so a 1024-CPU machine costs well under a millisecond.
@@ -57,7 +66,14 @@ class Strategy(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class AllocationPolicy:
-    """Per-claim allocation options."""
+    """Per-claim allocation options.
+
+    - ``strategy``: ``packed`` fills whole cores; ``spread`` one thread per core first.
+    - ``full_cores``: never split a physical core; the count must be a multiple of the widest
+      core's thread count (:attr:`Topology.smt_width`).
+    - ``prefer_core_type``: on hybrid machines, serve from this core type first (P-cores by
+      default); ``None`` treats every core alike. No effect where all cores are of one type.
+    """
 
     strategy: Strategy = Strategy.PACKED
     full_cores: bool = False
