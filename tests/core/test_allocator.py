@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -314,13 +316,32 @@ def machines(draw: st.DrawFn) -> MachineSpec:
 
 
 @st.composite
-def situations(draw: st.DrawFn) -> tuple[Topology, CpuSet, int]:
+def random_machine_situations(draw: st.DrawFn) -> tuple[Topology, CpuSet, int]:
     topology = build_topology(draw(machines()))
     online = sorted(topology.online)
     busy = draw(st.sets(st.sampled_from(online), max_size=len(online) - 1))
     free = topology.online - CpuSet(busy)
     count = draw(st.integers(1, len(free)))
     return topology, free, count
+
+
+_FIXTURE_TOPOLOGIES = {name: build_topology(spec) for name, spec in FIXTURES.items()}
+
+
+@st.composite
+def fixture_situations(draw: st.DrawFn) -> tuple[Topology, CpuSet, int]:
+    """A named machine (big-1024 included) with a seeded random share of its CPUs busy."""
+    topology = draw(st.sampled_from(sorted(_FIXTURE_TOPOLOGIES.items())))[1]
+    rnd = random.Random(draw(st.integers(0, 2**32)))
+    busy_share = draw(st.sampled_from([0.0, 0.25, 0.5, 0.75, 0.95]))
+    free = CpuSet(cpu for cpu in topology.online if rnd.random() >= busy_share)
+    assume(free)
+    count = draw(st.integers(1, min(len(free), 96)))
+    return topology, free, count
+
+
+def situations() -> st.SearchStrategy[tuple[Topology, CpuSet, int]]:
+    return st.one_of(random_machine_situations(), fixture_situations())
 
 
 PROPERTY_SETTINGS = settings(
