@@ -1,0 +1,739 @@
+"""The DRA socket: Prepare / Unprepare over v1 and v1beta1, driven by a grpcio kubelet.
+
+The server runs against a REAL state owner (``dracpu.core.state.apply`` on the 64-CPU
+``dual-socket-smt2`` machine) whose effects write real CDI specs and a real checkpoint into
+``tmp_path``; ResourceClaims come from a small hand-written claim source. The client is grpcio
+with Google-protobuf messages (``tests.peers``) and the method paths written out literally, as the
+kubelet (grpc-go) sends them. Assertions read the answer, the files and the cpusets.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import stat
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+import grpc
+import pytest
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from dracpu.adapters import cdi_files
+from dracpu.adapters.checkpoint_file import write_checkpoint
+from dracpu.core.checkpoint_schema import decode, encode
+from dracpu.core.commands import Command, DeviceResult, PrepareClaim
+from dracpu.core.cpuset import EMPTY, CpuSet
+from dracpu.core.effects import DeleteCdiSpec, Effect, WriteCdiSpec, WriteCheckpoint
+from dracpu.core.state import NodeConfig, NodeState, apply, rollback
+from dracpu.errors import (
+    CdiError,
+    DracpuError,
+    KubeConflictError,
+    KubeNotFoundError,
+    KubeServerError,
+)
+from dracpu.sim.topologies import FIXTURES, build_topology
+from dracpu.tasks import kubelet_plugin
+from dracpu.tasks.kubelet_plugin import DraService
+from dracpu.tasks.state_owner import Request, StateOwner, create_request_stream
+from tests.peers import load_pb2, unix_target
+
+__all__ = [
+    "NODE",
+    "FakeClaims",
+    "FileEffects",
+    "RunningNode",
+    "claim_object",
+    "grouped_result",
+    "node_config",
+    "running_node",
+]
+
+pytestmark = pytest.mark.anyio
+
+G_V1 = load_pb2("dra/v1/api.proto")
+G_V1BETA1 = load_pb2("dra/v1beta1/api.proto")
+PEERS = {"v1": G_V1, "v1beta1": G_V1BETA1}
+PATHS = {
+    version: {
+        "prepare": f"/k8s.io.kubelet.pkg.apis.dra.{version}.DRAPlugin/NodePrepareResources",
+        "unprepare": f"/k8s.io.kubelet.pkg.apis.dra.{version}.DRAPlugin/NodeUnprepareResources",
+    }
+    for version in ("v1", "v1beta1")
+}
+VERSIONS = ("v1", "v1beta1")
+
+NODE = "node-a"
+DRIVER = "dra.cpu"
+CALL_TIMEOUT = 20.0  # generous: 2 shared cores
+
+
+def _command_stream() -> tuple[
+    MemoryObjectSendStream[Request[Command]], MemoryObjectReceiveStream[Request[Command]]
+]:
+    return create_request_stream()
+
+
+# --- the node under test ------------------------------------------------------------------------
+
+
+def node_config() -> NodeConfig:
+    """Grouped by NUMA node on 2 sockets x 2 NUMA x 16 CPUs: cpudevnuma000..003."""
+    return NodeConfig.build(NODE, build_topology(FIXTURES["dual-socket-smt2"]))
+
+
+class FileEffects:
+    """The effect executor: real CDI specs and a real checkpoint; other effects are recorded.
+
+    ``fail_delete`` names claims whose CDI spec removal fails (fault injection)."""
+
+    def __init__(self, cdi_dir: Path, checkpoint: Path) -> None:
+        self.cdi_dir = cdi_dir
+        self.checkpoint = checkpoint
+        self.other: list[Effect] = []
+        self.fail_delete: set[str] = set()
+
+    async def __call__(self, effect: Effect) -> None:
+        match effect:
+            case WriteCdiSpec(claim_uid=uid, cpus=cpus):
+                await anyio.to_thread.run_sync(cdi_files.write_spec, self.cdi_dir, uid, cpus)
+            case DeleteCdiSpec(claim_uid=uid):
+                if uid in self.fail_delete:
+                    raise CdiError(f"injected: cannot remove the CDI spec of {uid}")
+                await anyio.to_thread.run_sync(cdi_files.delete_spec, self.cdi_dir, uid)
+            case WriteCheckpoint(checkpoint=data):
+                raw = encode(data)
+                await anyio.to_thread.run_sync(write_checkpoint, self.checkpoint, raw)
+            case _:
+                self.other.append(effect)
+
+
+class FakeClaims:
+    """ResourceClaims by (namespace, name), with the API server's merge-patch and 409 rules."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self.gets = 0
+        self.patches: list[tuple[str, str, dict[str, Any]]] = []
+        self.patch_errors: list[DracpuError] = []  # raised by the next patch calls, in order
+        self.after_get: Callable[[dict[str, Any]], None] | None = None  # a concurrent writer
+
+    def add(self, obj: dict[str, Any]) -> None:
+        meta = obj["metadata"]
+        self.objects[(meta["namespace"], meta["name"])] = obj
+
+    async def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]:
+        await anyio.lowlevel.checkpoint()
+        self.gets += 1
+        obj = self.objects.get((namespace, name))
+        if obj is None:
+            raise KubeNotFoundError(
+                f'resourceclaims.resource.k8s.io "{name}" not found', status=404
+            )
+        answer = copy.deepcopy(obj)
+        if self.after_get is not None:
+            self.after_get(obj)
+        return answer
+
+    async def patch_resource_claim_status(
+        self, namespace: str, name: str, patch: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        await anyio.lowlevel.checkpoint()
+        self.patches.append((namespace, name, copy.deepcopy(dict(patch))))
+        if self.patch_errors:
+            raise self.patch_errors.pop(0)
+        obj = self.objects.get((namespace, name))
+        if obj is None:
+            raise KubeNotFoundError(f"{namespace}/{name} not found", status=404)
+        wanted = patch.get("metadata", {}).get("resourceVersion")
+        if wanted is not None and wanted != obj["metadata"]["resourceVersion"]:
+            raise KubeConflictError("the object has been modified", status=409)
+        obj.setdefault("status", {})["devices"] = copy.deepcopy(patch["status"]["devices"])
+        _bump(obj)
+        return copy.deepcopy(obj)
+
+
+def _bump(obj: dict[str, Any]) -> None:
+    meta = obj["metadata"]
+    meta["resourceVersion"] = str(int(meta["resourceVersion"]) + 1)
+
+
+def grouped_result(
+    device: str = "cpudevnuma000",
+    cpus: str | None = "4",
+    *,
+    request: str = "cpu",
+    pool: str = NODE,
+    driver: str = DRIVER,
+    share_id: str | None = None,
+) -> dict[str, Any]:
+    """One ``status.allocation.devices.results`` entry (``cpus``: consumed ``dra.cpu/cpu``)."""
+    result: dict[str, Any] = {"request": request, "driver": driver, "pool": pool, "device": device}
+    if cpus is not None:
+        result["consumedCapacity"] = {"dra.cpu/cpu": cpus}
+    if share_id is not None:
+        result["shareID"] = share_id
+    return result
+
+
+def claim_object(
+    name: str,
+    results: list[dict[str, Any]] | None = None,
+    *,
+    namespace: str = "default",
+    uid: str | None = None,
+) -> dict[str, Any]:
+    """A ``resource.k8s.io/v1`` ResourceClaim as the API server returns it (``results=None``:
+    not allocated)."""
+    obj: dict[str, Any] = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {
+            "namespace": namespace,
+            "name": name,
+            "uid": uid or str(uuid.uuid4()),
+            "resourceVersion": "100",
+        },
+        "spec": {"devices": {"requests": [{"name": "cpu"}]}},
+        "status": {},
+    }
+    if results is not None:
+        obj["status"]["allocation"] = {"devices": {"results": results}}
+    return obj
+
+
+def _ref(obj: Mapping[str, Any]) -> tuple[str, str, str]:
+    meta = obj["metadata"]
+    return (meta["namespace"], meta["uid"], meta["name"])
+
+
+@dataclass
+class RunningNode:
+    """A state owner + the DRA socket, served in the test's task group."""
+
+    socket: Path
+    cdi_dir: Path
+    checkpoint: Path
+    claims: FakeClaims
+    effects: FileEffects
+    owner: StateOwner[NodeState, Command, Effect]
+    service: DraService
+    config: NodeConfig = field(default_factory=node_config)
+
+    def numa_cpus(self, device: str) -> CpuSet:
+        return self.config.devices[device].cpus
+
+    def spec_env(self, uid: str) -> list[str] | None:
+        """The env of a claim's CDI spec, read as plain JSON (``None``: no file)."""
+        path = self.cdi_dir / f"dra.k8s.io-cpu_claim-{uid}.json"
+        if not path.exists():
+            return None
+        spec = json.loads(path.read_bytes())
+        assert spec["kind"] == "dra.k8s.io/cpu"
+        [device] = spec["devices"]
+        assert device["name"] == f"claim-{uid}"
+        env: list[str] = device["containerEdits"]["env"]
+        return env
+
+    def checkpointed(self) -> dict[str, CpuSet]:
+        return {uid: c.cpus for uid, c in decode(self.checkpoint.read_bytes()).claims.items()}
+
+
+@asynccontextmanager
+async def running_node(
+    tmp_path: Path, claims: FakeClaims | None = None, *, owner_running: bool = True
+) -> AsyncIterator[RunningNode]:
+    config = node_config()
+    cdi_dir = tmp_path / "cdi"
+    checkpoint = tmp_path / "state" / "checkpoint.json"
+    sock = tmp_path / "kubelet" / "plugins" / DRIVER / "dra.sock"
+    effects = FileEffects(cdi_dir, checkpoint)
+    claims = FakeClaims() if claims is None else claims
+    send, receive = _command_stream()
+    owner: StateOwner[NodeState, Command, Effect] = StateOwner(
+        receive, NodeState.initial(config), apply, effects, rollback=rollback
+    )
+    with send, receive:
+        async with anyio.create_task_group() as tg:
+            if owner_running:
+                await tg.start(owner.run)
+            else:
+                receive.close()
+            service = await tg.start(partial(kubelet_plugin.run, sock, send.clone(), claims, NODE))
+            yield RunningNode(sock, cdi_dir, checkpoint, claims, effects, owner, service, config)
+            tg.cancel_scope.cancel()
+
+
+# --- the grpcio kubelet -------------------------------------------------------------------------
+
+
+def _call(node: RunningNode, version: str, method: str, refs: list[tuple[str, str, str]]) -> Any:
+    pb = PEERS[version]
+    if method == "prepare":
+        req_cls, resp_cls = pb.NodePrepareResourcesRequest, pb.NodePrepareResourcesResponse
+    else:
+        req_cls, resp_cls = pb.NodeUnprepareResourcesRequest, pb.NodeUnprepareResourcesResponse
+    request = req_cls(claims=[pb.Claim(namespace=ns, uid=uid, name=name) for ns, uid, name in refs])
+    with grpc.insecure_channel(unix_target(node.socket)) as channel:
+        call = channel.unary_unary(
+            PATHS[version][method],
+            request_serializer=req_cls.SerializeToString,
+            response_deserializer=resp_cls.FromString,
+        )
+        return call(request, timeout=CALL_TIMEOUT)
+
+
+async def prepare(node: RunningNode, version: str, *refs: tuple[str, str, str]) -> Any:
+    return await anyio.to_thread.run_sync(_call, node, version, "prepare", list(refs))
+
+
+async def unprepare(node: RunningNode, version: str, *refs: tuple[str, str, str]) -> Any:
+    return await anyio.to_thread.run_sync(_call, node, version, "unprepare", list(refs))
+
+
+def _devices(entry: Any) -> list[tuple[list[str], str, str, list[str]]]:
+    return [
+        (list(d.request_names), d.pool_name, d.device_name, list(d.cdi_device_ids))
+        for d in entry.devices
+    ]
+
+
+def _env_cpus(env: list[str] | None, uid: str) -> CpuSet:
+    assert env is not None, f"no CDI spec for {uid}"
+    [entry] = env
+    key, _, value = entry.partition("=")
+    assert key == f"DRA_CPUSET_{uid}"
+    return CpuSet.parse(value)
+
+
+# --- prepare / unprepare ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+async def test_prepare_answers_devices_writes_cdi_checkpoint_and_status(
+    tmp_path: Path, version: str
+) -> None:
+    claims = FakeClaims()
+    obj = claim_object(
+        "pod-cpus",
+        [grouped_result("cpudevnuma001", "4", request="cpu/fast", share_id="share-1")],
+    )
+    claims.add(obj)
+    ns, uid, name = _ref(obj)
+    async with running_node(tmp_path, claims) as node:
+        reply = await prepare(node, version, (ns, uid, name))
+
+        assert list(reply.claims) == [uid]
+        entry = reply.claims[uid]
+        assert entry.error == ""
+        assert _devices(entry) == [
+            (["cpu"], NODE, "cpudevnuma001", [f"dra.k8s.io/cpu=claim-{uid}"])
+        ]
+        if version == "v1":
+            assert entry.devices[0].HasField("share_id")
+            assert entry.devices[0].share_id == "share-1"
+        cpus = _env_cpus(node.spec_env(uid), uid)
+        assert len(cpus) == 4
+        assert cpus <= node.numa_cpus("cpudevnuma001")
+        assert node.checkpointed() == {uid: cpus}
+        assert os.stat(node.checkpoint).st_mode & 0o777 == 0o600
+        # status.devices records the cpuset on our device (best effort, done before the answer)
+        stored = claims.objects[(ns, name)]["status"]["devices"]
+        assert stored == [
+            {
+                "driver": DRIVER,
+                "pool": NODE,
+                "device": "cpudevnuma001",
+                "shareID": "share-1",
+                "data": {"cpuset": str(cpus)},
+            }
+        ]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+async def test_unprepare_removes_spec_and_frees_cpus_unknown_claim_succeeds(
+    tmp_path: Path, version: str
+) -> None:
+    claims = FakeClaims()
+    first = claim_object("a", [grouped_result("cpudevnuma000", "16")])
+    claims.add(first)
+    async with running_node(tmp_path, claims) as node:
+        reply = await prepare(node, version, _ref(first))
+        assert reply.claims[_ref(first)[1]].error == ""
+        full = _env_cpus(node.spec_env(_ref(first)[1]), _ref(first)[1])
+        assert full == node.numa_cpus("cpudevnuma000")
+
+        unknown = ("default", str(uuid.uuid4()), "gone")
+        reply = await unprepare(node, version, _ref(first), unknown)
+
+        assert {uid: e.error for uid, e in reply.claims.items()} == {
+            _ref(first)[1]: "",
+            unknown[1]: "",
+        }
+        assert node.spec_env(_ref(first)[1]) is None
+        assert node.checkpointed() == {}
+        # the NUMA node's 16 CPUs are free again: a claim for all of them fits
+        second = claim_object("b", [grouped_result("cpudevnuma000", "16")])
+        claims.add(second)
+        reply = await prepare(node, version, _ref(second))
+        assert reply.claims[_ref(second)[1]].error == ""
+        assert _env_cpus(node.spec_env(_ref(second)[1]), _ref(second)[1]) == full
+
+
+async def test_repeated_prepare_is_idempotent_and_rewrites_a_lost_cdi_spec(tmp_path: Path) -> None:
+    claims = FakeClaims()
+    obj = claim_object("c", [grouped_result("cpudevnuma002", "3")])
+    claims.add(obj)
+    ns, uid, name = _ref(obj)
+    async with running_node(tmp_path, claims) as node:
+        first = await prepare(node, "v1", (ns, uid, name))
+        cpus = _env_cpus(node.spec_env(uid), uid)
+        patches = len(claims.patches)
+        (node.cdi_dir / f"dra.k8s.io-cpu_claim-{uid}.json").unlink()  # a reboot empties the dir
+
+        again = await prepare(node, "v1beta1", (ns, uid, name))
+
+        assert _devices(again.claims[uid]) == _devices(first.claims[uid])
+        assert again.claims[uid].error == ""
+        assert _env_cpus(node.spec_env(uid), uid) == cpus
+        assert node.checkpointed() == {uid: cpus}
+        assert len(claims.patches) == patches  # the status already says so: no second patch
+
+
+async def test_claim_without_our_devices_is_prepared_with_no_devices(tmp_path: Path) -> None:
+    claims = FakeClaims()
+    obj = claim_object("gpu", [grouped_result("gpu-0", None, driver="gpu.example.com")])
+    claims.add(obj)
+    async with running_node(tmp_path, claims) as node:
+        reply = await prepare(node, "v1", _ref(obj))
+        entry = reply.claims[_ref(obj)[1]]
+        assert (entry.error, _devices(entry)) == ("", [])
+        assert node.spec_env(_ref(obj)[1]) is None
+        assert claims.patches == []
+
+
+async def test_concurrent_calls_over_both_versions(tmp_path: Path) -> None:
+    claims = FakeClaims()
+    objs = [
+        claim_object(f"pod-{i}", [grouped_result(f"cpudevnuma00{i % 4}", "2")]) for i in range(16)
+    ]
+    for obj in objs:
+        claims.add(obj)
+    pairs = [(objs[2 * i], objs[2 * i + 1]) for i in range(8)]
+    replies: dict[int, Any] = {}
+    async with running_node(tmp_path, claims) as node:
+
+        async def call(i: int) -> None:
+            a, b = pairs[i]
+            replies[i] = await prepare(node, VERSIONS[i % 2], _ref(a), _ref(b))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(pairs)):
+                tg.start_soon(call, i)
+
+        seen = EMPTY
+        for i, (a, b) in enumerate(pairs):
+            for obj in (a, b):
+                uid = _ref(obj)[1]
+                assert replies[i].claims[uid].error == ""
+                cpus = _env_cpus(node.spec_env(uid), uid)
+                device = obj["status"]["allocation"]["devices"]["results"][0]["device"]
+                assert len(cpus) == 2
+                assert cpus <= node.numa_cpus(device)
+                assert cpus.isdisjoint(seen)
+                seen |= cpus
+        assert len(node.checkpointed()) == 16
+
+        async def release(i: int) -> None:
+            a, b = pairs[i]
+            reply = await unprepare(node, VERSIONS[(i + 1) % 2], _ref(a), _ref(b))
+            assert [e.error for e in reply.claims.values()] == ["", ""]
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(pairs)):
+                tg.start_soon(release, i)
+        assert node.checkpointed() == {}
+        assert list(node.cdi_dir.glob("*.json")) == []
+
+
+# --- bad input: one claim fails, the others of the call are prepared ----------------------------
+
+
+def _not_found(claims: FakeClaims) -> tuple[str, str, str]:
+    return ("default", str(uuid.uuid4()), "missing")
+
+
+def _uid_mismatch(claims: FakeClaims) -> tuple[str, str, str]:
+    obj = claim_object("replaced", [grouped_result()])
+    claims.add(obj)
+    ns, _, name = _ref(obj)
+    return (ns, str(uuid.uuid4()), name)
+
+
+def _bad_claim(results: list[dict[str, Any]] | None) -> Callable[[FakeClaims], tuple[str, ...]]:
+    def make(claims: FakeClaims) -> tuple[str, ...]:
+        obj = claim_object("bad", results)
+        claims.add(obj)
+        return _ref(obj)
+
+    return make
+
+
+BAD_CLAIMS: dict[str, tuple[Callable[[FakeClaims], tuple[str, ...]], str]] = {
+    "not found": (_not_found, "not found"),
+    "uid mismatch": (_uid_mismatch, "it was replaced"),
+    "unallocated": (_bad_claim(None), "is not allocated"),
+    "capacity 0": (_bad_claim([grouped_result(cpus="0")]), "not positive"),
+    "fractional capacity": (_bad_claim([grouped_result(cpus="1500m")]), "not a whole number"),
+    "no capacity": (_bad_claim([grouped_result(cpus=None)]), "no consumedCapacity"),
+    "more than the group": (_bad_claim([grouped_result(cpus="17")]), "asks 17 CPUs but only"),
+    "unknown device": (
+        _bad_claim([grouped_result("cpudevnuma009")]),
+        "'cpudevnuma009' is not published by this node",
+    ),
+    "another node's pool": (_bad_claim([grouped_result(pool="node-b")]), "another node"),
+}
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("case", sorted(BAD_CLAIMS))
+async def test_bad_claim_gets_its_own_error_others_are_prepared(
+    tmp_path: Path, case: str, version: str
+) -> None:
+    make, expected = BAD_CLAIMS[case]
+    claims = FakeClaims()
+    good = claim_object("good", [grouped_result("cpudevnuma000", "4")])
+    claims.add(good)
+    bad = make(claims)
+    assert len(bad) == 3
+    async with running_node(tmp_path, claims) as node:
+        reply = await prepare(node, version, _ref(good), (bad[0], bad[1], bad[2]))
+
+        assert set(reply.claims) == {_ref(good)[1], bad[1]}
+        assert expected in reply.claims[bad[1]].error
+        assert _devices(reply.claims[bad[1]]) == []
+        good_uid = _ref(good)[1]
+        assert reply.claims[good_uid].error == ""
+        cpus = _env_cpus(node.spec_env(good_uid), good_uid)
+        assert node.checkpointed() == {good_uid: cpus}
+        assert node.spec_env(bad[1]) is None
+
+        # still serving: the same bad claim again, and a fresh good one
+        again = await prepare(node, version, (bad[0], bad[1], bad[2]))
+        assert expected in again.claims[bad[1]].error
+        other = claim_object("other", [grouped_result("cpudevnuma003", "1")])
+        claims.add(other)
+        reply = await prepare(node, version, _ref(other))
+        assert reply.claims[_ref(other)[1]].error == ""
+
+
+async def test_group_exhausted_by_earlier_claims(tmp_path: Path) -> None:
+    claims = FakeClaims()
+    big = claim_object("big", [grouped_result("cpudevnuma000", "14")])
+    small = claim_object("small", [grouped_result("cpudevnuma000", "3")])
+    claims.add(big)
+    claims.add(small)
+    async with running_node(tmp_path, claims) as node:
+        assert (await prepare(node, "v1", _ref(big))).claims[_ref(big)[1]].error == ""
+        reply = await prepare(node, "v1", _ref(small))
+        assert "asks 3 CPUs but only 2 of the device's 16 are free" in (
+            reply.claims[_ref(small)[1]].error
+        )
+        assert set(node.checkpointed()) == {_ref(big)[1]}
+
+
+async def test_unprepare_failure_is_that_claims_error(tmp_path: Path) -> None:
+    claims = FakeClaims()
+    a = claim_object("a", [grouped_result("cpudevnuma000", "2")])
+    b = claim_object("b", [grouped_result("cpudevnuma001", "2")])
+    claims.add(a)
+    claims.add(b)
+    async with running_node(tmp_path, claims) as node:
+        await prepare(node, "v1", _ref(a), _ref(b))
+        node.effects.fail_delete.add(_ref(a)[1])
+
+        reply = await unprepare(node, "v1", _ref(a), _ref(b))
+
+        assert "injected: cannot remove the CDI spec" in reply.claims[_ref(a)[1]].error
+        assert reply.claims[_ref(b)[1]].error == ""
+        # the failed claim keeps its CPUs and its spec (kubelet retries); the other is gone
+        assert set(node.checkpointed()) == {_ref(a)[1]}
+        assert node.spec_env(_ref(a)[1]) is not None
+        assert node.spec_env(_ref(b)[1]) is None
+
+
+async def test_state_owner_gone_is_a_per_claim_error(tmp_path: Path) -> None:
+    claims = FakeClaims()
+    obj = claim_object("a", [grouped_result()])
+    claims.add(obj)
+    async with running_node(tmp_path, claims, owner_running=False) as node:
+        reply = await prepare(node, "v1", _ref(obj))
+        assert "state owner is not running" in reply.claims[_ref(obj)[1]].error
+        reply = await unprepare(node, "v1beta1", _ref(obj))
+        assert "state owner is not running" in reply.claims[_ref(obj)[1]].error
+
+
+async def test_duplicate_claim_in_one_call_gets_one_entry(tmp_path: Path) -> None:
+    claims = FakeClaims()
+    obj = claim_object("a", [grouped_result("cpudevnuma000", "2")])
+    claims.add(obj)
+    async with running_node(tmp_path, claims) as node:
+        reply = await prepare(node, "v1", _ref(obj), _ref(obj))
+        assert list(reply.claims) == [_ref(obj)[1]]
+        assert len(_env_cpus(node.spec_env(_ref(obj)[1]), _ref(obj)[1])) == 2
+
+
+# --- the status patch is best effort ------------------------------------------------------------
+
+
+async def test_status_patch_failure_does_not_fail_prepare(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    claims = FakeClaims()
+    obj = claim_object("a", [grouped_result("cpudevnuma000", "2")])
+    claims.add(obj)
+    claims.patch_errors.append(KubeServerError("connection refused"))
+    async with running_node(tmp_path, claims) as node:
+        reply = await prepare(node, "v1", _ref(obj))
+        assert reply.claims[_ref(obj)[1]].error == ""
+        assert node.spec_env(_ref(obj)[1]) is not None
+    assert "status.devices could not be updated: connection refused" in caplog.text
+    assert "devices" not in claims.objects[("default", "a")]["status"]
+    [record] = [r for r in caplog.records if "could not be updated" in r.getMessage()]
+    assert record.__dict__["claim_uid"] == _ref(obj)[1]
+    assert record.__dict__["claim"] == "default/a"
+
+
+async def test_status_patch_conflict_reads_the_claim_again(tmp_path: Path) -> None:
+    claims = FakeClaims()
+    obj = claim_object("a", [grouped_result("cpudevnuma000", "2")])
+    obj["status"]["devices"] = [
+        {"driver": "gpu.example.com", "pool": NODE, "device": "gpu-0", "data": {"x": 1}}
+    ]
+    claims.add(obj)
+    writes = 0
+
+    def concurrent_writer(stored: dict[str, Any]) -> None:
+        nonlocal writes
+        if writes == 0:  # someone else writes the claim right after our first GET
+            writes += 1
+            _bump(stored)
+
+    claims.after_get = concurrent_writer
+    async with running_node(tmp_path, claims) as node:
+        reply = await prepare(node, "v1", _ref(obj))
+        assert reply.claims[_ref(obj)[1]].error == ""
+        cpus = _env_cpus(node.spec_env(_ref(obj)[1]), _ref(obj)[1])
+    assert len(claims.patches) == 2  # the 409, then the retry on the fresh object
+    assert claims.objects[("default", "a")]["status"]["devices"] == [
+        {"driver": "gpu.example.com", "pool": NODE, "device": "gpu-0", "data": {"x": 1}},
+        {"driver": DRIVER, "pool": NODE, "device": "cpudevnuma000", "data": {"cpuset": str(cpus)}},
+    ]
+
+
+# --- the socket ---------------------------------------------------------------------------------
+
+
+async def test_dra_socket_mode_dir_stale_file_and_removal(tmp_path: Path) -> None:
+    plugin_dir = tmp_path / "kubelet" / "plugins" / DRIVER
+    plugin_dir.mkdir(parents=True, mode=0o755)
+    plugin_dir.chmod(0o755)
+    stale = plugin_dir / "dra.sock"
+    leftover = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    leftover.bind(str(stale))
+    leftover.close()  # a crashed instance's socket file: nobody listens
+    stale_inode = stale.stat().st_ino
+    claims = FakeClaims()
+    obj = claim_object("a", [grouped_result("cpudevnuma000", "1")])
+    claims.add(obj)
+
+    async with running_node(tmp_path, claims) as node:
+        info = node.socket.lstat()
+        assert node.socket == stale
+        assert stat.S_ISSOCK(info.st_mode)
+        assert info.st_ino != stale_inode
+        assert stat.S_IMODE(info.st_mode) == 0o600
+        assert stat.S_IMODE(plugin_dir.stat().st_mode) == 0o700
+        assert sorted(p.name for p in plugin_dir.iterdir()) == ["dra.sock"]  # no temp left
+        reply = await prepare(node, "v1", _ref(obj))
+        assert reply.claims[_ref(obj)[1]].error == ""
+
+    assert not node.socket.exists()
+    assert list(plugin_dir.iterdir()) == []
+
+
+async def test_dra_socket_refuses_to_replace_a_regular_file(tmp_path: Path) -> None:
+    path = tmp_path / "plugins" / DRIVER / "dra.sock"
+    path.parent.mkdir(parents=True)
+    path.write_text("not a socket")
+    send, receive = _command_stream()
+    with send, receive:
+        async with anyio.create_task_group() as tg:
+            with pytest.raises(DracpuError, match="exists and is not a socket"):
+                await tg.start(partial(kubelet_plugin.run, path, send.clone(), FakeClaims(), NODE))
+    assert path.read_text() == "not a socket"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["dra.sock"]
+
+
+async def test_unknown_method_is_unimplemented_and_server_keeps_serving(tmp_path: Path) -> None:
+    claims = FakeClaims()
+    obj = claim_object("a", [grouped_result("cpudevnuma000", "1")])
+    claims.add(obj)
+    async with running_node(tmp_path, claims) as node:
+
+        def call_v1alpha4() -> grpc.StatusCode:
+            with grpc.insecure_channel(unix_target(node.socket)) as channel:
+                call = channel.unary_unary(
+                    "/k8s.io.kubelet.pkg.apis.dra.v1alpha4.Node/NodePrepareResources",
+                    request_serializer=G_V1.NodePrepareResourcesRequest.SerializeToString,
+                    response_deserializer=G_V1.NodePrepareResourcesResponse.FromString,
+                )
+                with pytest.raises(grpc.RpcError) as info:
+                    call(G_V1.NodePrepareResourcesRequest(), timeout=CALL_TIMEOUT)
+                code: grpc.StatusCode = info.value.code()
+                return code
+
+        assert await anyio.to_thread.run_sync(call_v1alpha4) == grpc.StatusCode.UNIMPLEMENTED
+        reply = await prepare(node, "v1", _ref(obj))
+        assert reply.claims[_ref(obj)[1]].error == ""
+
+
+async def test_requests_use_the_owner_stream_request_type(tmp_path: Path) -> None:
+    # The service only needs the send side; prove a PrepareClaim arrives with the claim's data.
+    claims = FakeClaims()
+    obj = claim_object("a", [grouped_result("cpudevnuma000", "2", request="cpu/sub")])
+    claims.add(obj)
+    send, receive = _command_stream()
+    service = DraService(send, claims, NODE)
+    seen: list[Command] = []
+
+    async def owner() -> None:
+        req: Request[Command] = await receive.receive()
+        seen.append(req.command)
+        with req.reply:
+            await req.reply.send(DracpuError("refused by the test owner"))
+
+    with send, receive:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(owner)
+            outcomes = await service.prepare([kubelet_plugin.ClaimRef(*_ref(obj))])
+    uid = _ref(obj)[1]
+    assert outcomes == {uid: kubelet_plugin.PrepareOutcome(error="refused by the test owner")}
+    [command] = seen
+    assert command == PrepareClaim(
+        claim_uid=uid,
+        namespace="default",
+        name="a",
+        results=(DeviceResult("cpu", NODE, "cpudevnuma000", consumed_cpus=2),),
+    )
