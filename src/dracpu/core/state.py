@@ -494,7 +494,12 @@ def _devices(results: Iterable[DeviceResult]) -> str:
 
 
 def _release(state: NodeState, uids: Iterable[str]) -> NodeState:
-    """The state without these (prepared) claims."""
+    """The state without these (prepared) claims.
+
+    Records of containers that still name one of them are dropped: the kubelet unprepares a
+    claim only after its pod's containers are gone, so such a record is stale (its remove event
+    was missed), and it must not come back to life if the same claim UID is prepared again.
+    """
     claims = dict(state.claims)
     owners = dict(state.owners)
     freed = 0
@@ -503,11 +508,19 @@ def _release(state: NodeState, uids: Iterable[str]) -> NodeState:
         freed |= claims.pop(uid).cpus.mask
         owners.pop(uid, None)
         gone.add(uid)
+    containers = state.containers
+    stale = [cid for cid, r in containers.items() if not gone.isdisjoint(r.claims)]
+    if stale:
+        kept = dict(containers)
+        for cid in stale:
+            del kept[cid]
+        containers = MappingProxyType(kept)
     return replace(
         state,
         claims=MappingProxyType(claims),
         claimed=state.claimed - CpuSet.from_mask(freed),
         owners=MappingProxyType(owners),
+        containers=containers,
         unlisted=state.unlisted - gone,
     )
 
@@ -673,9 +686,9 @@ def _synchronize(state: NodeState, command: Synchronize) -> tuple[NodeState, lis
 def _invalidate(state: NodeState, ids: Iterable[str]) -> tuple[NodeState, list[Effect]]:
     containers = dict(state.containers)
     for cid in ids:
-        record = containers.get(cid)
-        if record is not None:
-            containers[cid] = replace(record, cpus=EMPTY)
+        # Only shared containers get unsolicited updates; an exclusive one keeps its claims' CPUs.
+        if cid in state.shared:
+            containers[cid] = replace(containers[cid], cpus=EMPTY)
     return replace(state, containers=MappingProxyType(containers)), [Reply(None)]
 
 
@@ -907,8 +920,11 @@ def check_invariants(state: NodeState) -> None:
     if not state.unlisted <= state.claims.keys():
         fail(f"unlisted claims {sorted(state.unlisted - state.claims.keys())} are not prepared")
     for cid, record in state.containers.items():
-        if not record.claims or not all(uid in state.claims for uid in record.claims):
+        if not record.claims:
             continue
+        missing = [uid for uid in record.claims if uid not in state.claims]
+        if missing:
+            fail(f"container {cid} uses claims {missing} that are not prepared")
         me = ClaimOwner(record.container.pod_uid, record.container.name)
         held = CpuSet.union(state.claims[uid].cpus for uid in record.claims)
         if record.cpus != held:

@@ -1,0 +1,996 @@
+"""Tables for the node state machine: one command at a time, state and effects checked exactly.
+
+The helpers at the top (a 16-CPU topology, configs, a reference effect executor over a fake disk)
+are shared with ``test_state_properties.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import pytest
+
+from dracpu.core.allocator import AllocationPolicy, Strategy
+from dracpu.core.checkpoint_schema import CheckpointData, decode, encode
+from dracpu.core.commands import (
+    AdoptClaims,
+    AdoptedClaim,
+    ClaimEnv,
+    Command,
+    Container,
+    CreateContainer,
+    DeviceResult,
+    InvalidateContainers,
+    PodsListed,
+    PrepareClaim,
+    RemoveContainer,
+    Resync,
+    RuntimeDisconnected,
+    StopContainer,
+    Synchronize,
+    UnprepareClaim,
+    UpdateContainer,
+    claims_from_env,
+)
+from dracpu.core.cpuset import CpuSet
+from dracpu.core.effects import (
+    ClaimPrepared,
+    ClaimsAdopted,
+    ClaimUnprepared,
+    ContainerForgotten,
+    ContainerPinned,
+    ContainerUpdate,
+    DeleteCdiSpec,
+    Effect,
+    PodsReconciled,
+    PruneCdiSpecs,
+    PublishSlices,
+    Reply,
+    Resynced,
+    Synchronized,
+    UpdateContainers,
+    WriteCdiSpec,
+    WriteCheckpoint,
+)
+from dracpu.core.slices import CpuDeviceMode, GroupBy
+from dracpu.core.state import (
+    ClaimOwner,
+    ContainerRecord,
+    InvariantError,
+    NodeConfig,
+    NodeState,
+    PreparedClaim,
+    apply,
+    check_invariants,
+    commit_phase,
+    restore_state,
+    rollback,
+)
+from dracpu.core.topology import CpuInfo, Topology
+from dracpu.errors import (
+    CdiError,
+    ClaimConflictError,
+    ClaimError,
+    DracpuError,
+    InsufficientCpusError,
+)
+
+__all__ = [
+    "NODE",
+    "FakeDisk",
+    "config_for",
+    "cpus",
+    "device_of",
+    "run",
+    "topology16",
+    "uid",
+]
+
+NODE = "node-1"
+
+
+def uid(n: int) -> str:
+    return f"5d0c0a7e-0000-4000-8000-{n:012d}"
+
+
+def cpus(text: str) -> CpuSet:
+    return CpuSet.parse(text)
+
+
+def topology16(isolated: str = "") -> Topology:
+    """1 socket, 2 NUMA nodes (one L3 each) x 4 cores x SMT2: core c = cpus c and c+8;
+    NUMA 0 = cpus 0-3,8-11, NUMA 1 = cpus 4-7,12-15."""
+    infos = {
+        cpu: CpuInfo(
+            cpu_id=cpu,
+            socket_id=0,
+            die_id=0,
+            cluster_id=-1,
+            core_id=cpu % 8,
+            numa_node=(cpu % 8) // 4,
+            l3_id=(cpu % 8) // 4,
+        )
+        for cpu in range(16)
+    }
+    return Topology(infos, smt_enabled=True, isolated=CpuSet.parse(isolated))
+
+
+def config_for(
+    mode: CpuDeviceMode = CpuDeviceMode.GROUPED,
+    *,
+    group_by: GroupBy = GroupBy.NUMANODE,
+    reserved: str = "0,8",
+    isolated: str = "",
+    pin_memory: bool = False,
+) -> NodeConfig:
+    return NodeConfig.build(
+        NODE,
+        topology16(isolated),
+        reserved=cpus(reserved),
+        mode=mode,
+        group_by=group_by,
+        pin_memory=pin_memory,
+    )
+
+
+GROUPED = config_for()
+INDIVIDUAL = config_for(CpuDeviceMode.INDIVIDUAL)
+
+
+def device_of(config: NodeConfig, cpu: int) -> str:
+    """The individual device that stands for ``cpu``."""
+    (name,) = [d.name for d in config.devices.values() if d.cpus == CpuSet([cpu])]
+    return name
+
+
+def individual(config: NodeConfig, n: int, cpu_list: Sequence[int]) -> PrepareClaim:
+    results = tuple(
+        DeviceResult(f"r{i}", NODE, device_of(config, c)) for i, c in enumerate(cpu_list)
+    )
+    return PrepareClaim(uid(n), "ns", f"claim-{n}", results)
+
+
+def grouped(n: int, *parts: tuple[str, int]) -> PrepareClaim:
+    results = tuple(DeviceResult(f"r{i}", NODE, dev, count) for i, (dev, count) in enumerate(parts))
+    return PrepareClaim(uid(n), "ns", f"claim-{n}", results)
+
+
+def ok(state: NodeState, command: Command) -> tuple[NodeState, object, list[Effect]]:
+    """Apply, require success, check the invariants; the new state, reply value and effects."""
+    new, effects = apply(state, command)
+    replies = [e for e in effects if isinstance(e, Reply)]
+    assert len(replies) == 1, effects
+    assert not isinstance(replies[0].value, DracpuError), replies[0].value
+    check_invariants(new)
+    return new, replies[0].value, effects
+
+
+def refused(state: NodeState, command: Command, error: type[DracpuError], match: str) -> str:
+    """Apply, require the error reply and an untouched state; the message."""
+    new, effects = apply(state, command)
+    assert new is state
+    assert len(effects) == 1, effects
+    assert isinstance(effects[0], Reply), effects
+    value = effects[0].value
+    assert isinstance(value, error), value
+    with pytest.raises(error, match=match):
+        raise value
+    return str(value)
+
+
+def shared_container(n: int, pod: str = "") -> Container:
+    return Container(f"shared-{n}", pod or f"pod-s{n}", "ns", f"pod-s{n}", "app")
+
+
+def claim_container(
+    state: NodeState, n: int, *claims: int, pod: str = "", name: str = "app"
+) -> Container:
+    env = tuple(ClaimEnv(uid(c), state.claims[uid(c)].cpus) for c in claims)
+    return Container(f"excl-{n}", pod or f"pod-{n}", "ns", f"pod-{n}", name, env)
+
+
+# --- a reference effect executor over a fake disk ---------------------------------------------
+
+
+@dataclass
+class FakeDisk:
+    """CDI specs and the checkpoint as the state owner's adapters would leave them.
+
+    ``fail_at``: the number of the effect execution (0-based, counting every effect run,
+    compensations included) that raises instead of happening."""
+
+    cdi: dict[str, CpuSet] = field(default_factory=dict)
+    checkpoint: bytes = field(default_factory=lambda: encode(CheckpointData()))
+    slices: Topology | None = None
+    fail_at: int | None = None
+    executed: int = 0
+    sent_updates: list[ContainerUpdate] = field(default_factory=list)
+
+    def execute(self, effect: Effect) -> None:
+        number = self.executed
+        self.executed += 1
+        if number == self.fail_at:
+            if isinstance(effect, WriteCdiSpec):  # half done: a write may land before the error
+                self.cdi[effect.claim_uid] = effect.cpus
+            raise CdiError(f"injected failure of {type(effect).__name__}")
+        match effect:
+            case WriteCdiSpec(claim_uid=claim_uid, cpus=claim_cpus):
+                self.cdi[claim_uid] = claim_cpus
+            case DeleteCdiSpec(claim_uid=claim_uid):
+                self.cdi.pop(claim_uid, None)
+            case PruneCdiSpecs(keep=keep):
+                for key in [k for k in self.cdi if k not in keep]:
+                    del self.cdi[key]
+            case WriteCheckpoint(checkpoint=data):
+                self.checkpoint = encode(data)
+            case PublishSlices(topology=topology):
+                self.slices = topology
+            case UpdateContainers(updates=updates):
+                self.sent_updates.extend(updates)
+            case Reply():
+                pass
+
+    def claims(self) -> dict[str, PreparedClaim]:
+        return dict(decode(self.checkpoint).claims)
+
+
+def run(state: NodeState, command: Command, disk: FakeDisk) -> tuple[NodeState, object]:
+    """The state owner's loop for one command, exactly as documented in ``dracpu.core.state``."""
+    new, effects = apply(state, command)
+    commit, reply, after = commit_phase(effects)
+    for index, effect in enumerate(commit):
+        try:
+            disk.execute(effect)
+        except DracpuError as error:
+            undo = rollback(state, commit[: index + 1], error)
+            for compensation in undo[:-1]:
+                disk.execute(compensation)
+            final = undo[-1]
+            assert isinstance(final, Reply)
+            return state, final.value
+    for effect in after:
+        try:
+            disk.execute(effect)
+        except DracpuError:
+            if isinstance(effect, UpdateContainers):
+                ids = tuple(u.container_id for u in effect.updates)
+                new, _ = apply(new, InvalidateContainers(ids))
+    return new, reply.value
+
+
+def disk_matches(state: NodeState, disk: FakeDisk) -> None:
+    assert disk.claims() == dict(state.claims)
+    assert disk.cdi == {u: c.cpus for u, c in state.claims.items()}
+
+
+# --- prepare: individual mode --------------------------------------------------------------------
+
+
+def test_prepare_individual_effects_in_crash_safe_order() -> None:
+    state = NodeState.initial(INDIVIDUAL)
+    command = individual(INDIVIDUAL, 1, [1, 9])
+    new, value, effects = ok(state, command)
+    claim = new.claims[uid(1)]
+    assert claim.cpus == cpus("1,9")
+    assert claim.namespace == "ns"
+    assert claim.name == "claim-1"
+    assert effects == [
+        WriteCdiSpec(uid(1), cpus("1,9")),
+        WriteCheckpoint(CheckpointData(new.claims)),
+        Reply(ClaimPrepared(uid(1), cpus("1,9"), None, claim.results)),
+    ]
+    assert value == ClaimPrepared(uid(1), cpus("1,9"), None, claim.results)
+    assert new.claimed == cpus("1,9")
+    assert new.shared_pool == cpus("2-7,10-15")
+    assert state.claims == {}  # the old state is untouched
+
+
+def test_prepare_individual_overlap_names_the_other_claim() -> None:
+    state, _, _ = ok(NodeState.initial(INDIVIDUAL), individual(INDIVIDUAL, 1, [1, 9]))
+    message = refused(
+        state, individual(INDIVIDUAL, 2, [9, 10]), ClaimConflictError, "overlapping device"
+    )
+    assert uid(1) in message
+    assert "cpus 9" in message
+
+
+def test_prepare_individual_same_device_twice() -> None:
+    state = NodeState.initial(INDIVIDUAL)
+    refused(state, individual(INDIVIDUAL, 1, [3, 3]), ClaimError, "lists cpu3 twice")
+
+
+@pytest.mark.parametrize(
+    ("result", "error", "match"),
+    [
+        (DeviceResult("r", NODE, "cpudev999"), ClaimError, "'cpudev999' is not published"),
+        (DeviceResult("r", "other-node", "cpudev000"), ClaimError, "pool 'other-node'"),
+        (DeviceResult("r", NODE, "cpudev000", 2), ClaimError, "holds one CPU, not 2"),
+        (DeviceResult("r", NODE, "cpudev000", 0), ClaimError, "positive whole number"),
+        (
+            DeviceResult("r", NODE, "cpudev000", None, cpus("1")),
+            ClaimError,
+            "explicit cpuset needs a grouped device",
+        ),
+    ],
+)
+def test_prepare_individual_bad_results(
+    result: DeviceResult, error: type[DracpuError], match: str
+) -> None:
+    state = NodeState.initial(INDIVIDUAL)
+    refused(state, PrepareClaim(uid(1), "ns", "c", (result,)), error, match)
+
+
+def test_prepare_individual_consumed_one_is_accepted() -> None:
+    result = DeviceResult("r", NODE, device_of(INDIVIDUAL, 4), 1)
+    _, value, _ = ok(NodeState.initial(INDIVIDUAL), PrepareClaim(uid(1), "ns", "c", (result,)))
+    assert isinstance(value, ClaimPrepared)
+    assert value.cpus == cpus("4")
+
+
+def test_reserved_cpus_have_no_device() -> None:
+    names = {d.name for d in INDIVIDUAL.devices.values() if d.cpus & cpus("0,8")}
+    assert names == set()
+
+
+@pytest.mark.parametrize("bad", ["", "claim-1", "not-a-uuid"])
+def test_prepare_needs_a_uuid(bad: str) -> None:
+    command = PrepareClaim(bad, "ns", "c", (DeviceResult("r", NODE, "cpudevnuma000", 1),))
+    refused(NodeState.initial(GROUPED), command, ClaimError, "not an RFC 4122 UUID")
+
+
+def test_prepare_without_results_holds_nothing() -> None:
+    state = NodeState.initial(GROUPED)
+    new, effects = apply(state, PrepareClaim(uid(1), "ns", "c", ()))
+    assert new is state
+    assert effects == [Reply(ClaimPrepared(uid(1), CpuSet(), None, ()))]
+
+
+# --- prepare: grouped mode -----------------------------------------------------------------------
+
+
+def test_prepare_grouped_single_result() -> None:
+    state = NodeState.initial(GROUPED)
+    _new, value, effects = ok(state, grouped(1, ("cpudevnuma001", 2)))
+    assert isinstance(value, ClaimPrepared)
+    assert len(value.cpus) == 2
+    assert value.cpus <= cpus("4-7,12-15")
+    # packed: one whole core (siblings c and c+8)
+    assert len(GROUPED.topology.cores_of(value.cpus)) == 1
+    assert [type(e) for e in effects] == [WriteCdiSpec, WriteCheckpoint, Reply]
+
+
+def test_prepare_grouped_multi_result_claim_is_one_cpuset() -> None:
+    state = NodeState.initial(GROUPED)
+    command = grouped(1, ("cpudevnuma000", 1), ("cpudevnuma000", 1), ("cpudevnuma001", 3))
+    _new, value, effects = ok(state, command)
+    assert isinstance(value, ClaimPrepared)
+    assert len(value.cpus) == 5
+    assert len(value.cpus & cpus("1-3,9-11")) == 2
+    assert len(value.cpus & cpus("4-7,12-15")) == 3
+    assert effects[0] == WriteCdiSpec(uid(1), value.cpus)
+    assert sum(isinstance(e, WriteCdiSpec) for e in effects) == 1
+
+
+def test_prepare_grouped_capacity_above_free_cpus_of_the_group() -> None:
+    state, _, _ = ok(NodeState.initial(GROUPED), grouped(1, ("cpudevnuma000", 4)))
+    message = refused(state, grouped(2, ("cpudevnuma000", 3)), InsufficientCpusError, "asks 3 CPUs")
+    assert "only 2 of the device's 6 are free" in message
+
+
+def test_prepare_grouped_results_of_one_claim_do_not_overlap() -> None:
+    state = NodeState.initial(GROUPED)
+    refused(
+        state,
+        grouped(1, ("cpudevnuma000", 4), ("cpudevnuma000", 3)),
+        InsufficientCpusError,
+        "asks 3 CPUs but only 2",
+    )
+
+
+@pytest.mark.parametrize(
+    ("consumed", "match"),
+    [
+        (None, "no consumed capacity 'dra.cpu/cpu'"),
+        (0, "positive whole number"),
+        (-2, "positive whole number"),
+        (True, "positive whole number"),
+    ],
+)
+def test_prepare_grouped_bad_capacity(consumed: int | None, match: str) -> None:
+    command = PrepareClaim(uid(1), "ns", "c", (DeviceResult("r", NODE, "cpudevnuma000", consumed),))
+    refused(NodeState.initial(GROUPED), command, ClaimError, match)
+
+
+def explicit(n: int, device: str, count: int, cpuset: str) -> PrepareClaim:
+    result = DeviceResult("r", NODE, device, count, cpus(cpuset))
+    return PrepareClaim(uid(n), "ns", "c", (result,))
+
+
+def test_prepare_grouped_explicit_cpuset() -> None:
+    config = config_for(group_by=GroupBy.MACHINE)
+    state, value, _ = ok(NodeState.initial(config), explicit(1, "cpudevmachine", 3, "2-3,12"))
+    assert isinstance(value, ClaimPrepared)
+    assert value.cpus == cpus("2-3,12")
+    refused(
+        state, explicit(2, "cpudevmachine", 2, "5"), ClaimError, "has 1 CPUs, the claim consumes 2"
+    )
+    refused(state, explicit(2, "cpudevmachine", 2, "0-1"), ClaimError, "cpus 0 are outside")
+    refused(state, explicit(2, "cpudevmachine", 2, "12-13"), ClaimConflictError, uid(1))
+
+
+def test_prepare_policy_override_reaches_the_allocator() -> None:
+    state = NodeState.initial(GROUPED)
+    packed, _, _ = ok(state, grouped(1, ("cpudevnuma001", 2)))
+    spread_command = replace(
+        grouped(1, ("cpudevnuma001", 2)), policy=AllocationPolicy(strategy=Strategy.SPREAD)
+    )
+    spread, _, _ = ok(state, spread_command)
+    assert len(GROUPED.topology.cores_of(packed.claims[uid(1)].cpus)) == 1
+    assert len(GROUPED.topology.cores_of(spread.claims[uid(1)].cpus)) == 2
+
+
+# --- idempotency -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["individual", "grouped"])
+def test_prepare_is_idempotent_and_rewrites_the_cdi_spec(mode: str) -> None:
+    if mode == "individual":
+        config = INDIVIDUAL
+        first, other = individual(config, 1, [2, 10]), individual(config, 2, [3])
+    else:
+        config = GROUPED
+        first = grouped(1, ("cpudevnuma000", 1), ("cpudevnuma001", 2))
+        other = grouped(2, ("cpudevnuma000", 2))
+    again = replace(first, results=first.results[::-1])  # the same results in another order
+    state, value, _ = ok(NodeState.initial(config), first)
+    state, _, _ = ok(state, other)
+    assert isinstance(value, ClaimPrepared)
+    new, effects = apply(state, again)
+    assert new is state
+    assert effects == [WriteCdiSpec(uid(1), value.cpus), Reply(value)]
+
+
+def test_same_uid_with_other_devices_is_a_conflict() -> None:
+    state, _, _ = ok(NodeState.initial(INDIVIDUAL), individual(INDIVIDUAL, 1, [2]))
+    message = refused(state, individual(INDIVIDUAL, 1, [3]), ClaimConflictError, "already prepared")
+    assert device_of(INDIVIDUAL, 2) in message
+    assert device_of(INDIVIDUAL, 3) in message
+    state, _, _ = ok(NodeState.initial(GROUPED), grouped(1, ("cpudevnuma000", 1)))
+    refused(state, grouped(1, ("cpudevnuma000", 2)), ClaimConflictError, "already prepared")
+
+
+# --- unprepare -----------------------------------------------------------------------------------
+
+
+def test_unprepare_frees_cpus_after_deleting_the_cdi_spec() -> None:
+    state, _, _ = ok(NodeState.initial(INDIVIDUAL), individual(INDIVIDUAL, 1, [1, 9]))
+    new, _value, effects = ok(state, UnprepareClaim(uid(1)))
+    assert effects == [
+        DeleteCdiSpec(uid(1)),
+        WriteCheckpoint(CheckpointData(new.claims)),
+        Reply(ClaimUnprepared(uid(1), cpus("1,9"))),
+    ]
+    assert new.claims == {}
+    assert new.claimed == CpuSet()
+    assert new.shared_pool == cpus("1-7,9-15")
+    ok(new, individual(INDIVIDUAL, 2, [1, 9]))  # the CPUs can be prepared again
+
+
+def test_unprepare_unknown_claim_succeeds() -> None:
+    state = NodeState.initial(GROUPED)
+    new, effects = apply(state, UnprepareClaim(uid(7)))
+    assert new is state
+    assert effects == [DeleteCdiSpec(uid(7)), Reply(ClaimUnprepared(uid(7), CpuSet()))]
+
+
+# --- shared pool, reserved and isolated CPUs -----------------------------------------------------
+
+
+def test_isolated_cpus_are_preparable_but_never_shared() -> None:
+    config = config_for(CpuDeviceMode.INDIVIDUAL, isolated="3,11")
+    state = NodeState.initial(config)
+    assert state.shared_pool == cpus("1-2,4-7,9-10,12-15")
+    state, _, _ = ok(state, individual(config, 1, [3]))
+    _, value, _ = ok(state, CreateContainer(shared_container(1)))
+    assert isinstance(value, ContainerPinned)
+    assert value.cpus == cpus("1-2,4-7,9-10,12-15")
+
+
+def test_prepare_that_would_empty_the_shared_pool_is_refused() -> None:
+    state = NodeState.initial(GROUPED)
+    state, _, _ = ok(state, CreateContainer(shared_container(1)))
+    state, _, _ = ok(state, grouped(1, ("cpudevnuma000", 6)))
+    state, _, _ = ok(state, grouped(2, ("cpudevnuma001", 7)))
+    message = refused(
+        state, grouped(3, ("cpudevnuma001", 1)), InsufficientCpusError, "no CPU for the 1 shared"
+    )
+    assert uid(3) in message
+
+
+def test_prepare_may_take_every_cpu_when_no_shared_container_exists() -> None:
+    state = NodeState.initial(GROUPED)
+    state, _, _ = ok(state, grouped(1, ("cpudevnuma000", 6), ("cpudevnuma001", 8)))
+    assert state.shared_pool == CpuSet()
+    refused(
+        state, CreateContainer(shared_container(1)), InsufficientCpusError, "shared pool is empty"
+    )
+
+
+def test_isolated_cpus_do_not_keep_the_shared_pool_alive() -> None:
+    config = config_for(CpuDeviceMode.INDIVIDUAL, isolated="15")
+    state, _, _ = ok(NodeState.initial(config), CreateContainer(shared_container(1)))
+    everything_but_15 = [c for c in range(1, 15) if c != 8]
+    refused(
+        state, individual(config, 1, everything_but_15), InsufficientCpusError, "no CPU for the"
+    )
+
+
+# --- containers ----------------------------------------------------------------------------------
+
+
+def test_shared_container_gets_the_shared_pool() -> None:
+    state = NodeState.initial(GROUPED)
+    new, value, _ = ok(state, CreateContainer(shared_container(1)))
+    assert value == ContainerPinned("shared-1", cpus("1-7,9-15"), None, ())
+    assert new.shared == {"shared-1"}
+
+
+def test_exclusive_container_gets_its_claim_and_shrinks_the_shared_ones() -> None:
+    state = NodeState.initial(INDIVIDUAL)
+    state, _, _ = ok(state, CreateContainer(shared_container(1)))
+    state, _, _ = ok(state, CreateContainer(shared_container(2)))
+    state, _, _ = ok(state, individual(INDIVIDUAL, 1, [4, 12]))
+    state, value, effects = ok(state, CreateContainer(claim_container(state, 1, 1)))
+    pool = cpus("1-3,5-7,9-11,13-15")
+    assert value == ContainerPinned(
+        "excl-1",
+        cpus("4,12"),
+        None,
+        (ContainerUpdate("shared-1", pool), ContainerUpdate("shared-2", pool)),
+    )
+    assert effects == [Reply(value)]
+    # the next container of either kind sends no update: everyone is where they belong
+    _, value, _ = ok(state, CreateContainer(shared_container(3)))
+    assert value == ContainerPinned("shared-3", pool, None, ())
+
+
+def test_container_with_two_claims_gets_their_union() -> None:
+    state = NodeState.initial(INDIVIDUAL)
+    state, _, _ = ok(state, individual(INDIVIDUAL, 1, [4]))
+    state, _, _ = ok(state, individual(INDIVIDUAL, 2, [6, 14]))
+    _, value, _ = ok(state, CreateContainer(claim_container(state, 1, 1, 2)))
+    assert isinstance(value, ContainerPinned)
+    assert value.cpus == cpus("4,6,14")
+
+
+def test_spoofed_env_naming_an_unprepared_claim_is_refused() -> None:
+    state = NodeState.initial(INDIVIDUAL)
+    spoof = Container("x", "pod", "ns", "pod", "app", (ClaimEnv(uid(9), cpus("1-3")),))
+    refused(state, CreateContainer(spoof), ClaimError, "has not prepared")
+
+
+def test_spoofed_env_with_other_cpus_is_refused() -> None:
+    state, _, _ = ok(NodeState.initial(INDIVIDUAL), individual(INDIVIDUAL, 1, [4]))
+    spoof = Container("x", "pod", "ns", "pod", "app", (ClaimEnv(uid(1), cpus("4-5")),))
+    message = refused(state, CreateContainer(spoof), ClaimError, "spoofed")
+    assert "cpus 4-5" in message
+    assert "cpus 4" in message
+
+
+def test_malformed_env_fails_closed() -> None:
+    state = NodeState.initial(INDIVIDUAL)
+    container = Container.from_env("x", "pod", ["PATH=/bin", f"DRA_CPUSET_{uid(1)}=4-"])
+    assert container.env_error is not None
+    assert container.claims == ()
+    refused(state, CreateContainer(container), ClaimError, "malformed env entry")
+
+
+def test_container_from_env_reads_the_claims() -> None:
+    env = ["A=1", f"DRA_CPUSET_{uid(1)}=4,12", f"DRA_CPUSET_{uid(2)}=5"]
+    container = Container.from_env("x", "pod", env, name="app")
+    assert container.claims == (ClaimEnv(uid(1), cpus("4,12")), ClaimEnv(uid(2), cpus("5")))
+    assert claims_from_env(env) == container.claims
+
+
+def test_claim_of_another_pod_is_refused_and_restart_in_the_same_pod_is_not() -> None:
+    state, _, _ = ok(NodeState.initial(INDIVIDUAL), individual(INDIVIDUAL, 1, [4]))
+    first = claim_container(state, 1, 1, pod="pod-a")
+    state, _, _ = ok(state, CreateContainer(first))
+    thief = replace(claim_container(state, 2, 1, pod="pod-b"))
+    refused(state, CreateContainer(thief), ClaimConflictError, "claims cannot be shared")
+    sidecar = claim_container(state, 3, 1, pod="pod-a", name="sidecar")
+    refused(state, CreateContainer(sidecar), ClaimConflictError, "already used by container app")
+    state, _, _ = ok(state, StopContainer(first.id))
+    state, _, _ = ok(state, RemoveContainer(first.id))
+    refused(state, CreateContainer(thief), ClaimConflictError, "pod-a")  # owned until Unprepare
+    restarted = replace(first, id="excl-1-restarted")
+    state, value, _ = ok(state, CreateContainer(restarted))
+    assert isinstance(value, ContainerPinned)
+    assert value.cpus == cpus("4")
+    state, _, _ = ok(state, RemoveContainer(restarted.id))
+    state, _, _ = ok(state, UnprepareClaim(uid(1)))
+    assert state.owners == {}
+
+
+def test_update_container_answers_like_create() -> None:
+    state, _, _ = ok(NodeState.initial(INDIVIDUAL), individual(INDIVIDUAL, 1, [4]))
+    container = claim_container(state, 1, 1)
+    state, created, _ = ok(state, CreateContainer(container))
+    state2, updated, _ = ok(state, UpdateContainer(container))
+    assert created == updated
+    assert state2.containers == state.containers
+
+
+def test_stop_widens_shared_containers_after_an_unprepare() -> None:
+    state = NodeState.initial(INDIVIDUAL)
+    state, _, _ = ok(state, CreateContainer(shared_container(1)))
+    state, _, _ = ok(state, individual(INDIVIDUAL, 1, [4]))
+    excl = claim_container(state, 1, 1)
+    state, _, _ = ok(state, CreateContainer(excl))
+    assert state.containers["shared-1"].cpus == cpus("1-3,5-7,9-15")
+    state, _, effects = ok(state, UnprepareClaim(uid(1)))
+    assert not any(isinstance(e, UpdateContainers) for e in effects)  # runtime may deadlock
+    state, value, _ = ok(state, StopContainer(excl.id))
+    assert value == ContainerForgotten(excl.id, (ContainerUpdate("shared-1", cpus("1-7,9-15")),))
+    assert excl.id not in state.containers
+
+
+def test_remove_sends_no_update() -> None:
+    state = NodeState.initial(INDIVIDUAL)
+    state, _, _ = ok(state, CreateContainer(shared_container(1)))
+    state, _, _ = ok(state, individual(INDIVIDUAL, 1, [4]))
+    excl = claim_container(state, 1, 1)
+    state, _, _ = ok(state, CreateContainer(excl))
+    state, _, _ = ok(state, UnprepareClaim(uid(1)))
+    state, value, _ = ok(state, RemoveContainer(excl.id))
+    assert value == ContainerForgotten(excl.id, ())
+    assert state.containers["shared-1"].cpus == cpus("1-3,5-7,9-15")  # still to be widened
+
+
+def test_unprepare_widens_at_once_when_the_runtime_allows_unsolicited_updates() -> None:
+    state = NodeState.initial(INDIVIDUAL)
+    state, _, _ = ok(state, Synchronize((shared_container(1),), unsolicited_updates=True))
+    state, _, _ = ok(state, individual(INDIVIDUAL, 1, [4]))
+    state, _, _ = ok(state, CreateContainer(claim_container(state, 1, 1)))
+    state, _, effects = ok(state, UnprepareClaim(uid(1)))
+    assert effects[2:] == [
+        Reply(ClaimUnprepared(uid(1), cpus("4"))),
+        UpdateContainers((ContainerUpdate("shared-1", cpus("1-7,9-15")),)),
+    ]
+    assert state.containers["shared-1"].cpus == cpus("1-7,9-15")
+    state, _, _ = ok(state, RuntimeDisconnected())
+    assert not state.unsolicited_updates
+
+
+def test_failed_unsolicited_update_is_sent_again() -> None:
+    state = NodeState.initial(INDIVIDUAL)
+    state, _, _ = ok(state, Synchronize((shared_container(1),), unsolicited_updates=True))
+    state, _, _ = ok(state, individual(INDIVIDUAL, 1, [4]))
+    state, _, _ = ok(state, CreateContainer(claim_container(state, 1, 1)))
+    disk = FakeDisk(fail_at=2)  # DeleteCdiSpec, WriteCheckpoint ok; UpdateContainers fails
+    state, value = run(state, UnprepareClaim(uid(1)), disk)
+    assert value == ClaimUnprepared(uid(1), cpus("4"))
+    assert state.claims == {}  # committed despite the post-commit failure
+    assert state.containers["shared-1"].cpus == CpuSet()  # unknown now
+    _, value, _ = ok(state, CreateContainer(shared_container(2)))
+    assert value == ContainerPinned(
+        "shared-2", cpus("1-7,9-15"), None, (ContainerUpdate("shared-1", cpus("1-7,9-15")),)
+    )
+
+
+def test_synchronize_repins_everything_and_confines_unverifiable_containers() -> None:
+    state = NodeState.initial(INDIVIDUAL)
+    state, _, _ = ok(state, individual(INDIVIDUAL, 1, [4, 12]))
+    good = claim_container(state, 1, 1)
+    spoof = Container("spoof", "pod-x", "ns", "x", "app", (ClaimEnv(uid(1), cpus("5")),))
+    broken = Container.from_env("broken", "pod-y", [f"DRA_CPUSET_{uid(2)}"])
+    plain = shared_container(1)
+    state, value, _ = ok(state, Synchronize((plain, spoof, good, broken)))
+    pool = cpus("1-3,5-7,9-11,13-15")
+    assert isinstance(value, Synchronized)
+    assert value.updates == (
+        ContainerUpdate("broken", pool),
+        ContainerUpdate("excl-1", cpus("4,12")),
+        ContainerUpdate("shared-1", pool),
+        ContainerUpdate("spoof", pool),
+    )
+    assert [r.container_id for r in value.rejected] == ["broken", "spoof"]
+    assert "spoofed" in value.rejected[1].reason
+    assert value.unpinned == ()
+    assert state.shared == {"broken", "shared-1", "spoof"}
+    assert state.owners[uid(1)].pod_uid == good.pod_uid
+
+
+def test_synchronize_with_an_empty_pool_leaves_shared_containers_unpinned() -> None:
+    state = NodeState.initial(GROUPED)
+    state, _, _ = ok(state, grouped(1, ("cpudevnuma000", 6), ("cpudevnuma001", 8)))
+    state, value, _ = ok(state, Synchronize((shared_container(1),)))
+    assert value == Synchronized((), (), ("shared-1",))
+    assert state.containers["shared-1"].cpus == CpuSet()
+
+
+def test_synchronize_mems_and_pinned_memory() -> None:
+    config = config_for(CpuDeviceMode.INDIVIDUAL, pin_memory=True)
+    state = NodeState.initial(config)
+    state, value, _ = ok(state, individual(config, 1, [4, 5]))
+    assert isinstance(value, ClaimPrepared)
+    assert value.mems == cpus("1")
+    state, value, _ = ok(state, replace(individual(config, 2, [1, 6]), pin_memory=False))
+    assert isinstance(value, ClaimPrepared)
+    assert value.mems is None
+    state, value, _ = ok(state, individual(config, 3, [2, 7]))
+    assert isinstance(value, ClaimPrepared)
+    assert value.mems == cpus("0-1")
+    container = claim_container(state, 1, 1, 3)
+    state, value, _ = ok(state, CreateContainer(container))
+    assert value == ContainerPinned("excl-1", cpus("2,4-5,7"), cpus("0-1"), ())
+    _, value, _ = ok(state, Synchronize((container,)))
+    assert value == Synchronized((ContainerUpdate("excl-1", cpus("2,4-5,7"), cpus("0-1")),), (), ())
+
+
+def test_invalidate_containers_resends_on_the_next_event() -> None:
+    state = NodeState.initial(GROUPED)
+    state, _, _ = ok(state, CreateContainer(shared_container(1)))
+    state, _, _ = ok(state, InvalidateContainers(("shared-1", "unknown")))
+    _, value, _ = ok(state, StopContainer("nothing"))
+    assert value == ContainerForgotten("nothing", (ContainerUpdate("shared-1", cpus("1-7,9-15")),))
+
+
+# --- pod resources reconciliation ----------------------------------------------------------------
+
+
+def test_claim_missing_from_two_listings_is_released() -> None:
+    state = NodeState.initial(INDIVIDUAL)
+    state, _, _ = ok(state, individual(INDIVIDUAL, 1, [4]))
+    state, _, _ = ok(state, individual(INDIVIDUAL, 2, [5]))
+    state, value, effects = ok(state, PodsListed(frozenset({uid(2)})))
+    assert value == PodsReconciled((), (uid(1),), True)
+    assert effects == [Reply(value)]
+    assert uid(1) in state.claims
+    state, value, _ = ok(state, PodsListed(frozenset({uid(1), uid(2)})))  # back: no release
+    state, value, _ = ok(state, PodsListed(frozenset({uid(2)})))
+    assert value == PodsReconciled((), (uid(1),), True)
+    state, value, effects = ok(state, PodsListed(frozenset({uid(2)})))
+    assert value == PodsReconciled((uid(1),), (uid(1),), True)
+    assert effects == [
+        DeleteCdiSpec(uid(1)),
+        WriteCheckpoint(CheckpointData(state.claims)),
+        Reply(value),
+    ]
+    assert set(state.claims) == {uid(2)}
+    assert state.unlisted == frozenset()
+
+
+def test_listing_contradicted_by_a_running_container_releases_nothing() -> None:
+    state = NodeState.initial(INDIVIDUAL)
+    state, _, _ = ok(state, individual(INDIVIDUAL, 1, [4]))
+    state, _, _ = ok(state, individual(INDIVIDUAL, 2, [5]))
+    state, _, _ = ok(state, PodsListed(frozenset()))
+    state, _, _ = ok(state, CreateContainer(claim_container(state, 1, 1)))
+    state, value, _ = ok(state, PodsListed(frozenset()))
+    assert value == PodsReconciled((), (uid(1), uid(2)), False)
+    assert len(state.claims) == 2
+    assert state.unlisted == frozenset()
+
+
+def test_listing_without_claim_data_releases_nothing() -> None:
+    state, _, _ = ok(NodeState.initial(INDIVIDUAL), individual(INDIVIDUAL, 1, [4]))
+    for _ in range(3):
+        state, value, _ = ok(state, PodsListed(frozenset(), reports_claims=False))
+        assert value == PodsReconciled((), (uid(1),), False)
+    assert uid(1) in state.claims
+
+
+# --- adoption, resync, restore -------------------------------------------------------------------
+
+
+def test_adopt_claims_from_cdi_specs() -> None:
+    state, _, _ = ok(NodeState.initial(INDIVIDUAL), individual(INDIVIDUAL, 1, [4]))
+    command = AdoptClaims(
+        (
+            AdoptedClaim(uid(2), cpus("5,13")),
+            AdoptedClaim(uid(1), cpus("4")),  # already known, same cpus: fine
+            AdoptedClaim(uid(3), cpus("13")),  # taken by uid(2) just now
+            AdoptedClaim(uid(4), cpus("0")),  # reserved
+            AdoptedClaim(uid(5), cpus("6")),
+            AdoptedClaim("bad", cpus("7")),
+            AdoptedClaim(uid(1), cpus("7")),  # known with other cpus
+        )
+    )
+    new, value, effects = ok(state, command)
+    assert isinstance(value, ClaimsAdopted)
+    assert value.adopted == (uid(2), uid(5))
+    assert [u for u, _ in value.rejected] == [uid(3), uid(4), "bad", uid(1)]
+    assert effects == [
+        WriteCdiSpec(uid(2), cpus("5,13")),
+        WriteCdiSpec(uid(5), cpus("6")),
+        WriteCheckpoint(CheckpointData(new.claims)),
+        Reply(value),
+    ]
+    assert new.claims[uid(2)].results == ()
+
+
+def test_adopted_claim_is_completed_by_a_consistent_prepare() -> None:
+    state = NodeState.initial(INDIVIDUAL)
+    state, _, _ = ok(state, AdoptClaims((AdoptedClaim(uid(1), cpus("5,13")),)))
+    refused(state, individual(INDIVIDUAL, 1, [5]), ClaimConflictError, "do not describe")
+    refused(state, individual(INDIVIDUAL, 1, [5, 6]), ClaimConflictError, "ask 1 CPUs")
+    new, value, effects = ok(state, individual(INDIVIDUAL, 1, [5, 13]))
+    assert isinstance(value, ClaimPrepared)
+    assert value.cpus == cpus("5,13")
+    assert new.claims[uid(1)].results != ()
+    assert [type(e) for e in effects] == [WriteCdiSpec, WriteCheckpoint, Reply]
+
+
+def test_adopted_grouped_claim_is_checked_per_device() -> None:
+    state = NodeState.initial(GROUPED)
+    state, _, _ = ok(state, AdoptClaims((AdoptedClaim(uid(1), cpus("2,5,13")),)))
+    refused(
+        state,
+        grouped(1, ("cpudevnuma000", 2), ("cpudevnuma001", 1)),
+        ClaimConflictError,
+        "ask 2 CPUs of device cpudevnuma000",
+    )
+    _, value, _ = ok(state, grouped(1, ("cpudevnuma000", 1), ("cpudevnuma001", 2)))
+    assert isinstance(value, ClaimPrepared)
+    assert value.cpus == cpus("2,5,13")
+
+
+def test_resync_rewrites_specs_prunes_and_publishes() -> None:
+    state = NodeState.initial(INDIVIDUAL)
+    state, _, _ = ok(state, individual(INDIVIDUAL, 2, [5]))
+    state, _, _ = ok(state, individual(INDIVIDUAL, 1, [4]))
+    new, _value, effects = ok(state, Resync())
+    assert new == state
+    assert effects == [
+        WriteCdiSpec(uid(1), cpus("4")),
+        WriteCdiSpec(uid(2), cpus("5")),
+        PruneCdiSpecs(frozenset({uid(1), uid(2)})),
+        PublishSlices(INDIVIDUAL.topology),
+        Reply(Resynced(2, False)),
+    ]
+
+
+def test_resync_with_a_new_topology() -> None:
+    state, _, _ = ok(NodeState.initial(INDIVIDUAL), individual(INDIVIDUAL, 1, [4]))
+    more_reserved = config_for(CpuDeviceMode.INDIVIDUAL, reserved="0-1,8-9")
+    new, value, effects = ok(state, Resync(more_reserved))
+    assert value == Resynced(1, True)
+    assert new.config is more_reserved
+    assert PublishSlices(more_reserved.topology) in effects
+    conflicting = config_for(CpuDeviceMode.INDIVIDUAL, reserved="0,4,8")
+    refused(state, Resync(conflicting), ClaimConflictError, "cpus 4 of claim")
+
+
+def test_restore_round_trip_through_the_checkpoint() -> None:
+    state = NodeState.initial(GROUPED)
+    state, _, _ = ok(state, grouped(1, ("cpudevnuma000", 3)))
+    second = grouped(2, ("cpudevnuma001", 2), ("cpudevnuma000", 1))
+    state, _, _ = ok(state, second)
+    restored, rejected = restore_state(GROUPED, decode(encode(state.checkpoint())))
+    assert rejected == ()
+    assert restored == NodeState(GROUPED, state.claims, state.claimed)
+    check_invariants(restored)
+    # and the restored state answers a re-prepare idempotently
+    new, effects = apply(restored, second)
+    assert new is restored
+    assert effects[0] == WriteCdiSpec(uid(2), state.claims[uid(2)].cpus)
+
+
+def test_restore_drops_claims_that_no_longer_fit() -> None:
+    state = NodeState.initial(INDIVIDUAL)
+    state, _, _ = ok(state, individual(INDIVIDUAL, 1, [4]))
+    state, _, _ = ok(state, individual(INDIVIDUAL, 2, [5]))
+    now_reserved = config_for(CpuDeviceMode.INDIVIDUAL, reserved="0,5,8")
+    restored, rejected = restore_state(now_reserved, state.checkpoint())
+    assert set(restored.claims) == {uid(1)}
+    assert rejected == ((uid(2), "cpus 5 are not allocatable (reserved or offline)"),)
+    check_invariants(restored)
+
+
+# --- rollback ------------------------------------------------------------------------------------
+
+
+def test_commit_phase_splits_at_the_reply() -> None:
+    effects: list[Effect] = [DeleteCdiSpec("a"), Reply(1), UpdateContainers(())]
+    assert commit_phase(effects) == ([DeleteCdiSpec("a")], Reply(1), [UpdateContainers(())])
+    with pytest.raises(ValueError, match="no Reply"):
+        commit_phase([DeleteCdiSpec("a")])
+
+
+def rollback_cases() -> list[tuple[str, NodeState, Command]]:
+    base = NodeState.initial(INDIVIDUAL)
+    held, _, _ = ok(base, individual(INDIVIDUAL, 1, [4]))
+    adopted, _, _ = ok(held, AdoptClaims((AdoptedClaim(uid(2), cpus("6")),)))
+    listed, _, _ = ok(held, PodsListed(frozenset()))
+    return [
+        ("prepare", held, individual(INDIVIDUAL, 2, [5, 13])),
+        ("re-prepare", held, individual(INDIVIDUAL, 1, [4])),
+        ("complete-adopted", adopted, individual(INDIVIDUAL, 2, [6])),
+        ("unprepare", held, UnprepareClaim(uid(1))),
+        ("unprepare-unknown", held, UnprepareClaim(uid(3))),
+        ("release", listed, PodsListed(frozenset())),
+        ("adopt", held, AdoptClaims((AdoptedClaim(uid(2), cpus("6")),))),
+        ("resync", adopted, Resync()),
+    ]
+
+
+@pytest.mark.parametrize(("case", "state", "command"), rollback_cases())
+def test_failure_at_any_commit_effect_keeps_the_old_state_on_disk(
+    case: str, state: NodeState, command: Command
+) -> None:
+    _, effects = apply(state, command)
+    commit, _, _ = commit_phase(effects)
+    assert commit, case
+    for fail_at in range(len(commit)):
+        disk = FakeDisk(
+            cdi={u: c.cpus for u, c in state.claims.items()},
+            checkpoint=encode(state.checkpoint()),
+            fail_at=fail_at,
+        )
+        kept, value = run(state, command, disk)
+        assert kept is state, (case, fail_at)
+        assert isinstance(value, CdiError), (case, fail_at)
+        disk_matches(state, disk)
+        if isinstance(command, Resync):
+            assert disk.slices in (None, state.config.topology)
+
+
+@pytest.mark.parametrize(("case", "state", "command"), rollback_cases())
+def test_success_leaves_the_new_state_on_disk(
+    case: str, state: NodeState, command: Command
+) -> None:
+    disk = FakeDisk(
+        cdi={u: c.cpus for u, c in state.claims.items()}, checkpoint=encode(state.checkpoint())
+    )
+    new, value = run(state, command, disk)
+    assert not isinstance(value, DracpuError), (case, value)
+    disk_matches(new, disk)
+
+
+def test_rollback_restores_files_in_reverse_order() -> None:
+    state, _, _ = ok(NodeState.initial(INDIVIDUAL), individual(INDIVIDUAL, 1, [4]))
+    error = CdiError("boom")
+    undo = rollback(
+        state,
+        [WriteCdiSpec(uid(2), cpus("5")), DeleteCdiSpec(uid(1)), WriteCheckpoint(CheckpointData())],
+        error,
+    )
+    assert undo == [
+        WriteCheckpoint(state.checkpoint()),
+        WriteCdiSpec(uid(1), cpus("4")),
+        DeleteCdiSpec(uid(2)),
+        Reply(error),
+    ]
+
+
+# --- invariants ----------------------------------------------------------------------------------
+
+
+def test_check_invariants_catches_broken_states() -> None:
+    state, _, _ = ok(NodeState.initial(INDIVIDUAL), individual(INDIVIDUAL, 1, [4]))
+    with pytest.raises(InvariantError, match="claimed mask"):
+        check_invariants(replace(state, claimed=cpus("4-5")))
+    overlapping = dict(state.claims)
+    overlapping[uid(2)] = PreparedClaim(uid(2), cpus("4"))
+    with pytest.raises(InvariantError, match="shares cpus 4"):
+        check_invariants(replace(state, claims=overlapping))
+    with pytest.raises(InvariantError, match="non-allocatable cpus 0"):
+        check_invariants(
+            replace(state, claims={uid(3): PreparedClaim(uid(3), cpus("0"))}, claimed=cpus("0"))
+        )
+    record = ContainerRecord(shared_container(1), (), cpus("1-15"))
+    with pytest.raises(InvariantError, match="shared container ids"):
+        check_invariants(replace(state, containers={"shared-1": record}))
+    excl = claim_container(state, 1, 1)
+    bad = {
+        "shared-1": record,
+        excl.id: ContainerRecord(excl, (uid(1),), cpus("4")),
+    }
+    broken = replace(state, containers=bad, shared=frozenset({"shared-1"}))
+    with pytest.raises(InvariantError, match="owned by None"):
+        check_invariants(broken)
+    owners = {uid(1): ClaimOwner(excl.pod_uid, excl.name)}
+    with pytest.raises(InvariantError, match="shared container shared-1 runs on cpus 4 of"):
+        check_invariants(replace(broken, owners=owners))

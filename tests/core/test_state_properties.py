@@ -1,0 +1,268 @@
+"""Random command sequences against the node state machine.
+
+After every command: exactly one Reply; a refused command leaves the very same state; the
+invariants hold (:func:`check_invariants`); and, running the effects through the reference
+executor over a fake disk with failures injected at random commit-phase effects, the CDI specs
+and the checkpoint on the fake disk always equal the claims of the state that was kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dracpu.core.allocator import AllocationPolicy, Strategy
+from dracpu.core.checkpoint_schema import decode, encode
+from dracpu.core.commands import (
+    AdoptClaims,
+    AdoptedClaim,
+    ClaimEnv,
+    Command,
+    Container,
+    CreateContainer,
+    DeviceResult,
+    InvalidateContainers,
+    PodsListed,
+    PrepareClaim,
+    RemoveContainer,
+    Resync,
+    RuntimeDisconnected,
+    StopContainer,
+    Synchronize,
+    UnprepareClaim,
+    UpdateContainer,
+)
+from dracpu.core.cpuset import CpuSet
+from dracpu.core.effects import ClaimPrepared, ContainerPinned, Reply, WriteCdiSpec
+from dracpu.core.slices import CpuDeviceMode, GroupBy
+from dracpu.core.state import (
+    NodeConfig,
+    NodeState,
+    apply,
+    check_invariants,
+    commit_phase,
+    restore_state,
+)
+from dracpu.errors import DracpuError
+from dracpu.sim.topologies import FIXTURES, build_topology
+from tests.core.test_state import NODE, FakeDisk, config_for, disk_matches, run, uid
+
+__all__: list[str] = []
+
+UIDS = 6  # few claim UIDs, so that reuse, idempotency and conflicts happen often
+CONTAINERS = 6
+
+
+def configs() -> dict[str, NodeConfig]:
+    box = build_topology(FIXTURES["offline-isolated"])
+    return {
+        "individual": config_for(CpuDeviceMode.INDIVIDUAL, isolated="3,11"),
+        "numa": config_for(isolated="6"),
+        "machine": config_for(group_by=GroupBy.MACHINE, reserved="", pin_memory=True),
+        "box-numa": NodeConfig.build(NODE, box, reserved=CpuSet.parse("0")),
+        "box-individual": NodeConfig.build(
+            NODE, box, reserved=CpuSet.parse("1,9"), mode=CpuDeviceMode.INDIVIDUAL
+        ),
+    }
+
+
+CONFIGS = configs()
+
+
+def draw_prepare(data: st.DataObject, state: NodeState) -> Command:
+    config = state.config
+    n = data.draw(st.integers(0, UIDS - 1), label="claim")
+    existing = state.claims.get(uid(n))
+    if existing is not None and existing.results and data.draw(st.booleans(), label="again"):
+        shuffled = data.draw(st.permutations(existing.results), label="order")
+        return PrepareClaim(uid(n), "ns", f"c{n}", tuple(shuffled))
+    devices = sorted(config.devices)
+    results: list[DeviceResult] = []
+    for i in range(data.draw(st.integers(0, 4), label="results")):
+        name = data.draw(st.sampled_from(devices), label="device")
+        device = config.devices[name]
+        if device.grouped:
+            count = data.draw(st.integers(-1, 6), label="count")
+            cpuset = None
+            if data.draw(st.integers(0, 5), label="explicit") == 0:
+                cpuset = CpuSet(data.draw(st.sets(st.integers(0, 16), max_size=4)))
+            results.append(DeviceResult(f"r{i}", NODE, name, count, cpuset))
+        else:
+            results.append(DeviceResult(f"r{i}", NODE, name))
+    policy = data.draw(
+        st.sampled_from(
+            [
+                None,
+                AllocationPolicy(strategy=Strategy.SPREAD),
+                AllocationPolicy(full_cores=True),
+            ]
+        ),
+        label="policy",
+    )
+    pin = data.draw(st.sampled_from([None, True, False]), label="pin")
+    return PrepareClaim(uid(n), "ns", f"c{n}", tuple(results), policy, pin)
+
+
+def draw_container(data: st.DataObject, state: NodeState) -> Container:
+    cid = f"c{data.draw(st.integers(0, CONTAINERS - 1), label='container')}"
+    pod = f"pod{data.draw(st.integers(0, 3), label='pod')}"
+    kind = data.draw(st.sampled_from(["shared", "claims", "spoof", "broken"]), label="kind")
+    if kind == "shared" or (kind == "claims" and not state.claims):
+        return Container(cid, pod, "ns", pod, "app")
+    if kind == "claims":
+        uids = data.draw(st.sets(st.sampled_from(sorted(state.claims)), min_size=1, max_size=2))
+        env = tuple(ClaimEnv(u, state.claims[u].cpus) for u in sorted(uids))
+        return Container(cid, pod, "ns", pod, "app", env)
+    if kind == "spoof":
+        n = data.draw(st.integers(0, UIDS - 1), label="spoofed claim")
+        spoofed = CpuSet(data.draw(st.sets(st.integers(0, 15), min_size=1, max_size=3)))
+        return Container(cid, pod, "ns", pod, "app", (ClaimEnv(uid(n), spoofed),))
+    return Container.from_env(cid, pod, [f"DRA_CPUSET_{uid(0)}=1-"])
+
+
+def draw_command(data: st.DataObject, state: NodeState) -> Command:
+    kind = data.draw(
+        st.sampled_from(
+            [
+                "prepare",
+                "prepare",
+                "prepare",
+                "unprepare",
+                "create",
+                "create",
+                "update",
+                "stop",
+                "remove",
+                "sync",
+                "listed",
+                "adopt",
+                "invalidate",
+                "disconnect",
+                "resync",
+            ]
+        ),
+        label="command",
+    )
+    container_ids = st.sampled_from([f"c{i}" for i in range(CONTAINERS)])
+    match kind:
+        case "prepare":
+            return draw_prepare(data, state)
+        case "unprepare":
+            return UnprepareClaim(uid(data.draw(st.integers(0, UIDS - 1), label="claim")))
+        case "create":
+            return CreateContainer(draw_container(data, state))
+        case "update":
+            return UpdateContainer(draw_container(data, state))
+        case "stop":
+            return StopContainer(data.draw(container_ids, label="id"))
+        case "remove":
+            return RemoveContainer(data.draw(container_ids, label="id"))
+        case "sync":
+            count = data.draw(st.integers(0, 4), label="synced")
+            containers = tuple(draw_container(data, state) for _ in range(count))
+            return Synchronize(containers, data.draw(st.booleans(), label="unsolicited"))
+        case "listed":
+            listed = data.draw(st.sets(st.integers(0, UIDS - 1)), label="listed")
+            reports = data.draw(st.booleans(), label="reports")
+            return PodsListed(frozenset(uid(n) for n in listed), reports)
+        case "adopt":
+            n = data.draw(st.integers(0, UIDS - 1), label="claim")
+            adopted = CpuSet(data.draw(st.sets(st.integers(0, 16), max_size=3), label="cpus"))
+            return AdoptClaims((AdoptedClaim(uid(n), adopted),))
+        case "invalidate":
+            return InvalidateContainers((data.draw(container_ids, label="id"),))
+        case "disconnect":
+            return RuntimeDisconnected()
+        case _:
+            return Resync()
+
+
+def check_step(state: NodeState, command: Command, new: NodeState, value: object) -> None:
+    """Per-command properties beyond the invariants."""
+    if isinstance(value, DracpuError):
+        assert new is state
+        return
+    match command:
+        case PrepareClaim(claim_uid=claim_uid) if isinstance(value, ClaimPrepared):
+            if value.cpus:
+                assert new.claims[claim_uid].cpus == value.cpus
+                assert value.cpus <= state.config.allocatable
+                before = state.claims.get(claim_uid)
+                if before is not None:
+                    assert before.cpus == value.cpus  # idempotent: the same CPUs
+                else:
+                    assert value.cpus.isdisjoint(state.claimed)
+        case UnprepareClaim(claim_uid=claim_uid):
+            assert claim_uid not in new.claims
+            assert new.claimed == state.claimed - (
+                state.claims[claim_uid].cpus if claim_uid in state.claims else CpuSet()
+            )
+        case CreateContainer(container=container) if isinstance(value, ContainerPinned):
+            if container.claims:
+                expected = CpuSet.union(state.claims[c.claim_uid].cpus for c in container.claims)
+                assert value.cpus == expected
+                assert value.cpus.isdisjoint(new.shared_pool)
+            else:
+                assert value.cpus == state.shared_pool
+                assert value.cpus
+        case _:
+            pass
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(data=st.data())
+def test_random_commands_keep_the_invariants_and_the_disk(name: str, data: st.DataObject) -> None:
+    state = NodeState.initial(CONFIGS[name])
+    disk = FakeDisk()
+    check_invariants(state)
+    for _ in range(data.draw(st.integers(1, 40), label="steps")):
+        command = draw_command(data, state)
+        new, effects = apply(state, command)
+        assert sum(isinstance(e, Reply) for e in effects) == 1
+        commit, reply, _ = commit_phase(effects)
+        check_invariants(new)
+        check_step(state, command, new, reply.value)
+        rewritten = isinstance(command, PrepareClaim) and command.claim_uid in state.claims
+        if rewritten and not isinstance(reply.value, DracpuError):
+            assert isinstance(effects[0], WriteCdiSpec)  # the CDI spec is always rewritten
+        # now for real, through the executor, maybe failing one commit-phase effect
+        fail = None
+        if commit and data.draw(st.integers(0, 4), label="inject") == 0:
+            fail = data.draw(st.integers(0, len(commit) - 1), label="fail at")
+        disk.fail_at = None if fail is None else disk.executed + fail
+        kept, value = run(state, command, disk)
+        check_invariants(kept)
+        if fail is None:
+            assert kept == new
+        else:
+            assert kept is state
+            assert isinstance(value, DracpuError)
+        disk_matches(kept, disk)
+        state = kept
+    # a restart restores exactly the claims from the checkpoint on disk
+    restored, rejected = restore_state(state.config, decode(disk.checkpoint))
+    assert rejected == ()
+    assert restored.claims == state.claims
+    assert restored.claimed == state.claimed
+    check_invariants(restored)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_checkpoint_round_trip_of_random_states(data: st.DataObject) -> None:
+    state = NodeState.initial(CONFIGS["numa"])
+    for _ in range(data.draw(st.integers(1, 15))):
+        state, _ = apply(state, draw_prepare(data, state))
+    restored, rejected = restore_state(state.config, decode(encode(state.checkpoint())))
+    assert rejected == ()
+    assert restored == replace(
+        NodeState.initial(state.config), claims=state.claims, claimed=state.claimed
+    )
