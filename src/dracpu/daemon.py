@@ -125,14 +125,16 @@ class Shutdown:
         self._force = force
 
     def fail(self, task: str, error: BaseException | None) -> None:
-        """Task ``task`` failed (``None``: it returned while it should run): log it, stop."""
+        """Task ``task`` failed (``None``: it returned while it should run): log it, stop
+        gracefully (a failure during a stop does not hurry the stop)."""
         self.failed = True
         if error is None:
             logger.error("task %s stopped unexpectedly", task, extra={"task": task})
         else:
             logger.error("task %s failed: %s", task, _describe(error), extra={"task": task})
             logger.debug("task %s failed", task, exc_info=error, extra={"task": task})
-        self.request(f"task {task} failed")
+        if not self._requested.is_set():
+            self.request(f"task {task} failed")
 
     async def wait(self) -> None:
         await self._requested.wait()
@@ -226,8 +228,11 @@ async def serve(
             await _stop(running, shutdown, stop_timeout)
             tg.cancel_scope.cancel()
     except ExceptionGroup as group:
+        # Only a start-up failure (or a bug of the supervisor) gets here: _supervise catches
+        # what a task raises after it started.
+        culprit = tasks[len(running)].name if len(running) < len(tasks) else "supervisor"
         for error in _leaves(group):
-            shutdown.fail(_task_name(error, tasks, running), error)
+            shutdown.fail(culprit, error)
         return EXIT_FAILURE
     if shutdown.failed:
         return EXIT_FAILURE
@@ -256,13 +261,6 @@ def _leaves(group: BaseExceptionGroup[Exception]) -> list[Exception]:
         else:
             leaves.append(error)
     return leaves
-
-
-def _task_name(error: Exception, tasks: Sequence[TaskSpec], running: Sequence[_Running]) -> str:
-    """The task a start-up error came from: the first one that did not finish starting."""
-    if len(running) < len(tasks):
-        return tasks[len(running)].name
-    return "supervisor"
 
 
 # --- the daemon's tasks -------------------------------------------------------------------------
