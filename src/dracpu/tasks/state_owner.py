@@ -290,14 +290,15 @@ class StateOwner(Generic[S, C, E]):
                 except Exception as exc:
                     self._effects_failed += 1
                     if not committed:
-                        error = DracpuError(f"{name}: internal error in {effect}: {exc!r}")
+                        error = DracpuError(f"{name}: internal error in {_kind(effect)}: {exc!r}")
                         self._fail(req, name, error)
                     raise
         if scope.cancelled_caught:
             # The deadline cut off the last effect begun; whether it took place is unknown.
             assert current is not None  # only an effect awaits inside the scope
             self._effects_failed += 1
-            error = DracpuError(f"{current} did not finish within {self._command_deadline:g} s")
+            deadline = self._command_deadline
+            error = DracpuError(f"{_kind(current)} did not finish within {deadline:g} s")
             if committed:
                 self._post_commit_failed(name, current, error, follow_ups=follow_ups)
                 return
@@ -317,7 +318,7 @@ class StateOwner(Generic[S, C, E]):
     def _post_commit_failed(
         self, name: str, effect: E, error: DracpuError, *, follow_ups: bool
     ) -> None:
-        logger.error("%s: post-commit effect %s failed: %s", name, effect, error)
+        logger.error("%s: post-commit effect %s failed: %s", name, _kind(effect), error)
         if self._follow_up is None:
             return
         command = self._follow_up(effect, error)
@@ -347,7 +348,7 @@ class StateOwner(Generic[S, C, E]):
                         await self._execute(effect)
                     except DracpuError as exc:
                         self._effects_failed += 1
-                        logger.error("%s: rollback effect %s failed: %s", name, effect, exc)
+                        logger.error("%s: rollback effect %s failed: %s", name, _kind(effect), exc)
             if scope.cancelled_caught:
                 self._effects_failed += 1
                 logger.error(
@@ -374,6 +375,11 @@ class StateOwner(Generic[S, C, E]):
         self._failed += 1
         self._by_command[name, "failed"] += 1
         logger.warning("%s failed, state unchanged: %s", name, error, extra={"command": name})
+
+
+def _kind(effect: object) -> str:
+    """An effect in a message: its type (its fields can be a whole checkpoint)."""
+    return type(effect).__name__
 
 
 def _answer(req: Request[C], value: object) -> None:
