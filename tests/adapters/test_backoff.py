@@ -35,11 +35,14 @@ def test_attempts_bound_the_delays_and_huge_counts_do_not_overflow() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"initial": -1.0}, {"factor": 0.5}, {"cap": -1.0}, {"jitter": 1.5}]
+    ("initial", "factor", "cap", "jitter"),
+    [(-1.0, 2.0, 1.0, 0.0), (1.0, 0.5, 1.0, 0.0), (1.0, 2.0, -1.0, 0.0), (1.0, 2.0, 1.0, 1.5)],
 )
-def test_bad_parameters_are_refused(kwargs: dict[str, float]) -> None:
+def test_bad_parameters_are_refused(
+    initial: float, factor: float, cap: float, jitter: float
+) -> None:
     with pytest.raises(ValueError, match="bad backoff"):
-        next(backoff_delays(**kwargs))
+        next(backoff_delays(initial=initial, factor=factor, cap=cap, jitter=jitter))
 
 
 class Flaky:
