@@ -247,9 +247,6 @@ class _Request:
     path: bytes
 
 
-_NO_REQUEST = None  # the peer closed the connection without sending anything
-
-
 def _parse_head(head: bytes) -> _Request | _Response:
     """Parse the request line of a complete head (``METHOD SP target SP HTTP/1.x``)."""
     line = head.split(b"\n", 1)[0].rstrip(b"\r")
@@ -276,7 +273,7 @@ async def _read_head(stream: SocketStream) -> _Request | _Response | None:
         try:
             buffer += await stream.receive(MAX_REQUEST_BYTES)
         except EndOfStream:
-            return _text(400, "incomplete request\n") if buffer else _NO_REQUEST
+            return _text(400, "incomplete request\n") if buffer else None
 
 
 class _Server:
