@@ -13,8 +13,9 @@
   under a temporary dot-name in the same directory (the kubelet's plugin watcher ignores
   dot-files), chmod'ed, put into listening state and served, then renamed over the final path
   in one step (the watcher sees it as a creation, as it would a fresh bind);
-- on exit the server stops (in-flight calls are cancelled; grpclib closes their streams) and
-  the socket file is removed, unless another process has meanwhile replaced it.
+- on exit the server stops: in-flight calls are cancelled, open connections are closed (the
+  kubelet sees the plugin go away) and the socket file is removed, unless another process has
+  meanwhile replaced it.
 
 The only module that touches grpclib's server and asyncio directly (design §3: anyio
 everywhere else).
@@ -28,14 +29,17 @@ import logging
 import os
 import socket
 import stat
+import weakref
 from collections.abc import AsyncIterator, Collection
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
+import anyio.lowlevel
 import grpclib.server
 from grpclib._typing import IServable
+from grpclib.protocol import H2Protocol
 
 from dracpu.errors import DracpuError
 
@@ -70,6 +74,35 @@ _temp_counter = itertools.count()
 
 Servable = IServable
 """A grpclib service object (anything with ``__mapping__``, e.g. a betterproto2 ``*Base``)."""
+
+
+class _Server(grpclib.server.Server):
+    """grpclib's server, remembering its connections so that closing can drop them.
+
+    ``grpclib.server.Server.close`` stops listening and cancels the calls in flight but leaves
+    the connections open (asyncio's ``Server.close_clients`` is 3.13+); an idle kubelet
+    connection would outlive the server and leak its socket. grpclib makes one ``H2Protocol``
+    per connection through ``_protocol_factory``.
+    """
+
+    def __init__(self, handlers: Collection[IServable]) -> None:
+        super().__init__(handlers)
+        self._connections: weakref.WeakSet[H2Protocol] = weakref.WeakSet()
+
+    def _protocol_factory(self) -> H2Protocol:
+        protocol = super()._protocol_factory()
+        self._connections.add(protocol)
+        return protocol
+
+    def close_connections(self) -> int:
+        """Close every connection still open; how many there were."""
+        closed = 0
+        for protocol in list(self._connections):
+            connection = getattr(protocol, "connection", None)  # set by connection_made
+            if connection is not None and not connection.is_closing():
+                connection.close()
+                closed += 1
+        return closed
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +237,7 @@ async def open_unix_server(
     _prepare_dir(path.parent, private=private_dir)
     temp = _temp_path(path)
     sock = _bind_private(temp)
-    server = grpclib.server.Server(handlers)
+    server = _Server(handlers)
     started = placed = False
     identity = _identity(temp)
     try:
@@ -228,6 +261,8 @@ async def open_unix_server(
         with anyio.CancelScope(shield=True):
             if started:
                 server.close()
+                if server.close_connections():
+                    await anyio.lowlevel.checkpoint()  # the transports finish closing
                 with anyio.move_on_after(STOP_TIMEOUT):
                     await server.wait_closed()
             sock.close()

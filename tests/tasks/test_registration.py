@@ -1,0 +1,260 @@
+"""The registration socket, driven by a grpcio kubelet (Google protobuf, literal method paths).
+
+Checks the exact ``GetInfo`` answer the kubelet validates, that it is answered quickly any number
+of times, that ``NotifyRegistrationStatus`` drives ``/readyz`` through the real
+:class:`~dracpu.tasks.http.Readiness`, and the socket-file rules (design §5).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import stat
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import grpc
+import pytest
+
+from dracpu.errors import DracpuError
+from dracpu.tasks import registration
+from dracpu.tasks.http import Readiness, ReadinessFlag
+from dracpu.tasks.registration import RegistrationState
+from tests.peers import load_pb2, unix_target
+
+__all__: list[str] = []
+
+pytestmark = pytest.mark.anyio
+
+G_REG = load_pb2("pluginregistration/v1/api.proto")
+GET_INFO = "/pluginregistration.Registration/GetInfo"
+NOTIFY = "/pluginregistration.Registration/NotifyRegistrationStatus"
+TASK = "registration"
+
+
+def _sockets(tmp_path: Path) -> tuple[Path, Path]:
+    root = tmp_path / "kubelet"
+    return root / "plugins_registry" / "dra.cpu-reg.sock", root / "plugins" / "dra.cpu" / "dra.sock"
+
+
+@asynccontextmanager
+async def serving(
+    reg_socket: Path, endpoint: Path, readiness: Readiness
+) -> AsyncIterator[RegistrationState]:
+    flag = readiness.flag(TASK)
+    async with anyio.create_task_group() as tg:
+        state = await tg.start(partial(registration.run, reg_socket, endpoint, flag))
+        flag.set_ready()  # what the supervisor does once the task has started
+        yield state
+        tg.cancel_scope.cancel()
+
+
+def _get_info(path: Path, calls: int = 1) -> list[tuple[Any, float]]:
+    """``calls`` GetInfo calls, each with the kubelet's 1 s deadline: (answer, seconds)."""
+    answers = []
+    with grpc.insecure_channel(unix_target(path)) as channel:
+        get_info = channel.unary_unary(
+            GET_INFO,
+            request_serializer=G_REG.InfoRequest.SerializeToString,
+            response_deserializer=G_REG.PluginInfo.FromString,
+        )
+        for _ in range(calls):
+            start = time.perf_counter()
+            info = get_info(G_REG.InfoRequest(), timeout=1.0)
+            answers.append((info, time.perf_counter() - start))
+    return answers
+
+
+def _notify(path: Path, registered: bool, error: str = "") -> None:
+    with grpc.insecure_channel(unix_target(path)) as channel:
+        notify = channel.unary_unary(
+            NOTIFY,
+            request_serializer=G_REG.RegistrationStatus.SerializeToString,
+            response_deserializer=G_REG.RegistrationStatusResponse.FromString,
+        )
+        notify(G_REG.RegistrationStatus(plugin_registered=registered, error=error), timeout=5.0)
+
+
+async def test_get_info_answers_exactly_what_the_kubelet_validates(tmp_path: Path) -> None:
+    reg_socket, endpoint = _sockets(tmp_path)
+    async with serving(reg_socket, endpoint, Readiness()):
+        [(info, _)] = await anyio.to_thread.run_sync(_get_info, reg_socket)
+
+    assert info.type == "DRAPlugin"
+    assert info.name == "dra.cpu"
+    assert info.endpoint == str(endpoint)
+    assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+    # and nothing else on the wire: exactly these four fields
+    assert G_REG.PluginInfo.FromString(info.SerializeToString()) == G_REG.PluginInfo(
+        type="DRAPlugin",
+        name="dra.cpu",
+        endpoint=str(endpoint),
+        supported_versions=["v1.DRAPlugin", "v1beta1.DRAPlugin"],
+    )
+
+
+async def test_get_info_is_fast_and_repeatable(tmp_path: Path) -> None:
+    reg_socket, endpoint = _sockets(tmp_path)
+    async with serving(reg_socket, endpoint, Readiness()):
+        answers = await anyio.to_thread.run_sync(_get_info, reg_socket, 50)
+        again = await anyio.to_thread.run_sync(_get_info, reg_socket, 1)  # a new connection
+
+    first = answers[0][0]
+    assert all(info == first for info, _ in answers + again)
+    # every call beat the kubelet's 1 s deadline (it would have raised otherwise); typical
+    # calls take a few milliseconds even on the shared test machine
+    assert sorted(t for _, t in answers)[len(answers) // 2] < 0.25
+
+
+async def test_refused_registration_fails_readyz_and_success_restores_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="dracpu")
+    reg_socket, endpoint = _sockets(tmp_path)
+    readiness = Readiness()
+    async with serving(reg_socket, endpoint, readiness) as state:
+        assert readiness.is_ready()
+
+        await anyio.to_thread.run_sync(
+            _notify, reg_socket, False, "none of services supported by the plugin"
+        )
+        assert state.notifications == 1
+        assert (state.registered, state.error) == (
+            False,
+            "none of services supported by the plugin",
+        )
+        assert not readiness.is_ready()
+        assert (
+            "[-]registration not ready: kubelet registration failed: none of services supported "
+            "by the plugin" in readiness.report()
+        )
+        assert "readyz check failed" in readiness.report()
+        errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+        assert [r.getMessage() for r in errors] == [
+            "the kubelet refused to register DRA driver dra.cpu: none of services supported by "
+            "the plugin"
+        ]
+
+        await anyio.to_thread.run_sync(_notify, reg_socket, True)
+        assert (state.registered, state.error, state.notifications) == (True, "", 2)
+        assert readiness.is_ready()
+        assert "readyz check passed" in readiness.report()
+        assert "registered with the kubelet as DRA driver dra.cpu" in caplog.text
+
+
+async def test_refusal_without_a_message_still_says_why(tmp_path: Path) -> None:
+    reg_socket, endpoint = _sockets(tmp_path)
+    flag = ReadinessFlag(TASK)
+    flag.set_ready()
+    async with anyio.create_task_group() as tg:
+        await tg.start(partial(registration.run, reg_socket, endpoint, flag))
+        await anyio.to_thread.run_sync(_notify, reg_socket, False, "")
+        tg.cancel_scope.cancel()
+    assert not flag.ready
+    assert flag.reason == "kubelet registration failed: no reason given"
+
+
+async def test_wait_notified(tmp_path: Path) -> None:
+    reg_socket, endpoint = _sockets(tmp_path)
+    async with serving(reg_socket, endpoint, Readiness()) as state:
+        async with anyio.create_task_group() as tg:
+
+            async def kubelet() -> None:
+                await anyio.to_thread.run_sync(_notify, reg_socket, True)
+
+            tg.start_soon(kubelet)
+            with anyio.fail_after(10):
+                await state.wait_notified(1)
+        assert state.registered
+
+
+# --- the socket file ----------------------------------------------------------------------------
+
+
+async def test_socket_is_0600_dir_created_0700_removed_on_exit(tmp_path: Path) -> None:
+    reg_socket, endpoint = _sockets(tmp_path)
+    async with serving(reg_socket, endpoint, Readiness()):
+        info = reg_socket.lstat()
+        assert stat.S_ISSOCK(info.st_mode)
+        assert stat.S_IMODE(info.st_mode) == 0o600
+        assert stat.S_IMODE(reg_socket.parent.stat().st_mode) == 0o700
+        assert stat.S_IMODE(reg_socket.parent.parent.stat().st_mode) == 0o700
+        assert [p.name for p in reg_socket.parent.iterdir()] == ["dra.cpu-reg.sock"]
+    assert not reg_socket.exists()
+    assert list(reg_socket.parent.iterdir()) == []
+
+
+async def test_shared_registry_dir_keeps_its_mode(tmp_path: Path) -> None:
+    # plugins_registry belongs to the kubelet and is shared with other plugins: never changed
+    reg_socket, endpoint = _sockets(tmp_path)
+    reg_socket.parent.mkdir(parents=True)
+    reg_socket.parent.chmod(0o750)
+    other = reg_socket.parent / "csi.example.com-reg.sock"
+    other.write_text("")  # another plugin's file stays untouched
+    async with serving(reg_socket, endpoint, Readiness()):
+        assert stat.S_IMODE(reg_socket.stat().st_mode) == 0o600
+        assert stat.S_IMODE(reg_socket.parent.stat().st_mode) == 0o750
+    assert sorted(p.name for p in reg_socket.parent.iterdir()) == ["csi.example.com-reg.sock"]
+
+
+async def test_stale_socket_is_replaced(tmp_path: Path) -> None:
+    reg_socket, endpoint = _sockets(tmp_path)
+    reg_socket.parent.mkdir(parents=True)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(reg_socket))
+    stale.close()
+    before = reg_socket.lstat().st_ino
+    async with serving(reg_socket, endpoint, Readiness()):
+        assert reg_socket.lstat().st_ino != before
+        [(info, _)] = await anyio.to_thread.run_sync(_get_info, reg_socket)
+        assert info.name == "dra.cpu"
+    assert not reg_socket.exists()
+
+
+async def test_socket_replaced_by_another_process_is_left_alone(tmp_path: Path) -> None:
+    reg_socket, endpoint = _sockets(tmp_path)
+    async with serving(reg_socket, endpoint, Readiness()):
+        reg_socket.unlink()
+        newer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        newer.bind(str(reg_socket))  # a newer instance took the path over
+    try:
+        assert stat.S_ISSOCK(reg_socket.lstat().st_mode)
+    finally:
+        newer.close()
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: p.write_text("x"), "exists and is not a socket"),
+        (lambda p: p.mkdir(), "exists and is not a socket"),
+    ],
+)
+async def test_start_refuses_a_non_socket_in_the_way(
+    tmp_path: Path, make: Any, message: str
+) -> None:
+    reg_socket, endpoint = _sockets(tmp_path)
+    reg_socket.parent.mkdir(parents=True)
+    make(reg_socket)
+    async with anyio.create_task_group() as tg:
+        with pytest.raises(DracpuError, match=message):
+            await tg.start(partial(registration.run, reg_socket, endpoint, None))
+    assert reg_socket.exists()
+    assert not stat.S_ISSOCK(reg_socket.lstat().st_mode)
+    assert [p.name for p in reg_socket.parent.iterdir()] == ["dra.cpu-reg.sock"]
+
+
+async def test_start_refuses_a_path_too_long_for_a_unix_socket(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 60) / ("e" * 60) / "dra.cpu-reg.sock"
+    assert len(os.fsencode(deep)) > 107
+    async with anyio.create_task_group() as tg:
+        with pytest.raises(DracpuError, match="unix sockets allow at most 107"):
+            await tg.start(partial(registration.run, deep, deep, None))
+    assert not deep.parent.exists()
