@@ -435,6 +435,10 @@ class FakeApiServer:
         ``status=None`` a dropped connection (no answer). Faults are consumed in order."""
         self._faults.append(_Fault(status, count, method, path, watch, message))
 
+    def clear_faults(self) -> None:
+        """Forget the injected failures that have not happened yet."""
+        self._faults.clear()
+
     def pending_faults(self) -> int:
         """How many injected failures have not happened yet."""
         return sum(f.remaining for f in self._faults)

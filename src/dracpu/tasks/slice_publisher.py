@@ -1,0 +1,430 @@
+"""Publish this node's devices as ResourceSlices and keep them published (design §3).
+
+One pool named after the node, slices built by :func:`dracpu.core.slices.build_resource_slices`
+(fixed names ``<node>-dra.cpu-NNN``), each owned by the Node (``ownerReferences`` with the
+Node's UID, so the garbage collector removes them with the Node).
+
+A publish pass (:meth:`_Publisher.reconcile`) lists the slices of our driver on this node
+(field selector ``spec.driver=dra.cpu,spec.nodeName=<node>``; other drivers' slices are never
+looked at) and then, like the Go helper's controller (reference kubelet-and-k8s-api.md §5.2):
+
+1. deletes our slices that are not wanted: extra ones beyond the current count, and any other
+   name (an older dracpu layout, the upstream driver's generated names), each with ``uid`` and
+   ``resourceVersion`` preconditions;
+2. updates the wanted slices that differ (conditional on their ``resourceVersion``);
+3. creates the missing ones.
+
+Pool generation: the first pass after start uses ``max(existing generations) + 1``, so a restart
+never goes backwards; every later change of the devices (or of the owner, or the fallback below)
+bumps it again, and so does finding a slice of ours with a higher generation than ours. A pass
+that only repairs drift keeps the generation (the content stays the same).
+
+Consumable capacity: grouped devices carry ``requestPolicy`` (whole CPUs, default 1). A server
+without ``DRAConsumableCapacity`` (off by default before Kubernetes 1.36) drops
+``requestPolicy`` and ``allowMultipleAllocations`` from what it stores; when a create or update
+answer shows that, the publisher switches to ``consumable_capacity=False`` for the rest of the
+process's life and publishes again. The form the server stored is what later passes compare
+with, so dropped fields never look like drift.
+
+Drift: a watch on our slices (``KubeClient.watch_resource_slices``) wakes a pass when one of them
+is deleted (the kubelet wipes a node's slices when it restarts, reference §2.5), changed by
+someone else, or when a slice of ours appears that we do not want. Events caused by our own
+writes are recognised by their resourceVersion and ignored. A full pass also runs every
+``resync_interval`` seconds, whatever the watch says.
+
+Failures: every API error (5xx, 409 conflict, connection loss, even 4xx such as a missing RBAC
+permission an administrator may still fix) is logged and the pass is retried with capped
+exponential backoff; the task never ends because of the API. Only a bug-level error (an invalid
+node name) ends it.
+
+Readiness: ``task_status.started()`` is called after the FIRST pass has been attempted, whether it
+succeeded or not (and at the latest after ``start_timeout`` seconds). Readiness of the DaemonSet
+pod means "serving the kubelet": Prepare and Unprepare of running pods must work even while the
+API server is briefly unreachable, and the start order puts this task last, so waiting for a
+successful publish would hold the whole daemon back for an outage that the retries cover anyway.
+The scheduler cannot place new claims on the node until the slices exist, which is the correct
+effect of an unreachable API server.
+
+Republishing on demand (SIGHUP, topology change): send any reason string on the ``republish``
+stream (see :func:`republish_channel` and :func:`request_republish`); with a callable ``desired``
+source the devices are re-read first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import math
+from collections.abc import AsyncIterable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.abc
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from dracpu import DRIVER_NAME
+from dracpu.adapters.backoff import backoff_delays
+from dracpu.adapters.kube import LISTED, KubeClient, consumable_capacity_dropped
+from dracpu.core.slices import Device, build_resource_slices
+from dracpu.errors import DracpuError, KubeAPIError, KubeNotFoundError
+
+__all__ = [
+    "DEFAULT_DEBOUNCE",
+    "DEFAULT_RESYNC_INTERVAL",
+    "DEFAULT_START_TIMEOUT",
+    "DesiredDevices",
+    "PublisherSettings",
+    "republish_channel",
+    "request_republish",
+    "run",
+]
+
+logger = logging.getLogger(__name__)
+
+DesiredDevices = Callable[[], Sequence[Device]] | AsyncIterable[Sequence[Device]]
+"""Where the devices come from: a callable (called at start and on every republish request) or
+an async iterable of device lists (each list replaces the previous one)."""
+
+# A burst of triggers (a kubelet wipe deletes every slice one by one) is handled by ONE pass:
+# the publisher waits this long after the first trigger. The Go helper waits 30 s
+# (DefaultSyncDelay); a node whose slices are gone gets no new pods, so we are quicker.
+DEFAULT_DEBOUNCE = 0.2
+# A full pass even without any event: a safety net against a watch that silently missed one.
+DEFAULT_RESYNC_INTERVAL = 600.0
+# started() at the latest after this long, even if the first pass still hangs on the network.
+DEFAULT_START_TIMEOUT = 10.0
+# Pending republish requests kept; more are merged into the pending ones.
+_REPUBLISH_BUFFER = 16
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherSettings:
+    """Timing of the publisher (seconds); tests shorten them."""
+
+    debounce: float = DEFAULT_DEBOUNCE
+    resync_interval: float = DEFAULT_RESYNC_INTERVAL
+    start_timeout: float = DEFAULT_START_TIMEOUT
+    backoff: Callable[[], Iterator[float]] = field(default=backoff_delays)
+    """A fresh iterator of retry delays (endless) after each success."""
+
+
+def republish_channel() -> tuple[MemoryObjectSendStream[str], MemoryObjectReceiveStream[str]]:
+    """A stream pair for republish requests: pass the receiving end to :func:`run`."""
+    return anyio.create_memory_object_stream[str](_REPUBLISH_BUFFER)
+
+
+def request_republish(channel: MemoryObjectSendStream[str], reason: str) -> None:
+    """Ask for a republish without waiting; dropped if many requests are pending already."""
+    with contextlib.suppress(
+        anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError
+    ):
+        channel.send_nowait(reason)
+
+
+@dataclass(slots=True)
+class _Written:
+    """What we sent for one slice and what the server stored in answer."""
+
+    sent: dict[str, Any]  # spec + ownerReferences we sent
+    stored: dict[str, Any]  # spec + ownerReferences the server answered with
+    resource_version: str
+
+
+class _Restart(Exception):
+    """Publish again at once (the server dropped the consumable-capacity fields)."""
+
+
+def _name(obj: Mapping[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("name") or "")
+
+
+def _version(obj: Mapping[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("resourceVersion") or "")
+
+
+def _generation(obj: Mapping[str, Any]) -> int:
+    value = ((obj.get("spec") or {}).get("pool") or {}).get("generation")
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _content(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """The parts of a slice we own and compare: spec and owner references."""
+    return {
+        "spec": obj.get("spec"),
+        "ownerReferences": (obj.get("metadata") or {}).get("ownerReferences"),
+    }
+
+
+def _without_generation(slices: Sequence[Mapping[str, Any]]) -> str:
+    """A key of the pool's content that ignores the generation."""
+    contents = []
+    for obj in slices:
+        content = copy.deepcopy(_content(obj))
+        content["spec"]["pool"].pop("generation", None)
+        contents.append(content)
+    return json.dumps(contents, sort_keys=True)
+
+
+class _Publisher:
+    def __init__(self, kube: KubeClient, node_name: str, settings: PublisherSettings) -> None:
+        self.kube = kube
+        self.node_name = node_name
+        self.settings = settings
+        self.source: Callable[[], Sequence[Device]] | None = None
+        self.devices: Sequence[Device] | None = None
+        self.consumable = True
+        self.generation = 0  # 0: not published yet by this process
+        self.owner_uid: str | None = None
+        self.pool_key = ""
+        self.wanted: tuple[str, ...] = ()
+        self.written: dict[str, _Written] = {}
+        wake_send, wake_receive = anyio.create_memory_object_stream[tuple[str, bool]](math.inf)
+        self.wake_send = wake_send
+        self.wake_receive = wake_receive
+        self.first_attempt = anyio.Event()
+
+    # --- triggers ----------------------------------------------------------------------------
+
+    def wake(self, reason: str, *, refresh: bool = False) -> None:
+        self.wake_send.send_nowait((reason, refresh))
+
+    async def forward_desired(self, stream: AsyncIterable[Sequence[Device]]) -> None:
+        async for devices in stream:
+            self.devices = list(devices)
+            self.wake("devices changed")
+
+    async def forward_republish(self, stream: MemoryObjectReceiveStream[str]) -> None:
+        async with stream:
+            async for reason in stream:
+                self.wake(f"republish requested ({reason})", refresh=True)
+
+    # --- the publish loop --------------------------------------------------------------------
+
+    async def main_loop(self) -> None:
+        reasons: list[str] = ["start"]
+        refresh = self.source is not None
+        delays: Iterator[float] | None = None
+        while True:
+            if not reasons:
+                with anyio.move_on_after(self.settings.resync_interval):
+                    reason, refresh = await self.wake_receive.receive()
+                    reasons.append(reason)
+                if not reasons:
+                    reasons.append("periodic resync")
+                await anyio.sleep(self.settings.debounce)
+            while True:  # drain the triggers that came meanwhile
+                try:
+                    reason, more = self.wake_receive.receive_nowait()
+                except anyio.WouldBlock:
+                    break
+                reasons.append(reason)
+                refresh = refresh or more
+            if refresh and self.source is not None:
+                self.refresh_devices()
+            refresh = False
+            if self.devices is None:
+                logger.debug("no devices to publish yet (%s)", ", ".join(reasons))
+                reasons = []
+                self.first_attempt.set()
+                continue
+            logger.debug("publishing ResourceSlices: %s", ", ".join(dict.fromkeys(reasons)))
+            try:
+                await self.reconcile()
+            except _Restart:
+                reasons = ["consumable capacity unsupported"]
+                continue
+            except KubeAPIError as exc:
+                if delays is None:
+                    delays = self.settings.backoff()
+                delay = next(delays)
+                status = exc.status
+                transient = status is None or status in (409, 429) or status >= 500
+                logger.log(
+                    logging.WARNING if transient else logging.ERROR,
+                    "publishing ResourceSlices failed, retrying in %.1f s: %s",
+                    delay,
+                    exc,
+                )
+                self.first_attempt.set()
+                await anyio.sleep(delay)
+                reasons = ["retry"]
+                continue
+            delays = None
+            reasons = []
+            self.first_attempt.set()
+
+    def refresh_devices(self) -> None:
+        assert self.source is not None
+        try:
+            self.devices = list(self.source())
+        except DracpuError as exc:
+            logger.error("cannot compute the devices to publish, keeping the last ones: %s", exc)
+
+    async def reconcile(self) -> None:
+        """One publish pass (see the module docstring); raises on API errors."""
+        assert self.devices is not None
+        if self.owner_uid is None:
+            try:
+                node = await self.kube.get_node(self.node_name)
+            except KubeNotFoundError as exc:
+                logger.warning("publishing without an owner reference (no Node object): %s", exc)
+            else:
+                uid = (node.get("metadata") or {}).get("uid")
+                self.owner_uid = uid if isinstance(uid, str) and uid else None
+        existing, _ = await self.kube.list_resource_slices(DRIVER_NAME, self.node_name)
+        have = {_name(obj): obj for obj in existing}
+        highest = max((_generation(obj) for obj in existing), default=0)
+        desired = self.build(generation=0)
+        key = _without_generation(desired)
+        if self.generation == 0:
+            self.generation = highest + 1
+        elif key != self.pool_key or highest > self.generation:
+            self.generation = max(self.generation, highest) + 1
+        self.pool_key = key
+        desired = self.build(generation=self.generation)
+        self.wanted = tuple(_name(obj) for obj in desired)
+        changes = 0
+        for name, obj in sorted(have.items()):
+            if name not in self.wanted:
+                await self.delete(name, obj)
+                changes += 1
+        for want in desired:
+            name = _name(want)
+            current = have.get(name)
+            if current is not None and self.up_to_date(want, current):
+                continue
+            if current is None:
+                stored = await self.kube.create_resource_slice(want)
+            else:
+                put = copy.deepcopy(want)
+                put["metadata"]["resourceVersion"] = _version(current)
+                stored = await self.kube.update_resource_slice(put)
+            changes += 1
+            self.written[name] = _Written(_content(want), _content(stored), _version(stored))
+            if self.consumable and consumable_capacity_dropped(want, stored):
+                logger.warning(
+                    "the API server dropped allowMultipleAllocations/requestPolicy from "
+                    "ResourceSlice %s: the cluster lacks the DRAConsumableCapacity feature; "
+                    "publishing without requestPolicy from now on",
+                    name,
+                )
+                self.consumable = False
+                raise _Restart
+        for name in list(self.written):
+            if name not in self.wanted:
+                del self.written[name]
+        if changes:
+            logger.info(
+                "published %d devices in %d ResourceSlices (pool %s, generation %d, %d writes)",
+                len(self.devices),
+                len(desired),
+                self.node_name,
+                self.generation,
+                changes,
+            )
+
+    def build(self, *, generation: int) -> list[dict[str, Any]]:
+        assert self.devices is not None
+        return build_resource_slices(
+            self.node_name,
+            self.devices,
+            consumable_capacity=self.consumable,
+            generation=generation,
+            owner_uid=self.owner_uid,
+        )
+
+    def expected(self, want: Mapping[str, Any]) -> dict[str, Any]:
+        """What a wanted slice looks like as stored (the server may drop or default fields)."""
+        content = _content(want)
+        record = self.written.get(_name(want))
+        if record is not None and record.sent == content:
+            return record.stored
+        return content
+
+    def up_to_date(self, want: Mapping[str, Any], current: Mapping[str, Any]) -> bool:
+        return _content(current) == self.expected(want)
+
+    async def delete(self, name: str, obj: Mapping[str, Any]) -> None:
+        uid = (obj.get("metadata") or {}).get("uid")
+        with contextlib.suppress(KubeNotFoundError):  # gone already: what we wanted
+            await self.kube.delete_resource_slice(
+                name,
+                uid=uid if isinstance(uid, str) else None,
+                resource_version=_version(obj) or None,
+            )
+        logger.info("deleted stale ResourceSlice %s", name)
+
+    # --- drift -------------------------------------------------------------------------------
+
+    def drifted(self, kind: str, obj: Mapping[str, Any]) -> bool:
+        """Whether a watch event shows our published state differs from the wanted one."""
+        if self.generation == 0:
+            return False  # nothing published yet: the publish loop is on it
+        if kind == LISTED:
+            items = [i for i in obj.get("items") or [] if isinstance(i, Mapping)]
+            names = {_name(i) for i in items}
+            return names != set(self.wanted) or any(self.changed(i) for i in items)
+        if kind == "DELETED":
+            return _name(obj) in self.wanted
+        return self.changed(obj)
+
+    def changed(self, obj: Mapping[str, Any]) -> bool:
+        name = _name(obj)
+        if name not in self.wanted:
+            return True  # a slice of ours we do not want
+        record = self.written.get(name)
+        if record is None:
+            return True
+        if record.resource_version == _version(obj):
+            return False  # our own write
+        return _content(obj) != record.stored
+
+    async def watch_loop(self) -> None:
+        await self.first_attempt.wait()
+        delays: Iterator[float] | None = None
+        while True:
+            try:
+                events = self.kube.watch_resource_slices(DRIVER_NAME, self.node_name)
+                async with contextlib.aclosing(events):
+                    async for kind, obj in events:
+                        delays = None
+                        if self.drifted(kind, obj):
+                            self.wake(f"{kind.lower()} {_name(obj)}".strip())
+            except KubeAPIError as exc:
+                if delays is None:
+                    delays = self.settings.backoff()
+                delay = next(delays)
+                logger.warning("watching ResourceSlices failed, again in %.1f s: %s", delay, exc)
+                await anyio.sleep(delay)
+
+
+async def run(
+    kube: KubeClient,
+    node_name: str,
+    desired: DesiredDevices,
+    *,
+    republish: MemoryObjectReceiveStream[str] | None = None,
+    settings: PublisherSettings = PublisherSettings(),
+    task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Publish ``desired`` devices for ``node_name`` until cancelled (see the module docstring).
+
+    ``republish``: the receiving end of :func:`republish_channel`. ``started()`` comes after the
+    first publish attempt, successful or not, or after ``settings.start_timeout``.
+    """
+    publisher = _Publisher(kube, node_name, settings)
+    async with publisher.wake_send, publisher.wake_receive, anyio.create_task_group() as tg:
+        if callable(desired):
+            publisher.source = desired
+        else:
+            tg.start_soon(publisher.forward_desired, desired, name="slice publisher: devices")
+        if republish is not None:
+            tg.start_soon(publisher.forward_republish, republish, name="slice publisher: requests")
+        tg.start_soon(publisher.main_loop, name="slice publisher")
+        tg.start_soon(publisher.watch_loop, name="slice publisher: watch")
+        with anyio.move_on_after(settings.start_timeout):
+            await publisher.first_attempt.wait()
+        task_status.started()

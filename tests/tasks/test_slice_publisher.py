@@ -1,0 +1,341 @@
+"""The slice publisher against the fake API server (dracpu.tasks.slice_publisher): every slice
+it writes is validated by the server (schema + apiserver rules); the tests check what the
+server ends up storing."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import anyio
+import pytest
+
+from dracpu.adapters.backoff import backoff_delays
+from dracpu.adapters.kube import KubeClient, open_kube_client
+from dracpu.core.cpuset import CpuSet
+from dracpu.core.slices import (
+    CpuDeviceMode,
+    Device,
+    GroupBy,
+    published_devices,
+    slice_name,
+    validate_pool,
+)
+from dracpu.sim.fake_apiserver import FakeApiServer, open_fake_apiserver
+from dracpu.sim.topologies import FIXTURES, MachineSpec, build_topology
+from dracpu.tasks import slice_publisher
+from dracpu.tasks.slice_publisher import PublisherSettings, republish_channel, request_republish
+
+NODE = "node-a"
+NODE_UID = "0c0c0c0c-1111-4222-8333-444444444444"
+FAST = PublisherSettings(
+    debounce=0.01,
+    resync_interval=600.0,
+    start_timeout=10.0,
+    backoff=functools.partial(backoff_delays, initial=0.01, cap=0.05, jitter=0.0),
+)
+TOPOLOGY = build_topology(FIXTURES["dual-socket-smt2"])
+
+
+def devices(
+    mode: CpuDeviceMode = CpuDeviceMode.GROUPED,
+    *,
+    reserved: str = "",
+    topology_name: str | None = None,
+    spec: MachineSpec | None = None,
+) -> list[Device]:
+    topology = TOPOLOGY
+    if spec is not None:
+        topology = build_topology(spec)
+    elif topology_name is not None:
+        topology = build_topology(FIXTURES[topology_name])
+    return published_devices(
+        topology, reserved=CpuSet.parse(reserved), mode=mode, group_by=GroupBy.NUMANODE
+    )
+
+
+def foreign_slice(name: str, *, driver: str, node: str, generation: int = 1) -> dict[str, Any]:
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": name},
+        "spec": {
+            "driver": driver,
+            "nodeName": node,
+            "pool": {"name": node, "generation": generation, "resourceSliceCount": 1},
+            "devices": [{"name": "dev0"}],
+        },
+    }
+
+
+@contextlib.asynccontextmanager
+async def cluster(**options: Any) -> AsyncIterator[tuple[FakeApiServer, KubeClient]]:
+    async with open_fake_apiserver(**options) as api:
+        api.add_node(NODE, uid=NODE_UID)
+        async with open_kube_client(api.kubeconfig_path, request_timeout=10) as kube:
+            yield api, kube
+
+
+@contextlib.asynccontextmanager
+async def publishing(
+    kube: KubeClient,
+    desired: slice_publisher.DesiredDevices,
+    **kwargs: Any,
+) -> AsyncIterator[None]:
+    async with anyio.create_task_group() as tg:
+        await tg.start(
+            functools.partial(slice_publisher.run, kube, NODE, desired, settings=FAST, **kwargs)
+        )
+        yield
+        tg.cancel_scope.cancel()
+
+
+def ours(api: FakeApiServer, node: str = NODE) -> list[dict[str, Any]]:
+    return api.resource_slices(driver="dra.cpu", node_name=node)
+
+
+def published_names(api: FakeApiServer) -> list[str]:
+    return sorted(d["name"] for s in ours(api) for d in s["spec"]["devices"])
+
+
+def generations(api: FakeApiServer) -> set[int]:
+    return {s["spec"]["pool"]["generation"] for s in ours(api)}
+
+
+def writes(api: FakeApiServer) -> list[str]:
+    """The slice writes so far: ``POST`` (a create) or ``PUT <name>`` / ``DELETE <name>``."""
+    return [
+        "POST" if r.method == "POST" else f"{r.method} {r.path.rsplit('/', 1)[-1]}"
+        for r in api.requests
+        if r.method in ("POST", "PUT", "DELETE") and "resourceslices" in r.path
+    ]
+
+
+async def until(condition: Callable[[], bool], what: str, seconds: float = 15.0) -> None:
+    with anyio.move_on_after(seconds):
+        while not condition():  # noqa: ASYNC110 (polling the fake server's state)
+            await anyio.sleep(0.01)
+        return
+    pytest.fail(f"timed out waiting for: {what}")
+
+
+async def settled(api: FakeApiServer, quiet: float = 0.3) -> None:
+    """Wait until no request reached the server for ``quiet`` seconds."""
+    with anyio.fail_after(15):
+        while True:
+            count = len(api.requests)
+            await anyio.sleep(quiet)
+            if len(api.requests) == count and api.open_watches == 1:
+                return
+
+
+def expected_pool(api: FakeApiServer, want: Sequence[Device]) -> None:
+    slices = ours(api)
+    assert validate_pool(slices) == []
+    assert published_names(api) == sorted(d.name for d in want)
+    for obj in slices:
+        assert obj["metadata"]["ownerReferences"] == [
+            {"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": NODE_UID, "controller": True}
+        ]
+
+
+# --- publishing -------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_first_publish_happens_before_started() -> None:
+    want = devices()
+    async with cluster() as (api, kube), publishing(kube, lambda: want):
+        slices = ours(api)  # right after started(): no waiting
+        assert [s["metadata"]["name"] for s in slices] == [slice_name(NODE, 0)]
+        expected_pool(api, want)
+        assert generations(api) == {1}
+        capacity = slices[0]["spec"]["devices"][0]["capacity"]["dra.cpu/cpu"]
+        assert capacity["requestPolicy"] == {
+            "default": "1",
+            "validRange": {"min": "1", "step": "1"},
+        }
+        assert slices[0]["spec"]["devices"][0]["allowMultipleAllocations"] is True
+
+
+@pytest.mark.anyio
+async def test_300_cpus_individual_mode_give_three_slices() -> None:
+    spec = MachineSpec(sockets=2, cores_per_cluster=75, threads_per_core=2)
+    want = devices(CpuDeviceMode.INDIVIDUAL, spec=spec)
+    assert len(want) == 300
+    async with cluster() as (api, kube), publishing(kube, lambda: want):
+        slices = ours(api)
+        assert [s["metadata"]["name"] for s in slices] == [slice_name(NODE, i) for i in range(3)]
+        assert [len(s["spec"]["devices"]) for s in slices] == [128, 128, 44]
+        assert {s["spec"]["pool"]["resourceSliceCount"] for s in slices} == {3}
+        expected_pool(api, want)
+
+
+@pytest.mark.anyio
+async def test_nothing_is_written_while_nothing_changes() -> None:
+    async with cluster() as (api, kube), publishing(kube, lambda: devices()):
+        await settled(api)
+        before = writes(api)
+        assert before == ["POST"]
+        await anyio.sleep(0.3)
+        assert writes(api) == before
+
+
+# --- repairs ----------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_slices_wiped_by_a_kubelet_restart_come_back() -> None:
+    spec = MachineSpec(sockets=2, cores_per_cluster=75, threads_per_core=2)
+    want = devices(CpuDeviceMode.INDIVIDUAL, spec=spec)
+    async with cluster() as (api, kube), publishing(kube, lambda: want):
+        await settled(api)
+        assert len(api.kubelet_restart(NODE)) == 3
+        assert ours(api) == []
+        await until(lambda: len(ours(api)) == 3, "slices republished")
+        expected_pool(api, want)
+        assert generations(api) == {1}  # same content, same generation
+
+
+@pytest.mark.anyio
+async def test_someone_elses_edit_is_repaired() -> None:
+    want = devices()
+    async with cluster() as (api, kube), publishing(kube, lambda: want):
+        await settled(api)
+        original = ours(api)[0]["spec"]
+        name = slice_name(NODE, 0)
+
+        def tamper(obj: dict[str, Any]) -> None:
+            obj["spec"]["devices"][0]["attributes"]["dra.cpu/numCPUs"] = {"int": 999}
+
+        api.edit_resource_slice(name, tamper)
+        await until(lambda: ours(api)[0]["spec"] == original, "edit reverted")
+
+        api.edit_resource_slice(name, lambda o: o["metadata"].setdefault("labels", {"x": "y"}))
+        await settled(api)
+        assert ours(api)[0]["metadata"]["labels"] == {"x": "y"}  # not our business
+        assert writes(api).count(f"PUT {name}") == 1
+
+
+@pytest.mark.anyio
+async def test_other_drivers_and_nodes_are_untouched_and_our_stale_slices_go() -> None:
+    async with cluster() as (api, kube):
+        gpu = api.create_resource_slice(foreign_slice("gpu-a", driver="gpu.example.com", node=NODE))
+        other_node = api.create_resource_slice(
+            foreign_slice("node-b-dra.cpu-000", driver="dra.cpu", node="node-b", generation=9)
+        )
+        # Ours from before: an extra index and an upstream-style generated name.
+        api.create_resource_slice(foreign_slice(slice_name(NODE, 4), driver="dra.cpu", node=NODE))
+        api.create_resource_slice(
+            foreign_slice("node-a-dra.cpu-x7k2p", driver="dra.cpu", node=NODE)
+        )
+        want = devices()
+        async with publishing(kube, lambda: want):
+            assert [s["metadata"]["name"] for s in ours(api)] == [slice_name(NODE, 0)]
+            expected_pool(api, want)
+            assert generations(api) == {2}  # above the stale slices' generation 1
+            await settled(api)
+            # A slice of ours appearing later is removed too.
+            api.create_resource_slice(foreign_slice("intruder", driver="dra.cpu", node=NODE))
+            await until(lambda: len(ours(api)) == 1, "intruder deleted")
+            assert api.resource_slices(driver="gpu.example.com") == [gpu]
+            assert ours(api, "node-b") == [other_node]
+
+
+@pytest.mark.anyio
+async def test_server_errors_and_dropped_connections_are_retried() -> None:
+    async with cluster() as (api, kube):
+        api.fail_next(2, status=500, method="GET", path="/nodes/")
+        api.fail_next(3, status=None, method="POST")
+        api.fail_next(2, status=409, method="POST")
+        api.fail_next(1, status=503, method="GET", path="resourceslices")
+        want = devices()
+        async with publishing(kube, lambda: want):
+            await until(lambda: len(ours(api)) == 1, "published after retries")
+            expected_pool(api, want)
+            assert api.pending_faults() == 0
+
+
+@pytest.mark.anyio
+async def test_started_even_while_the_api_server_fails_then_publishes() -> None:
+    async with cluster() as (api, kube):
+        api.fail_next(10_000, status=503)
+        want = devices()
+        async with publishing(kube, lambda: want):
+            assert ours(api) == []  # started() came although nothing could be published
+            await anyio.sleep(0.2)
+            api.clear_faults()
+            await until(lambda: len(ours(api)) == 1, "published once the server is back")
+            expected_pool(api, want)
+
+
+# --- generation, changes, fallback --------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_generation_increases_across_restarts_and_changes() -> None:
+    async with cluster() as (api, kube):
+        async with publishing(kube, lambda: devices()):
+            assert generations(api) == {1}
+        async with publishing(kube, lambda: devices()):
+            assert generations(api) == {2}  # a restart never goes backwards
+        send, receive = anyio.create_memory_object_stream[Sequence[Device]](4)
+        async with send, receive, publishing(kube, receive):
+            await send.send(devices())
+            await until(lambda: generations(api) == {3}, "published from the stream")
+            await settled(api)
+            await send.send(devices(reserved="0-3"))
+            await until(lambda: generations(api) == {4}, "a change bumps the generation")
+            capacities = [
+                d["capacity"]["dra.cpu/cpu"]["value"] for d in ours(api)[0]["spec"]["devices"]
+            ]
+            assert capacities == ["12", "16", "16", "16"]
+
+
+@pytest.mark.anyio
+async def test_a_higher_foreign_generation_is_overtaken() -> None:
+    async with cluster() as (api, kube), publishing(kube, lambda: devices()):
+        await settled(api)
+        api.edit_resource_slice(
+            slice_name(NODE, 0), lambda o: o["spec"]["pool"].update(generation=41)
+        )
+        await until(lambda: generations(api) == {42}, "generation above the foreign one")
+
+
+@pytest.mark.anyio
+async def test_republish_request_rereads_the_devices() -> None:
+    current = {"devices": devices()}
+    send, receive = republish_channel()
+    async with (
+        send,
+        cluster() as (api, kube),
+        publishing(kube, lambda: current["devices"], republish=receive),
+    ):
+        await settled(api)
+        current["devices"] = devices(CpuDeviceMode.INDIVIDUAL)
+        request_republish(send, "SIGHUP")
+        await until(lambda: len(published_names(api)) == 64, "individual devices published")
+        expected_pool(api, current["devices"])
+        assert generations(api) == {2}
+
+
+@pytest.mark.anyio
+async def test_cluster_without_consumable_capacity_gets_the_fallback() -> None:
+    async with (
+        cluster(consumable_capacity=False) as (api, kube),
+        publishing(kube, lambda: devices()),
+    ):
+        await settled(api)
+        slices = ours(api)
+        for device in slices[0]["spec"]["devices"]:
+            assert "allowMultipleAllocations" not in device
+            assert "requestPolicy" not in device["capacity"]["dra.cpu/cpu"]
+        assert generations(api) == {2}  # republished without requestPolicy
+        before = writes(api)
+        assert before == ["POST", f"PUT {slice_name(NODE, 0)}"]
+        api.kubelet_restart(NODE)
+        await until(lambda: len(ours(api)) == 1, "republished after a wipe")
+        await settled(api)
+        assert writes(api)[len(before) :] == ["POST"]  # once, no loop
