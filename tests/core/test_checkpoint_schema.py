@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
@@ -108,6 +109,22 @@ def test_checksum_is_sha256_of_canonical_payload() -> None:
 
 def test_encoding_is_deterministic() -> None:
     assert encode(sample()) == encode(sample())
+
+
+def test_encoding_is_canonical_json() -> None:
+    raw = encode(sample())
+    canonical = json.dumps(json.loads(raw), sort_keys=True, separators=(",", ":")).encode()
+    assert raw == canonical + b"\n"
+
+
+def test_encoding_follows_changes_of_shared_claims() -> None:
+    first = sample()
+    claims = dict(first.claims)
+    claims[UID_B] = replace(claims[UID_B], cpus=CpuSet.parse("9"))
+    second = CheckpointData(MappingProxyType(claims))
+    assert decode(encode(first)).claims[UID_B].cpus == CpuSet.parse("8,12")
+    assert decode(encode(second)).claims[UID_B].cpus == CpuSet.parse("9")
+    assert decode(encode(first)).claims[UID_A] == decode(encode(second)).claims[UID_A]
 
 
 def test_whitespace_changes_do_not_break_the_checksum() -> None:

@@ -49,6 +49,7 @@ _SHA256_HEX_LEN = 64  # hashlib.sha256().hexdigest() length
 _TOP_KEYS = frozenset({"version", "checksum", "claims"})
 _CLAIM_KEYS = frozenset({"cpus", "mems", "namespace", "name", "results"})
 _RESULT_KEYS = frozenset({"request", "pool", "device", "consumedCpus", "cpuset"})
+_FRAGMENT_SLACK = 64  # memoized claim fragments beyond 2x the live claims before a sweep
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,14 +107,47 @@ def _claim_doc(claim: PreparedClaim) -> dict[str, Any]:
     }
 
 
+def _fragment(claim: PreparedClaim) -> bytes:
+    """The canonical JSON of one claim's record, memoized by identity: a claim is immutable and
+    lives as long as it is prepared, so a checkpoint write encodes only the claims that changed."""
+    key = id(claim)
+    hit = _fragments.get(key)
+    if hit is not None and hit[0] is claim:
+        return hit[1]
+    fragment = _canonical(_claim_doc(claim))
+    _fragments[key] = (claim, fragment)
+    return fragment
+
+
+# id(claim) -> (claim, its canonical JSON). The claim is kept in the entry so its id cannot be
+# reused while the entry exists; encode() drops entries of claims no longer checkpointed.
+_fragments: dict[int, tuple[PreparedClaim, bytes]] = {}
+
+
 def encode(data: CheckpointData) -> bytes:
-    """The checkpoint file's bytes (canonical JSON plus a final newline)."""
-    payload: dict[str, Any] = {
-        "version": CHECKPOINT_VERSION,
-        "claims": {uid: _claim_doc(claim) for uid, claim in data.claims.items()},
-    }
-    payload["checksum"] = _checksum(payload)
-    return _canonical(payload) + b"\n"
+    """The checkpoint file's bytes: canonical JSON (what ``json.dumps(doc, sort_keys=True,
+    separators=(",", ":"))`` gives) plus a final newline.
+
+    Built from memoized per-claim fragments: with sorted keys the document is
+    ``{"checksum":…,"claims":{…},"version":1}`` and the checksummed payload is the same text
+    without the ``"checksum"`` member, so it is hashed and spliced rather than dumped twice.
+    """
+    claims = data.claims
+    parts = [
+        b"".join((_canonical_str(uid), b":", _fragment(claims[uid]))) for uid in sorted(claims)
+    ]
+    if len(_fragments) > 2 * len(claims) + _FRAGMENT_SLACK:
+        live = {id(claim) for claim in claims.values()}
+        for key in list(_fragments):  # a copy: safe if another thread encodes meanwhile
+            if key not in live:
+                _fragments.pop(key, None)
+    body = b'"claims":{' + b",".join(parts) + b'},"version":' + str(CHECKPOINT_VERSION).encode()
+    checksum = _CHECKSUM_PREFIX + hashlib.sha256(b"{" + body + b"}").hexdigest()
+    return b'{"checksum":' + _canonical_str(checksum) + b"," + body + b"}\n"
+
+
+def _canonical_str(text: str) -> bytes:
+    return json.dumps(text, ensure_ascii=True).encode()
 
 
 # --- decode ---------------------------------------------------------------------------------------

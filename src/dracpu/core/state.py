@@ -589,7 +589,8 @@ def _shared_updates(
     for cid in sorted(shared):
         record = containers[cid]
         if cid != skip and record.cpus != pool:
-            containers[cid] = replace(record, cpus=pool)
+            # the constructor, not dataclasses.replace: ~10x cheaper, this loop is per container
+            containers[cid] = ContainerRecord(record.container, record.claims, pool, record.mems)
             updates.append(ContainerUpdate(cid, pool))
     return updates
 

@@ -1,0 +1,163 @@
+"""Node state machine and checkpoint latency with 500 prepared claims on the ``big-1024`` machine.
+
+Figures (one JSON line each, milliseconds):
+
+- ``state.prepare`` (grouped NUMA mode: the allocator runs) and ``state.prepare.individual``:
+  ``apply`` of a PrepareClaim for a 2-CPU claim with 500 claims already held, 500 exclusive
+  and 200 shared containers known (the issue's target: p99 <= 1 ms);
+- ``state.prepare.idempotent``: the same claim prepared again (a kubelet restart);
+- ``state.unprepare``: ``apply`` of an UnprepareClaim with 500 claims held;
+- ``state.create_container``: an exclusive container's CreateContainer whose reply moves the 200
+  shared containers to the new pool;
+- ``checkpoint.encode``, ``checkpoint.decode`` of 500 claims (encode memoizes each claim's JSON,
+  so this is the steady state: a Prepare re-encodes only its own claim);
+- ``checkpoint.encode+write``: encode and atomic write (temp file, fsync, rename, fsync of the
+  directory) on a real disk, in a temporary directory under ``--dir`` (default ``/var/tmp``).
+
+Each figure applies the command to the same starting state (``apply`` is pure), so every sample
+measures the same work. Run: ``.venv/bin/python bench/bench_state.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._harness import measure
+from dracpu.adapters.checkpoint_file import CHECKPOINT_FILE_NAME, write_checkpoint
+from dracpu.core.checkpoint_schema import decode, encode
+from dracpu.core.commands import (
+    ClaimEnv,
+    Command,
+    Container,
+    CreateContainer,
+    DeviceResult,
+    PrepareClaim,
+    UnprepareClaim,
+)
+from dracpu.core.effects import Reply
+from dracpu.core.slices import CpuDeviceMode
+from dracpu.core.state import NodeConfig, NodeState, apply, check_invariants
+from dracpu.errors import DracpuError
+from dracpu.sim.topologies import FIXTURES, build_topology
+
+__all__ = ["main"]
+
+NODE = "bench-node"
+HELD = 500  # claims held before the measured command (the issue's figure)
+SHARED = 200  # shared containers the node runs (kube-system pods, sidecars, best-effort pods)
+N = 2000  # samples per in-memory figure: the 99th percentile is the 20th worst
+N_DISK = 300  # samples of the fsync figure (each one writes and syncs ~100 KiB)
+
+
+def uid(n: int) -> str:
+    return f"b3c0a7e1-0000-4000-8000-{n:012d}"
+
+
+def check(state: NodeState, command: Command) -> NodeState:
+    new, effects = apply(state, command)
+    reply = next(e for e in effects if isinstance(e, Reply))
+    if isinstance(reply.value, DracpuError):
+        raise reply.value
+    return new
+
+
+def populated(config: NodeConfig) -> NodeState:
+    """HELD one-CPU claims (spread over the devices), each with its container, plus SHARED
+    shared containers, all pinned where they belong."""
+    state = NodeState.initial(config)
+    for i in range(SHARED):
+        state = check(state, CreateContainer(Container(f"shared-{i}", f"pod-s{i}")))
+    devices = [config.devices[name] for name in sorted(config.devices)]
+    for i in range(HELD):
+        device = devices[i % len(devices)]  # individual mode: the i-th CPU (HELD < CPUs)
+        result = DeviceResult("cpu", NODE, device.name, 1 if device.grouped else None)
+        state = check(state, PrepareClaim(uid(i), "bench", f"claim-{i}", (result,)))
+        env = (ClaimEnv(uid(i), state.claims[uid(i)].cpus),)
+        container = Container(f"excl-{i}", f"pod-{i}", name="app", claims=env)
+        state = check(state, CreateContainer(container))
+    check_invariants(state)
+    return state
+
+
+def bench_grouped(topology_name: str) -> None:
+    topology = build_topology(FIXTURES[topology_name])
+    config = NodeConfig.build(NODE, topology)
+    state = populated(config)
+    device = sorted(config.devices)[3]
+    prepare = PrepareClaim(uid(HELD), "bench", "new", (DeviceResult("cpu", NODE, device, 2),))
+    extra: dict[str, Any] = {
+        "held": HELD,
+        "shared": SHARED,
+        "topology": topology_name,
+        "mode": "grouped",
+    }
+    measure("state.prepare", lambda: check(state, prepare), n=N, **extra)
+    prepared = check(state, prepare)
+    measure("state.prepare.idempotent", lambda: check(prepared, prepare), n=N, **extra)
+    measure("state.unprepare", lambda: check(state, UnprepareClaim(uid(7))), n=N, **extra)
+    env = (ClaimEnv(uid(HELD), prepared.claims[uid(HELD)].cpus),)
+    create = CreateContainer(Container("excl-new", "pod-new", name="app", claims=env))
+    measure("state.create_container", lambda: check(prepared, create), n=N, **extra)
+
+    raw = encode(state.checkpoint())
+    size: dict[str, Any] = {"held": HELD, "bytes": len(raw)}
+    measure("checkpoint.encode", lambda: encode(state.checkpoint()), n=N // 4, **size)
+    measure("checkpoint.decode", lambda: decode(raw), n=N // 4, **size)
+
+
+def bench_individual(topology_name: str) -> None:
+    topology = build_topology(FIXTURES[topology_name])
+    config = NodeConfig.build(NODE, topology, mode=CpuDeviceMode.INDIVIDUAL)
+    state = populated(config)
+    free = sorted(config.devices)[HELD : HELD + 2]
+    results = tuple(DeviceResult(f"cpu{i}", NODE, name) for i, name in enumerate(free))
+    prepare = PrepareClaim(uid(HELD), "bench", "new", results)
+    extra: dict[str, Any] = {
+        "held": HELD,
+        "shared": SHARED,
+        "topology": topology_name,
+        "mode": "individual",
+    }
+    measure("state.prepare.individual", lambda: check(state, prepare), n=N, **extra)
+
+
+def bench_disk(directory: Path, topology_name: str) -> None:
+    config = NodeConfig.build(NODE, build_topology(FIXTURES[topology_name]))
+    state = populated(config)
+    with tempfile.TemporaryDirectory(prefix="dracpu-bench-", dir=directory) as tmp:
+        path = Path(tmp) / "state" / CHECKPOINT_FILE_NAME
+
+        def once() -> None:
+            write_checkpoint(path, encode(state.checkpoint()))
+
+        fs = os.statvfs(tmp)
+        measure(
+            "checkpoint.encode+write",
+            once,
+            n=N_DISK,
+            held=HELD,
+            bytes=len(encode(state.checkpoint())),
+            dir=str(directory),
+            fs_block=fs.f_bsize,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", type=Path, default=Path("/var/tmp"), help="disk for fsync")
+    parser.add_argument("--topology", default="big-1024", choices=sorted(FIXTURES))
+    args = parser.parse_args()
+    bench_grouped(args.topology)
+    bench_individual(args.topology)
+    bench_disk(args.dir, args.topology)
+
+
+if __name__ == "__main__":
+    main()
