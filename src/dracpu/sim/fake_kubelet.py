@@ -1,0 +1,484 @@
+"""A fake kubelet: plugin registration and DRA calls with grpcio, as the real kubelet does them.
+
+Design §7: the kubelet side of our gRPC boundary is played by an implementation that shares no
+code with our server. The kubelet is grpc-go; this is grpcio (an independent gRPC stack) with
+Google-protobuf messages (:mod:`dracpu.sim._pb2`), method paths written out literally, and the
+kubelet's rules (reference kubelet-and-k8s-api.md §1.4, §1.5, §2.3, §2.4):
+
+- registration: find sockets in ``plugins_registry`` (sub-directories too; dot-files and
+  non-sockets are ignored), call ``GetInfo`` with a 1 s deadline, check the plugin type
+  (``DRAPlugin``), the name, the versions (the first entry of the PLUGIN's list that the kubelet
+  supports wins; none or an empty list is an error), the endpoint (empty: the registration
+  socket; it must be a socket we can connect to), then ``NotifyRegistrationStatus(true)``, or
+  ``(false, why)`` before raising :class:`RegistrationRefused`;
+- calls: ``NodePrepareResources`` / ``NodeUnprepareResources`` of the negotiated version (or the
+  one asked for) with the kubelet's 45 s deadline; an answer that misses a claim or names a
+  claim that was not asked is a :class:`KubeletCallError` (the kubelet fails the pod's
+  preparation); a per-claim ``error`` is returned in :class:`PrepareResult`.
+
+The calls are synchronous grpcio calls; ``a*`` methods run them in a worker thread
+(``anyio.to_thread``) so async tests and the simulator can drive the daemon on the same loop.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+import anyio.to_thread
+import grpc
+
+from dracpu.errors import DracpuError
+from dracpu.sim._pb2.dra.v1 import api_pb2 as dra_v1
+from dracpu.sim._pb2.dra.v1beta1 import api_pb2 as dra_v1beta1
+from dracpu.sim._pb2.pluginregistration.v1 import api_pb2 as reg
+
+__all__ = [
+    "CALL_TIMEOUT",
+    "DIAL_TIMEOUT",
+    "GET_INFO_TIMEOUT",
+    "KUBELET_SERVICES",
+    "NOTIFY_TIMEOUT",
+    "ClaimRef",
+    "Device",
+    "FakeKubelet",
+    "FakeKubeletError",
+    "KubeletCallError",
+    "PrepareResult",
+    "Registration",
+    "RegistrationRefused",
+    "Version",
+]
+
+Version = Literal["v1", "v1beta1"]
+
+# What a 1.34+ kubelet supports, most recent first (pkg/kubelet/cm/dra/plugin/dra_plugin.go
+# servicesSupportedByKubelet).
+KUBELET_SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+# The registration handler type of DRA drivers (k8s.io/kubelet pluginregistration constants.go).
+DRA_PLUGIN_TYPE = "DRAPlugin"
+# Kubelet timeouts (seconds): GetInfo (operation_generator.go, 1 s), dialing the registration
+# socket (dialTimeoutDuration), NotifyRegistrationStatus (notifyTimeoutDuration), each DRA call
+# (dra_plugin.go defaultClientCallTimeout).
+GET_INFO_TIMEOUT = 1.0
+DIAL_TIMEOUT = 10.0
+NOTIFY_TIMEOUT = 5.0
+CALL_TIMEOUT = 45.0
+# How often wait_for_socket looks at the registry directory (the kubelet uses fsnotify).
+_POLL_INTERVAL = 0.02
+
+_SERVICE_VERSION: dict[str, Version] = {"v1.DRAPlugin": "v1", "v1beta1.DRAPlugin": "v1beta1"}
+# Wire method paths, exactly as grpc-go sends them (full proto service names).
+_PREPARE = {
+    "v1": "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources",
+    "v1beta1": "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodePrepareResources",
+}
+_UNPREPARE = {
+    "v1": "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodeUnprepareResources",
+    "v1beta1": "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodeUnprepareResources",
+}
+_GET_INFO = "/pluginregistration.Registration/GetInfo"
+_NOTIFY = "/pluginregistration.Registration/NotifyRegistrationStatus"
+_MESSAGES: dict[Version, Any] = {"v1": dra_v1, "v1beta1": dra_v1beta1}
+
+
+class FakeKubeletError(DracpuError):
+    """The fake kubelet could not do what was asked."""
+
+
+class RegistrationRefused(FakeKubeletError):
+    """The plugin's registration was refused (the plugin was told, where possible)."""
+
+
+class KubeletCallError(FakeKubeletError):
+    """A DRA call failed as a whole: a gRPC error or an answer the kubelet rejects."""
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        """The gRPC status code name (``"UNIMPLEMENTED"``), ``None`` for a bad answer."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimRef:
+    """A claim reference as the kubelet sends it."""
+
+    namespace: str
+    uid: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """A prepared device as the kubelet stores it (``share_id``: v1 only, ``None`` if unset)."""
+
+    request_names: tuple[str, ...]
+    pool_name: str
+    device_name: str
+    cdi_device_ids: tuple[str, ...]
+    share_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PrepareResult:
+    """One claim's answer: its devices, or a non-empty ``error``."""
+
+    devices: tuple[Device, ...] = ()
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """A registered DRA driver instance."""
+
+    driver: str
+    endpoint: Path
+    registration_socket: Path
+    supported_versions: tuple[str, ...]
+    version: Version
+    """The version the kubelet talks by default (the first of the plugin's list it knows)."""
+
+
+def _target(path: Path) -> str:
+    return f"unix:{path.absolute()}"
+
+
+def _code(error: grpc.RpcError) -> str:
+    code = error.code() if hasattr(error, "code") else None
+    return getattr(code, "name", "UNKNOWN")
+
+
+def _details(error: grpc.RpcError) -> str:
+    details = error.details() if hasattr(error, "details") else None
+    return str(details or error)
+
+
+class FakeKubelet:
+    """Registers DRA plugins found in ``registry_dir`` and calls them.
+
+    Thread-safe: calls may run concurrently from several threads. Close it (or use it as a
+    context manager) to close the gRPC channels.
+    """
+
+    def __init__(
+        self,
+        registry_dir: Path,
+        *,
+        services: Sequence[str] = KUBELET_SERVICES,
+        get_info_timeout: float = GET_INFO_TIMEOUT,
+        dial_timeout: float = DIAL_TIMEOUT,
+        call_timeout: float = CALL_TIMEOUT,
+    ) -> None:
+        self.registry_dir = registry_dir
+        self.services = tuple(services)
+        self.get_info_timeout = get_info_timeout
+        self.dial_timeout = dial_timeout
+        self.call_timeout = call_timeout
+        self._lock = threading.Lock()
+        self._registrations: dict[str, Registration] = {}
+        self._channels: dict[str, Any] = {}  # driver -> grpc.Channel to its endpoint
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close every channel; registrations are forgotten."""
+        with self._lock:
+            channels = list(self._channels.values())
+            self._channels.clear()
+            self._registrations.clear()
+        for channel in channels:
+            channel.close()
+
+    def __enter__(self) -> FakeKubelet:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # --- discovery -------------------------------------------------------------------------
+
+    def sockets(self) -> list[Path]:
+        """The sockets in the registry directory and below, as the plugin watcher sees them."""
+        found: list[Path] = []
+        if not self.registry_dir.is_dir():
+            return found
+        for root, dirs, files in os.walk(self.registry_dir):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            for name in sorted(files):
+                path = Path(root) / name
+                if name.startswith("."):
+                    continue
+                try:
+                    if stat.S_ISSOCK(path.lstat().st_mode):
+                        found.append(path)
+                except FileNotFoundError:
+                    continue
+        return found
+
+    def wait_for_socket(self, timeout: float = 10.0) -> Path:
+        """The first socket to appear in the registry directory (polling)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = self.sockets()
+            if found:
+                return found[0]
+            if time.monotonic() >= deadline:
+                raise FakeKubeletError(
+                    f"no plugin socket appeared in {self.registry_dir} within {timeout:g} s"
+                )
+            time.sleep(_POLL_INTERVAL)
+
+    # --- registration ----------------------------------------------------------------------
+
+    def register(self, socket_path: Path | None = None) -> Registration:
+        """Register the plugin behind ``socket_path`` (default: the only socket found).
+
+        Raises :class:`RegistrationRefused` (after telling the plugin) when its answer is not
+        acceptable, :class:`FakeKubeletError` when the registration socket cannot be called.
+        """
+        if socket_path is None:
+            found = self.sockets()
+            if len(found) != 1:
+                raise FakeKubeletError(
+                    f"expected one plugin socket in {self.registry_dir}, found {len(found)}"
+                )
+            socket_path = found[0]
+        with grpc.insecure_channel(_target(socket_path)) as channel:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=self.dial_timeout)
+            except grpc.FutureTimeoutError as exc:
+                raise FakeKubeletError(f"cannot connect to {socket_path}") from exc
+            get_info = channel.unary_unary(
+                _GET_INFO,
+                request_serializer=reg.InfoRequest.SerializeToString,
+                response_deserializer=reg.PluginInfo.FromString,
+            )
+            try:
+                info = get_info(reg.InfoRequest(), timeout=self.get_info_timeout)
+            except grpc.RpcError as exc:
+                raise FakeKubeletError(
+                    f"GetInfo on {socket_path} failed: {_code(exc)}: {_details(exc)}"
+                ) from exc
+            try:
+                registration = self._validate(socket_path, info)
+            except RegistrationRefused as exc:
+                self._notify(channel, False, str(exc))
+                raise
+            self._notify(channel, True, "")
+        return registration
+
+    def _validate(self, socket_path: Path, info: reg.PluginInfo) -> Registration:
+        """The kubelet's checks (reference §2.3, §2.4); connects to the endpoint."""
+        if info.type != DRA_PLUGIN_TYPE:
+            raise RegistrationRefused(f"no handler registered for plugin type: {info.type}")
+        if not info.name:
+            raise RegistrationRefused("plugin name is empty")
+        versions = tuple(info.supported_versions)
+        if not versions:
+            raise RegistrationRefused(
+                "empty list of supported gRPC services (aka supported versions)"
+            )
+        chosen = next((v for v in versions if v in self.services), None)
+        if chosen is None:
+            raise RegistrationRefused(
+                f"none of services supported by the plugin {list(versions)} are supported by "
+                f"the kubelet {list(self.services)}"
+            )
+        endpoint = Path(info.endpoint) if info.endpoint else socket_path
+        try:
+            is_socket = stat.S_ISSOCK(endpoint.stat().st_mode)
+        except OSError:
+            is_socket = False
+        if not is_socket:
+            raise RegistrationRefused(f"endpoint {endpoint} of {info.name} is not a socket")
+        channel = grpc.insecure_channel(_target(endpoint))
+        try:
+            grpc.channel_ready_future(channel).result(timeout=self.dial_timeout)
+        except grpc.FutureTimeoutError:
+            channel.close()
+            raise RegistrationRefused(f"cannot connect to endpoint {endpoint}") from None
+        registration = Registration(
+            driver=info.name,
+            endpoint=endpoint,
+            registration_socket=socket_path,
+            supported_versions=versions,
+            version=_SERVICE_VERSION[chosen],
+        )
+        with self._lock:
+            old = self._channels.pop(info.name, None)
+            self._channels[info.name] = channel
+            self._registrations[info.name] = registration
+        if old is not None:  # "an updated version of plugin has been found": replace it
+            old.close()
+        return registration
+
+    def _notify(self, channel: Any, registered: bool, error: str) -> None:
+        notify = channel.unary_unary(
+            _NOTIFY,
+            request_serializer=reg.RegistrationStatus.SerializeToString,
+            response_deserializer=reg.RegistrationStatusResponse.FromString,
+        )
+        try:
+            notify(
+                reg.RegistrationStatus(plugin_registered=registered, error=error),
+                timeout=NOTIFY_TIMEOUT,
+            )
+        except grpc.RpcError as exc:
+            if registered:
+                raise FakeKubeletError(
+                    f"NotifyRegistrationStatus failed: {_code(exc)}: {_details(exc)}"
+                ) from exc
+            # A refused plugin that does not take the news changes nothing.
+
+    def registrations(self) -> dict[str, Registration]:
+        """The registered drivers by name."""
+        with self._lock:
+            return dict(self._registrations)
+
+    def _driver(self, driver: str | None) -> tuple[Registration, Any]:
+        with self._lock:
+            if driver is None:
+                if len(self._registrations) != 1:
+                    raise FakeKubeletError(
+                        f"name the driver: {len(self._registrations)} are registered"
+                    )
+                driver = next(iter(self._registrations))
+            registration = self._registrations.get(driver)
+            channel = self._channels.get(driver)
+        if registration is None or channel is None:
+            raise FakeKubeletError(f"DRA driver {driver} is not registered")
+        return registration, channel
+
+    # --- DRA calls -------------------------------------------------------------------------
+
+    def prepare(
+        self,
+        claims: Sequence[ClaimRef],
+        *,
+        driver: str | None = None,
+        version: Version | None = None,
+        call_timeout: float | None = None,
+    ) -> dict[str, PrepareResult]:
+        """``NodePrepareResources`` for ``claims``: the answer per claim UID."""
+        registration, channel = self._driver(driver)
+        ver = version or registration.version
+        pb = _MESSAGES[ver]
+        call = channel.unary_unary(
+            _PREPARE[ver],
+            request_serializer=pb.NodePrepareResourcesRequest.SerializeToString,
+            response_deserializer=pb.NodePrepareResourcesResponse.FromString,
+        )
+        request = pb.NodePrepareResourcesRequest(
+            claims=[pb.Claim(namespace=c.namespace, uid=c.uid, name=c.name) for c in claims]
+        )
+        response = self._call(call, request, "NodePrepareResources", call_timeout)
+        self._check_keys("NodePrepareResources", claims, response.claims.keys())
+        results: dict[str, PrepareResult] = {}
+        for uid, entry in response.claims.items():
+            devices = tuple(
+                Device(
+                    request_names=tuple(d.request_names),
+                    pool_name=d.pool_name,
+                    device_name=d.device_name,
+                    cdi_device_ids=tuple(d.cdi_device_ids),
+                    share_id=d.share_id if ver == "v1" and d.HasField("share_id") else None,
+                )
+                for d in entry.devices
+            )
+            results[uid] = PrepareResult(devices=devices, error=entry.error)
+        return results
+
+    def unprepare(
+        self,
+        claims: Sequence[ClaimRef],
+        *,
+        driver: str | None = None,
+        version: Version | None = None,
+        call_timeout: float | None = None,
+    ) -> dict[str, str]:
+        """``NodeUnprepareResources`` for ``claims``: the error per claim UID (``""``: done)."""
+        registration, channel = self._driver(driver)
+        ver = version or registration.version
+        pb = _MESSAGES[ver]
+        call = channel.unary_unary(
+            _UNPREPARE[ver],
+            request_serializer=pb.NodeUnprepareResourcesRequest.SerializeToString,
+            response_deserializer=pb.NodeUnprepareResourcesResponse.FromString,
+        )
+        request = pb.NodeUnprepareResourcesRequest(
+            claims=[pb.Claim(namespace=c.namespace, uid=c.uid, name=c.name) for c in claims]
+        )
+        response = self._call(call, request, "NodeUnprepareResources", call_timeout)
+        self._check_keys("NodeUnprepareResources", claims, response.claims.keys())
+        return {uid: entry.error for uid, entry in response.claims.items()}
+
+    def _call(self, call: Any, request: Any, what: str, call_timeout: float | None) -> Any:
+        try:
+            wait = self.call_timeout if call_timeout is None else call_timeout
+            return call(request, timeout=wait)
+        except grpc.RpcError as exc:
+            raise KubeletCallError(
+                f"{what}: {_code(exc)}: {_details(exc)}", code=_code(exc)
+            ) from exc
+
+    @staticmethod
+    def _check_keys(what: str, claims: Sequence[ClaimRef], keys: Any) -> None:
+        """The kubelet's checks of an answer map (pkg/kubelet/cm/dra/manager.go)."""
+        asked = {c.uid for c in claims}
+        unknown = sorted(set(keys) - asked)
+        if unknown:
+            raise KubeletCallError(f"{what} returned result for unknown claim UID {unknown[0]}")
+        missing = len(asked) - len(set(keys))
+        if missing > 0:
+            raise KubeletCallError(f"{what} skipped {missing} ResourceClaims")
+
+    # --- async wrappers --------------------------------------------------------------------
+
+    async def aregister(self, socket_path: Path | None = None) -> Registration:
+        """:meth:`register` in a worker thread."""
+        return await anyio.to_thread.run_sync(self.register, socket_path)
+
+    async def await_socket(self, within: float = 10.0) -> Path:
+        """:meth:`wait_for_socket` in a worker thread."""
+        return await anyio.to_thread.run_sync(self.wait_for_socket, within)
+
+    async def aprepare(
+        self,
+        claims: Sequence[ClaimRef],
+        *,
+        driver: str | None = None,
+        version: Version | None = None,
+        call_timeout: float | None = None,
+    ) -> dict[str, PrepareResult]:
+        """:meth:`prepare` in a worker thread."""
+        call = partial(
+            self.prepare, claims, driver=driver, version=version, call_timeout=call_timeout
+        )
+        return await anyio.to_thread.run_sync(call)
+
+    async def aunprepare(
+        self,
+        claims: Sequence[ClaimRef],
+        *,
+        driver: str | None = None,
+        version: Version | None = None,
+        call_timeout: float | None = None,
+    ) -> dict[str, str]:
+        """:meth:`unprepare` in a worker thread."""
+        call = partial(
+            self.unprepare, claims, driver=driver, version=version, call_timeout=call_timeout
+        )
+        return await anyio.to_thread.run_sync(call)
