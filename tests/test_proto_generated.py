@@ -139,6 +139,61 @@ def test_check_reports_stale_missing_and_extra_files(tmp_path: Path) -> None:
     assert "extra:   leftover.py" in result.stderr
 
 
+def test_check_reports_a_stale_pb2_tree(tmp_path: Path) -> None:
+    # The Google-protobuf tree for the simulator (dracpu.sim._pb2) is checked the same way.
+    committed = REPO_ROOT / "src" / "dracpu" / "sim" / "_pb2"
+    stale = tmp_path / "_pb2"
+    for path in committed.rglob("*"):
+        if path.is_file() and "__pycache__" not in path.parts:
+            target = stale / path.relative_to(committed)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(path.read_bytes())
+    stub = stale / "nri" / "v1alpha1" / "api_pb2.pyi"
+    stub.write_text(stub.read_text().replace("    cpus: str", "    cpuz: str", 1))
+    (stale / "ttrpc" / "request_pb2.py").unlink()
+    (stale / "leftover_pb2.py").write_text("x = 1\n")
+
+    result = subprocess.run(
+        [sys.executable, str(GEN_SCRIPT), "--check", "--only", "pb2", "--pb2-out", str(stale)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=100,
+    )
+
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "differs: nri/v1alpha1/api_pb2.pyi" in result.stderr
+    assert "+    cpus: str" in result.stderr
+    assert "missing: ttrpc/request_pb2.py" in result.stderr
+    assert "extra:   leftover_pb2.py" in result.stderr
+    assert "betterproto2" not in result.stdout  # --only pb2 leaves dracpu._gen alone
+
+
+def test_pb2_tree_imports_only_inside_its_package() -> None:
+    # In a fresh interpreter (tests.peers puts top-level nri/ttrpc/google.rpc peers on sys.path
+    # in this one): every cross-module import resolves inside dracpu.sim._pb2.
+    probe = (
+        "import sys\n"
+        "from dracpu.sim._pb2.ttrpc import request_pb2\n"
+        "from dracpu.sim._pb2.nri.v1alpha1 import api_pb2, api_pb2_grpc\n"
+        "from dracpu.sim._pb2.dra.v1 import api_pb2_grpc as dra_grpc\n"
+        "tops = {'nri', 'ttrpc', 'dra', 'podresources', 'pluginregistration'}\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in tops or m == 'google.rpc'))\n"
+        "status = request_pb2.Response.DESCRIPTOR.fields_by_name['status'].message_type\n"
+        "print(status.full_name, api_pb2.DESCRIPTOR.package, hasattr(dra_grpc, 'DRAPluginStub'))\n"
+        "print(hasattr(api_pb2_grpc, 'add_PluginServicer_to_server'))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=False, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "[]",
+        "google.rpc.Status nri.pkg.api.v1alpha1 True",
+        "True",
+    ]
+
+
 def _load_gen_script() -> ModuleType:
     spec = importlib.util.spec_from_file_location("dracpu_gen_proto_script", GEN_SCRIPT)
     assert spec is not None

@@ -35,6 +35,7 @@ from dracpu.sim._pb2.ttrpc import request_pb2
 from dracpu.sim.fake_runtime import (
     PluginFailedError,
     PluginInfo,
+    UpdatesWhileBusy,
     claim_env,
     event_bit,
     nri_version_for,
@@ -730,7 +731,9 @@ async def test_unsolicited_update_containers(socket_path: Path) -> None:
 
 @pytest.mark.parametrize("policy", ["wait", "serve", "refuse"])
 @pytest.mark.anyio
-async def test_update_containers_from_inside_a_handler(socket_path: Path, policy: str) -> None:
+async def test_update_containers_from_inside_a_handler(
+    socket_path: Path, policy: UpdatesWhileBusy
+) -> None:
     statuses: list[int] = []
     plugin_box: list[WirePlugin] = []
     pinner = Pinner()
@@ -746,7 +749,7 @@ async def test_update_containers_from_inside_a_handler(socket_path: Path, policy
     async with open_fake_runtime(
         socket_path,
         plugin_timeout=0.5,
-        updates_while_busy=policy,  # type: ignore[arg-type]
+        updates_while_busy=policy,
     ) as runtime:
         pod = runtime.add_pod()
         shared = runtime.add_container(pod, "shared", cpus="0-7")

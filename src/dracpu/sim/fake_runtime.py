@@ -482,7 +482,7 @@ class FakeRuntime:
         self._lock = anyio.Lock()  # containerd internal/nri/nri.go local.Lock
         self._conn: _Connection | None = None
         self._changed = anyio.Event()
-        self._accept_scope: anyio.CancelScope | None = None
+        self._listener: anyio.abc.SocketListener | None = None
         self._accept_stopped = anyio.Event()
         self._live: set[_Connection] = set()
         self._ids = 0
@@ -991,24 +991,27 @@ class FakeRuntime:
         *,
         task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
+        # Stopped by closing the listener (_stop_all), never by cancelling accept(): like a
+        # blocked receive(), a cancelled accept() can race with the selector (see close()).
+        self._listener = listener
+        task_status.started()
         try:
-            with anyio.CancelScope() as scope:
-                self._accept_scope = scope
-                task_status.started()
-                async with listener:
-                    while True:
-                        stream = await listener.accept()
-                        self.connections += 1
-                        conn = _Connection(self.connections, stream, strict=self.strict_framing)
-                        self._live.add(conn)
-                        old = self._conn
-                        if old is not None:
-                            self._close(old, "replaced by a new plugin connection")
-                        self._conn = conn
-                        self._note("connected", "", conn)
-                        self._tg.start_soon(self._run_connection, conn)
-                        # adaptation.go acceptPluginConnections: one handshake at a time
-                        await conn.handshake_done.wait()
+            while True:
+                try:
+                    stream = await listener.accept()
+                except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                    return
+                self.connections += 1
+                conn = _Connection(self.connections, stream, strict=self.strict_framing)
+                self._live.add(conn)
+                old = self._conn
+                if old is not None:
+                    self._close(old, "replaced by a new plugin connection")
+                self._conn = conn
+                self._note("connected", "", conn)
+                self._tg.start_soon(self._run_connection, conn)
+                # adaptation.go acceptPluginConnections: one handshake at a time
+                await conn.handshake_done.wait()
         finally:
             self._accept_stopped.set()
 
@@ -1151,7 +1154,8 @@ class FakeRuntime:
             self._note("violation", str(exc), conn)
             self._close(conn, f"protocol error: {exc}")
             return
-        if parser.buffered or not all(reader.idle for reader in conn.readers.values()):
+        partial = parser.buffered or not all(r.idle for r in conn.readers.values())
+        if partial and not conn.close_reason:  # our own hang-up may cut a message short
             self._note("violation", "the plugin closed the socket inside a frame", conn)
         self._close(conn, "plugin closed the connection")
 
@@ -1387,14 +1391,18 @@ class FakeRuntime:
         self._close(conn, reason)
         await conn.closed.wait()
 
-    async def _stop_all(self) -> None:
+    async def _stop_all(self, reason: str) -> None:
         """Stop accepting, hang up every connection and wait for them to end."""
-        if self._accept_scope is not None:
-            self._accept_scope.cancel()
-            await self._accept_stopped.wait()
-        for conn in list(self._live):
-            self._close(conn, "runtime stopped")
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            await listener.aclose()
+        live = list(self._live)
+        for conn in live:
+            self._close(conn, reason)
+        for conn in live:
             await conn.closed.wait()
+        if listener is not None:
+            await self._accept_stopped.wait()
 
     async def restart(self, *, downtime: float = 0.0) -> None:
         """Restart the runtime: stop listening, close the plugin, listen again.
@@ -1403,13 +1411,7 @@ class FakeRuntime:
         sees EOF and must reconnect and register again; the runtime then synchronizes it.
         """
         self._note("restart", f"downtime {downtime} s")
-        if self._accept_scope is not None:
-            self._accept_scope.cancel()
-            await self._accept_stopped.wait()
-        conn = self._conn
-        if conn is not None:
-            self._close(conn, "runtime restart")
-            await conn.closed.wait()
+        await self._stop_all("runtime restart")
         await anyio.Path(self.socket_path).unlink(missing_ok=True)
         await anyio.sleep(downtime)
         await self._listen()
@@ -1501,6 +1503,6 @@ async def open_fake_runtime(
             yield runtime
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(STOP_TIMEOUT):
-                await runtime._stop_all()
+                await runtime._stop_all("runtime stopped")
             tg.cancel_scope.cancel()
     await anyio.Path(socket_path).unlink(missing_ok=True)
