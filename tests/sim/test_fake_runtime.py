@@ -605,10 +605,15 @@ async def test_error_status_fails_the_creation_and_keeps_the_plugin(socket_path:
     async def refuse(request: TtrpcRequest) -> Reply:
         return (Code.FAILED_PRECONDITION, "claim u9 is not prepared")
 
+    async def fail_stop(request: TtrpcRequest) -> Reply:
+        return (Code.INTERNAL, "stop went wrong")
+
     pinner = Pinner()
-    handlers = {**pinner.handlers(), "CreateContainer": refuse}
+    handlers = {**pinner.handlers(), "CreateContainer": refuse, "StopContainer": fail_stop}
     async with open_fake_runtime(socket_path) as runtime:
         pod = runtime.add_pod()
+        running = runtime.add_container(pod, "running")
+        other = runtime.add_container(pod, "other")
         async with open_wire_plugin(socket_path, handlers):
             with anyio.fail_after(STEP):
                 await runtime.wait_plugin(STEP)
@@ -618,6 +623,16 @@ async def test_error_status_fails_the_creation_and_keeps_the_plugin(socket_path:
             assert (info.value.method, info.value.code) == ("CreateContainer", 9)
             assert app.id not in runtime.containers
             assert runtime.plugin is not None  # a plain error is not fatal
+            # A failed StopContainer is reported, yet the container is stopped all the same;
+            # removal stops first and ignores that error, as containerd does.
+            with anyio.fail_after(STEP):
+                with pytest.raises(PluginFailedError, match="stop went wrong"):
+                    await runtime.stop_container(running.id)
+                await runtime.remove_container(other.id)
+            assert runtime.containers[running.id].state == g.CONTAINER_STOPPED
+            assert other.id not in runtime.containers
+            stops = [(c.outcome, c.code) for c in runtime.calls("StopContainer")]
+            assert stops == [("error", Code.INTERNAL), ("error", Code.INTERNAL)]
 
 
 @pytest.mark.anyio
@@ -818,6 +833,29 @@ async def test_a_new_connection_replaces_the_old_one(socket_path: Path) -> None:
                 assert not second.closed.is_set()
         assert runtime.connections == 2
         assert "replaced by a new plugin connection" in [n.detail for n in runtime.notes("closed")]
+
+
+@pytest.mark.anyio
+async def test_drop_plugin_hangs_up_and_the_plugin_can_come_back(socket_path: Path) -> None:
+    async with open_fake_runtime(socket_path) as runtime:
+        async with open_wire_plugin(socket_path, Pinner().handlers()) as (plugin, _):
+            with anyio.fail_after(STEP):
+                await runtime.wait_plugin(STEP)
+                await runtime.drop_plugin("simulated ttrpc: closed")
+                await plugin.closed.wait()
+            assert runtime.plugin is None
+            assert runtime.notes("closed")[-1].detail == "simulated ttrpc: closed"
+            # Events go nowhere while no plugin is connected; the container is still created.
+            pod = runtime.add_pod()
+            app = runtime.new_container(pod, "app", env=[claim_env("u", "1")])
+            with anyio.fail_after(STEP):
+                assert await runtime.create_container(pod, app) == g.CreateContainerResponse()
+            assert runtime.containers[app.id].cpus == ""
+        async with open_wire_plugin(socket_path, Pinner().handlers()):
+            with anyio.fail_after(STEP):
+                info = await runtime.wait_plugin(STEP)
+        assert info.connection == 2
+        assert runtime.calls("CreateContainer") == []
 
 
 # ----------------------------------------------------------------------------------------------

@@ -783,11 +783,13 @@ class FakeRuntime:
         container = self._container(container_id)
         pod = self._pod(container.pod_id)
         request = nri.StopContainerRequest(pod=pod.to_pb(), container=container.to_pb())
-        result = await self._event(
-            nri.STOP_CONTAINER, "StopContainer", request, nri.StopContainerResponse
-        )
-        # containerd internal/nri/nri.go stopContainer: the state changes whatever the plugin says
-        self._set_state(container_id, nri.CONTAINER_STOPPED)
+        try:
+            result = await self._event(
+                nri.STOP_CONTAINER, "StopContainer", request, nri.StopContainerResponse
+            )
+        finally:
+            # containerd internal/nri/nri.go stopContainer: stopped whatever the plugin says
+            self._set_state(container_id, nri.CONTAINER_STOPPED)
         reply = nri.StopContainerResponse()
         if result is not None and result.response is not None:
             reply = result.response
@@ -800,7 +802,10 @@ class FakeRuntime:
         pod = self._pod(container.pod_id)
         async with self._lock:
             if container.state in (nri.CONTAINER_CREATED, nri.CONTAINER_RUNNING):
-                await self._stop(container_id)  # containerd RemoveContainer stops it first
+                # containerd nri.go RemoveContainer stops it first and ignores that error
+                # (still visible in the log).
+                with suppress(PluginFailedError):
+                    await self._stop(container_id)
             container = self.containers.pop(container_id)
             await self._notify(nri.REMOVE_CONTAINER, pod, container)
 
@@ -1389,20 +1394,26 @@ class FakeRuntime:
         """Close the plugin's connection as a fatal error would; wait until it is closed."""
         conn = self._current()
         self._close(conn, reason)
-        await conn.closed.wait()
+        await self._wait_ended([conn], None)
+
+    async def _wait_ended(self, conns: Sequence[_Connection], accept: anyio.Event | None) -> None:
+        with anyio.move_on_after(STOP_TIMEOUT):
+            for conn in conns:
+                await conn.closed.wait()
+            if accept is not None:
+                await accept.wait()
+            return
+        raise FakeRuntimeError(f"connections did not end within {STOP_TIMEOUT} s")
 
     async def _stop_all(self, reason: str) -> None:
-        """Stop accepting, hang up every connection and wait for them to end."""
+        """Stop accepting, hang up every connection and wait (bounded) for them to end."""
         listener, self._listener = self._listener, None
         if listener is not None:
             await listener.aclose()
         live = list(self._live)
         for conn in live:
             self._close(conn, reason)
-        for conn in live:
-            await conn.closed.wait()
-        if listener is not None:
-            await self._accept_stopped.wait()
+        await self._wait_ended(live, self._accept_stopped if listener is not None else None)
 
     async def restart(self, *, downtime: float = 0.0) -> None:
         """Restart the runtime: stop listening, close the plugin, listen again.
@@ -1502,7 +1513,7 @@ async def open_fake_runtime(
         try:
             yield runtime
         finally:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(STOP_TIMEOUT):
+            with anyio.CancelScope(shield=True), suppress(FakeRuntimeError):
                 await runtime._stop_all("runtime stopped")
             tg.cancel_scope.cancel()
     await anyio.Path(socket_path).unlink(missing_ok=True)
