@@ -220,15 +220,15 @@ class KubeClient:
                 path_params=dict(path_params or {}),
                 query_params=list(query),
                 header_params=headers,
-                body=body,
+                body=None,  # ours are plain JSON values already: skip the model sanitizer
                 auth_settings=["BearerToken"],
             )
-            _, url, header_params, request_body, post_params = serialized
+            _, url, header_params, _, post_params = serialized
             response = await self._api.call_api(
                 method,
                 url,
                 header_params=header_params,
-                body=request_body,
+                body=body,  # json.dumps'ed by the client's REST layer
                 post_params=post_params,
                 _request_timeout=request_seconds or self._request_timeout,
             )

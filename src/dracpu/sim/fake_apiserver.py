@@ -385,6 +385,15 @@ class FakeApiServer:
             and (node_name is None or _dig(obj, ("spec", "nodeName")) == node_name)
         ]
 
+    def slice_names(self, *, driver: str | None = None, node_name: str | None = None) -> list[str]:
+        """The names of the stored slices (cheap: no copies), sorted."""
+        return [
+            name
+            for name, obj in sorted(self._slices.items())
+            if (driver is None or _dig(obj, ("spec", "driver")) == driver)
+            and (node_name is None or _dig(obj, ("spec", "nodeName")) == node_name)
+        ]
+
     def create_resource_slice(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         """Create a slice as another client would (validated; emits ADDED)."""
         try:
@@ -476,8 +485,10 @@ class FakeApiServer:
         self._changed.set()
         self._changed = anyio.Event()
 
-    def _record_event(self, kind: str, obj: Mapping[str, Any]) -> None:
-        self._events.append(_Event(self._version, kind, copy.deepcopy(dict(obj))))
+    def _record_event(self, kind: str, obj: dict[str, Any]) -> None:
+        # Stored objects are never modified in place (every write stores a new object), so
+        # events and the store can share them.
+        self._events.append(_Event(self._version, kind, obj))
         if len(self._events) > self._history_limit:
             dropped = self._events[: len(self._events) - self._history_limit]
             del self._events[: len(dropped)]
@@ -638,8 +649,7 @@ class FakeApiServer:
                 )
         del self._slices[name]
         self._next_version()
-        gone = copy.deepcopy(old)
-        gone["metadata"]["resourceVersion"] = str(self._version)
+        gone = {**old, "metadata": {**old["metadata"], "resourceVersion": str(self._version)}}
         self._record_event("DELETED", gone)
         return gone
 

@@ -53,8 +53,6 @@ source the devices are re-read first.
 from __future__ import annotations
 
 import contextlib
-import copy
-import json
 import logging
 import math
 from collections.abc import AsyncIterable, Callable, Iterator, Mapping, Sequence
@@ -158,14 +156,15 @@ def _content(obj: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _without_generation(slices: Sequence[Mapping[str, Any]]) -> str:
-    """A key of the pool's content that ignores the generation."""
+def _without_generation(slices: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The pool's content without the generation (shallow copies: compare, never modify)."""
     contents = []
     for obj in slices:
-        content = copy.deepcopy(_content(obj))
-        content["spec"]["pool"].pop("generation", None)
-        contents.append(content)
-    return json.dumps(contents, sort_keys=True)
+        content = _content(obj)
+        spec = dict(content["spec"])
+        spec["pool"] = {k: v for k, v in spec["pool"].items() if k != "generation"}
+        contents.append({**content, "spec": spec})
+    return contents
 
 
 class _Publisher:
@@ -178,7 +177,7 @@ class _Publisher:
         self.consumable = True
         self.generation = 0  # 0: not published yet by this process
         self.owner_uid: str | None = None
-        self.pool_key = ""
+        self.pool_key: list[dict[str, Any]] = []
         self.wanted: tuple[str, ...] = ()
         self.written: dict[str, _Written] = {}
         wake_send, wake_receive = anyio.create_memory_object_stream[tuple[str, bool]](math.inf)
@@ -241,7 +240,8 @@ class _Publisher:
                     delays = self.settings.backoff()
                 delay = next(delays)
                 status = exc.status
-                transient = status is None or status in (409, 429) or status >= 500
+                # 404: a slice vanished between our list and our write; relisting fixes it.
+                transient = status is None or status in (404, 409, 429) or status >= 500
                 logger.log(
                     logging.WARNING if transient else logging.ERROR,
                     "publishing ResourceSlices failed, retrying in %.1f s: %s",
@@ -277,14 +277,15 @@ class _Publisher:
         existing, _ = await self.kube.list_resource_slices(DRIVER_NAME, self.node_name)
         have = {_name(obj): obj for obj in existing}
         highest = max((_generation(obj) for obj in existing), default=0)
-        desired = self.build(generation=0)
+        desired = self.build()
         key = _without_generation(desired)
         if self.generation == 0:
             self.generation = highest + 1
         elif key != self.pool_key or highest > self.generation:
             self.generation = max(self.generation, highest) + 1
         self.pool_key = key
-        desired = self.build(generation=self.generation)
+        for obj in desired:
+            obj["spec"]["pool"]["generation"] = self.generation
         self.wanted = tuple(_name(obj) for obj in desired)
         changes = 0
         for name, obj in sorted(have.items()):
@@ -299,9 +300,8 @@ class _Publisher:
             if current is None:
                 stored = await self.kube.create_resource_slice(want)
             else:
-                put = copy.deepcopy(want)
-                put["metadata"]["resourceVersion"] = _version(current)
-                stored = await self.kube.update_resource_slice(put)
+                metadata = {**want["metadata"], "resourceVersion": _version(current)}
+                stored = await self.kube.update_resource_slice({**want, "metadata": metadata})
             changes += 1
             self.written[name] = _Written(_content(want), _content(stored), _version(stored))
             if self.consumable and consumable_capacity_dropped(want, stored):
@@ -326,13 +326,14 @@ class _Publisher:
                 changes,
             )
 
-    def build(self, *, generation: int) -> list[dict[str, Any]]:
+    def build(self) -> list[dict[str, Any]]:
+        """The wanted slices, generation 0 (the caller sets it)."""
         assert self.devices is not None
         return build_resource_slices(
             self.node_name,
             self.devices,
             consumable_capacity=self.consumable,
-            generation=generation,
+            generation=0,
             owner_uid=self.owner_uid,
         )
 

@@ -1,0 +1,143 @@
+"""Publishing a 1024-CPU node's ResourceSlices (individual mode: 1024 devices in 8 slices).
+
+Run: ``.venv/bin/python bench/bench_publish.py``. Figures (ms, p50/p99 over a few runs):
+
+* ``publish.big_1024_individual.build``: devices and slice objects from the topology (pure);
+* ``publish.big_1024_individual.first_publish``: from starting the slice publisher to its
+  ``started()`` (Node GET, LIST, 8 creates over HTTP to the in-process fake API server, with the
+  real ``kubernetes`` client), the server checking every slice against the apiserver's own rules
+  but NOT the OpenAPI schema: our side's cost plus a thin server;
+* ``publish.big_1024_individual.first_publish_schema``: the same with the fake server also
+  validating each slice against the strict OpenAPI schema (``jsonschema`` ~50 ms per 128-device
+  slice, in the same process and event loop: an upper bound, not what a real API server costs us);
+* ``publish.big_1024_individual.republish_after_wipe``: a kubelet restart deletes the 8 slices;
+  from the wipe to all 8 back (watch event, debounce, LIST, 8 creates), no schema check.
+
+Each publish run starts on an empty pool (the previous run's slices are wiped).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import anyio
+
+from bench._harness import emit, measure, percentiles
+from dracpu.adapters.kube import KubeClient, open_kube_client
+from dracpu.core.cpuset import CpuSet
+from dracpu.core.slices import (
+    CpuDeviceMode,
+    Device,
+    GroupBy,
+    build_resource_slices,
+    published_devices,
+)
+from dracpu.sim.fake_apiserver import FakeApiServer, open_fake_apiserver
+from dracpu.sim.topologies import FIXTURES, build_topology
+from dracpu.tasks import slice_publisher
+from dracpu.tasks.slice_publisher import PublisherSettings
+
+__all__ = ["main"]
+
+NODE = "bench-node"
+TOPOLOGY = "big-1024"  # 2 sockets x 4 NUMA x 4 L3 x 16 cores x SMT2
+RUNS = 7  # publish runs per figure (each a few hundred ms)
+WARMUP = 1
+# The publisher's debounce is part of the republish figure; the default (0.2 s) would dominate it.
+SETTINGS = PublisherSettings(debounce=0.01)
+
+
+def big_devices() -> list[Device]:
+    topology = build_topology(FIXTURES[TOPOLOGY])
+    return published_devices(
+        topology,
+        reserved=CpuSet.parse(""),
+        mode=CpuDeviceMode.INDIVIDUAL,
+        group_by=GroupBy.NUMANODE,
+    )
+
+
+async def first_publish(api: FakeApiServer, kube: KubeClient, devices: list[Device]) -> float:
+    api.kubelet_restart(NODE)
+    start = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        await tg.start(
+            functools.partial(slice_publisher.run, kube, NODE, lambda: devices, settings=SETTINGS)
+        )
+        elapsed = time.perf_counter() - start
+        tg.cancel_scope.cancel()
+    if len(api.slice_names(node_name=NODE)) != 8:
+        raise RuntimeError("the publish did not complete")
+    return elapsed * 1000
+
+
+async def republish_after_wipe(
+    api: FakeApiServer, kube: KubeClient, devices: list[Device], runs: int
+) -> list[float]:
+    samples: list[float] = []
+    async with anyio.create_task_group() as tg:
+        await tg.start(
+            functools.partial(slice_publisher.run, kube, NODE, lambda: devices, settings=SETTINGS)
+        )
+        for _ in range(runs + WARMUP):
+            with anyio.fail_after(30):
+                while api.open_watches < 1:  # noqa: ASYNC110 (the publisher's watch is up)
+                    await anyio.sleep(0.005)
+            start = time.perf_counter()
+            api.kubelet_restart(NODE)
+            with anyio.fail_after(30):
+                while len(api.slice_names(node_name=NODE)) < 8:  # noqa: ASYNC110
+                    await anyio.sleep(0.001)
+            samples.append((time.perf_counter() - start) * 1000)
+            await anyio.sleep(0.1)  # let the publisher settle
+        tg.cancel_scope.cancel()
+    return samples[WARMUP:]
+
+
+async def publish_figures(devices: list[Device]) -> None:
+    for schema, name in ((False, "first_publish"), (True, "first_publish_schema")):
+        async with open_fake_apiserver(schema_validation=schema) as api:
+            api.add_node(NODE)
+            async with open_kube_client(api.kubeconfig_path) as kube:
+                samples = [await first_publish(api, kube, devices) for _ in range(RUNS + WARMUP)]
+                p50, p99 = percentiles(samples[WARMUP:])
+                emit(
+                    f"publish.big_1024_individual.{name}",
+                    "ms",
+                    p50=round(p50, 1),
+                    p99=round(p99, 1),
+                    n=RUNS,
+                    devices=len(devices),
+                    slices=8,
+                )
+                if not schema:
+                    wiped = await republish_after_wipe(api, kube, devices, RUNS)
+                    p50, p99 = percentiles(wiped)
+                    emit(
+                        "publish.big_1024_individual.republish_after_wipe",
+                        "ms",
+                        p50=round(p50, 1),
+                        p99=round(p99, 1),
+                        n=RUNS,
+                        debounce_ms=SETTINGS.debounce * 1000,
+                    )
+
+
+def main() -> None:
+    devices = big_devices()
+    measure(
+        "publish.big_1024_individual.build",
+        lambda: build_resource_slices(NODE, big_devices(), owner_uid="uid"),
+        n=20,
+        devices=len(devices),
+    )
+    anyio.run(publish_figures, devices, backend="asyncio")
+
+
+if __name__ == "__main__":
+    main()
