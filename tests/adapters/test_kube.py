@@ -20,6 +20,7 @@ from dracpu.adapters.kube import (
     consumable_capacity_dropped,
     open_kube_client,
 )
+from dracpu.core.claims import device_status_patch, read_claim
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.slices import CpuDeviceMode, GroupBy, build_resource_slices, published_devices
 from dracpu.errors import (
@@ -467,3 +468,34 @@ async def test_watch_resumes_after_the_server_ends_the_stream() -> None:
         assert first.query["allowWatchBookmarks"] == "true"
         lists = [r for r in api.requests if r.method == "GET" and not r.watch]
         assert len(lists) == 1  # resumed from the bookmark, no relist
+
+
+@pytest.mark.anyio
+async def test_prepare_flow_reads_the_claim_and_records_the_cpuset() -> None:
+    """What the kubelet plugin does: GET the claim, read it, patch status.devices."""
+    async with connected() as (api, kube):
+        gpu = {"request": "gpu", "driver": "gpu.example.com", "pool": "gpus", "device": "gpu-0"}
+        claim = allocated_claim()
+        claim["status"]["allocation"]["devices"]["results"].insert(0, gpu)
+        claim["status"]["devices"] = [{k: gpu[k] for k in ("driver", "pool", "device")}]
+        uid = api.add_resource_claim(claim)["metadata"]["uid"]
+
+        got = await kube.get_resource_claim("team", "claim-1")
+        allocation = read_claim(got, uid=uid, pool=NODE)
+        assert [(d.device, d.consumed_cpus) for d in allocation.devices] == [("cpudevnuma000", 2)]
+        patch = device_status_patch(got, allocation, CpuSet.parse("0,32"))
+        assert patch is not None
+        patched = await kube.patch_resource_claim_status("team", "claim-1", patch)
+        assert patched["status"]["devices"] == [
+            {"driver": "gpu.example.com", "pool": "gpus", "device": "gpu-0"},
+            {
+                "driver": "dra.cpu",
+                "pool": NODE,
+                "device": "cpudevnuma000",
+                "shareID": "7d2a0b64-2f57-4c1e-a3d2-0c1b9f1e6e55",
+                "data": {"cpuset": "0,32"},
+            },
+        ]
+        # A second writer that read the claim before our patch is refused, not merged blindly.
+        with pytest.raises(KubeConflictError):
+            await kube.patch_resource_claim_status("team", "claim-1", patch)

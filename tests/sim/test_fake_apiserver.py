@@ -379,3 +379,30 @@ async def test_claim_status_writes_are_validated() -> None:
         )
         assert status == 200
         assert body["status"]["devices"] == smp["status"]["devices"]
+
+
+def _slice_variants() -> list[tuple[dict[str, Any], bool]]:
+    good = slice_obj("s")
+    wrong_type = slice_obj("s")
+    wrong_type["spec"]["pool"]["generation"] = "1"
+    unknown = slice_obj("s")
+    unknown["spec"]["devices"][0]["extra"] = True
+    missing = slice_obj("s")
+    del missing["spec"]["pool"]["name"]
+    capacity = slice_obj("s")
+    capacity["spec"]["devices"][0]["capacity"] = {"dra.cpu/cpu": {"value": "4"}}
+    return [(good, True), (wrong_type, False), (unknown, False), (missing, False), (capacity, True)]
+
+
+@pytest.mark.parametrize(("obj", "valid"), _slice_variants())
+def test_schema_verdict_equals_kubernetes_validate(obj: dict[str, Any], valid: bool) -> None:
+    """The cached, inlined validator agrees with kubernetes_validate.validate itself."""
+    version = kubernetes_validate.latest_version()
+    try:
+        kubernetes_validate.validate(obj, version, strict=True)
+        reference_ok = True
+    except kubernetes_validate.ValidationError:
+        reference_ok = False
+    validator = SchemaValidator(kinds=(("resource.k8s.io/v1", "ResourceSlice"),))
+    assert reference_ok == valid
+    assert (validator.errors(obj) == []) == valid
