@@ -2,7 +2,7 @@
 
 Run: ``.venv/bin/python bench/bench_publish.py``. Figures (ms, p50/p99 over a few runs):
 
-* ``publish.big_1024_individual.build``: devices and slice objects from the topology (pure);
+* ``publish.big_1024_individual.build``: topology model, devices and slice objects (pure);
 * ``publish.big_1024_individual.first_publish``: from starting the slice publisher to its
   ``started()`` (Node GET, LIST, 8 creates over HTTP to the in-process fake API server, with the
   real ``kubernetes`` client), the server checking every slice against the apiserver's own rules
