@@ -348,10 +348,53 @@ def test_bad_flag_values(argv: list[str], expected: str) -> None:
     assert _error([*node, *argv]) == expected
 
 
-def test_missing_node_name() -> None:
-    assert _error([], {"NODE_NAME": ""}) == (
+def _load_on_host(argv: Sequence[str], env: Mapping[str, str], host: str) -> Config:
+    return load_config(_parser().parse_args(list(argv)), env, hostname=lambda: host)
+
+
+def test_missing_node_name_falls_back_to_the_lower_cased_hostname() -> None:
+    config = _load_on_host([], {"NODE_NAME": ""}, "Worker-7.Example.COM")
+    assert config.node_name == "worker-7.example.com"
+    assert config.node_name_source == "hostname"
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "source"),
+    [
+        (["--node-name", "a"], {"NODE_NAME": "b"}, "--node-name"),
+        (["--hostname-override=a"], {}, "--node-name"),
+        ([], {"NODE_NAME": "a"}, "environment variable NODE_NAME"),
+    ],
+)
+def test_an_explicit_node_name_wins_over_the_hostname(
+    argv: list[str], env: dict[str, str], source: str
+) -> None:
+    config = _load_on_host(argv, env, "host")
+    assert (config.node_name, config.node_name_source) == ("a", source)
+
+
+def test_a_config_file_node_name_wins_over_the_hostname(tmp_path: Path) -> None:
+    path = _file(tmp_path, "hostnameOverride: from-file\n")
+    config = _load_on_host(["--config", path], {}, "host")
+    assert config.node_name == "from-file"
+    assert config.node_name_source == f"config file {path}: hostnameOverride"
+
+
+def test_missing_node_name_and_empty_hostname() -> None:
+    with pytest.raises(ConfigError) as info:
+        _load_on_host([], {"NODE_NAME": ""}, "")
+    assert str(info.value) == (
         "no node name: give --node-name (or --hostname-override), set NODE_NAME, "
-        "or set hostnameOverride in the config file"
+        "or set hostnameOverride in the config file (the host name is empty)"
+    )
+
+
+def test_a_hostname_that_is_no_node_name_is_refused() -> None:
+    with pytest.raises(ConfigError) as info:
+        _load_on_host([], {}, "bad_host")
+    assert str(info.value) == (
+        'hostname: invalid value "bad_host": is not a valid node name '
+        "(lowercase RFC 1123 subdomain: a-z, 0-9, '-' and '.')"
     )
 
 

@@ -25,6 +25,11 @@ implement them. Every other ``run`` flag has a camelCase key of its own (``kubel
 settable in the file). Unknown keys, keys that differ from ours only by case, duplicate keys and
 values of the wrong YAML type are errors.
 
+The node name falls back to the lower-cased host name when neither ``--node-name`` (alias
+``--hostname-override``), ``NODE_NAME`` nor ``hostnameOverride`` gives one: the kubelet
+registers its Node under that name when it has no ``--hostname-override`` (upstream does the
+same). :attr:`Config.node_name_source` says where the name came from, for the start-up log.
+
 Every bad value raises :class:`~dracpu.errors.ConfigError` with one line naming where the value
 came from (the flag, the file and key, or the environment variable) and the value itself; the CLI
 prints it and exits 2.
@@ -38,8 +43,9 @@ import ipaddress
 import json
 import os
 import re
+import socket
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, NoReturn
 
@@ -177,6 +183,9 @@ class Config:
     """Name we register with the runtime's NRI."""
     nri_plugin_index: str = DEFAULT_NRI_PLUGIN_INDEX
     """Two-digit NRI plugin index: the runtime calls plugins in index order."""
+    node_name_source: str = field(default="", compare=False)
+    """Where :attr:`node_name` came from (``--node-name``, ``environment variable NODE_NAME``,
+    ``config file <path>: hostnameOverride`` or ``hostname``); for logs, not compared."""
 
     @property
     def registration_socket(self) -> Path:
@@ -650,10 +659,16 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return " ".join(str(exc).split())
 
 
-def load_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Config:
+def load_config(
+    args: argparse.Namespace,
+    environ: Mapping[str, str],
+    *,
+    hostname: Callable[[], str] = socket.gethostname,
+) -> Config:
     """Merge defaults < environment < config file < explicit flags, validate, build a Config.
 
-    ``args`` is the namespace of a parser given :func:`add_run_arguments`. Raises
+    ``args`` is the namespace of a parser given :func:`add_run_arguments`. ``hostname`` gives
+    the host name the node name falls back to (lower-cased). Raises
     :class:`~dracpu.errors.ConfigError` with one line naming the bad value and its source.
     """
     values: dict[str, object] = {}
@@ -681,11 +696,16 @@ def load_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Config:
             take(setting, getattr(args, setting.name), setting.flag)
 
     if "node_name" not in values:
+        # The kubelet's default node name (k8s.io/component-helpers nodeutil.GetHostname):
+        # the host name, lower-cased.
+        node_name = next(s for s in _SETTINGS if s.name == "node_name")
+        take(node_name, hostname().strip().lower(), "hostname")
+    if "node_name" not in values:
         raise ConfigError(
             "no node name: give --node-name (or --hostname-override), set NODE_NAME, "
-            "or set hostnameOverride in the config file"
+            "or set hostnameOverride in the config file (the host name is empty)"
         )
-    config = Config(**values)  # type: ignore[arg-type]
+    config = Config(**values, node_name_source=sources["node_name"])  # type: ignore[arg-type]
     _check_socket_paths(config, sources)
     return config
 

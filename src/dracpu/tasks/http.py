@@ -89,10 +89,10 @@ class ReadinessFlag:
 
     __slots__ = ("_ready", "_reason", "name")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, reason: str = "not started") -> None:
         self.name = name
         self._ready = False
-        self._reason = "not started"
+        self._reason = reason
 
     @property
     def ready(self) -> bool:
@@ -121,11 +121,12 @@ class Readiness:
         self._flags: dict[str, ReadinessFlag] = {}
         self._stopping = False
 
-    def flag(self, name: str) -> ReadinessFlag:
-        """The flag of task ``name``, created not-ready on first use (the same object after)."""
+    def flag(self, name: str, *, reason: str = "not started") -> ReadinessFlag:
+        """The flag of task ``name``, created not-ready on first use (the same object after);
+        ``reason`` is why it is not ready yet when this call creates it."""
         flag = self._flags.get(name)
         if flag is None:
-            flag = self._flags[name] = ReadinessFlag(name)
+            flag = self._flags[name] = ReadinessFlag(name, reason)
         return flag
 
     def set_stopping(self) -> None:
