@@ -371,58 +371,6 @@ def daemons() -> Iterator[list[Daemon]]:
         daemon.kill()
 
 
-def test_sigterm_stops_the_running_daemon_within_5s(tmp_path: Path, daemons: list[Daemon]) -> None:
-    daemon = Daemon(tmp_path)
-    daemons.append(daemon)
-    daemon.wait_ready()
-    assert _get(daemon.port, "/healthz") == (200, "ok\n")
-    assert (
-        _get(daemon.port, "/readyz")[1]
-        == "[+]signals ok\n[+]state-owner ok\n[+]http ok\nreadyz check passed\n"
-    )
-
-    # SIGHUP reaches the state owner as a Resync (counted in /metrics).
-    resyncs = 'dracpu_state_owner_commands_total{command="Resync",outcome="ok"} 1.0'
-    daemon.proc.send_signal(signal.SIGHUP)
-    _wait_until("a resync", lambda: resyncs in _get(daemon.port, "/metrics")[1], daemon.proc)
-
-    code, elapsed, logs = daemon.stop(signal.SIGTERM)
-    assert code == 0
-    assert elapsed < 5
-    messages = [entry["message"] for entry in logs]
-    assert "resync done: Resynced(claims=0, config_changed=False)" in messages
-    assert "SIGTERM received: stopping" in messages
-    assert messages[-2:] == ["stopping (SIGTERM)", "stopped"]
-    assert _sockets_under(tmp_path) == []
-
-
-def test_sigint_stops_the_daemon_too(tmp_path: Path, daemons: list[Daemon]) -> None:
-    daemon = Daemon(tmp_path)
-    daemons.append(daemon)
-    daemon.wait_ready()
-    code, elapsed, logs = daemon.stop(signal.SIGINT)
-    assert (code, logs[-1]["message"]) == (0, "stopped")
-    assert elapsed < 5
-
-
-def test_a_task_failure_exits_1_with_the_error_logged(
-    tmp_path: Path, daemons: list[Daemon]
-) -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        daemon = Daemon(tmp_path, f"--bind-address=127.0.0.1:{port}")
-        daemons.append(daemon)
-        code, _, logs = daemon.finish(time.monotonic())
-    assert code == 1
-    errors = [entry["message"] for entry in logs if entry["level"] == "error"]
-    assert errors == [
-        f"task http failed: cannot listen on --bind-address 127.0.0.1:{port}: "
-        "Address already in use"
-    ]
-
-
 _BUGGY_OWNER = """
 import sys
 from collections.abc import Sequence

@@ -1,21 +1,30 @@
 """The supervisor of ``dracpu run``: one task group, start order, readiness, graceful stop.
 
 :func:`main` sets up logging and runs :func:`serve` on anyio's asyncio backend (grpclib only
-runs there, design §3) with the daemon's tasks, in this order:
+runs there, design §3) with the daemon's tasks, in this order (design §3):
 
 1. ``signals``: first, so that SIGTERM during a slow start already stops gracefully (a SIGHUP
    that arrives before the owner runs waits in the owner's queue);
-2. ``state-owner``: the one task that changes node state;
+2. ``state-owner``: restores the node (topology, checkpoint, CDI specs: see
+   :class:`~dracpu.tasks.node_machine.NodeMachine`) before it reports ready, then is the one
+   task that changes node state;
 3. ``http``: ``/healthz``, ``/readyz``, ``/metrics``;
+4. ``cdi-watcher``: puts back CDI specs someone deleted or edited, removes orphans;
+5. ``kubelet-plugin``: the DRA socket (Prepare / Unprepare);
+6. ``registration``: the plugin-registration socket, once the DRA socket serves (the kubelet
+   connects to the endpoint as soon as it has our answer);
+7. ``nri-plugin``: pins containers through the runtime's NRI socket, reconnecting by itself;
+8. ``slice-publisher``: publishes the devices as ResourceSlices, retrying API errors itself.
 
-and, as later issues add them (design §3), after the HTTP server and in this order:
-``cdi-watcher`` (CDI drift repair), ``kubelet-plugin`` (DRA socket), ``registration``
-(registration socket), ``nri-plugin``, ``podresources-sync`` and ``slice-publisher``. Those
-tasks do not exist yet and nothing stands in for them: see :func:`_daemon_tasks`.
+The Kubernetes client is opened once, before the tasks (in-cluster, or ``--kubeconfig``), and
+shared by the kubelet plugin (claims) and the slice publisher. (``podresources-sync`` has no task
+yet.)
 
 Each task is started with ``await tg.start(...)``; once it calls ``task_status.started()`` its
 readiness flag turns ready, and ``/readyz`` answers 200 when all have. A task may later report
-not ready through its :class:`~dracpu.tasks.http.ReadinessFlag`.
+not ready through its :class:`~dracpu.tasks.http.ReadinessFlag`. One flag is not a task's:
+``kubelet-registration`` turns ready when the kubelet reports that it registered the plugin, and
+not ready when it refuses it.
 
 Stopping (SIGTERM/SIGINT, or a task failure): ``/readyz`` turns 503, then the tasks are
 cancelled one by one in REVERSE start order, each awaited, so the request sources stop before
@@ -23,10 +32,11 @@ the state owner, which finishes the command in flight (bounded by its own deadli
 stop is bounded by :data:`STOP_TIMEOUT`; a second signal cancels everything at once. Tasks
 remove the sockets they created in their own ``finally``.
 
-Failure policy (design §3): a task that raises after it started, or returns while no stop was
-asked, is logged (one line; the traceback at debug level) and stops the daemon the same graceful
-way; a task that raises before it started ends the start-up. Either way the exit code is 1, so
-the DaemonSet restarts us; a requested stop exits 0. Cancellation is never swallowed.
+Failure policy (design §3): a task that can recover (NRI disconnect, API errors) retries inside
+itself. A task that raises after it started, or returns while no stop was asked, is logged (one
+line; the traceback at debug level) and stops the daemon the same graceful way; a task that
+raises before it started ends the start-up. Either way the exit code is 1, so the DaemonSet
+restarts us; a requested stop exits 0. Cancellation is never swallowed.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from types import MappingProxyType
 from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
@@ -43,19 +54,32 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from dracpu import __version__
+from dracpu.adapters.kube import KubeClient, open_kube_client
 from dracpu.config import Config
 from dracpu.core.commands import Command, Resync
 from dracpu.core.effects import Reply, Resynced
 from dracpu.errors import DracpuError
 from dracpu.logs import setup_logging
-from dracpu.tasks import http, signals, state_owner
+from dracpu.tasks import (
+    cdi_watcher,
+    http,
+    kubelet_plugin,
+    nri_plugin,
+    registration,
+    signals,
+    slice_publisher,
+    state_owner,
+)
 from dracpu.tasks.http import Readiness
-from dracpu.tasks.state_owner import FollowUp, Request, Rollback, StateOwner
+from dracpu.tasks.node_machine import NodeMachine
+from dracpu.tasks.nri_plugin import NriLink
+from dracpu.tasks.state_owner import FollowUp, OwnerStatistics, Request, Rollback, StateOwner
 
 __all__ = [
     "EXIT_FAILURE",
     "EXIT_INTERRUPTED",
     "EXIT_OK",
+    "KUBELET_REGISTRATION",
     "STOP_TIMEOUT",
     "Shutdown",
     "StateMachine",
@@ -76,6 +100,9 @@ EXIT_INTERRUPTED = 130  # Ctrl-C before the signal handlers were installed (128 
 # leaves half a second to close the event loop and exit. The kubelet waits 30 s by default
 # (terminationGracePeriodSeconds) before it kills the container.
 STOP_TIMEOUT = 4.5
+
+# The readiness flag that follows the kubelet's registration verdict (not a task's flag).
+KUBELET_REGISTRATION = "kubelet-registration"
 
 S = TypeVar("S")
 E = TypeVar("E")
@@ -279,15 +306,15 @@ class StateMachine(Generic[S, E]):
 
 
 MachineFactory = Callable[[Config], StateMachine[Any, Any]]
+"""A test seam of :func:`main`: builds the state machine that the core tasks run."""
 
 
 def skeleton_machine(config: Config) -> StateMachine[None, Reply]:
-    """The state machine of the daemon skeleton, until the node state is wired in.
+    """A state machine without a node, for tests of the supervisor (``main(machine=...)``).
 
     It holds no claims and refuses every command with an error, except Resync, which it
-    answers truthfully: no CDI spec to rewrite, no config change. The issue that restores the
-    checkpoint replaces it with ``dracpu.core.state`` (``NodeState``, ``apply``, ``rollback``)
-    and the effect executor.
+    answers truthfully: no CDI spec to rewrite, no config change. The real node's machine is
+    :class:`~dracpu.tasks.node_machine.NodeMachine`.
     """
 
     def apply(state: None, command: Command) -> tuple[None, Sequence[Reply]]:
@@ -302,15 +329,16 @@ def skeleton_machine(config: Config) -> StateMachine[None, Reply]:
     return StateMachine(state=None, apply=apply, execute=execute)
 
 
-def _daemon_tasks(
+def _core_tasks(
     config: Config,
     owner: StateOwner[Any, Command, Any],
     send: MemoryObjectSendStream[Request[Command]],
     readiness: Readiness,
     shutdown: Shutdown,
 ) -> list[TaskSpec]:
-    """The daemon's tasks in start order. A task that sends commands takes its own clone of
-    ``send`` when it starts (so a task that never starts leaves no stream open)."""
+    """Signals, a ready-made state owner and HTTP: what :func:`main` runs with an injected
+    state machine (no peers). A task that sends commands takes its own clone of ``send`` when
+    it starts (so a task that never starts leaves no stream open)."""
 
     async def run_signals(*, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
         await signals.run(send.clone(), shutdown.request, task_status=task_status)
@@ -320,9 +348,6 @@ def _daemon_tasks(
         TaskSpec("signals", run_signals),
         TaskSpec("state-owner", owner.run),
         TaskSpec("http", partial(http.run, config.bind_address, readiness, registry)),
-        # Later issues add their tasks here, in this order (design §3), each taking its own
-        # clone of `send`: cdi-watcher, kubelet-plugin (DRA socket), registration, nri-plugin,
-        # podresources-sync, slice-publisher.
     ]
 
 
@@ -342,22 +367,157 @@ async def _serve(config: Config, factory: MachineFactory) -> int:
             rollback=machine.rollback,
             follow_up=machine.follow_up,
         )
-        tasks = _daemon_tasks(config, owner, send, readiness, shutdown)
+        tasks = _core_tasks(config, owner, send, readiness, shutdown)
         return await serve(tasks, readiness=readiness, shutdown=shutdown)
 
 
-def main(config: Config, *, machine: MachineFactory = skeleton_machine) -> int:
-    """Run the daemon until SIGTERM/SIGINT (exit 0) or a task failure (exit 1)."""
+# --- the real node ------------------------------------------------------------------------------
+
+_NO_STATISTICS = OwnerStatistics(0, 0, 0, 0, MappingProxyType({}))
+
+
+class _Node:
+    """Everything the node's tasks share: config, streams, the state machine, the NRI link,
+    the republish channel, the Kubernetes client. :meth:`tasks` lists them in start order."""
+
+    def __init__(
+        self,
+        config: Config,
+        kube: KubeClient,
+        send: MemoryObjectSendStream[Request[Command]],
+        receive: MemoryObjectReceiveStream[Request[Command]],
+        readiness: Readiness,
+        shutdown: Shutdown,
+    ) -> None:
+        self.config = config
+        self.kube = kube
+        self.send = send
+        self.receive = receive
+        self.readiness = readiness
+        self.shutdown = shutdown
+        self.link = NriLink()
+        self.republish_send, self.republish_receive = slice_publisher.republish_channel()
+        self.machine = NodeMachine(
+            config, republish=self.republish_send, update_containers=self.link.submit
+        )
+        self.owner: StateOwner[Any, Command, Any] | None = None
+
+    def close(self) -> None:
+        self.republish_send.close()
+        self.republish_receive.close()
+
+    def statistics(self) -> OwnerStatistics:
+        return self.owner.statistics() if self.owner is not None else _NO_STATISTICS
+
+    async def run_signals(self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
+        await signals.run(self.send.clone(), self.shutdown.request, task_status=task_status)
+
+    async def run_state_owner(self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
+        machine = self.machine
+        state = await machine.restore()
+        owner: StateOwner[Any, Command, Any] = StateOwner(
+            self.receive,
+            state,
+            machine.apply,
+            machine.execute,
+            rollback=machine.rollback,
+            follow_up=machine.follow_up,
+        )
+        machine.watch_state(lambda: owner.state)
+        self.owner = owner
+        await owner.run(task_status=task_status)
+
+    async def run_cdi_watcher(self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
+        await cdi_watcher.run(
+            self.config.cdi_dir, self.machine.desired_specs, task_status=task_status
+        )
+
+    async def run_kubelet_plugin(
+        self, *, task_status: TaskStatus[Any] = TASK_STATUS_IGNORED
+    ) -> None:
+        config = self.config
+        await kubelet_plugin.run(
+            config.dra_socket,
+            self.send.clone(),
+            self.kube,
+            config.node_name,
+            task_status=task_status,
+        )
+
+    async def run_registration(self, *, task_status: TaskStatus[Any] = TASK_STATUS_IGNORED) -> None:
+        verdict = self.readiness.flag(
+            KUBELET_REGISTRATION, reason="the kubelet has not registered the plugin yet"
+        )
+        config = self.config
+        await registration.run(
+            config.registration_socket, config.dra_socket, verdict, task_status=task_status
+        )
+
+    async def run_nri_plugin(self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
+        await nri_plugin.run(
+            self.config, self.send.clone(), link=self.link, task_status=task_status
+        )
+
+    async def run_slice_publisher(
+        self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED
+    ) -> None:
+        await slice_publisher.run(
+            self.kube,
+            self.config.node_name,
+            self.machine.devices,
+            republish=self.republish_receive.clone(),
+            task_status=task_status,
+        )
+
+    def tasks(self) -> list[TaskSpec]:
+        registry = http.build_registry(self.readiness, self.statistics)
+        return [
+            TaskSpec("signals", self.run_signals),
+            TaskSpec("state-owner", self.run_state_owner),
+            TaskSpec("http", partial(http.run, self.config.bind_address, self.readiness, registry)),
+            TaskSpec("cdi-watcher", self.run_cdi_watcher),
+            TaskSpec("kubelet-plugin", self.run_kubelet_plugin),
+            TaskSpec("registration", self.run_registration),
+            TaskSpec("nri-plugin", self.run_nri_plugin),
+            TaskSpec("slice-publisher", self.run_slice_publisher),
+        ]
+
+
+async def _serve_node(config: Config) -> int:
+    readiness = Readiness()
+    shutdown = Shutdown()
+    send: MemoryObjectSendStream[Request[Command]]
+    receive: MemoryObjectReceiveStream[Request[Command]]
+    send, receive = state_owner.create_request_stream()
+    with send, receive:  # the owner closes `receive` itself; this covers a failed start
+        async with open_kube_client(config.kubeconfig) as kube:
+            node = _Node(config, kube, send, receive, readiness, shutdown)
+            try:
+                return await serve(node.tasks(), readiness=readiness, shutdown=shutdown)
+            finally:
+                node.close()
+
+
+def main(config: Config, *, machine: MachineFactory | None = None) -> int:
+    """Run the daemon until SIGTERM/SIGINT (exit 0) or a task failure (exit 1).
+
+    ``machine``: a test seam; when given, only the core tasks (signals, a state owner running
+    this machine, HTTP) run, with no peer (no kubelet, runtime or API server).
+    """
     setup_logging(config.log_format, config.verbosity)
     logger.info(
-        "dracpu %s starting on node %s (%s devices, group by %s, reserved cpus %s)",
+        "dracpu %s starting on node %s (node name from %s; %s devices, group by %s, "
+        "reserved cpus %s)",
         __version__,
         config.node_name,
+        config.node_name_source or "the caller",
         config.cpu_device_mode,
         config.group_by,
         config.reserved_cpus or "none",
     )
     try:
+        if machine is None:
+            return anyio.run(_serve_node, config, backend="asyncio")
         return anyio.run(_serve, config, machine, backend="asyncio")
     except KeyboardInterrupt:
         logger.warning("interrupted before the signal handlers were installed")

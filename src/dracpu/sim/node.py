@@ -1,0 +1,795 @@
+"""A whole simulated node around the REAL ``dracpu run`` process (design §7).
+
+:func:`open_node_sim` starts, in this order:
+
+1. the fake API server (:mod:`dracpu.sim.fake_apiserver`) with a Node object, and its kubeconfig;
+2. a fake sysfs tree of a named machine (:data:`dracpu.sim.topologies.FIXTURES`);
+3. the fake container runtime listening on the NRI socket (:mod:`dracpu.sim.fake_runtime`),
+   with any shared containers that "already run";
+4. ``python -m dracpu run`` as a subprocess, pointed at all of the above and at a temporary
+   kubelet root, CDI dir and state dir (logs: JSON lines in ``<root>/logs/daemon-<n>.log``);
+5. the fake kubelet (:mod:`dracpu.sim.fake_kubelet`, grpcio): it finds the registration socket
+   and registers the plugin; then ``/readyz`` must answer 200.
+
+The :class:`NodeSim` it yields plays the rest of the cluster: the scheduler
+(:meth:`NodeSim.allocate` picks a published device with enough free capacity and writes the
+ResourceClaim with ``status.allocation``), the kubelet (:meth:`NodeSim.prepare`,
+:meth:`NodeSim.unprepare`, :meth:`NodeSim.kubelet_restart`) and the runtime applying CDI
+(:meth:`NodeSim.run_container` reads the claim's CDI spec file, as a runtime resolves
+``dra.k8s.io/cpu=claim-<uid>``, and puts its env into the new container). The daemon can be
+stopped, killed and started again (:meth:`NodeSim.restart_daemon`) while the peers keep their
+state, as on a real node::
+
+    async with open_node_sim(topology="dual-socket-smt2") as sim:
+        claim = sim.allocate("demo", cpus=4)
+        answer = await sim.prepare(claim)
+        pod, container = await sim.run_container("app", claims=[claim])
+        assert sim.runtime.containers[container.id].cpus == sim.cdi_cpus(claim.uid)
+
+Nothing here imports the daemon's code paths: the simulator talks to it only through its
+sockets, files and HTTP port, like the real peers do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import anyio
+import anyio.abc
+
+from dracpu import DRIVER_NAME
+from dracpu.core.slices import CpuDeviceMode, GroupBy
+from dracpu.core.topology import Topology
+from dracpu.errors import DracpuError
+from dracpu.sim.fake_apiserver import FakeApiServer, build_resource_claim, open_fake_apiserver
+from dracpu.sim.fake_kubelet import ClaimRef, FakeKubelet, PrepareResult, Registration
+from dracpu.sim.fake_runtime import FakeContainer, FakePod, FakeRuntime, open_fake_runtime
+from dracpu.sim.topologies import MachineSpec, build_topology, fixture, write_sysfs
+
+__all__ = [
+    "CAPACITY_CPU",
+    "DEFAULT_NODE_NAME",
+    "DEFAULT_TOPOLOGY",
+    "DaemonProcess",
+    "NodeSim",
+    "SimClaim",
+    "SimError",
+    "SimPaths",
+    "http_get",
+    "open_node_sim",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TOPOLOGY = "dual-socket-smt2"  # design §7 / the brief: the README demo's machine
+DEFAULT_NODE_NAME = "sim-node"
+CAPACITY_CPU = "dra.cpu/cpu"  # the capacity grouped devices publish (design §2)
+# containerd 2.4 embeds NRI v0.12.2, which takes unsolicited UpdateContainers (containerd/nri#301):
+# Unprepare then widens the shared containers at once (design §6).
+DEFAULT_RUNTIME_VERSION = "2.4.0"
+# How long the daemon may take from launch to /readyz 200 on a loaded 2-core machine (it imports
+# kubernetes, grpclib and prometheus; ~1 s when idle).
+READY_TIMEOUT = 60.0
+# The daemon promises to stop within 5 s of SIGTERM (design §3); more than this is a failure.
+STOP_TIMEOUT = 10.0
+# Polling period of wait_until (log file, /readyz, files, container table).
+POLL_INTERVAL = 0.02
+# The line the HTTP task logs once it listens (tasks/http.py): how we learn the port of a daemon
+# started with --bind-address=127.0.0.1:0 (no race for a free port with other processes).
+_LISTENING = "serving /healthz, /readyz and /metrics on "
+# CDI spec files of our kind (design §2): <cdi-dir>/dra.k8s.io-cpu_claim-<uid>.json.
+_CDI_PREFIX = "dra.k8s.io-cpu_claim-"
+_CDI_KIND = "dra.k8s.io/cpu"
+
+
+class SimError(DracpuError):
+    """The simulated node did not behave as expected (the message says what and where)."""
+
+
+# --- HTTP -----------------------------------------------------------------------------------------
+
+
+async def http_get(port: int, path: str, *, timeout: float = 5.0) -> tuple[int, str]:  # noqa: ASYNC109
+    """``GET http://127.0.0.1:<port><path>``: (status, body). Raises ``OSError`` when nothing
+    listens and :class:`SimError` on a malformed answer or a timeout."""
+    with anyio.fail_after(timeout):
+        async with await anyio.connect_tcp("127.0.0.1", port) as stream:
+            await stream.send(
+                f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode()
+            )
+            data = b""
+            with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
+                while True:
+                    data += await stream.receive()
+    head, _, body = data.partition(b"\r\n\r\n")
+    parts = head.split(b" ", 2)
+    if len(parts) < 2 or not parts[1].isdigit():
+        raise SimError(f"GET {path} on port {port}: malformed answer {data[:80]!r}")
+    return int(parts[1]), body.decode("utf-8", "replace")
+
+
+async def wait_until(
+    what: str,
+    check: Callable[[], bool],
+    *,
+    timeout: float = 10.0,  # noqa: ASYNC109
+    failed: Callable[[], str | None] | None = None,
+) -> None:
+    """Poll ``check`` until it is true; :class:`SimError` naming ``what`` after ``timeout``.
+
+    ``failed`` returns why waiting is pointless (e.g. the daemon exited), or ``None``.
+    """
+    deadline = anyio.current_time() + timeout
+    while not check():
+        if failed is not None:
+            reason = failed()
+            if reason is not None:
+                raise SimError(f"{reason} while waiting for {what}")
+        if anyio.current_time() >= deadline:
+            raise SimError(f"timed out after {timeout:g} s waiting for {what}")
+        await anyio.sleep(POLL_INTERVAL)
+
+
+# --- the daemon process ---------------------------------------------------------------------------
+
+
+class DaemonProcess:
+    """One ``dracpu run`` process: its port, log, readiness and how to stop it."""
+
+    def __init__(self, process: anyio.abc.Process, log_path: Path, log_file: IO[bytes]) -> None:
+        self.process = process
+        self.log_path = log_path
+        self._log_file = log_file
+        self.port: int | None = None
+        self.started = time.monotonic()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+    def exited(self) -> str | None:
+        """Why waiting for this daemon is pointless: it exited (with its last error lines)."""
+        if self.process.returncode is None:
+            return None
+        errors = [e["message"] for e in self.logs() if e.get("level") == "error"]
+        tail = "; ".join(errors[-3:]) or "no error logged"
+        return f"dracpu run exited with code {self.process.returncode} ({tail})"
+
+    def logs(self) -> list[dict[str, Any]]:
+        """The JSON log lines so far (lines that are not JSON come as ``{"message": line}``)."""
+        entries: list[dict[str, Any]] = []
+        try:
+            text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            return entries
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                entry = {"level": "raw", "message": line}
+            entries.append(entry if isinstance(entry, dict) else {"message": line})
+        return entries
+
+    def messages(self, level: str | None = None) -> list[str]:
+        """The log messages so far (of one level, e.g. ``"error"``)."""
+        return [
+            str(e.get("message", ""))
+            for e in self.logs()
+            if level is None or e.get("level") == level
+        ]
+
+    def _port_from_log(self) -> int | None:
+        for message in self.messages():
+            if message.startswith(_LISTENING):
+                address = message[len(_LISTENING) :].strip()
+                port = address.rpartition(":")[2]
+                if port.isdigit():
+                    return int(port)
+        return None
+
+    async def wait_listening(self, timeout: float = READY_TIMEOUT) -> int:  # noqa: ASYNC109
+        """Wait for the HTTP port (from the log); return it."""
+
+        def found() -> bool:
+            self.port = self._port_from_log()
+            return self.port is not None
+
+        await wait_until("the daemon's HTTP port", found, timeout=timeout, failed=self.exited)
+        assert self.port is not None
+        return self.port
+
+    async def get(self, path: str) -> tuple[int, str]:
+        """GET ``path`` on the daemon's HTTP port."""
+        port = self.port if self.port is not None else await self.wait_listening()
+        return await http_get(port, path)
+
+    async def wait_ready(self, timeout: float = READY_TIMEOUT) -> float:  # noqa: ASYNC109
+        """Wait for ``/readyz`` 200; the seconds since launch."""
+        port = await self.wait_listening(timeout)
+        deadline = anyio.current_time() + timeout
+        while True:
+            reason = self.exited()
+            if reason is not None:
+                raise SimError(f"{reason} while waiting for /readyz")
+            try:
+                status, body = await http_get(port, "/readyz")
+            except OSError:
+                status, body = 0, "not listening"
+            if status == 200:
+                return time.monotonic() - self.started
+            if anyio.current_time() >= deadline:
+                raise SimError(f"/readyz still answers {status} after {timeout:g} s:\n{body}")
+            await anyio.sleep(POLL_INTERVAL)
+
+    async def stop(
+        self,
+        signum: signal.Signals = signal.SIGTERM,
+        timeout: float = STOP_TIMEOUT,  # noqa: ASYNC109
+    ) -> int:
+        """Send ``signum`` and wait for the exit; the exit code (SIGKILL: -9)."""
+        if self.process.returncode is None:
+            self.process.send_signal(signum)
+        with anyio.move_on_after(timeout):
+            await self.process.wait()
+        if self.process.returncode is None:
+            self.process.kill()
+            await self.process.wait()
+            raise SimError(f"dracpu run did not stop within {timeout:g} s of {signum.name}")
+        return self.process.returncode
+
+    async def kill(self) -> int:
+        """SIGKILL: a crash (nothing is cleaned up)."""
+        return await self.stop(signal.SIGKILL)
+
+    async def aclose(self) -> None:
+        """Stop (SIGTERM, then SIGKILL) and release the process and its log file."""
+        with anyio.CancelScope(shield=True):
+            if self.process.returncode is None:
+                with contextlib.suppress(SimError):
+                    await self.stop()
+            await self.process.aclose()
+            self._log_file.close()
+
+
+# --- the node -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SimPaths:
+    """Where the simulated node lives (all under one temporary directory)."""
+
+    root: Path
+
+    @property
+    def host_root(self) -> Path:
+        return self.root / "host"
+
+    @property
+    def kubelet_root(self) -> Path:
+        return self.root / "kubelet"
+
+    @property
+    def registry_dir(self) -> Path:
+        return self.kubelet_root / "plugins_registry"
+
+    @property
+    def cdi_dir(self) -> Path:
+        return self.root / "cdi"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.root / "state"
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.state_dir / "checkpoint.json"
+
+    @property
+    def nri_socket(self) -> Path:
+        return self.root / "nri" / "nri.sock"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    def cdi_spec(self, claim_uid: str) -> Path:
+        return self.cdi_dir / f"{_CDI_PREFIX}{claim_uid}.json"
+
+
+@dataclass(slots=True)
+class SimClaim:
+    """A ResourceClaim the simulated scheduler allocated (or a test wrote)."""
+
+    namespace: str
+    name: str
+    uid: str
+    results: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def ref(self) -> ClaimRef:
+        """The reference the kubelet sends."""
+        return ClaimRef(namespace=self.namespace, uid=self.uid, name=self.name)
+
+    @property
+    def devices(self) -> list[str]:
+        return [str(r["device"]) for r in self.results]
+
+
+class NodeSim:
+    """The simulated node around one ``dracpu run`` process (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        paths: SimPaths,
+        api: FakeApiServer,
+        runtime: FakeRuntime,
+        kubelet: FakeKubelet,
+        spec: MachineSpec,
+        topology_name: str,
+        node_name: str,
+        mode: CpuDeviceMode,
+        daemon_args: Sequence[str],
+    ) -> None:
+        self.paths = paths
+        self.api = api
+        self.runtime = runtime
+        self.kubelet = kubelet
+        self.spec = spec
+        self.topology_name = topology_name
+        self.topology: Topology = build_topology(spec)
+        self.node_name = node_name
+        self.mode = mode
+        self.daemon_args = list(daemon_args)
+        self.daemons: list[DaemonProcess] = []
+        self.registration: Registration | None = None
+        self._consumed: dict[str, int] = {}  # grouped device -> CPUs the sim's claims consume
+        self._taken: set[str] = set()  # individual devices the sim's claims hold
+        self._claims: dict[str, SimClaim] = {}  # uid -> claims allocated by allocate()
+
+    # --- the daemon --------------------------------------------------------------------------
+
+    @property
+    def daemon(self) -> DaemonProcess:
+        """The current (last started) daemon process."""
+        if not self.daemons:
+            raise SimError("no dracpu run process was started")
+        return self.daemons[-1]
+
+    def command(self) -> list[str]:
+        """The ``dracpu run`` command line the simulator launches."""
+        return [sys.executable, "-m", "dracpu", "run", *self.daemon_args]
+
+    async def start_daemon(self, *, register: bool = True, wait_ready: bool = True) -> float:
+        """Launch ``dracpu run``; with ``register`` let the fake kubelet register it; with
+        ``wait_ready`` wait for ``/readyz`` 200. The seconds from launch to ready (or 0)."""
+        if self.daemons and self.daemon.returncode is None:
+            raise SimError(f"dracpu run is already running (pid {self.daemon.pid})")
+        self.paths.logs.mkdir(parents=True, exist_ok=True)
+        log_path = self.paths.logs / f"daemon-{len(self.daemons) + 1}.log"
+        log_file = log_path.open("wb")
+        env = {
+            k: v for k, v in os.environ.items() if k not in {"NODE_NAME", "HOST_ROOT", "KUBECONFIG"}
+        }
+        try:
+            process = await anyio.open_process(
+                self.command(), stdin=None, stdout=log_file, stderr=log_file, env=env
+            )
+        except BaseException:
+            log_file.close()
+            raise
+        daemon = DaemonProcess(process, log_path, log_file)
+        self.daemons.append(daemon)
+        if register:
+            await self.register()
+        if not wait_ready:
+            return 0.0
+        return await daemon.wait_ready()
+
+    async def register(self) -> Registration:
+        """The kubelet's plugin watcher: wait for the registration socket, register it."""
+        daemon = self.daemon
+        await wait_until(
+            "the registration socket",
+            lambda: bool(self.kubelet.sockets()),
+            timeout=READY_TIMEOUT,
+            failed=daemon.exited,
+        )
+        self.registration = await self.kubelet.aregister()
+        return self.registration
+
+    async def stop_daemon(self, signum: signal.Signals = signal.SIGTERM) -> int:
+        """Stop the current daemon; its exit code."""
+        return await self.daemon.stop(signum)
+
+    async def restart_daemon(self, *, kill: bool = False, register: bool = True) -> float:
+        """Stop (SIGTERM) or crash (SIGKILL) the daemon and start a new one; seconds to ready."""
+        await (self.daemon.kill() if kill else self.daemon.stop())
+        return await self.start_daemon(register=register)
+
+    # --- the API server: slices and claims ---------------------------------------------------
+
+    def slices(self) -> list[dict[str, Any]]:
+        """Our ResourceSlices as the API server stores them."""
+        return self.api.resource_slices(driver=DRIVER_NAME, node_name=self.node_name)
+
+    def published(self) -> list[dict[str, Any]]:
+        """Every device of our slices (the newest pool generation only)."""
+        slices = self.slices()
+        if not slices:
+            return []
+        newest = max(int(s["spec"]["pool"]["generation"]) for s in slices)
+        return [
+            device
+            for s in slices
+            if int(s["spec"]["pool"]["generation"]) == newest
+            for device in s["spec"].get("devices") or []
+        ]
+
+    async def wait_published(self, timeout: float = 20.0) -> list[dict[str, Any]]:  # noqa: ASYNC109
+        """Wait until the pool is complete (every slice of the newest generation is there)."""
+
+        def complete() -> bool:
+            slices = self.slices()
+            if not slices:
+                return False
+            newest = max(int(s["spec"]["pool"]["generation"]) for s in slices)
+            current = [s for s in slices if int(s["spec"]["pool"]["generation"]) == newest]
+            return len(current) == int(current[0]["spec"]["pool"]["resourceSliceCount"])
+
+        await wait_until("the ResourceSlices", complete, timeout=timeout, failed=self.daemon.exited)
+        return self.published()
+
+    def _capacity(self, device: Mapping[str, Any]) -> int | None:
+        value = (device.get("capacity") or {}).get(CAPACITY_CPU, {}).get("value")
+        return int(value) if isinstance(value, str) and value.isdigit() else None
+
+    def free_capacity(self) -> dict[str, int]:
+        """Grouped devices: CPUs not consumed by the claims this scheduler allocated."""
+        free: dict[str, int] = {}
+        for device in self.published():
+            capacity = self._capacity(device)
+            if capacity is not None:
+                free[device["name"]] = capacity - self._consumed.get(device["name"], 0)
+        return free
+
+    def allocate(
+        self,
+        name: str,
+        cpus: int,
+        *,
+        namespace: str = "default",
+        device: str | None = None,
+        request: str = "cpus",
+    ) -> SimClaim:
+        """Play the scheduler: allocate ``cpus`` CPUs from the published devices and write the
+        ResourceClaim (allocated, for this node). Grouped mode: the first device (or
+        ``device``) with enough free capacity, ``consumedCapacity`` and a ``shareID``;
+        individual mode: the first ``cpus`` free devices in published order."""
+        devices = self.published()
+        if not devices:
+            raise SimError("no device is published: the scheduler cannot allocate")
+        grouped = any(self._capacity(d) is not None for d in devices)
+        results: list[dict[str, Any]] = []
+        if grouped:
+            free = self.free_capacity()
+            names = [device] if device is not None else list(free)
+            chosen = next((n for n in names if free.get(n, 0) >= cpus), None)
+            if chosen is None:
+                raise SimError(f"no published device has {cpus} free CPUs: {free}")
+            self._consumed[chosen] = self._consumed.get(chosen, 0) + cpus
+            results.append(
+                {
+                    "request": request,
+                    "driver": DRIVER_NAME,
+                    "pool": self.node_name,
+                    "device": chosen,
+                    "shareID": str(uuid.uuid4()),
+                    "consumedCapacity": {CAPACITY_CPU: str(cpus)},
+                }
+            )
+        else:
+            free_names = [d["name"] for d in devices if d["name"] not in self._taken]
+            if len(free_names) < cpus:
+                raise SimError(f"only {len(free_names)} devices are free, {cpus} asked")
+            for chosen in free_names[:cpus]:
+                self._taken.add(chosen)
+                results.append(
+                    {
+                        "request": request,
+                        "driver": DRIVER_NAME,
+                        "pool": self.node_name,
+                        "device": chosen,
+                    }
+                )
+        claim = self.write_claim(name, results, namespace=namespace)
+        self._claims[claim.uid] = claim
+        return claim
+
+    def write_claim(
+        self,
+        name: str,
+        results: Sequence[Mapping[str, Any]],
+        *,
+        namespace: str = "default",
+        uid: str | None = None,
+        allocated: bool = True,
+    ) -> SimClaim:
+        """Write a ResourceClaim with exactly these ``results`` (tests of bad input); no
+        capacity bookkeeping."""
+        obj = build_resource_claim(
+            namespace,
+            name,
+            results,
+            uid=uid,
+            node_name=self.node_name,
+            allocated=allocated,
+        )
+        stored = self.api.add_resource_claim(obj)
+        return SimClaim(namespace, name, stored["metadata"]["uid"], [dict(r) for r in results])
+
+    def deallocate(self, claim: SimClaim) -> None:
+        """The claim's pods are gone: delete the claim and free what the scheduler gave it."""
+        with contextlib.suppress(KeyError):
+            self.api.delete_resource_claim(claim.namespace, claim.name)
+        if self._claims.pop(claim.uid, None) is None:
+            return
+        for result in claim.results:
+            name = str(result["device"])
+            consumed = (result.get("consumedCapacity") or {}).get(CAPACITY_CPU)
+            if consumed is not None:
+                self._consumed[name] = self._consumed.get(name, 0) - int(consumed)
+            else:
+                self._taken.discard(name)
+
+    def claim_status_cpusets(self, claim: SimClaim) -> list[str]:
+        """The ``data.cpuset`` the daemon recorded in the claim's ``status.devices``."""
+        obj = self.api.resource_claim(claim.namespace, claim.name)
+        return [
+            str((entry.get("data") or {}).get("cpuset"))
+            for entry in (obj.get("status") or {}).get("devices") or []
+            if entry.get("driver") == DRIVER_NAME
+        ]
+
+    # --- the kubelet -------------------------------------------------------------------------
+
+    async def prepare(self, *claims: SimClaim | ClaimRef) -> dict[str, PrepareResult]:
+        """``NodePrepareResources`` of these claims in one call; the answer per claim UID."""
+        return await self.kubelet.aprepare([_ref(c) for c in claims])
+
+    async def unprepare(self, *claims: SimClaim | ClaimRef) -> dict[str, str]:
+        """``NodeUnprepareResources`` of these claims in one call; the error per claim UID."""
+        return await self.kubelet.aunprepare([_ref(c) for c in claims])
+
+    async def kubelet_restart(self) -> list[str]:
+        """A restarting kubelet: it wipes the node's ResourceSlices and registers the plugin
+        again. The names of the slices it deleted."""
+        deleted = self.api.kubelet_restart(self.node_name)
+        await self.register()
+        return deleted
+
+    # --- CDI, as the runtime reads it ----------------------------------------------------------
+
+    def cdi_env(self, claim_uid: str) -> list[str]:
+        """The env a runtime injects for ``dra.k8s.io/cpu=claim-<uid>``: read from the spec file
+        (plain JSON, not dracpu's parser). Raises :class:`SimError` if there is no such device."""
+        path = self.paths.cdi_spec(claim_uid)
+        try:
+            spec = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise SimError(f"cannot read CDI spec {path}: {exc}") from exc
+        if spec.get("kind") != _CDI_KIND:
+            raise SimError(f"CDI spec {path} has kind {spec.get('kind')!r}")
+        env: list[str] = list((spec.get("containerEdits") or {}).get("env") or [])
+        for device in spec.get("devices") or []:
+            if device.get("name") == f"claim-{claim_uid}":
+                env.extend((device.get("containerEdits") or {}).get("env") or [])
+                return env
+        raise SimError(f"CDI spec {path} has no device claim-{claim_uid}")
+
+    def cdi_cpus(self, claim_uid: str) -> str | None:
+        """The cpuset in the claim's CDI spec (``DRA_CPUSET_<uid>``), ``None`` without a file."""
+        if not self.paths.cdi_spec(claim_uid).exists():
+            return None
+        key = f"DRA_CPUSET_{claim_uid}="
+        for entry in self.cdi_env(claim_uid):
+            if entry.startswith(key):
+                return entry[len(key) :]
+        raise SimError(f"CDI spec of claim {claim_uid} has no {key.rstrip('=')} env")
+
+    def cdi_claims(self) -> list[str]:
+        """The claim UIDs of our CDI spec files."""
+        if not self.paths.cdi_dir.is_dir():
+            return []
+        return sorted(
+            p.name[len(_CDI_PREFIX) : -len(".json")]
+            for p in self.paths.cdi_dir.iterdir()
+            if p.name.startswith(_CDI_PREFIX) and p.name.endswith(".json")
+        )
+
+    # --- containers ------------------------------------------------------------------------------
+
+    def shared_container(
+        self, pod_name: str, name: str = "main", *, cpus: str = ""
+    ) -> FakeContainer:
+        """A container that runs already (before the daemon or unknown to it): in the table,
+        not announced to the plugin (it learns of it at Synchronize)."""
+        pod = self.runtime.add_pod(pod_name, namespace="default")
+        return self.runtime.add_container(pod, name, cpus=cpus)
+
+    async def run_container(
+        self,
+        pod_name: str,
+        name: str = "main",
+        *,
+        claims: Iterable[SimClaim] = (),
+        namespace: str = "default",
+    ) -> tuple[FakePod, FakeContainer]:
+        """Create and start a container through the runtime (NRI CreateContainer/Start), with
+        the CDI env of ``claims`` injected as the runtime would. The reply's adjustment and
+        updates are applied to the runtime's table."""
+        env: list[str] = []
+        for claim in claims:
+            env.extend(self.cdi_env(claim.uid))
+        pod = self.runtime.add_pod(pod_name, namespace=namespace)
+        await self.runtime.run_pod_sandbox(pod)
+        container = self.runtime.new_container(pod, name, env=env)
+        await self.runtime.create_container(pod, container)
+        await self.runtime.start_container(container.id)
+        return pod, self.runtime.containers[container.id]
+
+    async def remove_pod(self, pod: FakePod) -> None:
+        """Stop and remove the pod's containers and the pod (NRI events)."""
+        await self.runtime.stop_pod_sandbox(pod.id)
+        await self.runtime.remove_pod_sandbox(pod.id)
+
+    def cpus_of(self, container_id: str) -> str:
+        """The cpuset the runtime last applied to a container."""
+        return self.runtime.containers[container_id].cpus
+
+    def shared_ids(self, *, exclude: Iterable[str] = ()) -> list[str]:
+        """Ids of the runtime's containers without a ``DRA_CPUSET_`` env."""
+        skip = set(exclude)
+        return [
+            cid
+            for cid, c in sorted(self.runtime.containers.items())
+            if cid not in skip and not any(e.startswith("DRA_CPUSET_") for e in c.env)
+        ]
+
+
+def _ref(claim: SimClaim | ClaimRef) -> ClaimRef:
+    return claim.ref if isinstance(claim, SimClaim) else claim
+
+
+def daemon_arguments(
+    paths: SimPaths,
+    kubeconfig: Path,
+    *,
+    node_name: str,
+    mode: CpuDeviceMode,
+    group_by: GroupBy,
+    reserved: str,
+    memory_pinning: bool,
+    extra: Sequence[str],
+) -> list[str]:
+    """The ``dracpu run`` flags of a simulated node."""
+    args = [
+        f"--node-name={node_name}",
+        f"--kubeconfig={kubeconfig}",
+        f"--host-root={paths.host_root}",
+        f"--kubelet-root-dir={paths.kubelet_root}",
+        f"--cdi-dir={paths.cdi_dir}",
+        f"--nri-socket={paths.nri_socket}",
+        f"--state-dir={paths.state_dir}",
+        "--bind-address=127.0.0.1:0",
+        "--log-format=json",
+        f"--cpu-device-mode={mode}",
+        f"--group-by={group_by}",
+    ]
+    if reserved:
+        args.append(f"--reserved-cpus={reserved}")
+    if memory_pinning:
+        args.append("--memory-pinning")
+    return [*args, *extra]
+
+
+@contextlib.asynccontextmanager
+async def open_node_sim(
+    *,
+    topology: str = DEFAULT_TOPOLOGY,
+    mode: CpuDeviceMode | str = CpuDeviceMode.GROUPED,
+    group_by: GroupBy | str = GroupBy.NUMANODE,
+    reserved: str = "",
+    memory_pinning: bool = False,
+    node_name: str = DEFAULT_NODE_NAME,
+    runtime_name: str = "containerd",
+    runtime_version: str = DEFAULT_RUNTIME_VERSION,
+    shared_containers: int = 0,
+    extra_args: Sequence[str] = (),
+    start: bool = True,
+    root: Path | None = None,
+    keep: bool = False,
+) -> AsyncIterator[NodeSim]:
+    """Start a simulated node (see the module docstring) and yield it; everything stops (the
+    daemon with SIGTERM) when the block exits.
+
+    ``topology``: a name of :data:`~dracpu.sim.topologies.FIXTURES`; ``mode``, ``group_by``,
+    ``reserved``, ``memory_pinning``, ``extra_args``: the daemon's flags. ``runtime_name`` /
+    ``runtime_version``: what the fake runtime claims to be (it decides the NRI version).
+    ``shared_containers``: pods with one container each that run before the daemon starts.
+    ``start=False``: the peers run but no daemon is launched yet (call
+    :meth:`NodeSim.start_daemon`). ``root``: where to put the node's files (default: a fresh
+    temporary directory, removed at the end unless ``keep``). Asyncio backend only (aiohttp,
+    grpclib).
+    """
+    spec = fixture(topology)
+    device_mode, grouping = CpuDeviceMode(mode), GroupBy(group_by)
+    made = root is None
+    # Short paths: a unix socket path must fit in 107 bytes (pytest's tmp_path often does not).
+    base = Path(tempfile.mkdtemp(prefix="dracpu-sim-")) if root is None else root
+    paths = SimPaths(base)
+    try:
+        for directory in (paths.kubelet_root, paths.cdi_dir, paths.nri_socket.parent, paths.logs):
+            directory.mkdir(parents=True, exist_ok=True)
+        paths.host_root.mkdir(parents=True, exist_ok=True)
+        write_sysfs(spec, paths.host_root)
+        async with (
+            open_fake_apiserver(kubeconfig_dir=paths.root) as api,
+            open_fake_runtime(
+                paths.nri_socket, runtime_name=runtime_name, runtime_version=runtime_version
+            ) as runtime,
+        ):
+            api.add_node(node_name)
+            with FakeKubelet(paths.registry_dir) as kubelet:
+                sim = NodeSim(
+                    paths=paths,
+                    api=api,
+                    runtime=runtime,
+                    kubelet=kubelet,
+                    spec=spec,
+                    topology_name=topology,
+                    node_name=node_name,
+                    mode=device_mode,
+                    daemon_args=daemon_arguments(
+                        paths,
+                        api.kubeconfig_path,
+                        node_name=node_name,
+                        mode=device_mode,
+                        group_by=grouping,
+                        reserved=reserved,
+                        memory_pinning=memory_pinning,
+                        extra=extra_args,
+                    ),
+                )
+                for index in range(shared_containers):
+                    sim.shared_container(f"shared-{index}")
+                try:
+                    if start:
+                        await sim.start_daemon()
+                    yield sim
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        for daemon in sim.daemons:
+                            await daemon.aclose()
+    finally:
+        if made and not keep:
+            shutil.rmtree(base, ignore_errors=True)

@@ -1,0 +1,348 @@
+"""The node's state machine for ``dracpu run``: restore at start, and the effect executor.
+
+:class:`NodeMachine` is what the state owner runs on a real node (design §3). The pure part is
+:mod:`dracpu.core.state`; this module is its shell:
+
+- :meth:`NodeMachine.restore` builds the start state, before the state owner serves anyone:
+
+  1. read the topology under ``<host-root>/sys`` (in a worker thread) and build the
+     :class:`~dracpu.core.state.NodeConfig` (reserved CPUs, device mode, grouping, memory
+     pinning);
+  2. load the checkpoint (missing: no claims; corrupt: moved aside, logged, no claims; unreadable:
+     :class:`~dracpu.errors.CheckpointError`, the start fails rather than forget claims) and keep
+     the claims that still fit the node (the others are logged and dropped from the checkpoint);
+  3. adopt the claims whose CDI spec of ours exists but which the checkpoint lacks
+     (:class:`~dracpu.core.commands.AdoptClaims`: an upgrade from the upstream driver, a lost
+     checkpoint);
+  4. :class:`~dracpu.core.commands.Resync`: rewrite the CDI spec of every prepared claim (a
+     reboot empties ``/var/run/cdi``), delete the specs of ours that no prepared claim owns,
+     and hand the devices to the slice publisher.
+
+  NRI ``Synchronize`` then re-pins every running container once the NRI task connects.
+
+- :meth:`NodeMachine.execute` runs every effect of :mod:`dracpu.core.effects`:
+  ``WriteCdiSpec`` / ``DeleteCdiSpec`` / ``PruneCdiSpecs`` through :mod:`dracpu.adapters.cdi_files`
+  and ``WriteCheckpoint`` through :mod:`dracpu.adapters.checkpoint_file` (each in a worker
+  thread: they fsync), ``UpdateContainers`` to the NRI task (:meth:`NriLink.submit
+  <dracpu.tasks.nri_plugin.NriLink.submit>`, which never blocks), ``PublishSlices`` to the slice
+  publisher (the devices of the topology, then a republish request).
+
+- :meth:`NodeMachine.desired_specs` is the CDI watcher's view of which specs must exist: the
+  committed claims, corrected by the CDI writes and deletes of the command being applied. The
+  owner writes a claim's spec (and deletes one) *before* it commits the new state; without the
+  correction the watcher would see a fresh spec as an orphan, or put back a spec an Unprepare
+  just removed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+from anyio.streams.memory import MemoryObjectSendStream
+
+from dracpu.adapters import cdi_files, checkpoint_file
+from dracpu.adapters.sysfs import read_topology
+from dracpu.config import Config
+from dracpu.core import state as node_state
+from dracpu.core.checkpoint_schema import CheckpointData, encode
+from dracpu.core.commands import (
+    AdoptClaims,
+    AdoptedClaim,
+    Command,
+    InvalidateContainers,
+    Resync,
+)
+from dracpu.core.cpuset import CpuSet
+from dracpu.core.effects import (
+    ClaimsAdopted,
+    DeleteCdiSpec,
+    Effect,
+    PruneCdiSpecs,
+    PublishSlices,
+    Reply,
+    Resynced,
+    UpdateContainers,
+    WriteCdiSpec,
+    WriteCheckpoint,
+)
+from dracpu.core.slices import Device, published_devices
+from dracpu.core.state import NodeConfig, NodeState
+from dracpu.core.topology import Topology
+from dracpu.errors import CdiError, DracpuError
+from dracpu.tasks.slice_publisher import request_republish
+
+__all__ = ["ContainerUpdates", "NodeMachine"]
+
+logger = logging.getLogger(__name__)
+
+ContainerUpdates = Callable[[UpdateContainers], None]
+"""Takes the owner's unsolicited container updates without blocking and without failing
+(:meth:`dracpu.tasks.nri_plugin.NriLink.submit`)."""
+
+
+class NodeMachine:
+    """The node's state machine: restore, ``apply``, ``execute``, ``rollback``, ``follow_up``.
+
+    ``republish``: the sending end of the slice publisher's republish channel
+    (:func:`dracpu.tasks.slice_publisher.republish_channel`); ``update_containers``: where
+    ``UpdateContainers`` effects go (``None``: they are dropped with a debug log, the next NRI
+    ``Synchronize`` re-pins every container anyway). Call :meth:`restore` once, then give
+    :meth:`apply`, :meth:`execute`, :meth:`rollback` and :meth:`follow_up` to the state owner
+    and tell :meth:`watch_state` how to read the owner's committed state.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        republish: MemoryObjectSendStream[str] | None = None,
+        update_containers: ContainerUpdates | None = None,
+    ) -> None:
+        self.config = config
+        self._republish = republish
+        self._update_containers = update_containers
+        self._devices: tuple[Device, ...] = ()
+        # CDI writes (cpus) and deletes (None) of the command being applied, by claim UID.
+        self._cdi_changes: dict[str, CpuSet | None] = {}
+        self._committed: Callable[[], NodeState] | None = None
+        self._restored: NodeState | None = None
+
+    # --- what other tasks read -----------------------------------------------------------------
+
+    def devices(self) -> Sequence[Device]:
+        """The devices to publish (the slice publisher's ``desired`` source)."""
+        return self._devices
+
+    def watch_state(self, committed: Callable[[], NodeState]) -> None:
+        """Read the committed state through ``committed`` (``lambda: owner.state``)."""
+        self._committed = committed
+
+    def desired_specs(self) -> dict[str, CpuSet]:
+        """The CDI specs that must exist now: ``{claim UID: cpus}`` (the CDI watcher's view).
+
+        The committed claims, plus the specs the command in flight has written, minus the ones
+        it has deleted (see the module docstring).
+        """
+        state = self._committed() if self._committed is not None else self._restored
+        desired = {} if state is None else {uid: c.cpus for uid, c in state.claims.items()}
+        for uid, cpus in self._cdi_changes.items():
+            if cpus is None:
+                desired.pop(uid, None)
+            else:
+                desired[uid] = cpus
+        return desired
+
+    # --- the state machine ---------------------------------------------------------------------
+
+    def apply(self, state: NodeState, command: Command) -> tuple[NodeState, list[Effect]]:
+        """:func:`dracpu.core.state.apply`; a new command starts a new set of CDI changes."""
+        self._cdi_changes.clear()
+        return node_state.apply(state, command)
+
+    @staticmethod
+    def rollback(old: NodeState, started: Sequence[Effect], error: DracpuError) -> list[Effect]:
+        """:func:`dracpu.core.state.rollback`."""
+        return node_state.rollback(old, started, error)
+
+    @staticmethod
+    def follow_up(effect: Effect, error: DracpuError) -> Command | None:
+        """A failed ``UpdateContainers`` leaves those containers' cpusets unknown."""
+        if isinstance(effect, UpdateContainers):
+            return InvalidateContainers(tuple(u.container_id for u in effect.updates))
+        return None
+
+    async def execute(self, effect: Effect) -> None:
+        """Run one effect; failures raise :class:`~dracpu.errors.DracpuError`."""
+        cdi_dir = self.config.cdi_dir
+        match effect:
+            case WriteCdiSpec(claim_uid=uid, cpus=cpus):
+                self._cdi_changes[uid] = cpus
+                await anyio.to_thread.run_sync(cdi_files.write_spec, cdi_dir, uid, cpus)
+            case DeleteCdiSpec(claim_uid=uid):
+                self._cdi_changes[uid] = None
+                await anyio.to_thread.run_sync(cdi_files.delete_spec, cdi_dir, uid)
+            case PruneCdiSpecs(keep=keep):
+                removed = await anyio.to_thread.run_sync(_prune, cdi_dir, keep)
+                if removed:
+                    logger.info("removed CDI specs no prepared claim owns: %s", removed)
+            case WriteCheckpoint(checkpoint=data):
+                path = self.config.checkpoint_path
+                await anyio.to_thread.run_sync(_write_checkpoint, path, data)
+            case UpdateContainers():
+                if self._update_containers is None:
+                    logger.debug(
+                        "no NRI task: dropping updates of %d containers", len(effect.updates)
+                    )
+                else:
+                    self._update_containers(effect)
+            case PublishSlices(topology=topology):
+                self._publish(topology)
+            case Reply():
+                raise DracpuError("a Reply is not an effect to execute")  # the owner answers it
+
+    def _publish(self, topology: Topology) -> None:
+        config = self.config
+        self._devices = tuple(
+            published_devices(
+                topology,
+                reserved=config.reserved_cpus,
+                mode=config.cpu_device_mode,
+                group_by=config.group_by,
+            )
+        )
+        if self._republish is not None:
+            request_republish(self._republish, "resync")
+
+    # --- restore ---------------------------------------------------------------------------------
+
+    async def restore(self) -> NodeState:
+        """The start state (see the module docstring); raises DracpuError when the node cannot
+        be read (topology, an unreadable checkpoint)."""
+        config = self.config
+        topology = await anyio.to_thread.run_sync(read_topology, config.host_root)
+        outside = config.reserved_cpus - topology.online
+        if outside:
+            logger.warning("reserved cpus %s are not online on this node; ignored", outside)
+        node = NodeConfig.build(
+            config.node_name,
+            topology,
+            reserved=config.reserved_cpus,
+            mode=config.cpu_device_mode,
+            group_by=config.group_by,
+            pin_memory=config.memory_pinning,
+        )
+        logger.info(
+            "topology: %d online cpus (%s), %d allocatable, %d devices",
+            len(topology.online),
+            topology.online,
+            len(node.allocatable),
+            len(node.devices),
+        )
+        data = await anyio.to_thread.run_sync(checkpoint_file.restore, config.checkpoint_path)
+        state, refused = node_state.restore_state(node, data)
+        for uid, reason in refused:
+            claim = data.claims[uid]
+            logger.error(
+                "checkpointed claim %s (cpus %s, %s/%s) no longer fits this node and is dropped: "
+                "%s",
+                uid,
+                claim.cpus,
+                claim.namespace or "?",
+                claim.name or "?",
+                reason,
+                extra={"claim_uid": uid},
+            )
+        logger.info(
+            "restored %d prepared claims from %s", len(state.claims), config.checkpoint_path
+        )
+        self._restored = state
+        state, adopted = await self._adopt(state)
+        if refused and not adopted:  # the checkpoint must hold exactly the claims we keep
+            state = await self._run(state, None, WriteCheckpoint(state.checkpoint()))
+        state = await self._run(state, Resync())
+        self._restored = state
+        return state
+
+    async def _adopt(self, state: NodeState) -> tuple[NodeState, bool]:
+        """Adopt our CDI specs that the checkpoint lacks; whether the checkpoint was written."""
+        try:
+            specs = await anyio.to_thread.run_sync(cdi_files.list_our_specs, self.config.cdi_dir)
+        except CdiError as exc:
+            logger.error("cannot look for CDI specs to adopt: %s", exc)
+            return state, False
+        candidates: list[AdoptedClaim] = []
+        for uid, cpus in sorted(specs.items()):
+            if uid in state.claims:
+                continue
+            if isinstance(cpus, CdiError):
+                logger.warning("CDI spec of claim %s cannot be adopted: %s", uid, cpus)
+                continue
+            candidates.append(AdoptedClaim(uid, cpus))
+        if not candidates:
+            return state, False
+        before = state
+        state = await self._run(state, AdoptClaims(tuple(candidates)))
+        return state, state is not before
+
+    async def _run(self, state: NodeState, command: Command | None, *effects: Effect) -> NodeState:
+        """Apply ``command`` (or run ``effects``) like the state owner does, before it runs:
+        the commit phase in order, a rollback when one fails (the old state is kept)."""
+        if command is None:
+            new, planned = state, [*effects, Reply(None)]
+        else:
+            new, planned = self.apply(state, command)
+        commit, reply, after = node_state.commit_phase(planned)
+        for index, effect in enumerate(commit):
+            try:
+                await self.execute(effect)
+            except DracpuError as error:
+                what = type(command).__name__ if command is not None else type(effect).__name__
+                logger.error("start-up %s failed: %s", what, error)
+                for undo in node_state.rollback(state, commit[: index + 1], error):
+                    if isinstance(undo, Reply):
+                        continue
+                    try:
+                        await self.execute(undo)
+                    except DracpuError as undo_error:
+                        logger.error(
+                            "start-up rollback %s failed: %s", type(undo).__name__, undo_error
+                        )
+                return state
+        self._report(reply.value)
+        for effect in after:
+            try:
+                await self.execute(effect)
+            except DracpuError as error:
+                logger.error("start-up %s failed: %s", type(effect).__name__, error)
+        return new
+
+    @staticmethod
+    def _report(value: object) -> None:
+        match value:
+            case ClaimsAdopted(adopted=adopted, rejected=rejected):
+                if adopted:
+                    logger.warning(
+                        "adopted %d claims from CDI specs the checkpoint lacked: %s",
+                        len(adopted),
+                        list(adopted),
+                    )
+                for uid, reason in rejected:
+                    logger.error(
+                        "cannot adopt the CDI spec of claim %s: %s (the spec is removed)",
+                        uid,
+                        reason,
+                        extra={"claim_uid": uid},
+                    )
+            case Resynced(claims=claims):
+                logger.info("CDI specs of %d prepared claims are in place", claims)
+            case DracpuError():
+                logger.error("start-up command refused: %s", value)
+            case _:
+                pass
+
+
+def _prune(cdi_dir: Path, keep: frozenset[str]) -> list[str]:
+    """Delete our specs whose claim is not in ``keep``; the removed claim UIDs (sync).
+
+    Raises :class:`CdiError` naming every spec that could not be removed (after trying all).
+    """
+    scan = cdi_files.scan_dir(cdi_dir)
+    removed: list[str] = []
+    errors: list[str] = []
+    for uid in sorted(scan.specs.keys() - keep):
+        try:
+            if cdi_files.delete_spec(cdi_dir, uid):
+                removed.append(uid)
+        except CdiError as exc:
+            errors.append(str(exc))
+    if errors:
+        raise CdiError("; ".join(errors))
+    return removed
+
+
+def _write_checkpoint(path: Path, data: CheckpointData) -> None:
+    checkpoint_file.write_checkpoint(path, encode(data))

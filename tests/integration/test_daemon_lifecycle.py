@@ -1,0 +1,167 @@
+"""The real ``dracpu run`` process on a simulated node: start order, readiness, signals, exits."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import stat
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from dracpu.sim.fake_kubelet import FakeKubelet, RegistrationRefused
+from dracpu.sim.node import NodeSim, SimError, open_node_sim, wait_until
+
+pytestmark = pytest.mark.anyio
+
+TASKS = (
+    "signals",
+    "state-owner",
+    "http",
+    "cdi-watcher",
+    "kubelet-plugin",
+    "registration",
+    "nri-plugin",
+    "slice-publisher",
+)
+
+
+def _sockets_under(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if stat.S_ISSOCK(p.lstat().st_mode)]
+
+
+async def _exit_code(sim: NodeSim, timeout: float = 30.0) -> int:  # noqa: ASYNC109
+    with anyio.fail_after(timeout):
+        return await sim.daemon.process.wait()
+
+
+async def test_ready_with_every_task_then_sighup_resyncs_and_sigterm_stops_within_5s() -> None:
+    async with open_node_sim() as sim:
+        status, body = await sim.daemon.get("/readyz")
+        assert status == 200
+        assert body == (
+            "".join(f"[+]{task} ok\n" for task in TASKS)
+            + "[+]kubelet-registration ok\nreadyz check passed\n"
+        )
+        assert await sim.daemon.get("/healthz") == (200, "ok\n")
+        started = [m for m in sim.daemon.messages() if m.startswith("task ")]
+        assert started[: len(TASKS)] == [f"task {task} is ready" for task in TASKS]
+
+        # SIGHUP reaches the state owner as a Resync (counted in /metrics).
+        resyncs = 'dracpu_state_owner_commands_total{command="Resync",outcome="ok"} 1.0'
+        sim.daemon.process.send_signal(signal.SIGHUP)
+        with anyio.fail_after(10):
+            while resyncs not in (await sim.daemon.get("/metrics"))[1]:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+
+        start = time.monotonic()
+        assert await sim.stop_daemon(signal.SIGTERM) == 0
+        assert time.monotonic() - start < 5
+        messages = sim.daemon.messages()
+        assert "resync done: Resynced(claims=0, config_changed=False)" in messages
+        assert "SIGTERM received: stopping" in messages
+        assert messages[-2:] == ["stopping (SIGTERM)", "stopped"]
+        assert sim.daemon.messages("error") == []
+        # Every socket the daemon made is gone; the runtime's NRI socket stays.
+        assert _sockets_under(sim.paths.kubelet_root) == []
+        assert _sockets_under(sim.paths.nri_socket.parent) == [sim.paths.nri_socket]
+
+
+async def test_sigint_stops_the_daemon_too() -> None:
+    async with open_node_sim() as sim:
+        start = time.monotonic()
+        assert await sim.stop_daemon(signal.SIGINT) == 0
+        assert time.monotonic() - start < 5
+        assert sim.daemon.messages()[-1] == "stopped"
+
+
+async def test_not_ready_until_the_kubelet_registers_the_plugin_and_after_a_refusal() -> None:
+    async with open_node_sim(start=False) as sim:
+        await sim.start_daemon(register=False, wait_ready=False)
+        waiting = "[-]kubelet-registration not ready: the kubelet has not registered the plugin yet"
+
+        async def readyz() -> tuple[int, str]:
+            try:
+                return await sim.daemon.get("/readyz")
+            except OSError:
+                return 0, ""
+
+        with anyio.fail_after(60):
+            while True:
+                status, body = await readyz()
+                if all(f"[+]{task} ok" in body for task in TASKS):
+                    break
+                assert sim.daemon.exited() is None
+                await anyio.sleep(0.05)
+        assert (status, waiting in body) == (503, True)
+
+        await sim.register()
+        assert (await readyz())[0] == 200
+
+        # A kubelet that speaks no version of ours refuses the plugin and tells it why.
+        picky = FakeKubelet(sim.paths.registry_dir, services=("v9.DRAPlugin",))
+        with picky, pytest.raises(RegistrationRefused):
+            await picky.aregister()
+        status, body = await readyz()
+        assert status == 503
+        assert "[-]kubelet-registration not ready: kubelet registration failed: none of " in body
+        assert any(
+            m.startswith("the kubelet refused to register DRA driver dra.cpu")
+            for m in sim.daemon.messages("error")
+        )
+        await sim.register()  # the kubelet retries and succeeds: ready again
+        assert (await readyz())[0] == 200
+
+
+async def test_a_task_that_cannot_start_exits_1_with_the_error_logged() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        async with open_node_sim(
+            start=False, extra_args=[f"--bind-address=127.0.0.1:{port}"]
+        ) as sim:
+            await sim.start_daemon(register=False, wait_ready=False)
+            assert await _exit_code(sim) == 1
+            assert sim.daemon.messages("error") == [
+                f"task http failed: cannot listen on --bind-address 127.0.0.1:{port}: "
+                "Address already in use"
+            ]
+            # The tasks started before it were stopped and cleaned up after themselves.
+            assert _sockets_under(sim.paths.kubelet_root) == []
+
+
+async def test_a_topology_that_cannot_be_read_fails_the_start() -> None:
+    async with open_node_sim(start=False) as sim:
+        online = sim.paths.host_root / "sys/devices/system/cpu/online"
+        online.unlink()
+        await sim.start_daemon(register=False, wait_ready=False)
+        assert await _exit_code(sim) == 1
+        errors = sim.daemon.messages("error")
+        assert len(errors) == 1
+        assert errors[0].startswith("task state-owner failed: ")
+        assert "online" in errors[0]
+
+
+async def test_without_a_kubeconfig_outside_a_cluster_the_start_fails(tmp_path: Path) -> None:
+    async with open_node_sim(start=False) as sim:
+        argv = [a for a in sim.command() if not a.startswith("--kubeconfig=")]
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in {"KUBECONFIG", "KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"}
+        }
+        result = await anyio.run_process(argv, env=env, check=False)
+        assert result.returncode == 1
+        last = result.stderr.decode().splitlines()[-1]
+        assert '"level": "error"' in last
+        assert "dracpu failed to start: cannot load the in-cluster service account" in last
+
+
+async def test_wait_until_names_what_it_waited_for() -> None:
+    with pytest.raises(SimError, match=re.escape("timed out after 0.05 s waiting for nothing")):
+        await wait_until("nothing", lambda: False, timeout=0.05)
