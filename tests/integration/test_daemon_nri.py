@@ -1,0 +1,129 @@
+"""Issue 5 on the real daemon: containers pinned through NRI by a fake runtime whose messages are
+Google-protobuf encoded (design §7): the claim's container gets exactly the claim's CPUs, shared
+containers shrink and widen again, a runtime restart is survived."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dracpu.sim.fake_runtime import PluginFailedError, claim_env
+from dracpu.sim.node import NodeSim, open_node_sim, wait_until
+from tests.integration.conftest import cpus, node_cpus
+
+pytestmark = pytest.mark.anyio
+
+
+def _shared(sim: NodeSim) -> dict[str, set[int]]:
+    return {cid: cpus(sim.cpus_of(cid)) for cid in sim.shared_ids()}
+
+
+def _unsolicited(sim: NodeSim) -> int:
+    return len(sim.runtime.calls("UpdateContainers", caller="plugin"))
+
+
+async def test_a_claims_container_gets_its_cpus_and_shared_ones_shrink_then_widen() -> None:
+    async with open_node_sim(shared_containers=3, runtime_version="2.4.0") as sim:
+        everything = node_cpus(sim)
+        # Synchronize pinned the containers that ran before the daemon to the whole pool.
+        assert _shared(sim) == dict.fromkeys(sim.shared_ids(), everything)
+
+        await sim.wait_published()
+        claim = sim.allocate("exclusive", 4)
+        assert (await sim.prepare(claim))[claim.uid].error == ""
+        held = cpus(sim.cdi_cpus(claim.uid) or "")
+        pod, container = await sim.run_container("app", claims=[claim])
+        assert dict(container.env_map)[f"DRA_CPUSET_{claim.uid}"] == sim.cdi_cpus(claim.uid)
+        assert cpus(container.cpus) == held
+        assert _shared(sim) == dict.fromkeys(sim.shared_ids(), everything - held)
+
+        # A shared container created now gets the shared pool as well.
+        _, late = await sim.run_container("late")
+        assert cpus(late.cpus) == everything - held
+
+        # The pod ends, the kubelet unprepares: with NRI v0.12.2 the shared containers are
+        # widened at once by an unsolicited UpdateContainers.
+        await sim.remove_pod(pod)
+        assert await sim.unprepare(claim) == {claim.uid: ""}
+        await wait_until(
+            "the shared containers to be widened",
+            lambda: _shared(sim) == dict.fromkeys(sim.shared_ids(), everything),
+            failed=sim.daemon.exited,
+        )
+        assert _unsolicited(sim) >= 1
+        assert sim.daemon.messages("error") == []
+
+
+async def test_an_old_runtime_widens_shared_containers_at_the_next_event() -> None:
+    # containerd 2.2 embeds NRI v0.10: unsolicited updates could deadlock it, so none are sent.
+    async with open_node_sim(shared_containers=2, runtime_version="2.2.0") as sim:
+        everything = node_cpus(sim)
+        await sim.wait_published()
+        claim = sim.allocate("exclusive", 8)
+        assert (await sim.prepare(claim))[claim.uid].error == ""
+        held = cpus(sim.cdi_cpus(claim.uid) or "")
+        pod, container = await sim.run_container("app", claims=[claim])
+        assert cpus(container.cpus) == held
+        assert _shared(sim) == dict.fromkeys(sim.shared_ids(), everything - held)
+
+        await sim.remove_pod(pod)
+        assert await sim.unprepare(claim) == {claim.uid: ""}
+        # Nothing is pushed: the shared containers keep the narrow pool for now ...
+        assert _unsolicited(sim) == 0
+        assert _shared(sim) == dict.fromkeys(sim.shared_ids(), everything - held)
+        # ... until the next container event, whose reply widens every one of them.
+        _, late = await sim.run_container("late")
+        assert cpus(late.cpus) == everything
+        assert _shared(sim) == dict.fromkeys(sim.shared_ids(), everything)
+        assert _unsolicited(sim) == 0
+
+
+async def test_a_spoofed_claim_env_fails_the_container_creation() -> None:
+    async with open_node_sim(shared_containers=1) as sim:
+        await sim.wait_published()
+        claim = sim.allocate("real", 2)
+        assert (await sim.prepare(claim))[claim.uid].error == ""
+        real = sim.cdi_cpus(claim.uid)
+        pod = sim.runtime.add_pod("spoof")
+        wrong = "0-63" if real != "0-63" else "0-1"
+        spoofed = sim.runtime.new_container(pod, "main", env=[claim_env(claim.uid, wrong)])
+        with pytest.raises(PluginFailedError, match="spoofed DRA_CPUSET env"):
+            await sim.runtime.create_container(pod, spoofed)
+        assert spoofed.id not in sim.runtime.containers
+        # The honest container of the claim still gets it.
+        _, honest = await sim.run_container("honest", claims=[claim])
+        assert honest.cpus == real
+
+
+async def test_a_runtime_restart_reconnects_and_resyncs_every_container() -> None:
+    async with open_node_sim(shared_containers=2, memory_pinning=True) as sim:
+        everything = node_cpus(sim)
+        await sim.wait_published()
+        claim = sim.allocate("exclusive", 4, device="cpudevnuma002")
+        assert (await sim.prepare(claim))[claim.uid].error == ""
+        held = cpus(sim.cdi_cpus(claim.uid) or "")
+        _, container = await sim.run_container("app", claims=[claim])
+        assert cpus(container.cpus) == held
+        assert container.mems == "2"  # memory pinned to the claim's NUMA node
+        first = sim.runtime.plugin
+        assert first is not None
+
+        # While the runtime is down, its containers drift (someone reset their cpusets).
+        for cid, record in list(sim.runtime.containers.items()):
+            sim.runtime.containers[cid] = dataclasses.replace(record, cpus="0-63", mems="")
+        await sim.runtime.restart(downtime=0.2)
+        info = await sim.runtime.wait_plugin(20)
+        assert info.connection == first.connection + 1
+
+        # Synchronize re-pinned every container: the claim's and the shared ones.
+        assert cpus(sim.cpus_of(container.id)) == held
+        assert sim.runtime.containers[container.id].mems == "2"
+        assert _shared(sim) == dict.fromkeys(sim.shared_ids(), everything - held)
+        assert any(
+            m.startswith("NRI: connection to ") and "reconnecting" in m
+            for m in sim.daemon.messages("warning")
+        )
+        # Containers are still pinned at creation after the reconnect.
+        _, late = await sim.run_container("late")
+        assert cpus(late.cpus) == everything - held

@@ -1,0 +1,154 @@
+"""Crash safety on the real daemon (design §3): claims survive SIGKILL through the checkpoint, the
+CDI specs come back at start, a corrupt checkpoint is moved aside and the claims adopted from
+their CDI specs, and NRI ``Synchronize`` re-pins the running containers."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+import pytest
+
+from dracpu.sim.node import NodeSim, SimClaim, open_node_sim
+from tests.integration.conftest import checkpoint_claims, cpus, node_cpus
+
+pytestmark = pytest.mark.anyio
+
+FOREIGN_SPEC = "vendor.example-gpu.json"  # another vendor's CDI spec: never ours to touch
+
+
+async def _prepare(sim: NodeSim, claim: SimClaim) -> set[int]:
+    answer = (await sim.prepare(claim))[claim.uid]
+    assert answer.error == ""
+    return cpus(sim.cdi_cpus(claim.uid) or "")
+
+
+def _drift(sim: NodeSim) -> None:
+    """Someone resets every container's cpuset while the daemon is away."""
+    for cid, record in list(sim.runtime.containers.items()):
+        sim.runtime.containers[cid] = dataclasses.replace(record, cpus="0-63")
+
+
+async def test_a_killed_daemon_keeps_its_claims_and_repins_containers_at_synchronize() -> None:
+    async with open_node_sim(shared_containers=2) as sim:
+        numa0 = node_cpus(sim, numa=0)
+        await sim.wait_published()
+        claim = sim.allocate("survivor", 4, device="cpudevnuma000")
+        held = await _prepare(sim, claim)
+        _, container = await sim.run_container("app", claims=[claim])
+        assert cpus(container.cpus) == held
+
+        assert await sim.daemon.kill() == -9
+        _drift(sim)
+        await sim.start_daemon()
+
+        # Still held, from the checkpoint; its CDI spec is there; the container is re-pinned.
+        assert cpus(checkpoint_claims(sim.paths.checkpoint)[claim.uid]["cpus"]) == held
+        assert cpus(sim.cdi_cpus(claim.uid) or "") == held
+        await sim.runtime.wait_plugin(20)
+        assert cpus(sim.cpus_of(container.id)) == held
+        shared = {cid: cpus(sim.cpus_of(cid)) for cid in sim.shared_ids()}
+        assert shared == dict.fromkeys(sim.shared_ids(), node_cpus(sim) - held)
+        assert "restored 1 prepared claims from " + str(sim.paths.checkpoint) in (
+            sim.daemon.messages()
+        )
+
+        # The kubelet's retry gets the same CPUs; nobody else gets them.
+        assert await _prepare(sim, claim) == held
+        rest = sim.allocate("rest", 12, device="cpudevnuma000")
+        assert await _prepare(sim, rest) == numa0 - held
+
+
+async def test_cdi_specs_deleted_while_the_daemon_was_down_are_rewritten_at_start() -> None:
+    async with open_node_sim() as sim:
+        await sim.wait_published()
+        claims = [sim.allocate(f"c{n}", 2 + n) for n in range(2)]
+        held = {c.uid: await _prepare(sim, c) for c in claims}
+        assert await sim.stop_daemon() == 0
+
+        for path in sim.paths.cdi_dir.iterdir():
+            path.unlink()
+        orphan = str(uuid.uuid4())  # a spec of our kind that the checkpoint does not know
+        (sim.paths.cdi_dir / FOREIGN_SPEC).write_text('{"cdiVersion": "0.5.0"}')
+        orphan_text = (
+            '{"cdiVersion":"0.5.0","kind":"dra.k8s.io/cpu","devices":[{"name":"claim-'
+            + orphan
+            + '","containerEdits":{"env":["DRA_CPUSET_'
+            + orphan
+            + '=60-61"]}}]}'
+        )
+        sim.paths.cdi_spec(orphan).write_text(orphan_text)
+
+        await sim.start_daemon()
+        assert {c.uid: cpus(sim.cdi_cpus(c.uid) or "") for c in claims} == held
+        assert (sim.paths.cdi_dir / FOREIGN_SPEC).read_text() == '{"cdiVersion": "0.5.0"}'
+        # The orphan named a CPU nobody holds, so it was adopted (an upgrade from upstream).
+        assert orphan in checkpoint_claims(sim.paths.checkpoint)
+        assert sim.cdi_cpus(orphan) == "60-61"
+        assert "CDI specs of 3 prepared claims are in place" in sim.daemon.messages()
+
+
+async def test_an_orphan_spec_that_conflicts_with_a_claim_is_removed_at_start() -> None:
+    async with open_node_sim() as sim:
+        await sim.wait_published()
+        claim = sim.allocate("owner", 2)
+        held = await _prepare(sim, claim)
+        assert await sim.stop_daemon() == 0
+        orphan = str(uuid.uuid4())
+        taken = ",".join(str(c) for c in sorted(held))
+        sim.paths.cdi_spec(orphan).write_text(
+            '{"cdiVersion":"0.5.0","kind":"dra.k8s.io/cpu","devices":[{"name":"claim-'
+            f'{orphan}","containerEdits":{{"env":["DRA_CPUSET_{orphan}={taken}"]}}}}]}}'
+        )
+        await sim.start_daemon()
+        assert sim.cdi_claims() == [claim.uid]
+        assert sorted(checkpoint_claims(sim.paths.checkpoint)) == [claim.uid]
+        assert any(
+            m.startswith(f"cannot adopt the CDI spec of claim {orphan}: cpus ")
+            for m in sim.daemon.messages("error")
+        )
+
+
+async def test_a_corrupt_checkpoint_is_moved_aside_and_claims_are_adopted_from_cdi() -> None:
+    async with open_node_sim() as sim:
+        numa0 = node_cpus(sim, numa=0)
+        await sim.wait_published()
+        claim = sim.allocate("adoptee", 4, device="cpudevnuma000")
+        held = await _prepare(sim, claim)
+        assert await sim.daemon.kill() == -9
+
+        corrupt = sim.paths.checkpoint.read_bytes()[:-20]  # a torn write
+        sim.paths.checkpoint.write_bytes(corrupt)
+        await sim.start_daemon()
+
+        moved = sim.paths.state_dir / "checkpoint.json.corrupt-1"
+        assert moved.read_bytes() == corrupt
+        assert any(m.startswith("checkpoint ") for m in sim.daemon.messages("error"))
+        assert f"adopted 1 claims from CDI specs the checkpoint lacked: ['{claim.uid}']" in (
+            sim.daemon.messages("warning")
+        )
+        adopted = checkpoint_claims(sim.paths.checkpoint)[claim.uid]
+        assert (cpus(adopted["cpus"]), adopted["results"]) == (held, [])
+
+        # Held: the rest of the NUMA node is all another claim can get ...
+        greedy = sim.write_claim(
+            "greedy",
+            [
+                {
+                    "request": "cpus",
+                    "driver": "dra.cpu",
+                    "pool": sim.node_name,
+                    "device": "cpudevnuma000",
+                    "shareID": str(uuid.uuid4()),
+                    "consumedCapacity": {"dra.cpu/cpu": "16"},
+                }
+            ],
+        )
+        error = (await sim.prepare(greedy))[greedy.uid].error
+        assert error.endswith("asks 16 CPUs but only 12 of the device's 16 are free")
+        assert await _prepare(sim, sim.allocate("rest", 12, device="cpudevnuma000")) == (
+            numa0 - held
+        )
+        # ... and the kubelet's Prepare of the adopted claim gets its CPUs, results recorded.
+        assert await _prepare(sim, claim) == held
+        assert checkpoint_claims(sim.paths.checkpoint)[claim.uid]["results"] != []
