@@ -194,6 +194,10 @@ class _Pin:
     mems: CpuSet | None
 
 
+def _wire(pins: Mapping[str, _Pin]) -> list[nri.CpusetUpdate]:
+    return messages.wire_pins((cid, pin.cpus, pin.mems) for cid, pin in pins.items())
+
+
 class _Ask:
     """A command of ours on its way to the owner; ``newer``: pins of effects the owner executed
     after it answered this command (they override the answer's pins)."""
@@ -569,11 +573,7 @@ class _Connection:
         link = self._link
         while True:
             batch = await link._next_batch()
-            updates = [
-                update
-                for cid, pin in batch
-                if (update := messages.wire_update(cid, pin.cpus, pin.mems)) is not None
-            ]
+            updates = messages.wire_pins((cid, pin.cpus, pin.mems) for cid, pin in batch)
             if not updates:
                 continue
             payload = nri.encode_update_containers_request(updates)
@@ -725,11 +725,7 @@ class _Connection:
                 "NRI: the shared pool is empty: %d shared containers keep their CPUs",
                 len(value.unpinned),
             )
-        updates = [
-            update
-            for cid, pin in pins.items()
-            if (update := messages.wire_update(cid, pin.cpus, pin.mems)) is not None
-        ]
+        updates = _wire(pins)
         logger.info(
             "NRI: synchronized %d containers of %d pods (%d confined for unverifiable claims)",
             len(containers),
@@ -762,11 +758,7 @@ class _Connection:
                 container_id,
             )
             raise _Refused(Code.INTERNAL, "dra.cpu: internal error: empty cpuset")
-        updates = [
-            update
-            for cid, pin in effective.items()
-            if (update := messages.wire_update(cid, pin.cpus, pin.mems)) is not None
-        ]
+        updates = _wire(effective)
         return own, updates
 
     async def _create_container(self, request_: TtrpcRequest) -> bytes:
@@ -815,11 +807,7 @@ class _Connection:
             return b""
         pins = {u.container_id: _Pin(u.cpus, u.mems) for u in value.updates}
         effective = self._link._record(pins, newer)
-        updates = [
-            update
-            for cid, pin in effective.items()
-            if (update := messages.wire_update(cid, pin.cpus, pin.mems)) is not None
-        ]
+        updates = _wire(effective)
         return nri.encode_stop_container_response(updates)
 
     async def _forget(self, request_: TtrpcRequest, container_id: str) -> None:

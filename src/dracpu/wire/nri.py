@@ -449,9 +449,17 @@ def _linux_resources(cpus: str, mems: str, what: str) -> bytes:
     return _len_field(_TAG_2_LEN, cpu)
 
 
+_SMALL_VARINTS = [bytes((i,)) for i in range(0x80)]  # one-byte varints, the common lengths
+
+
+def _varint(value: int) -> bytes:
+    return _SMALL_VARINTS[value] if value < 0x80 else encode_varint(value)
+
+
 def _container_updates(field_tag: int, updates: Iterable[CpusetUpdate]) -> bytes:
     """``repeated ContainerUpdate`` with ``container_id`` and ``linux.resources.cpu``."""
     out = bytearray()
+    tag = bytes((field_tag,))
     tails: dict[tuple[str, str], bytes] = {}  # shared containers all get the same cpuset
     for update in updates:
         key = (update.cpus, update.mems)
@@ -459,14 +467,17 @@ def _container_updates(field_tag: int, updates: Iterable[CpusetUpdate]) -> bytes
         if tail is None:
             resources = _linux_resources(update.cpus, update.mems, update.container_id)
             # ContainerUpdate.linux(2) = LinuxContainerUpdate{resources(1)}
-            tail = _len_field(_TAG_2_LEN, _len_field(_TAG_1_LEN, resources))
-            tails[key] = tail
+            tail = tails[key] = _len_field(_TAG_2_LEN, _len_field(_TAG_1_LEN, resources))
         if not update.container_id:
             raise LocalProtocolError("nri: a container update needs a container id")
-        body = _len_field(_TAG_1_LEN, _utf8(update.container_id, "container id")) + tail
-        out += bytes((field_tag,))
-        out += encode_varint(len(body))
-        out += body
+        container_id = _utf8(update.container_id, "container id")
+        size = len(container_id)
+        out += tag
+        out += _varint(1 + len(_varint(size)) + size + len(tail))
+        out += b"\x0a"  # ContainerUpdate.container_id(1)
+        out += _varint(size)
+        out += container_id
+        out += tail
     return bytes(out)
 
 
