@@ -1,4 +1,4 @@
-"""The ``dracpu`` command: ``inspect``, ``plan`` and ``run`` (design §5).
+"""The ``dracpu`` command: ``inspect``, ``plan``, ``run`` and ``sim`` (design §5).
 
 Bad flags, config values or sysfs contents end with one line on stderr and exit code 2; a plan
 that cannot be met exits 1. Nothing here does work of its own: it parses, calls the library, and
@@ -101,6 +101,33 @@ def _build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run the driver daemon (what the DaemonSet runs)")
     add_run_arguments(run)
+
+    sim = sub.add_parser(
+        "sim", help="run the real daemon on a simulated node and walk one claim through it"
+    )
+    sim.add_argument(
+        "--topology", default="dual-socket-smt2", metavar="NAME", help="a machine of dracpu.sim"
+    )
+    sim.add_argument("--cpus", type=int, default=4, metavar="N", help="CPUs of the demo claim")
+    sim.add_argument(
+        "--cpu-device-mode",
+        choices=[m.value for m in CpuDeviceMode],
+        default=CpuDeviceMode.GROUPED.value,
+    )
+    sim.add_argument(
+        "--group-by", choices=[g.value for g in GroupBy], default=GroupBy.NUMANODE.value
+    )
+    sim.add_argument("--reserved-cpus", default="", metavar="SET", help="the daemon's flag")
+    sim.add_argument(
+        "--runtime-version",
+        default="2.4.0",
+        metavar="V",
+        help="containerd version the fake runtime claims (its NRI version follows; default 2.4.0)",
+    )
+    sim.add_argument("--shared", type=int, default=3, metavar="N", help="shared containers")
+    sim.add_argument("--memory-pinning", action="store_true", help="the daemon's flag")
+    sim.add_argument("--keep", action="store_true", help="keep the node's files and logs")
+    sim.add_argument("-o", "--output", choices=["text", "json"], default="text")
     return parser
 
 
@@ -174,10 +201,30 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return daemon_main(config)
 
 
+def _cmd_sim(args: argparse.Namespace) -> int:
+    from dracpu.core.slices import CpuDeviceMode, GroupBy
+    from dracpu.sim.demo import DemoOptions
+    from dracpu.sim.demo import main as demo_main
+
+    options = DemoOptions(
+        topology=args.topology,
+        cpus=args.cpus,
+        mode=CpuDeviceMode(args.cpu_device_mode),
+        group_by=GroupBy(args.group_by),
+        reserved=args.reserved_cpus,
+        runtime_version=args.runtime_version,
+        shared=args.shared,
+        memory_pinning=args.memory_pinning,
+        keep=args.keep,
+    )
+    return demo_main(options, output=args.output)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
-    handler = {"inspect": _cmd_inspect, "plan": _cmd_plan, "run": _cmd_run}[args.command]
+    handlers = {"inspect": _cmd_inspect, "plan": _cmd_plan, "run": _cmd_run, "sim": _cmd_sim}
+    handler = handlers[args.command]
     try:
         return handler(args)
     except DracpuError as exc:

@@ -1,0 +1,375 @@
+"""``dracpu sim``: a scripted demo of one exclusive claim on a simulated node (design §5, §7).
+
+It runs the REAL ``dracpu run`` on :func:`dracpu.sim.node.open_node_sim` and walks one claim
+through its life, checking every step and printing what happened:
+
+1. the daemon is ready: every task started and the fake kubelet registered it;
+2. its ResourceSlices are in the fake API server (which validated them);
+3. the containers that ran before it are pinned to the shared pool at NRI ``Synchronize``;
+4. the simulator, playing the scheduler, allocates a claim of N CPUs from a published device;
+5. the kubelet prepares it: the CPUs, the CDI spec, the claim's ``status.devices`` cpuset;
+6. the runtime creates the pod's container with the CDI env: it gets exactly the claim's CPUs,
+   and every shared container shrinks to the rest;
+7. the pod ends and the kubelet unprepares the claim: the CDI spec goes and the shared
+   containers get the CPUs back (at once when the runtime's NRI takes unsolicited updates, else
+   at the next container event, which the demo then causes).
+
+A step whose outcome is not the expected one stops the demo with exit code 1 and says what was
+wrong. ``-o json`` prints one JSON document instead of the transcript.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import anyio
+
+from dracpu.core.allocator import describe_plan
+from dracpu.core.cpuset import CpuSet
+from dracpu.core.slices import CpuDeviceMode, GroupBy
+from dracpu.errors import DracpuError
+from dracpu.sim.node import (
+    DEFAULT_RUNTIME_VERSION,
+    DEFAULT_TOPOLOGY,
+    NodeSim,
+    SimError,
+    open_node_sim,
+    wait_until,
+)
+from dracpu.sim.topologies import fixture
+
+__all__ = ["DemoOptions", "Step", "main", "run_demo"]
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # the node did not behave as expected
+EXIT_USAGE = 2  # bad options (dracpu's CLI convention)
+# How long the demo waits for an unsolicited widening before it says the runtime defers it.
+WIDEN_TIMEOUT = 5.0
+DEMO_NAMESPACE = "demo"
+
+
+@dataclass(frozen=True, slots=True)
+class DemoOptions:
+    """What ``dracpu sim`` was asked to simulate."""
+
+    topology: str = DEFAULT_TOPOLOGY
+    cpus: int = 4
+    mode: CpuDeviceMode = CpuDeviceMode.GROUPED
+    group_by: GroupBy = GroupBy.NUMANODE
+    reserved: str = ""
+    runtime_version: str = DEFAULT_RUNTIME_VERSION
+    shared: int = 3
+    memory_pinning: bool = False
+    keep: bool = False
+
+
+@dataclass(slots=True)
+class Step:
+    """One step of the transcript: a title, the lines that show it, the facts as data."""
+
+    title: str
+    lines: list[str] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+def _expect(condition: bool, what: str) -> None:
+    if not condition:
+        raise SimError(what)
+
+
+def _cpus(text: str) -> CpuSet:
+    return CpuSet.parse(text) if text else CpuSet()
+
+
+def _container_label(sim: NodeSim, container_id: str) -> str:
+    container = sim.runtime.containers[container_id]
+    pod = sim.runtime.pods[container.pod_id]
+    return f"{pod.namespace}/{pod.name}/{container.name}"
+
+
+def _where(sim: NodeSim, cpus: CpuSet) -> str:
+    plan = describe_plan(sim.topology, cpus)
+    cores = len(plan["cores"])
+    numa = ",".join(str(n) for n in plan["numaNodes"])
+    l3 = ",".join(str(n) for n in plan["l3Caches"])
+    return f"{cores} cores, NUMA node {numa}, L3 {l3}"
+
+
+async def run_demo(options: DemoOptions, emit: Callable[[Step], None]) -> list[Step]:
+    """Run the scripted demo; ``emit`` gets each step as it completes. Raises
+    :class:`~dracpu.sim.node.SimError` (or another DracpuError) when a step goes wrong."""
+    steps: list[Step] = []
+
+    def done(step: Step) -> None:
+        steps.append(step)
+        emit(step)
+
+    async with open_node_sim(
+        topology=options.topology,
+        mode=options.mode,
+        group_by=options.group_by,
+        reserved=options.reserved,
+        memory_pinning=options.memory_pinning,
+        runtime_version=options.runtime_version,
+        shared_containers=options.shared,
+        start=False,
+        keep=options.keep,
+    ) as sim:
+        done(await _start(sim, options))
+        done(await _slices(sim))
+        done(_synchronized(sim))
+        claim_step, claim = _allocate(sim, options)
+        done(claim_step)
+        prepare_step, held = await _prepare(sim, claim)
+        done(prepare_step)
+        create_step, pod = await _create(sim, claim, held)
+        done(create_step)
+        done(await _unprepare(sim, claim, pod, held))
+        if options.keep:
+            done(Step("Files kept", [f"node files and daemon logs in {sim.paths.root}"]))
+    return steps
+
+
+async def _start(sim: NodeSim, options: DemoOptions) -> Step:
+    seconds = await sim.start_daemon()
+    _, body = await sim.daemon.get("/readyz")
+    tasks = [line[3:].split(" ")[0] for line in body.splitlines() if line.startswith("[+]")]
+    registration = sim.registration
+    plugin = await sim.runtime.wait_plugin(10)
+    step = Step(
+        f"dracpu run is ready ({seconds:.1f} s after launch, pid {sim.daemon.pid})",
+        [
+            f"tasks ready: {', '.join(tasks)}",
+            f"kubelet (grpcio) registered {registration.driver if registration else '?'} "
+            f"(DRA {registration.version if registration else '?'})",
+            f"runtime: containerd {options.runtime_version} (NRI {sim.runtime.nri_version}), "
+            f"plugin {plugin.index}-{plugin.name} connected",
+        ],
+        {
+            "pid": sim.daemon.pid,
+            "secondsToReady": round(seconds, 3),
+            "tasks": tasks,
+            "nriVersion": sim.runtime.nri_version,
+        },
+    )
+    return step
+
+
+async def _slices(sim: NodeSim) -> Step:
+    devices = await sim.wait_published()
+    slices = sim.slices()
+    lines = [
+        f"{s['metadata']['name']}: {len(s['spec'].get('devices') or [])} devices, pool "
+        f"{s['spec']['pool']['name']} generation {s['spec']['pool']['generation']}"
+        for s in slices
+    ]
+    shown = devices if len(devices) <= 8 else devices[:6]
+    for device in shown:
+        attributes = device.get("attributes") or {}
+        numa = attributes.get("resource.kubernetes.io/numaNode", {}).get("int")
+        socket = attributes.get("dra.cpu/socketID", {}).get("int")
+        capacity = (device.get("capacity") or {}).get("dra.cpu/cpu", {}).get("value")
+        cpu = attributes.get("dra.cpu/cpuID", {}).get("int")
+        detail = f"dra.cpu/cpu {capacity}" if capacity is not None else f"cpu {cpu}"
+        lines.append(f"  {device['name']:<15} numaNode {numa}  socket {socket}  {detail}")
+    if len(shown) < len(devices):
+        lines.append(f"  ... and {len(devices) - len(shown)} more")
+    return Step(
+        "ResourceSlices published (the fake API server validated them)",
+        lines,
+        {"slices": [s["metadata"]["name"] for s in slices], "devices": len(devices)},
+    )
+
+
+def _synchronized(sim: NodeSim) -> Step:
+    shared = sim.shared_ids()
+    pools = {cid: sim.cpus_of(cid) for cid in shared}
+    _expect(
+        len(set(pools.values())) <= 1 and all(pools.values()),
+        f"the shared containers were not all pinned to one pool: {pools}",
+    )
+    pool = next(iter(pools.values()), "")
+    return Step(
+        "Containers that ran before dracpu are pinned to the shared pool at NRI Synchronize",
+        [f"{_container_label(sim, cid):<26} cpus {pools[cid]}" for cid in shared]
+        or ["(no shared containers)"],
+        {"sharedPool": pool, "containers": pools},
+    )
+
+
+def _allocate(sim: NodeSim, options: DemoOptions) -> tuple[Step, Any]:
+    claim = sim.allocate("demo", options.cpus, namespace=DEMO_NAMESPACE)
+    result = claim.results[0]
+    if "consumedCapacity" in result:
+        how = (
+            f"{options.cpus} CPUs of {result['device']} "
+            f"(consumedCapacity dra.cpu/cpu={result['consumedCapacity']['dra.cpu/cpu']})"
+        )
+    else:
+        how = f"devices {', '.join(claim.devices)}"
+    step = Step(
+        f"The scheduler allocates claim {claim.namespace}/{claim.name}: {how}",
+        [f"claim UID {claim.uid}"],
+        {"claim": claim.uid, "results": claim.results},
+    )
+    return step, claim
+
+
+async def _prepare(sim: NodeSim, claim: Any) -> tuple[Step, CpuSet]:
+    started = time.monotonic()
+    answer = (await sim.prepare(claim))[claim.uid]
+    took = time.monotonic() - started
+    _expect(answer.error == "", f"NodePrepareResources failed: {answer.error}")
+    text = sim.cdi_cpus(claim.uid)
+    _expect(text is not None, f"no CDI spec for claim {claim.uid}")
+    held = _cpus(text or "")
+    _expect(
+        len(held)
+        == sum(int(r.get("consumedCapacity", {}).get("dra.cpu/cpu", 1)) for r in claim.results),
+        f"claim {claim.uid} got cpus {held}",
+    )
+    status = sim.claim_status_cpusets(claim)
+    return Step(
+        f"kubelet NodePrepareResources: cpus {held} ({_where(sim, held)}) in {took * 1000:.0f} ms",
+        [
+            f"CDI device {answer.devices[0].cdi_device_ids[0]}",
+            f"CDI spec {sim.paths.cdi_spec(claim.uid).name}: DRA_CPUSET_{claim.uid}={held}",
+            f"ResourceClaim status.devices data.cpuset: "
+            f"{', '.join(dict.fromkeys(status)) or '(not recorded)'}",
+        ],
+        {"cpus": str(held), "cdiDeviceIds": list(answer.devices[0].cdi_device_ids)},
+    ), held
+
+
+async def _create(sim: NodeSim, claim: Any, held: CpuSet) -> tuple[Step, Any]:
+    before = {cid: sim.cpus_of(cid) for cid in sim.shared_ids()}
+    pod, container = await sim.run_container("demo-app", claims=[claim], namespace=DEMO_NAMESPACE)
+    pinned = _cpus(container.cpus)
+    _expect(pinned == held, f"the claim's container got cpus {pinned}, not {held}")
+    lines = [
+        f"{_container_label(sim, container.id):<26} cpus {pinned} (exclusive)"
+        + (f", mems {container.mems}" if container.mems else "")
+    ]
+    after: dict[str, str] = {}
+    for cid, old in before.items():
+        new = sim.cpus_of(cid)
+        after[cid] = new
+        _expect(
+            _cpus(new).isdisjoint(held),
+            f"shared container {cid} still runs on claimed cpus: {new}",
+        )
+        lines.append(f"{_container_label(sim, cid):<26} cpus {old} -> {new}")
+    return Step(
+        "The runtime creates the pod's container with the CDI env (NRI CreateContainer)",
+        lines,
+        {"container": container.id, "cpus": str(pinned), "shared": after},
+    ), pod
+
+
+async def _unprepare(sim: NodeSim, claim: Any, pod: Any, held: CpuSet) -> Step:
+    narrow = {cid: sim.cpus_of(cid) for cid in sim.shared_ids()}
+    await sim.remove_pod(pod)
+    errors = await sim.unprepare(claim)
+    _expect(errors == {claim.uid: ""}, f"NodeUnprepareResources failed: {errors}")
+    _expect(sim.cdi_cpus(claim.uid) is None, "the CDI spec is still there after Unprepare")
+    sim.deallocate(claim)
+    lines = ["CDI spec removed", f"cpus {held} are free again"]
+
+    def widened() -> bool:
+        return all(held <= _cpus(sim.cpus_of(cid)) for cid in narrow)
+
+    how = "at once (unsolicited NRI UpdateContainers)"
+    try:
+        await wait_until("the shared containers to widen", widened, timeout=WIDEN_TIMEOUT)
+    except SimError:
+        how = (
+            f"at the next container event (NRI {sim.runtime.nri_version} cannot take "
+            "unsolicited updates safely)"
+        )
+        _, probe = await sim.run_container("next-pod", namespace=DEMO_NAMESPACE)
+        lines.append(f"{_container_label(sim, probe.id):<26} cpus {probe.cpus} (a new container)")
+        _expect(widened(), "the shared containers were not widened at the next event")
+    for cid, old in narrow.items():
+        lines.append(f"{_container_label(sim, cid):<26} cpus {old} -> {sim.cpus_of(cid)}")
+    return Step(
+        f"The pod ends; kubelet NodeUnprepareResources; shared containers widened {how}",
+        lines,
+        {"widened": how, "shared": {cid: sim.cpus_of(cid) for cid in narrow}},
+    )
+
+
+# --- the command ------------------------------------------------------------------------------
+
+
+def _leaves(group: BaseExceptionGroup[DracpuError]) -> list[DracpuError]:
+    leaves: list[DracpuError] = []
+    for error in group.exceptions:
+        if isinstance(error, BaseExceptionGroup):
+            leaves.extend(_leaves(error))
+        else:
+            leaves.append(error)
+    return leaves
+
+
+def _print_step(out: TextIO) -> Callable[[Step], None]:
+    count = 0
+
+    def emit(step: Step) -> None:
+        nonlocal count
+        count += 1
+        print(f"[{count}] {step.title}", file=out)
+        for line in step.lines:
+            print(f"    {line}", file=out)
+        out.flush()
+
+    return emit
+
+
+def main(options: DemoOptions, *, output: str = "text", out: TextIO | None = None) -> int:
+    """Run the demo and print it (``output``: ``text`` or ``json``); the exit code."""
+    stream = out if out is not None else sys.stdout
+    spec = fixture(options.topology)  # ConfigError (exit 2) for an unknown name, before anything
+    if options.cpus < 1:
+        print(f"dracpu sim: error: --cpus must be at least 1, not {options.cpus}", file=sys.stderr)
+        return EXIT_USAGE
+    started = time.monotonic()
+    steps: list[Step] = []
+    show = _print_step(stream) if output == "text" else None
+    if show is not None:
+        print(
+            f"dracpu sim: the real `dracpu run` on a simulated node ({options.topology}: "
+            f"{spec.description})",
+            file=stream,
+        )
+
+    def emit(step: Step) -> None:
+        steps.append(step)
+        if show is not None:
+            show(step)
+
+    failure = ""
+    try:
+        anyio.run(run_demo, options, emit, backend="asyncio")
+    except* DracpuError as group:  # the peers' task groups wrap what a step raised
+        failure = "; ".join(str(error) for error in _leaves(group))
+    elapsed = time.monotonic() - started
+    if output == "json":
+        document = {
+            "ok": not failure,
+            "topology": options.topology,
+            "seconds": round(elapsed, 3),
+            "steps": [{"title": s.title, **s.data} for s in steps],
+        }
+        if failure:
+            document["error"] = failure
+        print(json.dumps(document, indent=2), file=stream)
+    elif failure:
+        print(f"FAILED: {failure}", file=stream)
+    else:
+        print(f"OK: {len(steps)} steps checked in {elapsed:.1f} s", file=stream)
+    return EXIT_FAILED if failure else EXIT_OK
