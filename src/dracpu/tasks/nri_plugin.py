@@ -166,7 +166,7 @@ class NriStatus:
     """A snapshot of the NRI side, for ``/readyz`` and ``/metrics``."""
 
     connected: bool
-    """A runtime accepted our registration and the connection is up."""
+    """A runtime registered and configured us, and the connection is up."""
     synchronized: bool
     """...and its ``Synchronize`` was answered: every container it runs is pinned."""
     runtime_name: str
@@ -424,7 +424,6 @@ class _Connection:
         self._sync_pods: list[nri.Pod] = []
         self._sync_containers: list[nri.Container] = []
         self._synchronized = anyio.Event()
-        self.registered = False
         self._handlers: dict[str, Handler] = {
             "Configure": self._configure,
             "Synchronize": self._synchronize,
@@ -558,7 +557,6 @@ class _Connection:
                 f"{response.status_message}"
             )
             return
-        self.registered = True
         logger.debug("NRI: registered as %s-%s", index, name)
         with anyio.move_on_after(HANDSHAKE_TIMEOUT):
             await self._synchronized.wait()
@@ -576,25 +574,7 @@ class _Connection:
             updates = messages.wire_pins((cid, pin.cpus, pin.mems) for cid, pin in batch)
             if not updates:
                 continue
-            payload = nri.encode_update_containers_request(updates)
-            response = await self._call("UpdateContainers", payload, UPDATE_CONTAINERS_TIMEOUT)
-            failed: tuple[str, ...]
-            if response is None:
-                failed = tuple(u.container_id for u in updates)
-                reason = f"no answer within {UPDATE_CONTAINERS_TIMEOUT} s"
-            elif response.status_code != Code.OK:
-                # containerd sends the failed list AND an error, and ttrpc then drops the list:
-                # any container of the call may have failed (reference §3.4).
-                failed = tuple(u.container_id for u in updates)
-                reason = f"code {response.status_code}: {response.status_message}"
-            else:
-                try:
-                    failed = nri.decode_update_containers_response(response.payload)
-                except RemoteProtocolError as exc:
-                    failed = tuple(u.container_id for u in updates)
-                    reason = f"unreadable answer: {exc}"
-                else:
-                    reason = "the runtime reported them failed"
+            failed, reason = await self._update_containers(updates)
             link._sent += 1
             if failed:
                 link._failed += 1
@@ -606,10 +586,30 @@ class _Connection:
                 )
                 await self._invalidate(failed)
             else:
-                logger.info(
-                    "NRI: widened shared containers: %s", messages.describe_updates(updates)
-                )
+                logger.info("NRI: unsolicited update: %s", messages.describe_updates(updates))
             link._batch_done(batch, frozenset(failed))
+
+    async def _update_containers(
+        self, updates: list[nri.CpusetUpdate]
+    ) -> tuple[tuple[str, ...], str]:
+        """Send one UpdateContainers: the containers that failed (or may have), and why."""
+        everything = tuple(u.container_id for u in updates)
+        try:
+            payload = nri.encode_update_containers_request(updates)
+            response = await self._call("UpdateContainers", payload, UPDATE_CONTAINERS_TIMEOUT)
+        except LocalProtocolError as exc:  # e.g. over the 4 MiB ttrpc limit: never sent
+            return everything, f"cannot send it: {exc}"
+        if response is None:
+            return everything, f"no answer within {UPDATE_CONTAINERS_TIMEOUT} s"
+        if response.status_code != Code.OK:
+            # containerd sends the failed list AND an error, and ttrpc then drops the list:
+            # any container of the call may have failed (reference §3.4).
+            return everything, f"code {response.status_code}: {response.status_message}"
+        try:
+            failed = nri.decode_update_containers_response(response.payload)
+        except RemoteProtocolError as exc:
+            return everything, f"unreadable answer: {exc}"
+        return failed, "the runtime reported them failed"
 
     async def _invalidate(self, container_ids: tuple[str, ...]) -> None:
         try:
