@@ -1,0 +1,204 @@
+"""The node machine in-process: restore (checkpoint, adoption, resync) and the effect executor,
+on a written sysfs tree and real files in scratch directories."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dracpu.adapters import cdi_files, checkpoint_file
+from dracpu.config import Config
+from dracpu.core.checkpoint_schema import CheckpointData, PreparedClaim, decode, encode
+from dracpu.core.commands import (
+    DeviceResult,
+    InvalidateContainers,
+    PrepareClaim,
+    UnprepareClaim,
+)
+from dracpu.core.cpuset import CpuSet
+from dracpu.core.effects import (
+    ContainerUpdate,
+    PruneCdiSpecs,
+    PublishSlices,
+    Reply,
+    UpdateContainers,
+    WriteCdiSpec,
+)
+from dracpu.core.slices import CpuDeviceMode
+from dracpu.errors import CheckpointError, DracpuError
+from dracpu.tasks.node_machine import NodeMachine
+from dracpu.tasks.slice_publisher import republish_channel
+from tests.fixtures import SysfsTrees, scratch_dir, sysfs_trees
+
+pytestmark = pytest.mark.anyio
+
+UID_A = "aaaaaaaa-0000-4000-8000-000000000001"
+UID_B = "bbbbbbbb-0000-4000-8000-000000000002"
+FOREIGN = "vendor.example-gpu.json"
+
+
+@pytest.fixture(scope="module")
+def trees() -> Iterator[SysfsTrees]:
+    with sysfs_trees() as written:
+        yield written
+
+
+@pytest.fixture
+def scratch() -> Iterator[Path]:
+    with scratch_dir() as path:
+        yield path
+
+
+def _config(trees: SysfsTrees, scratch: Path, **changes: object) -> Config:
+    values: dict[str, object] = {
+        "node_name": "node-a",
+        "host_root": trees.root("dual-socket-smt2"),
+        "cdi_dir": scratch / "cdi",
+        "state_dir": scratch / "state",
+    }
+    values.update(changes)
+    return Config(**values)  # type: ignore[arg-type]
+
+
+def _checkpoint(config: Config, *claims: PreparedClaim) -> None:
+    data = CheckpointData({c.claim_uid: c for c in claims})
+    checkpoint_file.write_checkpoint(config.checkpoint_path, encode(data))
+
+
+def _saved(config: Config) -> dict[str, CpuSet]:
+    data = decode(config.checkpoint_path.read_bytes())
+    return {uid: claim.cpus for uid, claim in data.claims.items()}
+
+
+def _names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def _grouped(uid: str, count: int) -> PrepareClaim:
+    result = DeviceResult("cpus", "node-a", "cpudevnuma000", consumed_cpus=count)
+    return PrepareClaim(uid, "ns", "claim", (result,))
+
+
+async def test_a_fresh_node_restores_empty_and_hands_its_devices_to_the_publisher(
+    trees: SysfsTrees, scratch: Path
+) -> None:
+    send, receive = republish_channel()
+    with send, receive:
+        machine = NodeMachine(_config(trees, scratch), republish=send)
+        state = await machine.restore()
+        assert dict(state.claims) == {}
+        assert [d.name for d in machine.devices()] == [f"cpudevnuma00{n}" for n in range(4)]
+        assert receive.receive_nowait() == "resync"
+    assert not (scratch / "state" / "checkpoint.json").exists()  # nothing to persist yet
+
+
+async def test_restore_keeps_fitting_claims_drops_others_and_rewrites_specs(
+    trees: SysfsTrees, scratch: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = _config(trees, scratch, reserved_cpus=CpuSet.parse("0,32"))
+    _checkpoint(
+        config,
+        PreparedClaim(UID_A, CpuSet.parse("4-5"), "ns", "kept"),
+        PreparedClaim(UID_B, CpuSet.parse("0-1"), "ns", "dropped"),  # cpu0 is reserved now
+    )
+    cdi_files.write_spec(config.cdi_dir, UID_B, CpuSet.parse("0-1"))
+    (config.cdi_dir / FOREIGN).write_text("{}")
+    with caplog.at_level(logging.INFO, logger="dracpu"):
+        state = await NodeMachine(config).restore()
+    assert {uid: c.cpus for uid, c in state.claims.items()} == {UID_A: CpuSet.parse("4-5")}
+    assert _saved(config) == {UID_A: CpuSet.parse("4-5")}  # the checkpoint equals the state
+    assert cdi_files.list_our_specs(config.cdi_dir) == {UID_A: CpuSet.parse("4-5")}
+    assert (config.cdi_dir / FOREIGN).read_text() == "{}"
+    assert any(
+        r.levelno == logging.ERROR and UID_B in r.getMessage() and "cpus 0" in r.getMessage()
+        for r in caplog.records
+    )
+
+
+async def test_restore_adopts_cdi_specs_the_checkpoint_lacks(
+    trees: SysfsTrees, scratch: Path
+) -> None:
+    config = _config(trees, scratch)
+    _checkpoint(config, PreparedClaim(UID_A, CpuSet.parse("4-5"), "ns", "known"))
+    cdi_files.write_spec(config.cdi_dir, UID_B, CpuSet.parse("8-9"))
+    clash = str(uuid.uuid4())
+    cdi_files.write_spec(config.cdi_dir, clash, CpuSet.parse("5-6"))  # overlaps claim A
+    state = await NodeMachine(config).restore()
+    assert {uid: c.cpus for uid, c in state.claims.items()} == {
+        UID_A: CpuSet.parse("4-5"),
+        UID_B: CpuSet.parse("8-9"),
+    }
+    assert _saved(config) == {UID_A: CpuSet.parse("4-5"), UID_B: CpuSet.parse("8-9")}
+    assert sorted(cdi_files.list_our_specs(config.cdi_dir)) == sorted([UID_A, UID_B])
+
+
+async def test_an_unreadable_checkpoint_fails_the_restore(trees: SysfsTrees, scratch: Path) -> None:
+    config = _config(trees, scratch)
+    config.checkpoint_path.mkdir(parents=True)  # a directory where the file should be
+    with pytest.raises(CheckpointError, match="cannot read checkpoint"):
+        await NodeMachine(config).restore()
+
+
+async def test_desired_specs_follow_the_command_in_flight(trees: SysfsTrees, scratch: Path) -> None:
+    config = _config(trees, scratch)
+    machine = NodeMachine(config)
+    state = await machine.restore()
+    committed = state
+    machine.watch_state(lambda: committed)
+
+    # Prepare: the spec is written before the state commits; the watcher must keep it.
+    new, effects = machine.apply(committed, _grouped(UID_A, 2))
+    await machine.execute(effects[0])
+    assert isinstance(effects[0], WriteCdiSpec)
+    assert machine.desired_specs() == {UID_A: effects[0].cpus}
+    for effect in effects[1:]:
+        if not isinstance(effect, Reply):
+            await machine.execute(effect)
+    committed = new
+    assert machine.desired_specs() == {UID_A: new.claims[UID_A].cpus}
+
+    # Unprepare: the spec is deleted before the state commits; the watcher must not restore it.
+    _, effects = machine.apply(committed, UnprepareClaim(UID_A))
+    await machine.execute(effects[0])
+    assert machine.desired_specs() == {}
+    assert cdi_files.list_our_specs(config.cdi_dir) == {}
+    # The next command starts afresh from the committed state.
+    machine.apply(committed, UnprepareClaim(UID_B))
+    assert machine.desired_specs() == {UID_A: new.claims[UID_A].cpus}
+
+
+async def test_effects_reach_the_nri_task_and_the_publisher(
+    trees: SysfsTrees, scratch: Path
+) -> None:
+    config = _config(trees, scratch, cpu_device_mode=CpuDeviceMode.INDIVIDUAL)
+    submitted: list[UpdateContainers] = []
+    send, receive = republish_channel()
+    with send, receive:
+        machine = NodeMachine(config, republish=send, update_containers=submitted.append)
+        state = await machine.restore()
+        assert receive.receive_nowait() == "resync"
+        update = UpdateContainers((ContainerUpdate("c1", CpuSet.parse("2-63")),))
+        await machine.execute(update)
+        assert submitted == [update]
+        await machine.execute(PublishSlices(state.config.topology))
+        assert receive.receive_nowait() == "resync"
+        assert len(machine.devices()) == 64
+    # Without an NRI task the updates are dropped (Synchronize re-pins everything later).
+    await NodeMachine(config).execute(update)
+    assert machine.follow_up(update, DracpuError("x")) == InvalidateContainers(("c1",))
+    assert machine.follow_up(PublishSlices(state.config.topology), DracpuError("x")) is None
+    with pytest.raises(DracpuError, match="not an effect"):
+        await machine.execute(Reply(None))
+
+
+async def test_prune_removes_only_our_specs_that_are_not_kept(scratch: Path) -> None:
+    config = Config(node_name="n", cdi_dir=scratch)
+    for uid in (UID_A, UID_B):
+        cdi_files.write_spec(scratch, uid, CpuSet.parse("1"))
+    (scratch / FOREIGN).write_text("{}")
+    await NodeMachine(config).execute(PruneCdiSpecs(frozenset({UID_A})))
+    assert _names(scratch) == sorted([cdi_files.spec_path(scratch, UID_A).name, FOREIGN])
