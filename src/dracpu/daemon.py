@@ -42,7 +42,7 @@ restarts us; a requested stop exits 0. Cancellation is never swallowed.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from types import MappingProxyType
@@ -52,6 +52,12 @@ import anyio
 from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
 
 from dracpu import __version__
 from dracpu.adapters.kube import KubeClient, open_kube_client
@@ -376,6 +382,51 @@ async def _serve(config: Config, factory: MachineFactory) -> int:
 _NO_STATISTICS = OwnerStatistics(0, 0, 0, 0, MappingProxyType({}))
 
 
+class _NriCollector:
+    """``/metrics`` of the NRI side, read from :meth:`NriLink.status` at scrape time."""
+
+    def __init__(self, link: NriLink) -> None:
+        self._link = link
+
+    def collect(self) -> Iterable[Metric]:
+        status = self._link.status()
+        yield GaugeMetricFamily(
+            "dracpu_nri_connected",
+            "1 while a runtime has accepted our NRI registration.",
+            value=float(status.connected),
+        )
+        yield GaugeMetricFamily(
+            "dracpu_nri_synchronized",
+            "1 once the connected runtime's Synchronize was answered (every container pinned).",
+            value=float(status.synchronized),
+        )
+        yield CounterMetricFamily(
+            "dracpu_nri_connections",
+            "Synchronized NRI connections since the start (1 + reconnects).",
+            value=float(status.connections),
+        )
+        updates = CounterMetricFamily(
+            "dracpu_nri_unsolicited_updates",
+            "Unsolicited UpdateContainers (widening after Unprepare), by outcome.",
+            labels=["outcome"],
+        )
+        updates.add_metric(["sent"], float(status.unsolicited_sent))
+        updates.add_metric(["failed"], float(status.unsolicited_failed))
+        updates.add_metric(["dropped"], float(status.unsolicited_dropped))
+        yield updates
+        runtime = InfoMetricFamily("dracpu_nri_runtime", "The runtime on the NRI socket.")
+        runtime.add_metric(
+            [],
+            {
+                "name": status.runtime_name,
+                "version": status.runtime_version,
+                "nri_version": status.nri_version,
+                "unsolicited_updates": str(status.unsolicited_updates).lower(),
+            },
+        )
+        yield runtime
+
+
 class _Node:
     """Everything the node's tasks share: config, streams, the state machine, the NRI link,
     the republish channel, the Kubernetes client. :meth:`tasks` lists them in start order."""
@@ -471,6 +522,7 @@ class _Node:
 
     def tasks(self) -> list[TaskSpec]:
         registry = http.build_registry(self.readiness, self.statistics)
+        registry.register(_NriCollector(self.link))
         return [
             TaskSpec("signals", self.run_signals),
             TaskSpec("state-owner", self.run_state_owner),

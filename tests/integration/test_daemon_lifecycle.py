@@ -51,6 +51,18 @@ async def test_ready_with_every_task_then_sighup_resyncs_and_sigterm_stops_withi
         started = [m for m in sim.daemon.messages() if m.startswith("task ")]
         assert started[: len(TASKS)] == [f"task {task} is ready" for task in TASKS]
 
+        metrics = (await sim.daemon.get("/metrics"))[1]
+        for line in (
+            "dracpu_nri_connected 1.0",
+            "dracpu_nri_synchronized 1.0",
+            "dracpu_nri_connections_total 1.0",
+            'dracpu_nri_unsolicited_updates_total{outcome="sent"} 0.0',
+            'dracpu_nri_runtime_info{name="containerd",nri_version="v0.12.2",'
+            'unsolicited_updates="true",version="2.4.0"} 1.0',
+            'dracpu_task_ready{task="kubelet-registration"} 1.0',
+        ):
+            assert line in metrics.splitlines()
+
         # SIGHUP reaches the state owner as a Resync (counted in /metrics).
         resyncs = 'dracpu_state_owner_commands_total{command="Resync",outcome="ok"} 1.0'
         sim.daemon.process.send_signal(signal.SIGHUP)
