@@ -8,7 +8,6 @@ import logging
 import os
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import time
@@ -307,12 +306,6 @@ def _wait_until(what: str, check: Callable[[], bool], proc: subprocess.Popen[str
             pass  # not listening yet
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-def _sockets_under(*roots: Path) -> list[Path]:
-    return [
-        path for root in roots for path in root.rglob("*") if stat.S_ISSOCK(path.lstat().st_mode)
-    ]
 
 
 class Daemon:
