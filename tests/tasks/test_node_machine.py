@@ -136,6 +136,23 @@ async def test_restore_adopts_cdi_specs_the_checkpoint_lacks(
     assert sorted(cdi_files.list_our_specs(config.cdi_dir)) == sorted([UID_A, UID_B])
 
 
+async def test_a_failed_start_resync_keeps_the_claims_and_the_devices(
+    trees: SysfsTrees, scratch: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = _config(trees, scratch, cdi_dir=scratch / "not-a-dir")
+    config.cdi_dir.write_text("")  # every CDI write fails
+    _checkpoint(config, PreparedClaim(UID_A, CpuSet.parse("4-5"), "ns", "kept"))
+    machine = NodeMachine(config)
+    state = await machine.restore()
+    assert list(state.claims) == [UID_A]
+    assert _saved(config) == {UID_A: CpuSet.parse("4-5")}
+    assert len(machine.devices()) == 4  # the publisher never sees an empty node
+    assert any(
+        r.levelno == logging.ERROR and r.getMessage().startswith("start-up Resync failed: ")
+        for r in caplog.records
+    )
+
+
 async def test_an_unreadable_checkpoint_fails_the_restore(trees: SysfsTrees, scratch: Path) -> None:
     config = _config(trees, scratch)
     config.checkpoint_path.mkdir(parents=True)  # a directory where the file should be

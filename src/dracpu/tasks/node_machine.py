@@ -222,6 +222,9 @@ class NodeMachine:
             len(node.allocatable),
             len(node.devices),
         )
+        # The devices are known now, whatever happens to the Resync below (which publishes
+        # them again): a publisher must never see an empty device list for a working node.
+        self._devices = tuple(node.devices.values())
         data = await anyio.to_thread.run_sync(checkpoint_file.restore, config.checkpoint_path)
         state, refused = node_state.restore_state(node, data)
         for uid, reason in refused:
