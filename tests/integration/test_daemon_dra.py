@@ -86,6 +86,15 @@ async def test_grouped_claims_prepare_and_unprepare() -> None:
         assert await _prepared_cpus(sim, again) == held
         assert sorted(sim.cdi_claims()) == sorted([rest.uid, again.uid])
 
+        # Someone deletes a prepared claim's spec: the CDI watcher puts it back.
+        sim.paths.cdi_spec(again.uid).unlink()
+        await wait_until(
+            "the deleted CDI spec to come back",
+            lambda: sim.paths.cdi_spec(again.uid).exists(),
+            failed=sim.daemon.exited,
+        )
+        assert cpus(sim.cdi_cpus(again.uid) or "") == held
+
 
 async def test_individual_devices_prepare_and_unprepare() -> None:
     async with open_node_sim(mode="individual") as sim:
