@@ -2,6 +2,7 @@
 
 * ``e2e.start_to_ready``: milliseconds from launching ``dracpu run`` to ``/readyz`` 200 on the
   simulated node, the fake kubelet's registration included (``rss_mib``: VmRSS when ready);
+* ``e2e.sigterm_to_exit``: milliseconds from SIGTERM to the exit of the connected daemon;
 * ``e2e.prepare``: ``NodePrepareResources`` of one grouped 2-CPU claim, from the grpcio kubelet
   (a worker-thread hop included) through the daemon (claim GET, allocation, CDI spec and
   checkpoint with fsync, status patch) and back;
@@ -51,11 +52,18 @@ def _figure(name: str, samples: list[float], **extra: object) -> None:
 async def _starts(sim: NodeSim) -> None:
     ready: list[float] = []
     rss: list[float] = []
+    stop: list[float] = []
     for _ in range(STARTS):
-        seconds = await sim.restart_daemon()
+        start = time.perf_counter()
+        code = await sim.stop_daemon()
+        stop.append((time.perf_counter() - start) * 1000)
+        if code != 0:
+            raise RuntimeError(f"dracpu run exited with {code} after SIGTERM")
+        seconds = await sim.start_daemon()
         ready.append(seconds * 1000)
         rss.append(_rss_mib(sim.daemon.pid))
     _figure("e2e.start_to_ready", ready, rss_mib=round(statistics.median(rss), 1), shared=SHARED)
+    _figure("e2e.sigterm_to_exit", stop, shared=SHARED)
 
 
 async def _rounds(sim: NodeSim) -> None:
