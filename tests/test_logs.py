@@ -100,3 +100,20 @@ def test_setup_again_replaces_its_handler() -> None:
     logging.getLogger("dracpu.x").info("once")
     assert first.getvalue() == ""
     assert json.loads(second.getvalue())["message"] == "once"
+
+
+def test_watchfiles_chatter_is_quiet_until_library_debug() -> None:
+    out = io.StringIO()
+    chatty = logging.getLogger("watchfiles.main")
+    before = logging.getLogger("watchfiles").level
+    try:
+        setup_logging("text", 4, stream=out)
+        chatty.info("3 changes detected")
+        chatty.warning("watch failed")
+        setup_logging("text", 6, stream=out)
+        chatty.info("1 change detected")
+    finally:
+        logging.getLogger("watchfiles").setLevel(before)
+
+    messages = [line.split(": ", 1)[1] for line in out.getvalue().splitlines()]
+    assert messages == ["watch failed", "1 change detected"]

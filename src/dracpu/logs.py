@@ -27,6 +27,10 @@ LIBRARY_DEBUG_VERBOSITY = 6
 # Our loggers live under this name (logging.getLogger(__name__) in every module).
 _OUR_LOGGER = "dracpu"
 
+# Libraries that log routine chatter at INFO: watchfiles says "N changes detected" on every CDI
+# write. They speak at WARNING and above until LIBRARY_DEBUG_VERBOSITY.
+_CHATTY_LIBRARIES = ("watchfiles",)
+
 # Attributes every LogRecord has; anything else on a record came in through ``extra=``.
 _RECORD_ATTRIBUTES = frozenset(
     vars(logging.LogRecord("", logging.INFO, "", 0, "", None, None)).keys()
@@ -106,3 +110,7 @@ def setup_logging(
     logging.getLogger(_OUR_LOGGER).setLevel(
         logging.DEBUG if verbosity >= DEBUG_VERBOSITY else logging.INFO
     )
+    for name in _CHATTY_LIBRARIES:
+        logging.getLogger(name).setLevel(
+            logging.DEBUG if verbosity >= LIBRARY_DEBUG_VERBOSITY else logging.WARNING
+        )
