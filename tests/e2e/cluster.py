@@ -1,0 +1,530 @@
+"""What the kind e2e tests do to and read from the cluster, on top of :class:`Kubectl`.
+
+:class:`Cluster` starts pods and waits for them (failing at once when a pod can never start),
+reads what a container was given (:meth:`Cluster.observe`), finds a node's dracpu pod, slices and
+the capacity its claims consume, and waits for a container's cpus to become what the test
+expects, optionally "poking" the node (starting a pod there) to cause the container event after
+which a runtime without unsolicited updates gets its shared containers widened.
+
+:class:`NodeFacts` is what a probe pod read from a node's sysfs, with the CPU sets the driver's
+behaviour is defined by: allocatable (online minus reserved) and shareable (allocatable minus
+isolated: the shared pool while no claim holds CPUs).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+from tests.e2e.kube import (
+    Kubectl,
+    KubectlError,
+    format_cpulist,
+    parse_cpulist,
+    parse_quantity,
+    poll,
+)
+from tests.e2e.workloads import (
+    CPU_CAPACITY,
+    DRIVER,
+    OBSERVE,
+    WORK_CONTAINER,
+    shared_pod,
+)
+
+__all__ = [
+    "DAEMON_CONTAINER",
+    "DAEMON_NAMESPACE",
+    "Cluster",
+    "NodeFacts",
+    "Observed",
+    "Target",
+    "claim_size",
+    "grouped_device_numa",
+]
+
+# deploy/kustomize/base: the DaemonSet's namespace, pod label and container name.
+DAEMON_NAMESPACE = "dracpu"
+DAEMON_SELECTOR = "app.kubernetes.io/name=dracpu"
+DAEMON_CONTAINER = "dracpu"
+# Grouped-mode device names by NUMA node (design §2): cpudevnuma000, cpudevnuma001, ...
+_NUMA_DEVICE = re.compile(r"^cpudevnuma(\d{3,})$")
+# The daemon's log line when the runtime configures its NRI plugin (src/dracpu/tasks/nri_plugin.py,
+# NriPlugin._configure): "...; unsolicited updates on" or "... off (shared containers widen at
+# the next event)". The suite needs it to know which widening to expect.
+_UNSOLICITED_MODE = re.compile(r"unsolicited updates\W+(on|off)\b")
+# Waiting reasons after which a container will not start without someone changing something.
+_FATAL_WAITING = frozenset(
+    {
+        "CreateContainerError",
+        "CreateContainerConfigError",
+        "RunContainerError",
+        "CrashLoopBackOff",
+        "ErrImageNeverPull",
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "InvalidImageName",
+    }
+)
+# How long a pod of this suite may take to start: scheduling, claim allocation, Prepare, CDI,
+# NRI; seconds on an idle kind node, but CI machines are slow and shared.
+START_TIMEOUT = 180.0
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """A node's CPUs as its sysfs shows them, and the driver's reserved CPUs."""
+
+    name: str
+    online: frozenset[int]
+    isolated: frozenset[int]
+    numa: Mapping[int, frozenset[int]]  # NUMA node -> its online CPUs
+    reserved: frozenset[int]
+    probe_allowed: frozenset[int]  # the probe pod's own Cpus_allowed_list (no claims held)
+
+    @property
+    def allocatable(self) -> frozenset[int]:
+        """What the driver publishes: online CPUs minus the reserved ones."""
+        return self.online - self.reserved
+
+    @property
+    def shareable(self) -> frozenset[int]:
+        """The shared pool while nothing is claimed: allocatable minus isolated CPUs."""
+        return self.allocatable - self.isolated
+
+    def grouped_devices(self) -> dict[str, tuple[int, int]]:
+        """The grouped-by-NUMA devices the driver must publish: name -> (NUMA node, CPUs)."""
+        devices: dict[str, tuple[int, int]] = {}
+        for node, cpus in sorted(self.numa.items()):
+            count = len(cpus & self.allocatable)
+            if count:  # a group without allocatable CPUs is not published (design §2)
+                devices[f"cpudevnuma{node:03d}"] = (node, count)
+        return devices
+
+    @classmethod
+    def from_probe(cls, name: str, probe: Mapping[str, Any], reserved: frozenset[int]) -> NodeFacts:
+        online = parse_cpulist(probe["online"])
+        numa = {int(k): parse_cpulist(v) & online for k, v in probe["numa"].items()}
+        if not numa:  # a kernel without NUMA: every CPU is on node 0
+            numa = {0: online}
+        return cls(
+            name=name,
+            online=online,
+            isolated=parse_cpulist(probe["isolated"]),
+            numa=numa,
+            reserved=reserved,
+            probe_allowed=parse_cpulist(probe["allowed"]),
+        )
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What one container was given, seen from inside it."""
+
+    self_cpus: frozenset[int]  # Cpus_allowed_list of the process kubectl exec started
+    pid1_cpus: frozenset[int]  # Cpus_allowed_list of the container's own process
+    dra: Mapping[str, str]  # DRA_CPUSET_* entries of the container's environment
+
+    def __str__(self) -> str:
+        return (
+            f"self={format_cpulist(self.self_cpus)!r} pid1={format_cpulist(self.pid1_cpus)!r} "
+            f"dra={dict(self.dra)}"
+        )
+
+
+@dataclass(frozen=True)
+class Target:
+    """The node the workload tests run on, every node's facts, and the CPUs per claim."""
+
+    node: NodeFacts
+    nodes: Mapping[str, NodeFacts]
+    size: int
+
+
+def claim_size(node: NodeFacts) -> int:
+    """CPUs per exclusive claim: 2 when two such claims fit in the node's NUMA groups with a
+    CPU left for the shared pool, else 1. Raises when even that does not fit: the suite needs
+    two 1-CPU claims, a 2-CPU claim and a shared CPU (4 online CPUs with CPU 0 reserved)."""
+    capacities = [count for _, count in node.grouped_devices().values()]
+    shareable = len(node.shareable)
+
+    def fits(size: int) -> bool:
+        return sum(c // size for c in capacities) >= 2 and shareable >= 2 * size + 1
+
+    if not (fits(1) and max(capacities, default=0) >= 2 and shareable >= 3):
+        raise AssertionError(
+            f"node {node.name} has too few CPUs for the e2e suite: online "
+            f"{format_cpulist(node.online)!r}, reserved {format_cpulist(node.reserved)!r}, "
+            f"isolated {format_cpulist(node.isolated)!r}; it needs 3 shareable CPUs and a NUMA "
+            "node with 2 allocatable ones"
+        )
+    return 2 if fits(2) else 1
+
+
+def grouped_device_numa(device: str) -> int:
+    """``cpudevnuma003`` -> 3."""
+    match = _NUMA_DEVICE.match(device)
+    if match is None:
+        raise AssertionError(f"device {device!r} is not a grouped-by-NUMA device of {DRIVER}")
+    return int(match.group(1))
+
+
+class Cluster:
+    """The kind cluster under test."""
+
+    def __init__(self, kube: Kubectl, artifacts: Path) -> None:
+        self.kube = kube
+        self.artifacts = artifacts
+        self._pokes = itertools.count(1)
+
+    # --- nodes and the daemon -------------------------------------------------------------
+
+    def node_names(self) -> list[str]:
+        return sorted(n["metadata"]["name"] for n in self.kube.items("nodes"))
+
+    def worker_names(self) -> list[str]:
+        return sorted(
+            n["metadata"]["name"]
+            for n in self.kube.items("nodes")
+            if "node-role.kubernetes.io/control-plane" not in n["metadata"].get("labels", {})
+        )
+
+    def runtime_version(self, node: str) -> str:
+        """``containerd://2.3.1`` and the like."""
+        version: str = self.kube.get("node", node)["status"]["nodeInfo"]["containerRuntimeVersion"]
+        return version
+
+    def daemon_pods(self, node: str) -> list[dict[str, Any]]:
+        """The node's dracpu pods that are not being deleted."""
+        return [
+            pod
+            for pod in self.kube.items(
+                "pods",
+                "-n",
+                DAEMON_NAMESPACE,
+                "-l",
+                DAEMON_SELECTOR,
+                "--field-selector",
+                f"spec.nodeName={node}",
+            )
+            if not pod["metadata"].get("deletionTimestamp")
+        ]
+
+    def ready_daemon(self, node: str, *, timeout: float = START_TIMEOUT, not_uid: str = "") -> str:
+        """Wait for the node's dracpu pod (other than ``not_uid``) to be Ready; its name."""
+
+        def ready() -> list[str]:
+            return [
+                pod["metadata"]["name"]
+                for pod in self.daemon_pods(node)
+                if pod["metadata"]["uid"] != not_uid and _is_ready(pod)
+            ]
+
+        names = poll(ready, bool, timeout=timeout, what=f"a Ready dracpu pod on node {node}")
+        return names[0]
+
+    def daemon_logs(self, node: str) -> str:
+        pods = self.daemon_pods(node)
+        if not pods:
+            return ""
+        return self.kube.logs(DAEMON_NAMESPACE, pods[0]["metadata"]["name"], DAEMON_CONTAINER)
+
+    def widens_at_once(self, node: str) -> bool:
+        """Does the node's daemon widen shared containers at Unprepare (unsolicited NRI
+        updates), or at the next container event? Read from its log, as the daemon decided it
+        from the runtime's name and NRI version; checked against the node's containerd."""
+
+        def modes() -> list[str]:
+            return _UNSOLICITED_MODE.findall(self.daemon_logs(node))
+
+        found = poll(
+            modes,
+            bool,
+            timeout=60,
+            what=(
+                f"the dracpu pod on {node} to log its NRI configuration ('unsolicited updates "
+                "on|off'): is NRI enabled in the node's containerd (kind-config.yaml)?"
+            ),
+        )
+        at_once = found[-1] == "on"
+        runtime = self.runtime_version(node)
+        match = re.match(r"^containerd://v?(\d+)\.(\d+)", runtime)
+        if at_once and match is not None and (int(match[1]), int(match[2])) < (2, 3):
+            raise AssertionError(
+                f"the daemon on {node} sends unsolicited NRI updates to {runtime}, whose NRI "
+                "(< v0.12.1) can deadlock on them"
+            )
+        return at_once
+
+    # --- slices and claims -----------------------------------------------------------------
+
+    def slices(self, node: str) -> list[dict[str, Any]]:
+        """The node's ResourceSlices of our driver."""
+        return [
+            s
+            for s in self.kube.items("resourceslices")
+            if s["spec"].get("driver") == DRIVER and s["spec"].get("nodeName") == node
+        ]
+
+    def devices(self, node: str) -> dict[str, dict[str, Any]]:
+        """The devices of the node's pool at its newest generation, by name."""
+        slices = self.slices(node)
+        if not slices:
+            return {}
+        generation = max(s["spec"]["pool"]["generation"] for s in slices)
+        return {
+            d["name"]: d
+            for s in slices
+            if s["spec"]["pool"]["generation"] == generation
+            for d in s["spec"].get("devices", [])
+        }
+
+    def free_capacity(self, node: str) -> dict[str, Fraction]:
+        """Per device of the node: its ``dra.cpu/cpu`` capacity minus what allocated claims
+        (in every namespace) consume from it, as the scheduler counts it."""
+        free = {
+            name: parse_quantity(device["capacity"][CPU_CAPACITY]["value"])
+            for name, device in self.devices(node).items()
+        }
+        for claim in self.kube.items("resourceclaims", "-A"):
+            allocation = (claim.get("status") or {}).get("allocation") or {}
+            for result in (allocation.get("devices") or {}).get("results") or []:
+                if result.get("driver") == DRIVER and result.get("pool") == node:
+                    consumed = (result.get("consumedCapacity") or {}).get(CPU_CAPACITY)
+                    if consumed is not None and result["device"] in free:
+                        free[result["device"]] -= parse_quantity(consumed)
+        return free
+
+    def claim_of(self, namespace: str, pod: str) -> dict[str, Any]:
+        """The ResourceClaim the pod's (only) claim entry was given."""
+        statuses = self.kube.get("pod", pod, "-n", namespace)["status"].get(
+            "resourceClaimStatuses", []
+        )
+        names = [s["resourceClaimName"] for s in statuses if s.get("resourceClaimName")]
+        if len(names) != 1:
+            raise AssertionError(f"pod {namespace}/{pod} has claims {names}, expected one")
+        claim: dict[str, Any] = self.kube.get("resourceclaim", names[0], "-n", namespace)
+        return claim
+
+    def events(
+        self,
+        namespace: str,
+        name: str,
+        *,
+        reason: str | None = None,
+        kind: str | None = None,
+        text: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """Events about the object ``name`` in ``namespace`` (oldest first), optionally only
+        those with this ``reason``, of this type (``kind``: Normal, Warning), or whose message
+        contains ``text``."""
+        events = [
+            e
+            for e in self.kube.items("events", "-n", namespace)
+            if e.get("involvedObject", {}).get("name") == name
+            and (reason is None or e.get("reason") == reason)
+            and (kind is None or e.get("type") == kind)
+            and (text is None or text in e.get("message", ""))
+        ]
+        return sorted(events, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+
+    # --- pods ------------------------------------------------------------------------------
+
+    def create(self, obj: Mapping[str, Any]) -> None:
+        self.kube.create(obj)
+
+    def start(self, pod: Mapping[str, Any], *, timeout: float = START_TIMEOUT) -> dict[str, Any]:
+        """Create the pod and wait until all its containers are ready."""
+        self.kube.create(pod)
+        return self.wait_running(pod["metadata"]["namespace"], pod["metadata"]["name"], timeout)
+
+    def wait_running(self, namespace: str, name: str, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            pod: dict[str, Any] = self.kube.get("pod", name, "-n", namespace)
+            status = pod.get("status", {})
+            if status.get("phase") == "Running" and _is_ready(pod):
+                return pod
+            problem = _fatal(pod)
+            if problem is None and status.get("phase") in ("Failed", "Succeeded"):
+                problem = f"phase {status['phase']}"
+            if problem is None and time.monotonic() >= deadline:
+                problem = f"not running after {timeout:.0f}s (phase {status.get('phase')})"
+            if problem is not None:
+                raise AssertionError(
+                    f"pod {namespace}/{name} will not run: {problem}\n"
+                    f"{self._describe_events(namespace, name)}"
+                )
+            time.sleep(1.0)
+
+    def run_to_completion(self, pod: Mapping[str, Any], *, timeout: float = START_TIMEOUT) -> str:
+        """Create a ``restartPolicy: Never`` pod, wait until it succeeded; its log."""
+        namespace, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
+        self.kube.create(pod)
+
+        def phase() -> str:
+            found: dict[str, Any] = self.kube.get("pod", name, "-n", namespace)
+            problem = _fatal(found)
+            current = str(found.get("status", {}).get("phase", ""))
+            if problem is not None or current == "Failed":
+                raise AssertionError(
+                    f"pod {namespace}/{name} failed: {problem or current}\n"
+                    f"{self._describe_events(namespace, name)}"
+                )
+            return current
+
+        poll(phase, lambda p: p == "Succeeded", timeout=timeout, what=f"pod {namespace}/{name}")
+        (container,) = pod["spec"]["containers"]
+        return self.kube.logs(namespace, name, container["name"])
+
+    def wait_container_refused(self, namespace: str, name: str, timeout: float) -> str:
+        """Wait until the pod's container cannot be created (``CreateContainerError``, as when an
+        NRI plugin refuses it); the kubelet's message, which carries the runtime's error."""
+
+        def waiting() -> dict[str, Any]:
+            pod = self.kube.get("pod", name, "-n", namespace)
+            if pod.get("status", {}).get("phase") == "Running":
+                raise AssertionError(
+                    f"pod {namespace}/{name} is running: its container should have been refused"
+                )
+            for status in pod.get("status", {}).get("containerStatuses", []):
+                state: dict[str, Any] = status.get("state", {}).get("waiting") or {}
+                return state
+            return {}
+
+        state = poll(
+            waiting,
+            lambda s: s.get("reason") == "CreateContainerError",
+            timeout=timeout,
+            what=f"pod {namespace}/{name}'s container to be refused (CreateContainerError)",
+        )
+        return str(state.get("message", ""))
+
+    def observe(self, namespace: str, pod: str) -> Observed:
+        raw = self.kube.exec_python(namespace, pod, WORK_CONTAINER, OBSERVE)
+        return Observed(
+            self_cpus=parse_cpulist(raw["self"]),
+            pid1_cpus=parse_cpulist(raw["pid1"]),
+            dra=dict(raw["dra"]),
+        )
+
+    def expect_cpus(
+        self,
+        namespace: str,
+        pod: str,
+        expected: frozenset[int],
+        *,
+        timeout: float,
+        poke_node: str | None = None,
+        poke_every: float = 15.0,
+    ) -> Observed:
+        """Wait until the container's processes (exec'd and PID 1) may run on exactly
+        ``expected``. With ``poke_node``, start a best-effort pod on that node every
+        ``poke_every`` seconds while they are not: its creation is a container event, whose
+        reply re-pins every shared container to the current shared pool."""
+        last_poke = float("-inf")  # the first stale look pokes at once
+
+        def look() -> Observed:
+            nonlocal last_poke
+            seen = self.observe(namespace, pod)
+            stale = seen.self_cpus != expected or seen.pid1_cpus != expected
+            if stale and poke_node is not None and time.monotonic() - last_poke >= poke_every:
+                self.poke(namespace, poke_node)
+                last_poke = time.monotonic()
+                seen = self.observe(namespace, pod)
+            return seen
+
+        return poll(
+            look,
+            lambda s: s.self_cpus == expected and s.pid1_cpus == expected,
+            timeout=timeout,
+            what=f"pod {namespace}/{pod} to run on cpus {format_cpulist(expected)!r}",
+        )
+
+    def poke(self, namespace: str, node: str) -> str:
+        """Start a best-effort pod on ``node`` (a container event there); its name."""
+        name = f"poke-{next(self._pokes)}"
+        self.start(shared_pod(name, namespace, node))
+        return name
+
+    def exclusive_cpus(self, namespace: str, pod: str) -> frozenset[int]:
+        """The cpus of a pod holding one claim, after checking that its env names exactly that
+        claim and that its processes run on exactly the env's cpus."""
+        uid = self.claim_of(namespace, pod)["metadata"]["uid"]
+        seen = self.observe(namespace, pod)
+        key = f"DRA_CPUSET_{uid}"
+        assert list(seen.dra) == [key], f"{namespace}/{pod}: env {dict(seen.dra)}, expected {key}"
+        cpus = parse_cpulist(seen.dra[key])
+        assert seen.self_cpus == cpus, f"{namespace}/{pod}: {seen}: exec'd process not on {key}"
+        assert seen.pid1_cpus == cpus, f"{namespace}/{pod}: {seen}: PID 1 not on {key}"
+        return cpus
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        self.kube.delete("pod", name, namespace=namespace)
+
+    # --- diagnostics -----------------------------------------------------------------------
+
+    def _describe_events(self, namespace: str, name: str) -> str:
+        try:
+            lines = [
+                f"  {e.get('type')} {e.get('reason')}: {e.get('message', '').strip()}"
+                for e in self.events(namespace, name)
+            ]
+        except KubectlError as exc:
+            return f"(events unavailable: {exc})"
+        return "events:\n" + "\n".join(lines) if lines else "no events"
+
+    def dump(self, directory: Path, namespace: str, nodes: list[str]) -> None:
+        """Save what explains a failure in ``namespace``: pods, events, claims, daemon logs."""
+        directory.mkdir(parents=True, exist_ok=True)
+        kube = self.kube
+        kube.save(directory / "pods.txt", "describe", "pods", "-n", namespace)
+        kube.save(directory / "events.txt", "get", "events", "-n", namespace, "-o", "wide")
+        kube.save(
+            directory / "resourceclaims.yaml",
+            "get",
+            "resourceclaims",
+            "-n",
+            namespace,
+            "-o",
+            "yaml",
+        )
+        kube.save(directory / "resourceslices.yaml", "get", "resourceslices", "-o", "yaml")
+        for node in nodes:
+            for pod in kube.items(
+                "pods", "-n", DAEMON_NAMESPACE, "--field-selector", f"spec.nodeName={node}"
+            ):
+                name = pod["metadata"]["name"]
+                kube.save(
+                    directory / f"{name}.log",
+                    "logs",
+                    "-n",
+                    DAEMON_NAMESPACE,
+                    name,
+                    "-c",
+                    DAEMON_CONTAINER,
+                )
+        summary = directory / "summary.json"
+        summary.write_text(json.dumps({"namespace": namespace, "nodes": nodes}, indent=2))
+
+
+def _is_ready(pod: Mapping[str, Any]) -> bool:
+    conditions = pod.get("status", {}).get("conditions", [])
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def _fatal(pod: Mapping[str, Any]) -> str | None:
+    for status in pod.get("status", {}).get("containerStatuses", []):
+        waiting = status.get("state", {}).get("waiting") or {}
+        if waiting.get("reason") in _FATAL_WAITING:
+            return (
+                f"container {status.get('name')}: {waiting['reason']}: {waiting.get('message', '')}"
+            )
+    return None

@@ -1,0 +1,180 @@
+"""The objects the kind e2e suite creates, built from ``tests/e2e/manifests/*.yaml``.
+
+The manifests are complete, valid objects (``tests/test_e2e_assets.py`` validates them and every
+object built here against the Kubernetes schemas); the builders copy one and set what each test
+varies: name, namespace, node, the CPUs a claim asks for, extra env.
+
+Also here: what the suite reads from the repository instead of repeating it (the reserved CPUs
+and the image of the kind overlay), and :data:`OBSERVE`, the script run inside a container to see
+what it was given.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Mapping, Sequence
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.e2e.kube import parse_cpulist
+
+__all__ = [
+    "CLAIM_REQUEST",
+    "CPU_CAPACITY",
+    "DRIVER",
+    "MANIFESTS",
+    "OBSERVE",
+    "OVERLAY",
+    "REPO",
+    "WORK_CONTAINER",
+    "claim_template",
+    "exclusive_pod",
+    "load_manifest",
+    "overlay_image",
+    "overlay_reserved_cpus",
+    "probe_pod",
+    "shared_pod",
+]
+
+REPO = Path(__file__).resolve().parents[2]
+MANIFESTS = Path(__file__).resolve().parent / "manifests"
+# The overlay `just e2e` deploys (tests/e2e/run.sh applies it with kubectl apply -k).
+OVERLAY = REPO / "deploy" / "kustomize" / "overlays" / "kind"
+BASE = REPO / "deploy" / "kustomize" / "base"
+
+# The compatibility contract (design §2), written out here rather than imported from dracpu:
+# the suite checks dracpu against these facts.
+DRIVER = "dra.cpu"  # driver name and DeviceClass name
+CPU_CAPACITY = "dra.cpu/cpu"  # the capacity of grouped devices
+# Names used by the manifests.
+CLAIM_REQUEST = "cpus"  # the request of claim-template.yaml, the claim entry of exclusive-pod.yaml
+WORK_CONTAINER = "work"  # the container of shared-pod.yaml and exclusive-pod.yaml
+_NODE_LABEL = "kubernetes.io/hostname"  # kind names each node after its hostname
+
+# Run inside a container (python3 -c): the Cpus_allowed_list of the process kubectl exec starts
+# (/proc/self/status) and of the container's own process (PID 1), and the DRA_CPUSET_* entries of
+# PID 1's environment, as one JSON object.
+OBSERVE = """
+import json
+def allowed(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("Cpus_allowed_list:"):
+                return line.split(":", 1)[1].strip()
+    return None
+with open("/proc/1/environ", "rb") as f:
+    env = [e.decode() for e in f.read().split(b"\\0") if b"=" in e]
+dra = dict(e.split("=", 1) for e in env if e.startswith("DRA_CPUSET_"))
+print(json.dumps({"self": allowed("self"), "pid1": allowed(1), "dra": dra}))
+"""
+
+
+@cache
+def _manifest(name: str) -> dict[str, Any]:
+    doc = yaml.safe_load((MANIFESTS / name).read_text())
+    if not isinstance(doc, dict):
+        raise ValueError(f"{MANIFESTS / name}: not one YAML object")
+    return doc
+
+
+def load_manifest(name: str) -> dict[str, Any]:
+    """A fresh copy of ``manifests/<name>``."""
+    return copy.deepcopy(_manifest(name))
+
+
+def _place(obj: dict[str, Any], name: str, namespace: str, node: str) -> dict[str, Any]:
+    obj["metadata"]["name"] = name
+    obj["metadata"]["namespace"] = namespace
+    obj["spec"]["nodeSelector"] = {_NODE_LABEL: node}
+    return obj
+
+
+def probe_pod(name: str, namespace: str, node: str) -> dict[str, Any]:
+    """A pod that prints the node's CPU topology and its own (shared-pool) cpus, then exits."""
+    return _place(load_manifest("probe-pod.yaml"), name, namespace, node)
+
+
+def shared_pod(
+    name: str, namespace: str, node: str, *, env: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """A best-effort pod without claims; ``env`` adds entries to its container."""
+    pod = _place(load_manifest("shared-pod.yaml"), name, namespace, node)
+    if env:
+        (container,) = pod["spec"]["containers"]
+        container["env"] = [{"name": k, "value": v} for k, v in env.items()]
+    return pod
+
+
+def claim_template(name: str, namespace: str, cpus: str) -> dict[str, Any]:
+    """A ResourceClaimTemplate asking for ``cpus`` (a quantity: "2", "1500m") of one device."""
+    template = load_manifest("claim-template.yaml")
+    template["metadata"]["name"] = name
+    template["metadata"]["namespace"] = namespace
+    (request,) = template["spec"]["spec"]["devices"]["requests"]
+    request["exactly"]["capacity"]["requests"] = {CPU_CAPACITY: cpus}
+    return template
+
+
+def exclusive_pod(
+    name: str, namespace: str, node: str, *, template: str, cpu_resources: str | None
+) -> dict[str, Any]:
+    """A pod with one claim from ``template``. ``cpu_resources`` sets the container's cpu
+    requests and limits (mirroring the claim: a Guaranteed pod); ``None`` leaves cpu out, for
+    pods that must stay Pending because of their claim and nothing else."""
+    pod = _place(load_manifest("exclusive-pod.yaml"), name, namespace, node)
+    (claim,) = pod["spec"]["resourceClaims"]
+    claim["resourceClaimTemplateName"] = template
+    (container,) = pod["spec"]["containers"]
+    resources = container["resources"]
+    for kind in ("requests", "limits"):
+        if cpu_resources is None:
+            resources[kind].pop("cpu", None)
+        else:
+            resources[kind]["cpu"] = cpu_resources
+    return pod
+
+
+def _overlay_daemon_args() -> list[str]:
+    kustomization = yaml.safe_load((OVERLAY / "kustomization.yaml").read_text())
+    for patch in kustomization.get("patches", []):
+        ops = yaml.safe_load(patch.get("patch", "")) or []
+        for op in ops if isinstance(ops, list) else []:
+            if op.get("path") == "/spec/template/spec/containers/0/args":
+                args: list[str] = [str(a) for a in op["value"]]
+                return args
+    raise ValueError(f"{OVERLAY / 'kustomization.yaml'}: no patch sets the DaemonSet's args")
+
+
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    for index, arg in enumerate(args):
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+        if arg == flag and index + 1 < len(args):
+            return args[index + 1]
+    return None
+
+
+def overlay_reserved_cpus() -> frozenset[int]:
+    """The ``--reserved-cpus`` the kind overlay gives the daemon (empty if none)."""
+    return parse_cpulist(_flag_value(_overlay_daemon_args(), "--reserved-cpus") or "")
+
+
+def overlay_image() -> str:
+    """The image reference the kind overlay deploys: the base DaemonSet's image with the
+    overlay's ``images`` rewrite (kustomize ``newName``/``newTag``) applied."""
+    daemonset = yaml.safe_load((BASE / "daemonset.yaml").read_text())
+    image: str = daemonset["spec"]["template"]["spec"]["containers"][0]["image"]
+    match = re.match(r"^(?P<name>[^:@]+(:\d+/[^:@]+)?)(:(?P<tag>[^@]+))?(@.*)?$", image)
+    if match is None:
+        raise ValueError(f"{BASE / 'daemonset.yaml'}: cannot read image {image!r}")
+    name, tag = match.group("name"), match.group("tag") or "latest"
+    kustomization = yaml.safe_load((OVERLAY / "kustomization.yaml").read_text())
+    for rewrite in kustomization.get("images", []):
+        if rewrite.get("name") == name:
+            name = rewrite.get("newName", name)
+            tag = rewrite.get("newTag", tag)
+    return f"{name}:{tag}"
