@@ -27,6 +27,7 @@ __all__ = [
     "KubeServerError",
     "LocalProtocolError",
     "ProtocolError",
+    "QuantityError",
     "RemoteProtocolError",
     "TopologyError",
 ]
@@ -106,3 +107,10 @@ class KubeConflictError(KubeClientError):
 
 class KubeServerError(KubeAPIError):
     """A 5xx answer or a connection failure: transient, retried with backoff."""
+
+
+# --- added for dracpu.core.quantity -------------------------------------------------------------
+
+
+class QuantityError(DracpuError, ValueError):
+    """Text is not a Kubernetes quantity (``resource.Quantity``), or not one the caller allows."""

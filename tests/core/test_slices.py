@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from typing import Any
 
 import kubernetes_validate
@@ -598,6 +599,38 @@ def test_validator_enforces_request_policy_rules() -> None:
         == []
     )
     assert validate_slice(_slice_with([device("eight", ok)]))
+
+
+def test_validator_reads_quantities_with_bounded_arithmetic() -> None:
+    """Capacity values and request policies use dracpu.core.quantity: exact values, and a
+    hostile exponent is refused instead of computed."""
+
+    def device(value: object, policy: dict[str, Any] | None = None) -> dict[str, Any]:
+        entry: dict[str, Any] = {"value": value}
+        if policy is not None:
+            entry["requestPolicy"] = policy
+        return {"name": "d", "allowMultipleAllocations": True, "capacity": {"dra.cpu/cpu": entry}}
+
+    assert validate_slice(_slice_with([device("8Ki")])) == []
+    assert validate_slice(_slice_with([device("1.5e3")])) == []
+    # 0.1 + 0.2 == 0.3 exactly: the step grid is checked on fractions, not floats
+    policy = {"default": "300m", "validRange": {"min": "100m", "step": "100m"}}
+    assert validate_slice(_slice_with([device("1", policy)])) == []
+    started = time.perf_counter()
+    errors = validate_slice(_slice_with([device("1e999999999")]))
+    assert time.perf_counter() - started < 0.5
+    assert errors == [
+        "spec.devices[0].capacity[dra.cpu/cpu].value: '1e999999999' is out of range: the "
+        "decimal exponent must be within +-40"
+    ]
+    errors = validate_slice(_slice_with([device("8", {"default": "1e-999999999"})]))
+    assert any("requestPolicy.default: '1e-999999999' is out of range" in e for e in errors)
+    assert validate_slice(_slice_with([device("8\n")])) == [
+        "spec.devices[0].capacity[dra.cpu/cpu].value: '8\\n' is not a Kubernetes quantity"
+    ]
+    assert validate_slice(_slice_with([device(8)])) == [
+        "spec.devices[0].capacity[dra.cpu/cpu].value: 8 is not a quantity string"
+    ]
 
 
 def test_validator_enforces_spec_and_pool() -> None:

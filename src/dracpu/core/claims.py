@@ -28,13 +28,13 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
 
 from dracpu import DRIVER_NAME
 from dracpu.core.commands import DeviceResult
 from dracpu.core.cpuset import MAX_CPU_ID, CpuSet
-from dracpu.errors import ClaimError
+from dracpu.core.quantity import parse_positive_whole
+from dracpu.errors import ClaimError, QuantityError
 
 __all__ = [
     "CAPACITY_CPU",
@@ -57,33 +57,6 @@ MAX_STATUS_DATA_BYTES = 10 * 1024
 # Grouped device names (upstream CPUDeviceNUMAGroupedPrefix, CPUDeviceSocketGroupedPrefix + %03d,
 # CPUDeviceMachineGrouped); individual devices are "cpudev" + digits and never match.
 _GROUPED_DEVICE = re.compile(r"^cpudev(numa\d+|socket\d+|machine)$")
-# resource.Quantity (k8s.io/apimachinery/pkg/api/resource/quantity.go): sign, digits with an
-# optional fraction, then a binary-SI, decimal-SI or decimal-exponent suffix.
-_QUANTITY = re.compile(
-    r"^([+-]?)(\d+(?:\.\d*)?|\.\d+)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?\d+)?$"
-)
-# Longest quantity text we look at, and largest decimal exponent: bounds the arithmetic so a
-# hostile "1e999999999" cannot make us compute a huge number.
-_MAX_QUANTITY_TEXT = 64
-_MAX_EXPONENT = 40
-_SUFFIX = {
-    "": Fraction(1),
-    "n": Fraction(1, 10**9),
-    "u": Fraction(1, 10**6),
-    "m": Fraction(1, 1000),
-    "k": Fraction(10**3),
-    "M": Fraction(10**6),
-    "G": Fraction(10**9),
-    "T": Fraction(10**12),
-    "P": Fraction(10**15),
-    "E": Fraction(10**18),
-    "Ki": Fraction(2**10),
-    "Mi": Fraction(2**20),
-    "Gi": Fraction(2**30),
-    "Ti": Fraction(2**40),
-    "Pi": Fraction(2**50),
-    "Ei": Fraction(2**60),
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,31 +114,13 @@ def parse_whole_quantity(value: object) -> int:
     """A Kubernetes quantity that must be a whole number of CPUs from 1 to 16384.
 
     ``"2"``, ``"2000m"``, ``"+3"``, ``"1e1"`` are accepted; ``"0"``, ``"-1"``, ``"1.5"``,
-    ``"500m"``, non-strings and amounts above 16384 raise :class:`ClaimError`.
+    ``"500m"``, non-strings and amounts above 16384 raise :class:`ClaimError`
+    (:func:`dracpu.core.quantity.parse_positive_whole`).
     """
-    if not isinstance(value, str):
-        raise ClaimError(f"{value!r} is not a quantity string")
-    match = _QUANTITY.match(value) if len(value) <= _MAX_QUANTITY_TEXT else None
-    if match is None:
-        raise ClaimError(f"{value!r} is not a Kubernetes quantity")
-    sign, number, suffix = match.group(1), match.group(2), match.group(3) or ""
-    amount = Fraction(number)
-    if suffix[:1] in ("e", "E"):
-        exponent = int(suffix[1:])
-        if abs(exponent) > _MAX_EXPONENT:
-            raise ClaimError(f"{value!r} is out of range: at most {_MAX_CPUS} CPUs")
-        amount *= Fraction(10) ** exponent
-    else:
-        amount *= _SUFFIX[suffix]
-    if sign == "-":
-        amount = -amount
-    if amount <= 0:
-        raise ClaimError(f"{value!r} is not positive")
-    if amount.denominator != 1:
-        raise ClaimError(f"{value!r} is not a whole number of CPUs")
-    if amount > _MAX_CPUS:
-        raise ClaimError(f"{value!r} is out of range: at most {_MAX_CPUS} CPUs")
-    return int(amount)
+    try:
+        return parse_positive_whole(value, maximum=_MAX_CPUS, unit="CPUs")
+    except QuantityError as exc:
+        raise ClaimError(str(exc)) from exc
 
 
 def _or_empty(value: object, empty: object) -> Any:

@@ -57,8 +57,9 @@ from fractions import Fraction
 from typing import Any
 
 from dracpu.core.cpuset import CpuSet
+from dracpu.core.quantity import parse_quantity
 from dracpu.core.topology import Topology
-from dracpu.errors import ConfigError, TopologyError
+from dracpu.errors import ConfigError, QuantityError, TopologyError
 
 __all__ = [
     "API_VERSION",
@@ -156,29 +157,6 @@ _SEMVER_RE = re.compile(
     r"(-(0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(\.(0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*)?"
     r"(\+[0-9a-zA-Z-]+(\.[0-9a-zA-Z-]+)*)?$"
 )
-# resource.Quantity: sign, digits with an optional fraction, then a binary-SI, decimal-SI or
-# decimal-exponent suffix (k8s.io/apimachinery/pkg/api/resource/quantity.go).
-_QUANTITY_RE = re.compile(
-    r"^([+-]?)(\d+(?:\.\d*)?|\.\d+)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?\d+)?$"
-)
-_QUANTITY_SUFFIX: dict[str, Fraction] = {
-    "": Fraction(1),
-    "n": Fraction(1, 10**9),
-    "u": Fraction(1, 10**6),
-    "m": Fraction(1, 1000),
-    "k": Fraction(10**3),
-    "M": Fraction(10**6),
-    "G": Fraction(10**9),
-    "T": Fraction(10**12),
-    "P": Fraction(10**15),
-    "E": Fraction(10**18),
-    "Ki": Fraction(2**10),
-    "Mi": Fraction(2**20),
-    "Gi": Fraction(2**30),
-    "Ti": Fraction(2**40),
-    "Pi": Fraction(2**50),
-    "Ei": Fraction(2**60),
-}
 
 
 class CpuDeviceMode(StrEnum):
@@ -499,18 +477,11 @@ def _qualified_name_errors(name: str) -> tuple[str, ...]:
 
 
 def _parse_quantity(value: object) -> Fraction | None:
-    if not isinstance(value, str):
+    """The exact value of a quantity; None when it is not one (the callers word the error)."""
+    try:
+        return parse_quantity(value)
+    except QuantityError:
         return None
-    match = _QUANTITY_RE.match(value)
-    if match is None:
-        return None
-    sign, number, suffix = match.group(1), match.group(2), match.group(3) or ""
-    amount = Fraction(number)
-    if suffix[:1] in ("e", "E"):
-        amount *= Fraction(10) ** int(suffix[1:])
-    else:
-        amount *= _QUANTITY_SUFFIX[suffix]
-    return -amount if sign == "-" else amount
 
 
 def _attribute_errors(path: str, attribute: object) -> tuple[list[str], int]:
@@ -558,9 +529,12 @@ def _request_policy_errors(path: str, capacity: Fraction, policy: object) -> lis
     if not isinstance(policy, Mapping):
         return [f"{path}: must be an object"]
     errors: list[str] = []
-    default = _parse_quantity(policy["default"]) if "default" in policy else None
-    if "default" in policy and default is None:
-        errors.append(f"{path}.default: {policy['default']!r} is not a quantity")
+    default: Fraction | None = None
+    if "default" in policy:
+        try:
+            default = parse_quantity(policy["default"])
+        except QuantityError as exc:
+            errors.append(f"{path}.default: {exc}")
     valid_values = policy.get("validValues")
     valid_range = policy.get("validRange")
     if valid_values and valid_range is not None:
@@ -648,9 +622,10 @@ def _device_errors(path: str, device: object) -> list[str]:
         if not isinstance(entry, Mapping):
             errors.append(f"{where}: must be an object")
             continue
-        value = _parse_quantity(entry.get("value"))
-        if value is None:
-            errors.append(f"{where}.value: {entry.get('value')!r} is not a quantity")
+        try:
+            value = parse_quantity(entry.get("value"))
+        except QuantityError as exc:
+            errors.append(f"{where}.value: {exc}")
             continue
         if "requestPolicy" in entry:
             if not multi:
