@@ -17,7 +17,13 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from dracpu.core.effects import Reply
 from dracpu.errors import AllocationError, DracpuError
 from dracpu.tasks import state_owner
-from dracpu.tasks.state_owner import Request, StateOwner, create_request_stream, request
+from dracpu.tasks.state_owner import (
+    PendingReply,
+    Request,
+    StateOwner,
+    create_request_stream,
+    request,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -370,6 +376,55 @@ async def test_request_when_the_owner_ends_without_answering() -> None:
         tg.start_soon(drop_one)
         with pytest.raises(DracpuError, match="the state owner stopped before answering Do"):
             await request(send, Do.replying("a"))
+
+
+async def test_a_request_is_handled_after_its_last_effect_and_before_the_next_request() -> None:
+    """PendingReply.handled, the NRI plugin's ordering guard: false while the owner runs the
+    request's effects (commit phase and post-commit), true before the owner takes the next one."""
+    streams: Streams = create_request_stream()
+    send, receive = streams
+    first, second = PendingReply(), PendingReply()
+    seen: list[tuple[str, bool, bool]] = []
+
+    async def execute(effect: Effect) -> None:
+        assert not isinstance(effect, Reply)
+        seen.append((effect.name, first.handled, second.handled))
+
+    owner: StateOwner[State, Command, Effect] = StateOwner(receive, (), apply, execute)
+    answers: list[object] = []
+
+    async def ask(command: Command, pending: PendingReply) -> None:
+        answers.append(await request(send, command, reply=pending))
+
+    assert not first.handled
+    async with send, anyio.create_task_group() as tg:
+        tg.start_soon(ask, Do("a", (Write("a-before"), Reply("a"), Write("a-after"))), first)
+        await wait_all_tasks_blocked()
+        tg.start_soon(ask, Do("b", (Write("b-before"), Reply("b"), Write("b-after"))), second)
+        await wait_all_tasks_blocked()
+        assert not first.handled  # queued, not yet taken
+        await tg.start(owner.run)
+        await wait_all_tasks_blocked()
+        tg.cancel_scope.cancel()
+    assert answers == ["a", "b"]
+    assert seen == [
+        ("a-before", False, False),
+        ("a-after", False, False),  # answered, but the owner is not done with it yet
+        ("b-before", True, False),
+        ("b-after", True, False),
+    ]
+    assert all(p.handled for p in (first, second))
+
+
+async def test_a_request_that_cannot_be_sent_is_handled() -> None:
+    streams: Streams = create_request_stream()
+    send, receive = streams
+    receive.close()
+    pending = PendingReply()
+    async with send:
+        with pytest.raises(DracpuError, match="the state owner is not running"):
+            await request(send, Do.replying("a"), reply=pending)
+    assert pending.handled
 
 
 async def test_the_command_stream_is_bounded_and_its_depth_reported() -> None:

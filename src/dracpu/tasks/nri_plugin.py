@@ -66,7 +66,7 @@ import anyio
 import anyio.abc
 from anyio import TASK_STATUS_IGNORED, BrokenResourceError, ClosedResourceError, EndOfStream
 from anyio.abc import TaskStatus
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectSendStream
 
 from dracpu.adapters import nri_messages as messages
 from dracpu.adapters.backoff import backoff_delays
@@ -89,7 +89,7 @@ from dracpu.core.effects import (
     UpdateContainers,
 )
 from dracpu.errors import DracpuError, LocalProtocolError, RemoteProtocolError
-from dracpu.tasks.state_owner import Request, request
+from dracpu.tasks.state_owner import PendingReply, Request, request
 from dracpu.wire import nri
 from dracpu.wire.events import (
     NEED_DATA,
@@ -204,8 +204,8 @@ class _Ask:
 
     __slots__ = ("newer", "reply")
 
-    def __init__(self, reply: MemoryObjectReceiveStream[object]) -> None:
-        self.reply = reply
+    def __init__(self) -> None:
+        self.reply = PendingReply()
         self.newer: dict[str, _Pin] = {}
 
 
@@ -244,8 +244,8 @@ class NriLink:
 
         Runs inside the owner, between two commands, so it also fixes the order against our
         own commands: a command of ours that the owner has already answered (its one-shot reply
-        stream is closed) was decided *before* this effect, and its answer's pins for these
-        containers are superseded.
+        stream is closed: :attr:`~dracpu.tasks.state_owner.PendingReply.handled`) was decided
+        *before* this effect, and its answer's pins for these containers are superseded.
         """
         if not self._live:
             self._dropped += 1
@@ -257,7 +257,7 @@ class NriLink:
             return
         pins = {u.container_id: _Pin(u.cpus, u.mems) for u in effect.updates}
         for ask in self._asks:
-            if ask.reply.statistics().open_send_streams == 0:  # answered before this effect
+            if ask.reply.handled:  # answered before this effect
                 ask.newer.update(pins)
         self._pins.update(pins)
         self._queued.update(dict.fromkeys(pins))
@@ -287,34 +287,14 @@ class NriLink:
             self._wakeup = None
 
     async def _ask(self, owner: OwnerSend, command: Command) -> tuple[object, dict[str, _Pin]]:
-        """Send ``command`` to the owner, await its answer (as :func:`state_owner.request`), and
+        """Send ``command`` to the owner, await its answer (:func:`state_owner.request`), and
         return it with the pins that effects executed after it supersede."""
-        reply_send, reply_receive = anyio.create_memory_object_stream[object](1)
-        ask = _Ask(reply_receive)
+        ask = _Ask()
         self._asks.add(ask)
         try:
-            with reply_receive:
-                delivered = False
-                try:
-                    await owner.send(Request(command, reply_send))
-                    delivered = True
-                except (BrokenResourceError, ClosedResourceError) as exc:
-                    raise DracpuError(
-                        f"cannot send {type(command).__name__}: the state owner is not running"
-                    ) from exc
-                finally:
-                    if not delivered:
-                        reply_send.close()
-                try:
-                    value = await reply_receive.receive()
-                except EndOfStream:
-                    raise DracpuError(
-                        f"the state owner stopped before answering {type(command).__name__}"
-                    ) from None
+            value = await request(owner, command, reply=ask.reply)
         finally:
             self._asks.discard(ask)
-        if isinstance(value, DracpuError):
-            raise value
         return value, ask.newer
 
     def _record(self, pins: Mapping[str, _Pin], newer: Mapping[str, _Pin]) -> dict[str, _Pin]:

@@ -1,7 +1,9 @@
 """The state owner: the one task that changes node state (design §3).
 
 Every other task sends it a :class:`Request` (a command plus a one-shot reply stream) over one
-bounded memory object stream; :func:`request` is the client side. For each request the owner
+bounded memory object stream; :func:`request` is the client side. The owner closes each request's
+reply stream right after that request's last effect, before it takes the next one
+(:attr:`PendingReply.handled`). For each request the owner
 calls the pure ``apply(state, command) -> (new_state, effects)`` and runs the effects in order:
 
 - a :class:`~dracpu.core.effects.Reply` **commits** the new state (it becomes the owner's state)
@@ -63,6 +65,7 @@ __all__ = [
     "COMMAND_QUEUE_SIZE",
     "FollowUp",
     "OwnerStatistics",
+    "PendingReply",
     "Request",
     "Rollback",
     "StateOwner",
@@ -121,18 +124,45 @@ def create_request_stream(
     return anyio.create_memory_object_stream[Request[C]](max_buffer_size)
 
 
-async def request(send: MemoryObjectSendStream[Request[C]], command: C) -> object:
+class PendingReply:
+    """A requester's end of one request's one-shot reply stream; use it for one :func:`request`.
+
+    :func:`request` makes its own; a requester that must order the owner's effects against its
+    request passes one it made and watches :attr:`handled` (the NRI plugin does).
+    """
+
+    __slots__ = ("_receive", "_send")
+
+    def __init__(self) -> None:
+        self._send, self._receive = anyio.create_memory_object_stream[object](1)
+
+    @property
+    def handled(self) -> bool:
+        """The owner is done with the request: it answered and closed the reply stream.
+
+        The owner closes a request's reply stream right after the request's last effect, before
+        it takes the next request, so an effect the owner executes while this is true was decided
+        after the request's answer; one it executes while this is false was decided before the
+        answer or with it. True also once the request could not be sent.
+        """
+        return self._receive.statistics().open_send_streams == 0
+
+
+async def request(
+    send: MemoryObjectSendStream[Request[C]], command: C, *, reply: PendingReply | None = None
+) -> object:
     """Send ``command`` to the owner and wait for its answer.
 
     Returns the answer's value; raises it when it is a :class:`~dracpu.errors.DracpuError`.
     Raises DracpuError when the owner is not running or stops before answering. Cancelling the
-    caller is safe at any point: the owner still applies a command it received.
+    caller is safe at any point: the owner still applies a command it received. ``reply``: the
+    reply end to use (default: a new one); it is closed on return.
     """
-    reply_send, reply_receive = anyio.create_memory_object_stream[object](1)
-    with reply_receive:
+    pending = PendingReply() if reply is None else reply
+    with pending._receive:
         delivered = False
         try:
-            await send.send(Request(command, reply_send))
+            await send.send(Request(command, pending._send))
             delivered = True
         except (BrokenResourceError, ClosedResourceError) as exc:
             raise DracpuError(
@@ -140,9 +170,9 @@ async def request(send: MemoryObjectSendStream[Request[C]], command: C) -> objec
             ) from exc
         finally:
             if not delivered:
-                reply_send.close()
+                pending._send.close()
         try:
-            value = await reply_receive.receive()
+            value = await pending._receive.receive()
         except EndOfStream:
             raise DracpuError(
                 f"the state owner stopped before answering {type(command).__name__}"
@@ -243,6 +273,7 @@ class StateOwner(Generic[S, C, E]):
 
     async def _handle(self, req: Request[C], *, follow_ups: bool = True) -> None:
         name = type(req.command).__name__
+        # Closed after the last effect, before the next request: PendingReply.handled.
         with req.reply:
             try:
                 new_state, effects = self._apply(self._state, req.command)
