@@ -34,8 +34,10 @@ import pytest
 import yaml
 
 from dracpu.config import DEFAULT_CDI_DIR, DEFAULT_NRI_SOCKET
+from tests.e2e import kube as kube_module
 from tests.e2e.cluster import Cluster, NodeFacts, claim_size, grouped_device_numa
 from tests.e2e.kube import Kubectl, format_cpulist, parse_cpulist, parse_quantity, poll
+from tests.e2e.model import FAULTS, ModelKubectl
 from tests.e2e.workloads import (
     MANIFESTS,
     OBSERVE,
@@ -647,10 +649,10 @@ def test_observe_script_reports_cpus_and_claim_env() -> None:
     assert parse_cpulist(seen["self"]) == parse_cpulist(seen["pid1"]) == os.sched_getaffinity(0)
 
 
-# A fake kubectl: answers each command line (without --request-timeout) from a JSON table.
+# A fake kubectl: answers each command line from a JSON table.
 _FAKE_KUBECTL = """
 import json, os, sys
-args = [a for a in sys.argv[1:] if not a.startswith("--request-timeout=")]
+args = sys.argv[1:]
 table = json.load(open(os.environ["FAKE_KUBECTL_TABLE"]))
 key = " ".join(args)
 if key not in table:
@@ -822,3 +824,100 @@ def test_events_are_filtered_by_object_reason_type_and_text(fake_cluster: FakeCl
     assert len(cluster.events("ns", "p", reason="FailedScheduling")) == 1
     assert len(cluster.events("ns", "p", kind="Warning", text="whole number")) == 1
     assert cluster.events("ns", "q", kind="Normal") == []
+
+
+# --- the suite against a model cluster -------------------------------------------------------
+
+# The suite's tests, in file order, and the faults of the modelled driver each must catch.
+_SUITE = (
+    "test_claimed_cpus_pin_the_container",
+    "test_shared_pool_shrinks_and_widens",
+    "test_claims_are_disjoint_and_oversized_claims_stay_pending",
+    "test_refusals_carry_the_drivers_error",
+    "test_daemon_restart_keeps_pinning",
+)
+_CAUGHT_BY = {
+    "accepts-spoofed-env": {"test_refusals_carry_the_drivers_error"},
+    "forgets-claims-on-restart": {"test_daemon_restart_keeps_pinning"},
+    "hands-out-reserved": {
+        "test_claimed_cpus_pin_the_container",
+        "test_claims_are_disjoint_and_oversized_claims_stay_pending",
+    },
+    "never-widens": {"test_shared_pool_shrinks_and_widens", "test_daemon_restart_keeps_pinning"},
+    "no-shrink": {
+        "test_shared_pool_shrinks_and_widens",
+        "test_claims_are_disjoint_and_oversized_claims_stay_pending",
+        "test_daemon_restart_keeps_pinning",
+    },
+}
+
+
+def _run_suite(model: ModelKubectl, artifacts: Path) -> dict[str, str]:
+    """Run the e2e tests against the model as the fixtures would; failures by test name."""
+    suite = importlib.import_module("tests.e2e.test_kind")
+    cluster = Cluster(model, artifacts)
+    cluster.wait_deployed(timeout=5)
+    target = cluster.discover(overlay_reserved_cpus())
+    failures: dict[str, str] = {}
+    try:
+        suite.test_every_node_publishes_its_numa_groups(cluster, target)
+    except AssertionError as exc:
+        failures["test_every_node_publishes_its_numa_groups"] = str(exc)
+    for name in _SUITE:
+        namespace = cluster.create_namespace(name)
+        try:
+            getattr(suite, name)(cluster, target, namespace)
+        except AssertionError as exc:
+            failures[name] = str(exc)
+        model.delete("namespace", namespace)
+    return failures
+
+
+def test_model_faults_are_all_checked() -> None:
+    assert set(_CAUGHT_BY) == FAULTS
+
+
+@pytest.mark.parametrize("unsolicited", [False, True], ids=["widen-at-next-event", "widen-at-once"])
+def test_the_suite_passes_against_a_cluster_that_keeps_dracpus_promises(
+    tmp_path: Path, unsolicited: bool
+) -> None:
+    model = ModelKubectl(unsolicited=unsolicited)
+    assert _run_suite(model, tmp_path) == {}
+    assert model.namespaces == set()  # every namespace the suite made is gone
+    # Diagnostics of a failed test can be written (against the model: empty files).
+    namespace = Cluster(model, tmp_path).create_namespace("dump")
+    Cluster(model, tmp_path).dump(tmp_path / "dump", namespace, ["dracpu-e2e-worker"])
+    assert (tmp_path / "dump" / "pods.txt").exists()
+
+
+@pytest.mark.parametrize("fault", sorted(_CAUGHT_BY))
+def test_the_suite_fails_when_dracpu_misbehaves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    suite = importlib.import_module("tests.e2e.test_kind")
+    for name in ("SAME_REPLY_TIMEOUT", "WIDEN_TIMEOUT", "PENDING_TIMEOUT"):
+        monkeypatch.setattr(suite, name, 0.3)
+    monkeypatch.setattr(kube_module, "POLL_INTERVAL", 0.02)
+    failures = _run_suite(ModelKubectl(faults=[fault]), tmp_path)
+    assert set(failures) == _CAUGHT_BY[fault], failures
+
+
+def test_the_model_widens_at_the_next_event_only_without_unsolicited_updates(
+    tmp_path: Path,
+) -> None:
+    """The model itself: what test_shared_pool_shrinks_and_widens relies on to tell the two
+    widening paths apart."""
+    model = ModelKubectl(unsolicited=False)
+    cluster = Cluster(model, tmp_path)
+    target = cluster.discover(overlay_reserved_cpus())
+    node = target.node.name
+    ns = cluster.create_namespace("model")
+    cluster.start(shared_pod("shared", ns, node))
+    cluster.create(claim_template("cpus", ns, "2"))
+    cluster.start(exclusive_pod("e", ns, node, template="cpus", cpu_resources="2"))
+    claimed = cluster.exclusive_cpus(ns, "e")
+    assert cluster.observe(ns, "shared").self_cpus == target.node.shareable - claimed
+    cluster.delete_pod(ns, "e")
+    assert cluster.observe(ns, "shared").self_cpus == target.node.shareable - claimed
+    cluster.poke(ns, node)
+    assert cluster.observe(ns, "shared").self_cpus == target.node.shareable

@@ -16,13 +16,16 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from tests.e2e import kube as kube_module
 from tests.e2e.kube import (
     Kubectl,
     KubectlError,
@@ -36,12 +39,14 @@ from tests.e2e.workloads import (
     DRIVER,
     OBSERVE,
     WORK_CONTAINER,
+    probe_pod,
     shared_pod,
 )
 
 __all__ = [
     "DAEMON_CONTAINER",
     "DAEMON_NAMESPACE",
+    "NAMESPACE_LABEL",
     "Cluster",
     "NodeFacts",
     "Observed",
@@ -60,6 +65,8 @@ _NUMA_DEVICE = re.compile(r"^cpudevnuma(\d{3,})$")
 # NriPlugin._configure): "...; unsolicited updates on" or "... off (shared containers widen at
 # the next event)". The suite needs it to know which widening to expect.
 _UNSOLICITED_MODE = re.compile(r"unsolicited updates\W+(on|off)\b")
+# Label of every namespace the suite creates, so leftovers can be found and deleted.
+NAMESPACE_LABEL = "dracpu-e2e"
 # Waiting reasons after which a container will not start without someone changing something.
 _FATAL_WAITING = frozenset(
     {
@@ -183,6 +190,53 @@ class Cluster:
         self.kube = kube
         self.artifacts = artifacts
         self._pokes = itertools.count(1)
+
+    # --- setting up -----------------------------------------------------------------------
+
+    def wait_deployed(self, *, timeout: float) -> None:
+        """Wait until every node has a Ready dracpu pod and ResourceSlices of our driver."""
+        nodes = self.node_names()
+        assert nodes, "the cluster has no nodes"
+        for node in nodes:
+            self.ready_daemon(node, timeout=timeout)
+        for node in nodes:
+            poll(
+                partial(self.slices, node),
+                bool,
+                timeout=timeout,
+                what=f"ResourceSlices of driver {DRIVER} for node {node}",
+            )
+
+    def discover(self, reserved: frozenset[int], *, node: str | None = None) -> Target:
+        """Probe every node's CPUs (one pod each, in a namespace deleted afterwards) and pick
+        the node the workload tests use: ``node``, or the first worker by name."""
+        namespace = self.create_namespace("probe")
+        nodes: dict[str, NodeFacts] = {}
+        try:
+            for index, name in enumerate(self.node_names()):
+                log = self.run_to_completion(probe_pod(f"probe-{index}", namespace, name))
+                nodes[name] = NodeFacts.from_probe(name, json.loads(log), reserved)
+        except BaseException:
+            self.dump(self.artifacts / namespace, namespace, self.node_names())
+            raise
+        finally:
+            self.kube.delete("namespace", namespace, timeout=300)
+        chosen = node or next(iter(self.worker_names() or self.node_names()))
+        assert chosen in nodes, f"node {chosen!r} is not in the cluster ({sorted(nodes)})"
+        return Target(node=nodes[chosen], nodes=nodes, size=claim_size(nodes[chosen]))
+
+    def create_namespace(self, hint: str) -> str:
+        """A new namespace named after ``hint`` with a random suffix; its name."""
+        slug = re.sub(r"[^a-z0-9]+", "-", hint.lower()).strip("-")[:40].rstrip("-")
+        name = f"e2e-{slug}-{secrets.token_hex(3)}"
+        self.kube.create(
+            {
+                "apiVersion": "v1",
+                "kind": "Namespace",
+                "metadata": {"name": name, "labels": {NAMESPACE_LABEL: "true"}},
+            }
+        )
+        return name
 
     # --- nodes and the daemon -------------------------------------------------------------
 
@@ -362,7 +416,7 @@ class Cluster:
                     f"pod {namespace}/{name} will not run: {problem}\n"
                     f"{self._describe_events(namespace, name)}"
                 )
-            time.sleep(1.0)
+            time.sleep(kube_module.POLL_INTERVAL)
 
     def run_to_completion(self, pod: Mapping[str, Any], *, timeout: float = START_TIMEOUT) -> str:
         """Create a ``restartPolicy: Never`` pod, wait until it succeeded; its log."""
@@ -497,20 +551,21 @@ class Cluster:
             "yaml",
         )
         kube.save(directory / "resourceslices.yaml", "get", "resourceslices", "-o", "yaml")
-        for node in nodes:
-            for pod in kube.items(
-                "pods", "-n", DAEMON_NAMESPACE, "--field-selector", f"spec.nodeName={node}"
-            ):
-                name = pod["metadata"]["name"]
-                kube.save(
-                    directory / f"{name}.log",
-                    "logs",
-                    "-n",
-                    DAEMON_NAMESPACE,
-                    name,
-                    "-c",
-                    DAEMON_CONTAINER,
+        try:
+            daemons = [
+                pod
+                for node in nodes
+                for pod in kube.items(
+                    "pods", "-n", DAEMON_NAMESPACE, "--field-selector", f"spec.nodeName={node}"
                 )
+            ]
+        except KubectlError as exc:
+            (directory / "daemon-pods.txt").write_text(f"# {exc}\n")
+            daemons = []
+        for pod in daemons:
+            name = pod["metadata"]["name"]
+            log = directory / f"{name}.log"
+            kube.save(log, "logs", "-n", DAEMON_NAMESPACE, name, "-c", DAEMON_CONTAINER)
         summary = directory / "summary.json"
         summary.write_text(json.dumps({"namespace": namespace, "nodes": nodes}, indent=2))
 

@@ -13,24 +13,19 @@ whose pods, events, claims and the daemon logs are saved under the artifacts dir
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import secrets
 from collections.abc import Generator, Iterator
-from functools import partial
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.cluster import Cluster, NodeFacts, Target, claim_size
-from tests.e2e.kube import Kubectl, poll
-from tests.e2e.workloads import overlay_reserved_cpus, probe_pod
+from tests.e2e.cluster import Cluster, Target
+from tests.e2e.kube import Kubectl
+from tests.e2e.workloads import overlay_reserved_cpus
 
 __all__ = [
     "ARTIFACTS_ENV",
     "E2E_ENV",
-    "NAMESPACE_LABEL",
     "NODE_ENV",
     "SKIP_REASON",
     "artifacts",
@@ -45,8 +40,6 @@ E2E_ENV = "DRACPU_E2E"
 ARTIFACTS_ENV = "DRACPU_E2E_ARTIFACTS"
 # Optional: the node the workload tests use (default: the first worker, by name).
 NODE_ENV = "DRACPU_E2E_NODE"
-# Label of every namespace the suite creates, so leftovers can be found and deleted.
-NAMESPACE_LABEL = "dracpu-e2e"
 SKIP_REASON = (
     "kind e2e test: needs a kind cluster running dracpu; run `just e2e` (tests/e2e/run.sh, "
     f"which sets {E2E_ENV}=1)"
@@ -90,44 +83,20 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def cluster(artifacts: Path) -> Cluster:
     """The cluster, once dracpu is Ready and has published its slices on every node."""
     cluster = Cluster(Kubectl(), artifacts)
-    nodes = cluster.node_names()
-    assert nodes, "the cluster has no nodes"
-    for node in nodes:
-        cluster.ready_daemon(node, timeout=DEPLOY_TIMEOUT)
-    for node in nodes:
-        poll(
-            partial(cluster.slices, node),
-            bool,
-            timeout=DEPLOY_TIMEOUT,
-            what=f"ResourceSlices of driver dra.cpu for node {node}",
-        )
+    cluster.wait_deployed(timeout=DEPLOY_TIMEOUT)
     return cluster
 
 
 @pytest.fixture(scope="session")
-def target(cluster: Cluster, artifacts: Path) -> Target:
+def target(cluster: Cluster) -> Target:
     """Every node's CPUs (a probe pod per node) and the node the workload tests use."""
-    reserved = overlay_reserved_cpus()
-    namespace = _create_namespace(cluster, "probe")
-    nodes: dict[str, NodeFacts] = {}
-    try:
-        for index, node in enumerate(cluster.node_names()):
-            log = cluster.run_to_completion(probe_pod(f"probe-{index}", namespace, node))
-            nodes[node] = NodeFacts.from_probe(node, json.loads(log), reserved)
-    except BaseException:
-        cluster.dump(artifacts / namespace, namespace, cluster.node_names())
-        raise
-    finally:
-        cluster.kube.delete("namespace", namespace, timeout=300)
-    chosen = os.environ.get(NODE_ENV) or next(iter(cluster.worker_names() or cluster.node_names()))
-    assert chosen in nodes, f"{NODE_ENV}={chosen!r} is not a node of the cluster ({list(nodes)})"
-    return Target(node=nodes[chosen], nodes=nodes, size=claim_size(nodes[chosen]))
+    return cluster.discover(overlay_reserved_cpus(), node=os.environ.get(NODE_ENV))
 
 
 @pytest.fixture
 def namespace(request: pytest.FixtureRequest, cluster: Cluster, target: Target) -> Iterator[str]:
     """A fresh namespace for one test; diagnostics saved if the test failed; then deleted."""
-    name = _create_namespace(cluster, request.node.name)
+    name = cluster.create_namespace(request.node.name)
     yield name
     reports = request.node.stash.get(_REPORTS, {})
     if any(r.failed for r in reports.values()):
@@ -135,16 +104,3 @@ def namespace(request: pytest.FixtureRequest, cluster: Cluster, target: Target) 
         cluster.dump(directory, name, [target.node.name])
         print(f"\ne2e diagnostics of {request.node.name}: {directory}")
     cluster.kube.delete("namespace", name, timeout=300)
-
-
-def _create_namespace(cluster: Cluster, hint: str) -> str:
-    slug = re.sub(r"[^a-z0-9]+", "-", hint.lower()).strip("-")[:40].rstrip("-")
-    name = f"e2e-{slug}-{secrets.token_hex(3)}"
-    cluster.create(
-        {
-            "apiVersion": "v1",
-            "kind": "Namespace",
-            "metadata": {"name": name, "labels": {NAMESPACE_LABEL: "true"}},
-        }
-    )
-    return name

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "POLL_INTERVAL",
     "Kubectl",
     "KubectlError",
     "format_cpulist",
@@ -36,9 +37,8 @@ T = TypeVar("T")
 # Seconds one kubectl call may take (a `get` on a kind cluster takes well under one; `delete
 # --wait` of a namespace passes its own, longer timeout).
 DEFAULT_TIMEOUT = 60.0
-# kubectl's own client-side timeout for one API request (--request-timeout), below DEFAULT_TIMEOUT
-# so kubectl reports a slow API server itself instead of being killed.
-_REQUEST_TIMEOUT = "45s"
+# Seconds between two looks of poll() (and of the waits built like it).
+POLL_INTERVAL = 1.0
 # A Linux cpu list as /proc/self/status and sysfs print it: "0-3,8,10-11" (or empty).
 _CPULIST = re.compile(r"^(\d+(-\d+)?)(,\d+(-\d+)?)*$")
 # The quantities the API returns for CPU capacity: canonical integers ("2") or milli ("1500m").
@@ -96,7 +96,7 @@ def poll(
     *,
     timeout: float,
     what: str,
-    interval: float = 1.0,
+    interval: float | None = None,
 ) -> T:
     """Call ``observe`` until ``done(value)``; return that value. After ``timeout`` seconds raise
     ``AssertionError`` naming ``what`` and the last value observed. ``observe`` may raise to
@@ -110,7 +110,7 @@ def poll(
             raise AssertionError(
                 f"timed out after {timeout:.0f}s waiting for {what}; last: {value!r}"
             )
-        time.sleep(interval)
+        time.sleep(POLL_INTERVAL if interval is None else interval)
 
 
 class Kubectl:
@@ -135,7 +135,9 @@ class Kubectl:
         check: bool = True,
     ) -> str:
         """kubectl ``args``; its stdout. Raises :class:`KubectlError` on failure when ``check``."""
-        command = [self._binary, f"--request-timeout={_REQUEST_TIMEOUT}", *args]
+        # No --request-timeout: it would also cut the watches of `delete --wait` and `logs`;
+        # the subprocess timeout bounds every call instead.
+        command = [self._binary, *args]
         try:
             done = subprocess.run(
                 command,
