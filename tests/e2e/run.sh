@@ -77,7 +77,7 @@ PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
 
 # --- the tools exist: check that they work ---------------------------------------------------
 
-"$engine" info >/dev/null 2>&1 || die "'$engine info' failed: is the $engine daemon running and reachable?"
+"$engine" info >/dev/null 2>&1 || die "'$engine info' failed: is the $engine daemon running and reachable? (CONTAINER_ENGINE=docker|podman picks the engine)"
 "$PYTHON" -c 'import pytest, yaml' 2>/dev/null || die "$PYTHON cannot import pytest and yaml: run scripts/bootstrap dev"
 if [[ $engine == podman ]]; then
   export KIND_EXPERIMENTAL_PROVIDER="${KIND_EXPERIMENTAL_PROVIDER:-podman}"

@@ -57,17 +57,21 @@ _NODE_LABEL = "kubernetes.io/hostname"  # kind names each node after its hostnam
 
 # Run inside a container (python3 -c): the Cpus_allowed_list of the process kubectl exec starts
 # (/proc/self/status) and of the container's own process (PID 1), and the DRA_CPUSET_* entries of
-# PID 1's environment, as one JSON object.
+# PID 1's environment (of the exec'd process's, which the runtime builds from the same container
+# spec, if PID 1's cannot be read), as one JSON object.
 OBSERVE = """
-import json
+import json, os
 def allowed(pid):
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith("Cpus_allowed_list:"):
                 return line.split(":", 1)[1].strip()
     return None
-with open("/proc/1/environ", "rb") as f:
-    env = [e.decode() for e in f.read().split(b"\\0") if b"=" in e]
+try:
+    with open("/proc/1/environ", "rb") as f:
+        env = [e.decode() for e in f.read().split(b"\\0") if b"=" in e]
+except OSError:
+    env = [f"{k}={v}" for k, v in os.environ.items()]
 dra = dict(e.split("=", 1) for e in env if e.startswith("DRA_CPUSET_"))
 print(json.dumps({"self": allowed("self"), "pid1": allowed(1), "dra": dra}))
 """
