@@ -47,6 +47,11 @@ bench:
 inspect *ARGS:
     {{venv}}/dracpu inspect {{ARGS}}
 
-# end-to-end tests on a kind cluster (needs Docker and kind; see tests/e2e/README.md)
-e2e:
-    tests/e2e/run.sh
+# end-to-end tests on a kind cluster (needs Docker and kind; see tests/e2e/README.md);
+# extra arguments go to pytest
+e2e *ARGS:
+    tests/e2e/run.sh {{ARGS}}
+
+# the node simulator: the real daemon with a fake API server, kubelet and runtime
+sim *ARGS:
+    {{venv}}/dracpu sim {{ARGS}}
