@@ -47,8 +47,7 @@ bench:
 inspect *ARGS:
     {{venv}}/dracpu inspect {{ARGS}}
 
-# end-to-end tests on a kind cluster (needs Docker and kind; see tests/e2e/README.md);
-# extra arguments go to pytest
+# end-to-end tests on kind (needs Docker, kind, kubectl: tests/e2e/README.md); args go to pytest
 e2e *ARGS:
     tests/e2e/run.sh {{ARGS}}
 
