@@ -1,30 +1,41 @@
 """NodePrepareResources as the kubelet sees it: one grouped claim over the real DRA socket.
 
 Run: ``.venv/bin/python bench/bench_prepare.py [--n 1000] [--cdi-dir DIR] [--state-dir DIR]``.
-In one process: the state owner with the real ``dracpu.core.state.apply`` on the 64-CPU
-``dual-socket-smt2`` machine, real CDI spec and checkpoint writes (temp file, fsync, rename,
-fsync dir), an in-memory claim source, and the DRA socket of :mod:`dracpu.tasks.kubelet_plugin`.
-As in production, CDI specs go to tmpfs (``/dev/shm``; ``/var/run/cdi`` is on ``/run``) and the
-checkpoint to a disk directory (the system temp dir; ``/var/lib/dracpu``); the figures name the
-file system of each. The client is grpcio (the kubelet's role) in its own process, as the
-kubelet is; each figure is the client-side latency of one call. ``server_cpu_ms_per_pair`` is
-the daemon process's CPU time (all threads) per Prepare + Unprepare pair.
 
-The claim asks 4 CPUs of ``cpudevnuma000``; each iteration prepares it and then unprepares it,
-so state does not grow and every Prepare allocates afresh (a new claim for the allocator). The
-claim's ``status.devices`` is patched once (the first Prepare); later Prepares find the cpuset
-already recorded when the allocator picks the same CPUs.
+The daemon's prepare path runs in this process: the state owner with the node machine of
+``dracpu run`` (:class:`dracpu.tasks.node_machine.NodeMachine`: the real ``apply`` on the 64-CPU
+``dual-socket-smt2`` machine, real CDI spec and checkpoint writes with fsync) and the DRA socket of
+:mod:`dracpu.tasks.kubelet_plugin`. ResourceClaims come through the REAL kube adapter
+(:mod:`dracpu.adapters.kube`, aiohttp) from the fake API server of :mod:`dracpu.sim` served in
+this same process and event loop (schema validation on), so its request handling is counted in
+the daemon's time and CPU (a real API server runs elsewhere). The client is grpcio (the kubelet's
+role) in its own process, as the kubelet is; each figure is the client-side latency of one call.
+
+As in production, CDI specs go to tmpfs (``/dev/shm``; ``/var/run/cdi`` is on ``/run``) and the
+checkpoint to a disk directory (``/var/tmp``; ``/var/lib/dracpu``); the figures name the file
+system of each.
+
+Every iteration prepares a NEW claim (4 CPUs of one of the four ``cpudevnuma00N`` devices, as a
+pod's claim would be) and unprepares the claim prepared :data:`LAG` iterations before, so a
+handful of claims are prepared at any time, every Prepare allocates afresh and records its
+cpuset in the claim's ``status.devices`` (one PATCH per claim), and that status write has long
+finished when the claim is unprepared.
 
 Figures (ms, p50/p99):
 
-* ``prepare.grouped_claim.v1``: NodePrepareResources (target p50 <= 3 ms, p99 <= 20 ms); the
-  same figure with ``--state-dir /dev/shm`` shows the cost without a disk fsync;
-* ``prepare.unprepare.v1``: the NodeUnprepareResources of the same pairs;
+* ``prepare.grouped_claim.v1``: NodePrepareResources with the claim read from the API server
+  (targets p50 <= 3 ms, p99 <= 20 ms). ``server_cpu_ms_per_pair``: this process's CPU time (all
+  threads, the fake API server included) per Prepare + Unprepare; ``status_patches``: claims
+  whose ``status.devices`` the API server holds at the end;
+* ``prepare.unprepare.v1``: NodeUnprepareResources of the same claims;
+* ``prepare.grouped_claim.v1.memory_claims`` / ``prepare.unprepare.v1.memory_claims``: the same
+  with an in-memory claim source instead of the API server (what the daemon itself costs);
 * floors measured in the same run: ``floor.grpc_unary_unix`` (a bare grpclib unary call,
-  GetInfo, from the same grpcio client on the same kind of socket) and
-  ``floor.atomic_write_fsync_2k.cdi_dir`` / ``.state_dir`` (one atomic write + fsync of a 2 KB
-  file in each directory). A Prepare is one gRPC call plus two atomic writes (CDI spec,
-  checkpoint), each run in a worker thread by the effect executor.
+  GetInfo, from the same grpcio client on the same kind of socket),
+  ``floor.atomic_write_fsync_2k.state_dir`` / ``.cdi_dir`` (one atomic write + fsync of a 2 KB
+  file: temp file, write, fsync, rename, fsync the directory) and ``floor.kube_get_claim`` (one
+  GET of a claim through the kube adapter from the in-process fake API server). A Prepare is one
+  gRPC call, one claim GET and two atomic writes (CDI spec, checkpoint).
 """
 
 from __future__ import annotations
@@ -38,7 +49,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -51,26 +62,33 @@ import grpc
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from bench._harness import emit, percentiles
-from dracpu.adapters import cdi_files
-from dracpu.adapters.checkpoint_file import write_checkpoint
 from dracpu.adapters.grpc_server import open_unix_server
-from dracpu.core.checkpoint_schema import encode
+from dracpu.adapters.kube import open_kube_client
+from dracpu.config import Config
 from dracpu.core.commands import Command
-from dracpu.core.effects import DeleteCdiSpec, Effect, WriteCdiSpec, WriteCheckpoint
-from dracpu.core.state import NodeConfig, NodeState, apply, rollback
+from dracpu.core.effects import Effect
+from dracpu.core.state import NodeConfig, NodeState
 from dracpu.errors import KubeNotFoundError
 from dracpu.sim._pb2.dra.v1 import api_pb2 as dra_pb
 from dracpu.sim._pb2.pluginregistration.v1 import api_pb2 as reg_pb
+from dracpu.sim.fake_apiserver import build_resource_claim, open_fake_apiserver
 from dracpu.sim.topologies import FIXTURES, build_topology
 from dracpu.tasks import kubelet_plugin, registration
+from dracpu.tasks.kubelet_plugin import ClaimSource
+from dracpu.tasks.node_machine import NodeMachine
 from dracpu.tasks.state_owner import Request, StateOwner, create_request_stream
 
 __all__ = ["main"]
 
 NODE = "bench-node"
+NAMESPACE = "bench"
 TOPOLOGY = "dual-socket-smt2"
-DEVICE = "cpudevnuma000"
-CPUS = "4"
+# The four grouped devices of dual-socket-smt2 (one per NUMA node, 16 CPUs each).
+DEVICES = ("cpudevnuma000", "cpudevnuma001", "cpudevnuma002", "cpudevnuma003")
+CPUS = 4
+# Claim i is unprepared after claim i + LAG is prepared: at most LAG + 1 claims are prepared, at
+# most 2 per device (8 of its 16 CPUs), and each status PATCH has finished long before.
+LAG = 4
 SAMPLES = 1000
 WARMUP = 20
 # The kubelet's per-call deadline (dra_plugin.go defaultClientCallTimeout).
@@ -83,82 +101,61 @@ GET_INFO = "/pluginregistration.Registration/GetInfo"
 _SCRIPT = str(Path(__file__).resolve())
 
 
-class _Executor:
-    """Real CDI spec and checkpoint writes; other effects are ignored."""
-
-    def __init__(self, cdi_dir: Path, checkpoint: Path) -> None:
-        self.cdi_dir = cdi_dir
-        self.checkpoint = checkpoint
-
-    async def __call__(self, effect: Effect) -> None:
-        match effect:
-            case WriteCdiSpec(claim_uid=uid, cpus=cpus):
-                await anyio.to_thread.run_sync(cdi_files.write_spec, self.cdi_dir, uid, cpus)
-            case DeleteCdiSpec(claim_uid=uid):
-                await anyio.to_thread.run_sync(cdi_files.delete_spec, self.cdi_dir, uid)
-            case WriteCheckpoint(checkpoint=data):
-                raw = encode(data)
-                await anyio.to_thread.run_sync(write_checkpoint, self.checkpoint, raw)
-            case _:
-                pass
+def _results(index: int) -> list[dict[str, Any]]:
+    """The allocation of claim ``index``: 4 CPUs of one grouped device, as the scheduler writes."""
+    return [
+        {
+            "request": "cpu",
+            "driver": "dra.cpu",
+            "pool": NODE,
+            "device": DEVICES[index % len(DEVICES)],
+            "shareID": str(uuid.uuid4()),
+            "consumedCapacity": {"dra.cpu/cpu": str(CPUS)},
+        }
+    ]
 
 
-class _Claims:
-    """An in-memory claim source (no API server round trip)."""
+def _claims(count: int) -> list[dict[str, Any]]:
+    return [
+        build_resource_claim(
+            NAMESPACE, f"cpus-{index}", _results(index), uid=str(uuid.uuid4()), node_name=NODE
+        )
+        for index in range(count)
+    ]
 
-    def __init__(self, claim: dict[str, Any]) -> None:
-        self.claim = claim
-        self.patches = 0
+
+class _MemoryClaims:
+    """An in-memory claim source (no API server round trip) with merge-patch status writes."""
+
+    def __init__(self, claims: Sequence[dict[str, Any]]) -> None:
+        self.objects = {(c["metadata"]["namespace"], c["metadata"]["name"]): c for c in claims}
+        for obj in claims:
+            obj["metadata"].setdefault("resourceVersion", "1")
 
     async def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]:
-        meta = self.claim["metadata"]
-        if (namespace, name) != (meta["namespace"], meta["name"]):
+        obj = self.objects.get((namespace, name))
+        if obj is None:
             raise KubeNotFoundError(f"{namespace}/{name} not found", status=404)
-        return copy.deepcopy(self.claim)
+        return copy.deepcopy(obj)
 
     async def patch_resource_claim_status(
         self, namespace: str, name: str, patch: Mapping[str, Any]
     ) -> dict[str, Any]:
-        self.patches += 1
-        self.claim["status"]["devices"] = copy.deepcopy(patch["status"]["devices"])
-        meta = self.claim["metadata"]
+        obj = self.objects[(namespace, name)]
+        obj["status"]["devices"] = copy.deepcopy(patch["status"]["devices"])
+        meta = obj["metadata"]
         meta["resourceVersion"] = str(int(meta["resourceVersion"]) + 1)
-        return copy.deepcopy(self.claim)
+        return copy.deepcopy(obj)
+
+    def patched(self) -> int:
+        return sum(1 for obj in self.objects.values() if obj["status"].get("devices"))
 
 
-def _claim() -> dict[str, Any]:
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {
-            "namespace": "bench",
-            "name": "cpus",
-            "uid": str(uuid.uuid4()),
-            "resourceVersion": "1",
-        },
-        "spec": {"devices": {"requests": [{"name": "cpu"}]}},
-        "status": {
-            "allocation": {
-                "devices": {
-                    "results": [
-                        {
-                            "request": "cpu",
-                            "driver": "dra.cpu",
-                            "pool": NODE,
-                            "device": DEVICE,
-                            "consumedCapacity": {"dra.cpu/cpu": CPUS},
-                        }
-                    ]
-                }
-            }
-        },
-    }
+# --- the kubelet (grpcio, in its own process) -----------------------------------------------------
 
 
-def _kubelet_pairs(socket_path: Path, ref: dra_pb.Claim, n: int) -> tuple[list[float], ...]:
-    """Prepare + Unprepare ``n`` times with grpcio; latencies in ms."""
-    prepare_request = dra_pb.NodePrepareResourcesRequest(claims=[ref])
-    unprepare_request = dra_pb.NodeUnprepareResourcesRequest(claims=[ref])
+def _kubelet_pairs(socket_path: Path, refs: list[dra_pb.Claim]) -> tuple[list[float], ...]:
+    """Prepare claim i, then unprepare claim i - LAG; latencies in ms after the warm-up."""
     prepare_ms: list[float] = []
     unprepare_ms: list[float] = []
     with grpc.insecure_channel(f"unix:{socket_path}") as channel:
@@ -172,18 +169,32 @@ def _kubelet_pairs(socket_path: Path, ref: dra_pb.Claim, n: int) -> tuple[list[f
             request_serializer=dra_pb.NodeUnprepareResourcesRequest.SerializeToString,
             response_deserializer=dra_pb.NodeUnprepareResourcesResponse.FromString,
         )
-        for i in range(WARMUP + n):
+
+        def release(ref: dra_pb.Claim) -> float:
             start = time.perf_counter()
-            answer = prepare(prepare_request, timeout=CALL_TIMEOUT)
-            middle = time.perf_counter()
-            released = unprepare(unprepare_request, timeout=CALL_TIMEOUT)
-            end = time.perf_counter()
+            released = unprepare(
+                dra_pb.NodeUnprepareResourcesRequest(claims=[ref]), timeout=CALL_TIMEOUT
+            )
+            took = (time.perf_counter() - start) * 1000
+            if released.claims[ref.uid].error:
+                raise SystemExit(f"unprepare failed: {released.claims[ref.uid].error}")
+            return took
+
+        for index, ref in enumerate(refs):
+            start = time.perf_counter()
+            answer = prepare(dra_pb.NodePrepareResourcesRequest(claims=[ref]), timeout=CALL_TIMEOUT)
+            took = (time.perf_counter() - start) * 1000
             entry = answer.claims[ref.uid]
-            if entry.error or len(entry.devices) != 1 or released.claims[ref.uid].error:
-                raise SystemExit(f"prepare failed: {entry.error or released}")
-            if i >= WARMUP:
-                prepare_ms.append((middle - start) * 1000)
-                unprepare_ms.append((end - middle) * 1000)
+            if entry.error or len(entry.devices) != 1:
+                raise SystemExit(f"prepare failed: {entry.error or answer}")
+            if index >= WARMUP:
+                prepare_ms.append(took)
+            if index >= LAG:
+                took = release(refs[index - LAG])
+                if index - LAG >= WARMUP:
+                    unprepare_ms.append(took)
+        for ref in refs[-LAG:]:
+            release(ref)
     return prepare_ms, unprepare_ms
 
 
@@ -201,6 +212,33 @@ def _bare_calls(socket_path: Path, n: int) -> list[float]:
             if i >= WARMUP:
                 samples.append((time.perf_counter() - start) * 1000)
     return samples
+
+
+async def _client(*args: str) -> list[list[float]]:
+    """Run the grpcio kubelet in its own process (the kubelet is one); its samples in ms."""
+    command = [sys.executable, _SCRIPT, "--client", *args]
+    result = await anyio.run_process(command, check=False)
+    if result.returncode != 0:
+        raise SystemExit(f"client {args[0]} failed: {result.stderr.decode(errors='replace')}")
+    samples: list[list[float]] = json.loads(result.stdout)
+    return samples
+
+
+def _client_main(args: list[str]) -> None:
+    """``--client pairs SOCKET REFS_JSON`` or ``--client bare SOCKET N``: JSON samples."""
+    kind, socket_path = args[0], Path(args[1])
+    if kind == "pairs":
+        refs = [
+            dra_pb.Claim(namespace=ns, uid=uid, name=name)
+            for ns, uid, name in json.loads(Path(args[2]).read_text())
+        ]
+        out: list[list[float]] = list(_kubelet_pairs(socket_path, refs))
+    else:
+        out = [_bare_calls(socket_path, int(args[2]))]
+    print(json.dumps(out))
+
+
+# --- floors -------------------------------------------------------------------------------------
 
 
 def _write_floor(directory: Path, n: int) -> list[float]:
@@ -229,25 +267,73 @@ def _write_floor(directory: Path, n: int) -> list[float]:
     return samples
 
 
-async def _client(*args: str) -> list[list[float]]:
-    """Run the grpcio kubelet in its own process (the kubelet is one); its samples in ms."""
-    command = [sys.executable, _SCRIPT, "--client", *args]
-    result = await anyio.run_process(command, check=False)
-    if result.returncode != 0:
-        raise SystemExit(f"client {args[0]} failed: {result.stderr.decode(errors='replace')}")
-    samples: list[list[float]] = json.loads(result.stdout)
+async def _bare_floor(base: Path, n: int) -> list[float]:
+    bare = registration.Registrar(registration.PluginInfo(name="bench", endpoint=""))
+    bare_socket = base / "kubelet" / "bare" / "bare.sock"
+    async with open_unix_server([bare], bare_socket):
+        [samples] = await _client("bare", str(bare_socket), str(n))
     return samples
 
 
-def _client_main(args: list[str]) -> None:
-    """``--client pairs SOCKET N NS UID NAME`` or ``--client bare SOCKET N``: JSON samples."""
-    kind, socket_path, n = args[0], Path(args[1]), int(args[2])
-    if kind == "pairs":
-        ref = dra_pb.Claim(namespace=args[3], uid=args[4], name=args[5])
-        out: list[list[float]] = list(_kubelet_pairs(socket_path, ref, n))
-    else:
-        out = [_bare_calls(socket_path, n)]
-    print(json.dumps(out))
+async def _get_floor(claims: ClaimSource, refs: Sequence[tuple[str, str, str]]) -> list[float]:
+    samples: list[float] = []
+    for index, (namespace, _, name) in enumerate(refs):
+        start = time.perf_counter()
+        await claims.get_resource_claim(namespace, name)
+        if index >= WARMUP:
+            samples.append((time.perf_counter() - start) * 1000)
+    return samples
+
+
+# --- the daemon's prepare path ------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def _node(
+    base: Path, cdi_dir: Path, state_dir: Path, claims: ClaimSource
+) -> AsyncIterator[Path]:
+    """The state owner (node machine) and the DRA socket; yields the socket's path."""
+    config = Config(node_name=NODE, cdi_dir=cdi_dir, state_dir=state_dir)
+    machine = NodeMachine(config)
+    state = NodeState.initial(NodeConfig.build(NODE, build_topology(FIXTURES[TOPOLOGY])))
+    send: MemoryObjectSendStream[Request[Command]]
+    receive: MemoryObjectReceiveStream[Request[Command]]
+    send, receive = create_request_stream()
+    owner: StateOwner[NodeState, Command, Effect] = StateOwner(
+        receive,
+        state,
+        machine.apply,
+        machine.execute,
+        rollback=machine.rollback,
+        follow_up=machine.follow_up,
+    )
+    machine.watch_state(lambda: owner.state)
+    socket_path = base / "kubelet" / "plugins" / "dra.cpu" / "dra.sock"
+    with send, receive:
+        async with anyio.create_task_group() as tg:
+            await tg.start(owner.run)
+            await tg.start(partial(kubelet_plugin.run, socket_path, send.clone(), claims, NODE))
+            yield socket_path
+            tg.cancel_scope.cancel()
+
+
+async def _pairs(
+    base: Path, cdi_dir: Path, state_dir: Path, claims: ClaimSource, refs: list[tuple[str, ...]]
+) -> tuple[list[float], list[float], float]:
+    """Prepare/unprepare every claim from the grpcio kubelet: (prepare ms, unprepare ms, server
+    CPU ms per pair)."""
+    refs_file = base / f"refs-{uuid.uuid4()}.json"
+    refs_file.write_text(json.dumps(refs))
+    async with _node(base, cdi_dir, state_dir, claims) as socket_path:
+        cpu_start = time.process_time()
+        prepare_ms, unprepare_ms = await _client("pairs", str(socket_path), str(refs_file))
+        cpu_ms = (time.process_time() - cpu_start) * 1000 / len(refs)
+    return prepare_ms, unprepare_ms, cpu_ms
+
+
+def _ref(obj: Mapping[str, Any]) -> tuple[str, str, str]:
+    meta = obj["metadata"]
+    return (meta["namespace"], meta["uid"], meta["name"])
 
 
 def _emit(name: str, samples: list[float], **extra: Any) -> None:
@@ -273,67 +359,79 @@ def _fs_type(path: Path) -> str:
 
 
 async def _run(cdi_base: Path, state_base: Path, n: int) -> None:
-    config = NodeConfig.build(NODE, build_topology(FIXTURES[TOPOLOGY]))
-    cdi_dir = cdi_base / "cdi"
-    state_dir = state_base / "state"
-    executor = _Executor(cdi_dir, state_dir / "checkpoint.json")
-    claim = _claim()
-    claims = _Claims(claim)
-    dra_socket = state_base / "kubelet" / "plugins" / "dra.cpu" / "dra.sock"
-    send: MemoryObjectSendStream[Request[Command]]
-    receive: MemoryObjectReceiveStream[Request[Command]]
-    send, receive = create_request_stream()
-    owner: StateOwner[NodeState, Command, Effect] = StateOwner(
-        receive, NodeState.initial(config), apply, executor, rollback=rollback
-    )
-    cdi_dir.mkdir(parents=True)
-    state_dir.mkdir(parents=True)
-    cdi_write_ms = await anyio.to_thread.run_sync(_write_floor, cdi_dir, n)
-    state_write_ms = await anyio.to_thread.run_sync(_write_floor, state_dir, n)
+    count = WARMUP + n
+    where: dict[str, str] = {}
+    for label, base in (("cdi_dir", cdi_base), ("state_dir", state_base)):
+        where[label] = f"{base} ({_fs_type(base)})"
 
-    bare = registration.Registrar(registration.PluginInfo(name="bench", endpoint=""))
-    bare_socket = state_base / "kubelet" / "bare" / "bare.sock"
-    async with open_unix_server([bare], bare_socket):
-        [bare_ms] = await _client("bare", str(bare_socket), str(n))
+    def dirs(variant: str) -> tuple[Path, Path]:
+        cdi_dir, state_dir = cdi_base / variant / "cdi", state_base / variant / "state"
+        cdi_dir.mkdir(parents=True)
+        state_dir.mkdir(parents=True)
+        return cdi_dir, state_dir
 
-    with send, receive:
-        async with anyio.create_task_group() as tg:
-            await tg.start(owner.run)
-            await tg.start(partial(kubelet_plugin.run, dra_socket, send.clone(), claims, NODE))
-            meta = claim["metadata"]
-            cpu_start = time.process_time()
-            prepare_ms, unprepare_ms = await _client(
-                "pairs", str(dra_socket), str(n), meta["namespace"], meta["uid"], meta["name"]
+    floor_cdi, floor_state = dirs("floor")
+    cdi_write_ms = await anyio.to_thread.run_sync(_write_floor, floor_cdi, n)
+    state_write_ms = await anyio.to_thread.run_sync(_write_floor, floor_state, n)
+    bare_ms = await _bare_floor(state_base, n)
+
+    async with open_fake_apiserver(kubeconfig_dir=state_base) as api:
+        objects = [api.add_resource_claim(obj) for obj in _claims(count)]
+        refs = [_ref(obj) for obj in objects]
+        async with open_kube_client(api.kubeconfig_path) as kube:
+            get_ms = await _get_floor(kube, refs)
+            cdi_dir, state_dir = dirs("api")
+            api_prepare, api_unprepare, api_cpu = await _pairs(
+                state_base, cdi_dir, state_dir, kube, list(refs)
             )
-            server_cpu_ms = (time.process_time() - cpu_start) * 1000 / (n + WARMUP)
-            tg.cancel_scope.cancel()
+        api_patched = sum(
+            1
+            for ns, _, name in refs
+            if (api.resource_claim(ns, name).get("status") or {}).get("devices")
+        )
 
-    where = {
-        "cdi_dir": f"{cdi_dir} ({_fs_type(cdi_dir)})",
-        "state_dir": f"{state_dir} ({_fs_type(state_dir)})",
-    }
+    memory = _MemoryClaims(_claims(count))
+    memory_refs = [_ref(obj) for obj in memory.objects.values()]
+    cdi_dir, state_dir = dirs("memory")
+    mem_prepare, mem_unprepare, mem_cpu = await _pairs(
+        state_base, cdi_dir, state_dir, memory, list(memory_refs)
+    )
+
+    claim = f"{CPUS} cpus of a cpudevnuma device ({TOPOLOGY}), a new claim per call"
     _emit(
         "prepare.grouped_claim.v1",
-        prepare_ms,
+        api_prepare,
         target_p50=3.0,
         target_p99=20.0,
-        claim=f"{CPUS} cpus of {DEVICE} ({TOPOLOGY}), prepare+unprepare pairs",
-        status_patches=claims.patches,
-        server_cpu_ms_per_pair=round(server_cpu_ms, 3),
+        claim=claim,
+        claims_from="kube adapter + in-process fake API server",
+        status_patches=api_patched,
+        server_cpu_ms_per_pair=round(api_cpu, 3),
         **where,
     )
-    _emit("prepare.unprepare.v1", unprepare_ms, **where)
-    _emit("floor.grpc_unary_unix", bare_ms, call="grpcio client -> grpclib GetInfo")
+    _emit("prepare.unprepare.v1", api_unprepare, **where)
     _emit(
-        "floor.atomic_write_fsync_2k.cdi_dir",
-        cdi_write_ms,
-        dir=f"{cdi_dir} ({_fs_type(cdi_dir)})",
+        "prepare.grouped_claim.v1.memory_claims",
+        mem_prepare,
+        claim=claim,
+        claims_from="in-memory",
+        status_patches=memory.patched(),
+        server_cpu_ms_per_pair=round(mem_cpu, 3),
+        **where,
     )
+    _emit("prepare.unprepare.v1.memory_claims", mem_unprepare, **where)
+    _emit("floor.grpc_unary_unix", bare_ms, call="grpcio client -> grpclib GetInfo")
     _emit(
         "floor.atomic_write_fsync_2k.state_dir",
         state_write_ms,
-        dir=f"{state_dir} ({_fs_type(state_dir)})",
+        dir=f"{floor_state} ({_fs_type(floor_state)})",
     )
+    _emit(
+        "floor.atomic_write_fsync_2k.cdi_dir",
+        cdi_write_ms,
+        dir=f"{floor_cdi} ({_fs_type(floor_cdi)})",
+    )
+    _emit("floor.kube_get_claim", get_ms, call="kube adapter GET <- in-process fake API server")
 
 
 def _default_cdi_base() -> Path | None:
@@ -342,11 +440,17 @@ def _default_cdi_base() -> Path | None:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else None
 
 
+def _default_state_base() -> Path | None:
+    """A disk directory: /var/tmp is disk-backed (FHS), as /var/lib/dracpu is; /tmp may be tmpfs."""
+    var_tmp = Path("/var/tmp")
+    return var_tmp if var_tmp.is_dir() and os.access(var_tmp, os.W_OK) else None
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--client"]:
         _client_main(sys.argv[2:])
         return
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--n", type=int, default=SAMPLES, help="calls per figure")
     parser.add_argument(
         "--cdi-dir",
@@ -357,8 +461,8 @@ def main() -> None:
     parser.add_argument(
         "--state-dir",
         type=Path,
-        default=None,
-        help="where the checkpoint goes (default: the system temp dir, like /var/lib/dracpu)",
+        default=_default_state_base(),
+        help="where the checkpoint goes (default: /var/tmp, a disk like /var/lib/dracpu)",
     )
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
