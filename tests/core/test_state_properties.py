@@ -48,7 +48,7 @@ from dracpu.core.state import (
 )
 from dracpu.errors import DracpuError
 from dracpu.sim.topologies import FIXTURES, build_topology
-from tests.core.test_state import NODE, FakeDisk, config_for, disk_matches, run, uid
+from tests.core.state_helpers import NODE, FakeDisk, config_for, disk_matches, run, uid
 
 __all__: list[str] = []
 

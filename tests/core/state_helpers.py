@@ -1,0 +1,166 @@
+"""Helpers of the node state machine tests (``test_state.py``, ``test_state_properties.py``).
+
+A 16-CPU topology and its configs, and a reference effect executor over a fake disk: the state
+owner's loop for one command exactly as :mod:`dracpu.core.state` documents it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dracpu.core.checkpoint_schema import CheckpointData, decode, encode
+from dracpu.core.commands import Command, InvalidateContainers
+from dracpu.core.cpuset import CpuSet
+from dracpu.core.effects import (
+    ContainerUpdate,
+    DeleteCdiSpec,
+    Effect,
+    PruneCdiSpecs,
+    PublishSlices,
+    Reply,
+    UpdateContainers,
+    WriteCdiSpec,
+    WriteCheckpoint,
+)
+from dracpu.core.slices import CpuDeviceMode, GroupBy
+from dracpu.core.state import NodeConfig, NodeState, PreparedClaim, apply, commit_phase, rollback
+from dracpu.core.topology import CpuInfo, Topology
+from dracpu.errors import CdiError, DracpuError
+
+__all__ = [
+    "NODE",
+    "FakeDisk",
+    "config_for",
+    "cpus",
+    "device_of",
+    "disk_matches",
+    "run",
+    "topology16",
+    "uid",
+]
+
+NODE = "node-1"
+
+
+def uid(n: int) -> str:
+    return f"5d0c0a7e-0000-4000-8000-{n:012d}"
+
+
+def cpus(text: str) -> CpuSet:
+    return CpuSet.parse(text)
+
+
+def topology16(isolated: str = "") -> Topology:
+    """1 socket, 2 NUMA nodes (one L3 each) x 4 cores x SMT2: core c = cpus c and c+8;
+    NUMA 0 = cpus 0-3,8-11, NUMA 1 = cpus 4-7,12-15."""
+    infos = {
+        cpu: CpuInfo(
+            cpu_id=cpu,
+            socket_id=0,
+            die_id=0,
+            cluster_id=-1,
+            core_id=cpu % 8,
+            numa_node=(cpu % 8) // 4,
+            l3_id=(cpu % 8) // 4,
+        )
+        for cpu in range(16)
+    }
+    return Topology(infos, smt_enabled=True, isolated=CpuSet.parse(isolated))
+
+
+def config_for(
+    mode: CpuDeviceMode = CpuDeviceMode.GROUPED,
+    *,
+    group_by: GroupBy = GroupBy.NUMANODE,
+    reserved: str = "0,8",
+    isolated: str = "",
+    pin_memory: bool = False,
+) -> NodeConfig:
+    return NodeConfig.build(
+        NODE,
+        topology16(isolated),
+        reserved=cpus(reserved),
+        mode=mode,
+        group_by=group_by,
+        pin_memory=pin_memory,
+    )
+
+
+def device_of(config: NodeConfig, cpu: int) -> str:
+    """The individual device that stands for ``cpu``."""
+    (name,) = [d.name for d in config.devices.values() if d.cpus == CpuSet([cpu])]
+    return name
+
+
+# --- a reference effect executor over a fake disk ---------------------------------------------
+
+
+@dataclass
+class FakeDisk:
+    """CDI specs and the checkpoint as the state owner's adapters would leave them.
+
+    ``fail_at``: the number of the effect execution (0-based, counting every effect run,
+    compensations included) that raises instead of happening."""
+
+    cdi: dict[str, CpuSet] = field(default_factory=dict)
+    checkpoint: bytes = field(default_factory=lambda: encode(CheckpointData()))
+    slices: Topology | None = None
+    fail_at: int | None = None
+    executed: int = 0
+    sent_updates: list[ContainerUpdate] = field(default_factory=list)
+
+    def execute(self, effect: Effect) -> None:
+        number = self.executed
+        self.executed += 1
+        if number == self.fail_at:
+            if isinstance(effect, WriteCdiSpec):  # half done: a write may land before the error
+                self.cdi[effect.claim_uid] = effect.cpus
+            raise CdiError(f"injected failure of {type(effect).__name__}")
+        match effect:
+            case WriteCdiSpec(claim_uid=claim_uid, cpus=claim_cpus):
+                self.cdi[claim_uid] = claim_cpus
+            case DeleteCdiSpec(claim_uid=claim_uid):
+                self.cdi.pop(claim_uid, None)
+            case PruneCdiSpecs(keep=keep):
+                for key in [k for k in self.cdi if k not in keep]:
+                    del self.cdi[key]
+            case WriteCheckpoint(checkpoint=data):
+                self.checkpoint = encode(data)
+            case PublishSlices(topology=topology):
+                self.slices = topology
+            case UpdateContainers(updates=updates):
+                self.sent_updates.extend(updates)
+            case Reply():
+                pass
+
+    def claims(self) -> dict[str, PreparedClaim]:
+        return dict(decode(self.checkpoint).claims)
+
+
+def run(state: NodeState, command: Command, disk: FakeDisk) -> tuple[NodeState, object]:
+    """The state owner's loop for one command, exactly as documented in ``dracpu.core.state``."""
+    new, effects = apply(state, command)
+    commit, reply, after = commit_phase(effects)
+    for index, effect in enumerate(commit):
+        try:
+            disk.execute(effect)
+        except DracpuError as error:
+            undo = rollback(state, commit[: index + 1], error)
+            for compensation in undo[:-1]:
+                disk.execute(compensation)
+            final = undo[-1]
+            assert isinstance(final, Reply)
+            return state, final.value
+    for effect in after:
+        try:
+            disk.execute(effect)
+        except DracpuError:
+            if isinstance(effect, UpdateContainers):
+                ids = tuple(u.container_id for u in effect.updates)
+                new, _ = apply(new, InvalidateContainers(ids))
+    return new, reply.value
+
+
+def disk_matches(state: NodeState, disk: FakeDisk) -> None:
+    assert disk.claims() == dict(state.claims)
+    assert disk.cdi == {u: c.cpus for u, c in state.claims.items()}
