@@ -3,14 +3,17 @@ HTTP (dracpu.adapters.kube, dracpu.sim.fake_apiserver)."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import copy
+import json
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 import pytest
 
 from dracpu.adapters.kube import (
@@ -143,6 +146,86 @@ async def test_unreachable_server_is_a_server_error(tmp_path: Path) -> None:
         with pytest.raises(KubeServerError) as info:
             await kube.get_node(NODE)
     assert info.value.status is None
+
+
+_PROXY_VARIABLES = ("http_proxy", "HTTP_PROXY", "no_proxy", "NO_PROXY", "all_proxy", "ALL_PROXY")
+
+
+@contextlib.asynccontextmanager
+async def recording_proxy() -> AsyncIterator[tuple[int, list[bytes]]]:
+    """A stand-in HTTP proxy on 127.0.0.1: records each request's head, answers a Node named
+    ``via-proxy``."""
+    heads: list[bytes] = []
+    body = json.dumps({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "via-proxy"}})
+
+    async def serve(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += await stream.receive()
+            heads.append(data.partition(b"\r\n\r\n")[0])
+            await stream.send(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+            )
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, serve)
+        yield port, heads
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_the_proxy_environment_is_read_once_when_the_client_opens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in _PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    async with recording_proxy() as (port, heads), open_fake_apiserver() as api:
+        api.add_node(NODE, uid=NODE_UID)
+        monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{port}")
+        async with open_kube_client(api.kubeconfig_path, request_timeout=10) as kube:
+            monkeypatch.delenv("http_proxy")  # later changes do not matter: read at open
+            assert (await kube.get_node(NODE))["metadata"]["name"] == "via-proxy"
+        [head] = heads
+        assert head.decode().split("\r\n")[0] == f"GET {api.url}/api/v1/nodes/{NODE} HTTP/1.1"
+        assert api.requests == []  # nothing reached the server directly
+
+        # A client opened without a proxy connects directly, whatever the environment says later.
+        async with open_kube_client(api.kubeconfig_path, request_timeout=10) as kube:
+            monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{port}")
+            assert await kube.get_node(NODE) == api.node(NODE)
+        assert len(heads) == 1
+
+
+@pytest.mark.anyio
+async def test_proxy_credentials_reach_the_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in _PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    async with recording_proxy() as (port, heads), open_fake_apiserver() as api:
+        monkeypatch.setenv("http_proxy", f"http://user:secret@127.0.0.1:{port}")
+        async with open_kube_client(api.kubeconfig_path, request_timeout=10) as kube:
+            assert (await kube.get_node(NODE))["metadata"]["name"] == "via-proxy"
+    [head] = heads
+    credentials = base64.b64encode(b"user:secret").decode()
+    assert f"Proxy-Authorization: Basic {credentials}" in head.decode().split("\r\n")
+
+
+@pytest.mark.anyio
+async def test_no_proxy_sends_requests_to_the_server_directly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in _PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    async with recording_proxy() as (port, heads), open_fake_apiserver() as api:
+        api.add_node(NODE, uid=NODE_UID)
+        monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{port}")
+        monkeypatch.setenv("no_proxy", "127.0.0.1")
+        async with open_kube_client(api.kubeconfig_path, request_timeout=10) as kube:
+            assert await kube.get_node(NODE) == api.node(NODE)
+    assert heads == []
 
 
 @pytest.mark.anyio

@@ -33,8 +33,10 @@ from typing import Any
 
 import aiohttp
 import anyio
+from aiohttp.helpers import get_env_proxy_for_url
 from kubernetes.aio import client as kube_client
 from kubernetes.aio import config as kube_config
+from yarl import URL
 
 from dracpu import __version__
 from dracpu.errors import (
@@ -464,7 +466,43 @@ async def _load_configuration(kubeconfig: Path | None) -> Any:
         raise ConfigError(f"cannot load the {where}: {exc}") from exc
     # We retry at the task level with our own backoff (adapters.backoff); no hidden retries.
     configuration.retries = None
+    _pin_proxy(configuration)
     return configuration
+
+
+def _pin_proxy(configuration: Any) -> None:
+    """Read the proxy environment once, now, instead of on every request.
+
+    ``kubernetes.aio`` opens its aiohttp session with ``trust_env=True``, which makes aiohttp look
+    up ``~/.netrc`` and the ``*_PROXY`` variables in worker threads on EVERY request (two thread
+    hops: a claim GET from a local server took 1.1 ms with them, 0.3 ms without). We resolve the
+    proxy for the API server's URL once, with aiohttp's own rules (``NO_PROXY`` bypass,
+    credentials from the proxy URL or ``.netrc``), and turn the per-request lookup off; a
+    kubeconfig ``proxy-url`` still wins. client-go reads the proxy environment once as well
+    (``http.ProxyFromEnvironment``).
+
+    One case keeps the per-request lookup: proxy credentials for a plain-HTTP API server, which
+    aiohttp only sends when it found them itself (it puts ``proxy_headers`` on a CONNECT only,
+    i.e. for HTTPS servers).
+    """
+    if configuration.proxy:
+        proxy, auth = None, None
+    else:
+        try:
+            proxy, auth = get_env_proxy_for_url(URL(configuration.host))
+        except (LookupError, ValueError):
+            proxy, auth = None, None  # no proxy for this host: connect directly
+    if auth is not None and not str(configuration.host).startswith("https:"):
+        return
+    kwargs = dict(configuration.client_session_kwargs or {})
+    kwargs["trust_env"] = False
+    configuration.client_session_kwargs = kwargs
+    if proxy is None:
+        return
+    configuration.proxy = str(proxy)
+    if auth is not None:
+        configuration.proxy_headers = {"Proxy-Authorization": auth.encode()}
+    logger.info("the API server %s is reached through proxy %s", configuration.host, proxy)
 
 
 @asynccontextmanager
