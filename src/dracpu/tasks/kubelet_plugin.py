@@ -30,10 +30,10 @@ be gone) and an unknown claim succeeds.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import anyio
 from anyio import TASK_STATUS_IGNORED
@@ -75,6 +75,8 @@ MAX_CONCURRENT_CLAIMS = 16
 # Longest the best-effort status patch may delay a Prepare answer (seconds). The kubelet gives
 # the whole call 45 s (dra_plugin.go defaultClientCallTimeout); the claim is already prepared.
 STATUS_PATCH_TIMEOUT = 5.0
+
+T = TypeVar("T")
 
 
 class ClaimSource(Protocol):
@@ -128,6 +130,38 @@ def _unique(refs: Iterable[ClaimRef]) -> list[ClaimRef]:
     return list(seen.values())
 
 
+async def _each_claim(
+    refs: Iterable[ClaimRef], handle: Callable[[ClaimRef], Awaitable[T]]
+) -> dict[str, T]:
+    """``handle`` every distinct claim concurrently; the results by claim UID (``handle`` never
+    raises for a claim's problem: it returns that claim's error)."""
+    claims = _unique(refs)
+    results: dict[str, T] = {}
+    if len(claims) == 1:  # the common case: no task group needed
+        results[claims[0].uid] = await handle(claims[0])
+        return results
+
+    async def one(ref: ClaimRef) -> None:
+        results[ref.uid] = await handle(ref)
+
+    async with anyio.create_task_group() as tg:
+        for ref in claims:
+            tg.start_soon(one, ref)
+    return results
+
+
+class _ClaimMessage(Protocol):
+    """A ``Claim`` of either DRA version's request."""
+
+    namespace: str
+    uid: str
+    name: str
+
+
+def _refs(claims: Iterable[_ClaimMessage]) -> list[ClaimRef]:
+    return [ClaimRef(c.namespace, c.uid, c.name) for c in claims]
+
+
 class DraService:
     """Prepare and Unprepare, independent of the gRPC version."""
 
@@ -159,19 +193,7 @@ class DraService:
 
     async def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, PrepareOutcome]:
         """Prepare every claim; one outcome per distinct claim UID."""
-        claims = _unique(refs)
-        outcomes: dict[str, PrepareOutcome] = {}
-        if len(claims) == 1:  # the common case: no task group needed
-            outcomes[claims[0].uid] = await self._prepare_one(claims[0])
-            return outcomes
-
-        async def one(ref: ClaimRef) -> None:
-            outcomes[ref.uid] = await self._prepare_one(ref)
-
-        async with anyio.create_task_group() as tg:
-            for ref in claims:
-                tg.start_soon(one, ref)
-        return outcomes
+        return await _each_claim(refs, self._prepare_one)
 
     async def _prepare_one(self, ref: ClaimRef) -> PrepareOutcome:
         context = ref.log_context()
@@ -305,19 +327,7 @@ class DraService:
 
     async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str]:
         """Unprepare every claim; an error string per distinct claim UID (``""``: done)."""
-        claims = _unique(refs)
-        errors: dict[str, str] = {}
-        if len(claims) == 1:
-            errors[claims[0].uid] = await self._unprepare_one(claims[0])
-            return errors
-
-        async def one(ref: ClaimRef) -> None:
-            errors[ref.uid] = await self._unprepare_one(ref)
-
-        async with anyio.create_task_group() as tg:
-            for ref in claims:
-                tg.start_soon(one, ref)
-        return errors
+        return await _each_claim(refs, self._unprepare_one)
 
     async def _unprepare_one(self, ref: ClaimRef) -> str:
         context = ref.log_context()
@@ -365,8 +375,7 @@ class DraPluginV1(dra_v1.DraPluginBase):
     async def node_prepare_resources(
         self, message: dra_v1.NodePrepareResourcesRequest
     ) -> dra_v1.NodePrepareResourcesResponse:
-        refs = [ClaimRef(c.namespace, c.uid, c.name) for c in message.claims]
-        outcomes = await self._service.prepare(refs)
+        outcomes = await self._service.prepare(_refs(message.claims))
         return dra_v1.NodePrepareResourcesResponse(
             claims={
                 uid: dra_v1.NodePrepareResourceResponse(
@@ -389,8 +398,7 @@ class DraPluginV1(dra_v1.DraPluginBase):
     async def node_unprepare_resources(
         self, message: dra_v1.NodeUnprepareResourcesRequest
     ) -> dra_v1.NodeUnprepareResourcesResponse:
-        refs = [ClaimRef(c.namespace, c.uid, c.name) for c in message.claims]
-        errors = await self._service.unprepare(refs)
+        errors = await self._service.unprepare(_refs(message.claims))
         return dra_v1.NodeUnprepareResourcesResponse(
             claims={
                 uid: dra_v1.NodeUnprepareResourceResponse(error=error)
@@ -409,8 +417,7 @@ class DraPluginV1beta1(dra_v1beta1.DraPluginBase):
     async def node_prepare_resources(
         self, message: dra_v1beta1.NodePrepareResourcesRequest
     ) -> dra_v1beta1.NodePrepareResourcesResponse:
-        refs = [ClaimRef(c.namespace, c.uid, c.name) for c in message.claims]
-        outcomes = await self._service.prepare(refs)
+        outcomes = await self._service.prepare(_refs(message.claims))
         return dra_v1beta1.NodePrepareResourcesResponse(
             claims={
                 uid: dra_v1beta1.NodePrepareResourceResponse(
@@ -432,8 +439,7 @@ class DraPluginV1beta1(dra_v1beta1.DraPluginBase):
     async def node_unprepare_resources(
         self, message: dra_v1beta1.NodeUnprepareResourcesRequest
     ) -> dra_v1beta1.NodeUnprepareResourcesResponse:
-        refs = [ClaimRef(c.namespace, c.uid, c.name) for c in message.claims]
-        errors = await self._service.unprepare(refs)
+        errors = await self._service.unprepare(_refs(message.claims))
         return dra_v1beta1.NodeUnprepareResourcesResponse(
             claims={
                 uid: dra_v1beta1.NodeUnprepareResourceResponse(error=error)
