@@ -76,14 +76,21 @@ CALL_TIMEOUT = 45.0
 _POLL_INTERVAL = 0.02
 
 _SERVICE_VERSION: dict[str, Version] = {"v1.DRAPlugin": "v1", "v1beta1.DRAPlugin": "v1beta1"}
+_DraMethod = Literal["NodePrepareResources", "NodeUnprepareResources"]
 # Wire method paths, exactly as grpc-go sends them (full proto service names).
-_PREPARE = {
-    "v1": "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources",
-    "v1beta1": "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodePrepareResources",
-}
-_UNPREPARE = {
-    "v1": "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodeUnprepareResources",
-    "v1beta1": "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodeUnprepareResources",
+_DRA_PATHS: dict[tuple[Version, _DraMethod], str] = {
+    ("v1", "NodePrepareResources"): (
+        "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources"
+    ),
+    ("v1beta1", "NodePrepareResources"): (
+        "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodePrepareResources"
+    ),
+    ("v1", "NodeUnprepareResources"): (
+        "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodeUnprepareResources"
+    ),
+    ("v1beta1", "NodeUnprepareResources"): (
+        "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodeUnprepareResources"
+    ),
 }
 _GET_INFO = "/pluginregistration.Registration/GetInfo"
 _NOTIFY = "/pluginregistration.Registration/NotifyRegistrationStatus"
@@ -373,19 +380,9 @@ class FakeKubelet:
         call_timeout: float | None = None,
     ) -> dict[str, PrepareResult]:
         """``NodePrepareResources`` for ``claims``: the answer per claim UID."""
-        registration, channel = self._driver(driver)
-        ver = version or registration.version
-        pb = _MESSAGES[ver]
-        call = channel.unary_unary(
-            _PREPARE[ver],
-            request_serializer=pb.NodePrepareResourcesRequest.SerializeToString,
-            response_deserializer=pb.NodePrepareResourcesResponse.FromString,
+        ver, response = self._dra_call(
+            "NodePrepareResources", claims, driver, version, call_timeout
         )
-        request = pb.NodePrepareResourcesRequest(
-            claims=[pb.Claim(namespace=c.namespace, uid=c.uid, name=c.name) for c in claims]
-        )
-        response = self._call(call, request, "NodePrepareResources", call_timeout)
-        self._check_keys("NodePrepareResources", claims, response.claims.keys())
         results: dict[str, PrepareResult] = {}
         for uid, entry in response.claims.items():
             devices = tuple(
@@ -410,29 +407,43 @@ class FakeKubelet:
         call_timeout: float | None = None,
     ) -> dict[str, str]:
         """``NodeUnprepareResources`` for ``claims``: the error per claim UID (``""``: done)."""
+        _, response = self._dra_call(
+            "NodeUnprepareResources", claims, driver, version, call_timeout
+        )
+        return {uid: entry.error for uid, entry in response.claims.items()}
+
+    def _dra_call(
+        self,
+        method: _DraMethod,
+        claims: Sequence[ClaimRef],
+        driver: str | None,
+        version: Version | None,
+        call_timeout: float | None,
+    ) -> tuple[Version, Any]:
+        """One DRA call for ``claims`` in the negotiated (or asked) version; the version and the
+        answer, whose claim UIDs the kubelet's checks accepted."""
         registration, channel = self._driver(driver)
         ver = version or registration.version
         pb = _MESSAGES[ver]
+        request_type = getattr(pb, f"{method}Request")
+        response_type = getattr(pb, f"{method}Response")
         call = channel.unary_unary(
-            _UNPREPARE[ver],
-            request_serializer=pb.NodeUnprepareResourcesRequest.SerializeToString,
-            response_deserializer=pb.NodeUnprepareResourcesResponse.FromString,
+            _DRA_PATHS[ver, method],
+            request_serializer=request_type.SerializeToString,
+            response_deserializer=response_type.FromString,
         )
-        request = pb.NodeUnprepareResourcesRequest(
+        request = request_type(
             claims=[pb.Claim(namespace=c.namespace, uid=c.uid, name=c.name) for c in claims]
         )
-        response = self._call(call, request, "NodeUnprepareResources", call_timeout)
-        self._check_keys("NodeUnprepareResources", claims, response.claims.keys())
-        return {uid: entry.error for uid, entry in response.claims.items()}
-
-    def _call(self, call: Any, request: Any, what: str, call_timeout: float | None) -> Any:
         try:
             wait = self.call_timeout if call_timeout is None else call_timeout
-            return call(request, timeout=wait)
+            response = call(request, timeout=wait)
         except grpc.RpcError as exc:
             raise KubeletCallError(
-                f"{what}: {_code(exc)}: {_details(exc)}", code=_code(exc)
+                f"{method}: {_code(exc)}: {_details(exc)}", code=_code(exc)
             ) from exc
+        self._check_keys(method, claims, response.claims.keys())
+        return ver, response
 
     @staticmethod
     def _check_keys(what: str, claims: Sequence[ClaimRef], keys: Any) -> None:
