@@ -27,6 +27,9 @@ from dracpu.wire.protowire import (
     encode_request,
     encode_response,
     encode_varint,
+    skip_group,
+    to_int32,
+    to_int64,
 )
 
 # --- golden vectors (reference/nri-ttrpc-cdi.md §4) --------------------------------------------
@@ -182,6 +185,36 @@ def test_int32_code_keeps_low_32_bits_like_go() -> None:
     # code = 2^32 + 5 on the wire: Go's int32(v) and upb both read 5.
     data = bytes.fromhex("0a06 0885808080 10")
     assert decode_response(data).status_code == 5
+
+
+@pytest.mark.parametrize(
+    ("value", "int64", "int32"),
+    [
+        (0, 0, 0),
+        (5, 5, 5),
+        ((1 << 31) - 1, (1 << 31) - 1, (1 << 31) - 1),
+        (1 << 31, 1 << 31, -(1 << 31)),
+        ((1 << 63) - 1, (1 << 63) - 1, -1),
+        (1 << 63, -(1 << 63), 0),
+        ((1 << 64) - 1, -1, -1),
+        ((1 << 64) - 5, -5, -5),
+    ],
+)
+def test_signed_varints_read_as_go_does(value: int, int64: int, int32: int) -> None:
+    assert to_int64(value) == int64
+    assert to_int32(value) == int32
+
+
+def test_skip_group_stays_inside_its_message() -> None:
+    # group 11 { 1: 1, group 12 { 3: "" } } then field 1: 2
+    data = bytes.fromhex("5b 0801 63 1a00 64 5c 0802")
+    assert skip_group(data, 1, len(data), 11) == 8
+    assert skip_group(data, 1, 8, 11) == 8
+    for end in range(1, 8):  # the enclosing message ends inside the group
+        with pytest.raises(RemoteProtocolError, match=r"not closed|overruns"):
+            skip_group(data, 1, end, 11)
+    with pytest.raises(RemoteProtocolError, match="does not match"):
+        skip_group(bytes.fromhex("5b 64"), 1, 2, 11)
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,19 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from dracpu.errors import LocalProtocolError, RemoteProtocolError
-from dracpu.wire.protowire import decode_varint, encode_varint
+from dracpu.wire.protowire import (
+    MAX_FIELD_NUMBER,
+    WIRE_I32,
+    WIRE_I64,
+    WIRE_LEN,
+    WIRE_SGROUP,
+    WIRE_VARINT,
+    decode_varint,
+    encode_varint,
+    skip_group,
+    to_int32,
+    to_int64,
+)
 
 __all__ = [
     "PLUGIN_SERVICE",
@@ -70,12 +82,6 @@ __all__ = [
 # runtime calls us), conn 2 is the runtime's RUNTIME_SERVICE (we call it).
 PLUGIN_SERVICE = "nri.pkg.api.v1alpha1.Plugin"
 RUNTIME_SERVICE = "nri.pkg.api.v1alpha1.Runtime"
-
-# Protobuf wire types (protobuf encoding spec, "Message Structure").
-_VARINT, _I64, _LEN, _SGROUP, _EGROUP, _I32 = 0, 1, 2, 3, 4, 5
-_MAX_FIELD = (1 << 29) - 1  # protobuf language spec: field numbers are 1 .. 2^29-1
-_MAX_GROUP_DEPTH = 100  # ours: nested unknown groups skipped before the data is called hostile
-_MASK64 = (1 << 64) - 1
 
 
 class Event(enum.IntEnum):
@@ -204,35 +210,6 @@ class CpusetUpdate:
 _Field = tuple[int, int, int, int]
 
 
-def _skip_group(data: bytes, pos: int, end: int, number: int) -> int:
-    """Skip an unknown group opened by field ``number``; return the position after its end."""
-    open_groups = [number]
-    while open_groups:
-        if pos >= end:
-            raise RemoteProtocolError(f"protobuf: group {number} is not closed")
-        key, pos = decode_varint(data, pos)
-        inner, wire_type = key >> 3, key & 7
-        if wire_type == _VARINT:
-            _, pos = decode_varint(data, pos)
-        elif wire_type == _LEN:
-            size, pos = decode_varint(data, pos)
-            pos += size
-        elif wire_type in (_I64, _I32):
-            pos += 8 if wire_type == _I64 else 4
-        elif wire_type == _SGROUP:
-            if len(open_groups) >= _MAX_GROUP_DEPTH:
-                raise RemoteProtocolError("protobuf: groups nested too deeply")
-            open_groups.append(inner)
-        elif wire_type == _EGROUP:
-            if inner != open_groups.pop():
-                raise RemoteProtocolError(f"protobuf: group end {inner} does not match its start")
-        else:
-            raise RemoteProtocolError(f"protobuf: bad wire type {wire_type} (field {inner})")
-        if pos > end:
-            raise RemoteProtocolError(f"protobuf: field {inner} in group {number} overruns it")
-    return pos
-
-
 def _scan(data: bytes, pos: int, end: int) -> list[_Field]:
     """The fields of the message in ``data[pos:end]``, in wire order."""
     fields: list[_Field] = []
@@ -243,9 +220,9 @@ def _scan(data: bytes, pos: int, end: int) -> list[_Field]:
         else:
             key, pos = decode_varint(data, pos)
         number, wire_type = key >> 3, key & 7
-        if not 1 <= number <= _MAX_FIELD:
+        if not 1 <= number <= MAX_FIELD_NUMBER:
             raise RemoteProtocolError(f"protobuf: invalid field number {number}")
-        if wire_type == _LEN:
+        if wire_type == WIRE_LEN:
             if pos < end and data[pos] < 0x80:
                 size = data[pos]
                 pos += 1
@@ -255,17 +232,17 @@ def _scan(data: bytes, pos: int, end: int) -> list[_Field]:
                 raise RemoteProtocolError(
                     f"protobuf: field {number} declares {size} bytes, {end - pos} remain"
                 )
-            fields.append((number, _LEN, pos, pos + size))
+            fields.append((number, WIRE_LEN, pos, pos + size))
             pos += size
-        elif wire_type == _VARINT:
+        elif wire_type == WIRE_VARINT:
             value, pos = decode_varint(data, pos)
-            fields.append((number, _VARINT, value, 0))
-        elif wire_type in (_I64, _I32):
-            pos += 8 if wire_type == _I64 else 4
+            fields.append((number, WIRE_VARINT, value, 0))
+        elif wire_type in (WIRE_I64, WIRE_I32):
+            pos += 8 if wire_type == WIRE_I64 else 4
             if pos > end:
                 raise RemoteProtocolError(f"protobuf: truncated fixed-size field {number}")
-        elif wire_type == _SGROUP:
-            pos = _skip_group(data, pos, end, number)
+        elif wire_type == WIRE_SGROUP:
+            pos = skip_group(data, pos, end, number)
         else:
             raise RemoteProtocolError(f"protobuf: bad wire type {wire_type} (field {number})")
     if pos > end:  # a varint read past the end of an embedded message
@@ -280,15 +257,6 @@ def _text(data: bytes, start: int, end: int, what: str) -> str:
         raise RemoteProtocolError(f"nri: {what} is not valid UTF-8") from exc
 
 
-def _int64(value: int) -> int:
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def _int32(value: int) -> int:
-    value &= 0xFFFFFFFF  # Go's int32(uint64) conversion keeps the low 32 bits
-    return value - (1 << 32) if value >= 1 << 31 else value
-
-
 _Span = tuple[int, int]
 
 
@@ -297,7 +265,7 @@ def _pod(data: bytes, spans: Sequence[_Span]) -> Pod:
     pod_id = name = uid = namespace = ""
     for start, end in spans:
         for number, wire_type, a, b in _scan(data, start, end):
-            if wire_type != _LEN:
+            if wire_type != WIRE_LEN:
                 continue
             if number == 1:
                 pod_id = _text(data, a, b, "PodSandbox.id")
@@ -317,7 +285,7 @@ def _container(data: bytes, spans: Sequence[_Span]) -> Container:
     env: list[str] = []
     for start, end in spans:
         for number, wire_type, a, b in _scan(data, start, end):
-            if wire_type == _LEN:
+            if wire_type == WIRE_LEN:
                 if number == 8:
                     env.append(_text(data, a, b, "Container.env"))
                 elif number == 1:
@@ -326,8 +294,8 @@ def _container(data: bytes, spans: Sequence[_Span]) -> Container:
                     pod_id = _text(data, a, b, "Container.pod_sandbox_id")
                 elif number == 3:
                     name = _text(data, a, b, "Container.name")
-            elif wire_type == _VARINT and number == 4:
-                state = _int32(a)
+            elif wire_type == WIRE_VARINT and number == 4:
+                state = to_int32(a)
     return Container(container_id, pod_id, name, state, tuple(env))
 
 
@@ -337,7 +305,7 @@ def _pod_and_container(
     pods: list[_Span] = []
     containers: list[_Span] = []
     for number, wire_type, a, b in fields:
-        if wire_type == _LEN:
+        if wire_type == WIRE_LEN:
             if number == pod_field:
                 pods.append((a, b))
             elif number == container_field:
@@ -355,10 +323,10 @@ def decode_configure_request(data: bytes) -> ConfigureRequest:
     names = {1: "config", 2: "runtime_name", 3: "runtime_version", 6: "NRI_version"}
     timeouts = {4: 0, 5: 0}
     for number, wire_type, a, b in _scan(data, 0, len(data)):
-        if wire_type == _LEN and number in texts:
+        if wire_type == WIRE_LEN and number in texts:
             texts[number] = _text(data, a, b, f"ConfigureRequest.{names[number]}")
-        elif wire_type == _VARINT and number in timeouts:
-            timeouts[number] = _int64(a)
+        elif wire_type == WIRE_VARINT and number in timeouts:
+            timeouts[number] = to_int64(a)
     return ConfigureRequest(texts[1], texts[2], texts[3], timeouts[4], timeouts[5], texts[6])
 
 
@@ -369,12 +337,12 @@ def decode_synchronize_request(data: bytes) -> SynchronizeRequest:
     containers: list[Container] = []
     more = False
     for number, wire_type, a, b in _scan(data, 0, len(data)):
-        if wire_type == _LEN:
+        if wire_type == WIRE_LEN:
             if number == 2:
                 containers.append(_container(data, ((a, b),)))
             elif number == 1:
                 pods.append(_pod(data, ((a, b),)))
-        elif wire_type == _VARINT and number == 3:
+        elif wire_type == WIRE_VARINT and number == 3:
             more = a != 0
     return SynchronizeRequest(tuple(pods), tuple(containers), more)
 
@@ -392,8 +360,8 @@ def decode_state_change_event(data: bytes) -> StateChangeEvent:
     fields = _scan(data, 0, len(data))
     event = 0
     for number, wire_type, a, _ in fields:
-        if number == 1 and wire_type == _VARINT:
-            event = _int32(a)
+        if number == 1 and wire_type == WIRE_VARINT:
+            event = to_int32(a)
     pod, container = _pod_and_container(data, fields, 2, 3)
     return StateChangeEvent(event, pod, container)
 
@@ -403,10 +371,10 @@ def decode_update_containers_response(data: bytes) -> tuple[str, ...]:
     data = bytes(data)
     failed: list[str] = []
     for number, wire_type, a, b in _scan(data, 0, len(data)):
-        if number == 1 and wire_type == _LEN:
+        if number == 1 and wire_type == WIRE_LEN:
             container_id = ""
             for inner, inner_type, c, d in _scan(data, a, b):
-                if inner == 1 and inner_type == _LEN:
+                if inner == 1 and inner_type == WIRE_LEN:
                     container_id = _text(data, c, d, "ContainerUpdate.container_id")
             failed.append(container_id)
     return tuple(failed)

@@ -28,6 +28,14 @@ from dataclasses import dataclass
 from dracpu.errors import LocalProtocolError, RemoteProtocolError
 
 __all__ = [
+    "MAX_FIELD_NUMBER",
+    "MAX_GROUP_DEPTH",
+    "WIRE_EGROUP",
+    "WIRE_I32",
+    "WIRE_I64",
+    "WIRE_LEN",
+    "WIRE_SGROUP",
+    "WIRE_VARINT",
     "RequestEnvelope",
     "ResponseEnvelope",
     "decode_request",
@@ -36,6 +44,9 @@ __all__ = [
     "encode_request",
     "encode_response",
     "encode_varint",
+    "skip_group",
+    "to_int32",
+    "to_int64",
 ]
 
 # Wire types (protobuf encoding spec, "Message Structure").
@@ -227,7 +238,7 @@ def _fields(data: bytes) -> list[_Field]:
                 raise RemoteProtocolError(f"protobuf: truncated fixed{size * 8} field {number}")
             value, pos = int.from_bytes(data[pos : pos + size], "little"), pos + size
         elif wire_type == WIRE_SGROUP:
-            pos = _skip_group(data, pos, number)
+            pos = skip_group(data, pos, end, number)
             continue
         else:
             raise RemoteProtocolError(f"protobuf: bad wire type {wire_type} (field {number})")
@@ -235,10 +246,10 @@ def _fields(data: bytes) -> list[_Field]:
     return fields
 
 
-def _skip_group(data: bytes, pos: int, number: int) -> int:
-    """Skip an unknown group that started with field ``number``; return the position after it."""
+def skip_group(data: bytes, pos: int, end: int, number: int) -> int:
+    """Skip an unknown group opened by field ``number``, inside ``data[:end]``; return the
+    position after its end-group tag (groups are deprecated: skipped, never produced)."""
     open_groups = [number]
-    end = len(data)
     while open_groups:
         if pos >= end:
             raise RemoteProtocolError(f"protobuf: group {number} is not closed")
@@ -248,13 +259,9 @@ def _skip_group(data: bytes, pos: int, number: int) -> int:
             _, pos = decode_varint(data, pos)
         elif wire_type == WIRE_LEN:
             size, pos = decode_varint(data, pos)
-            if size > end - pos:
-                raise RemoteProtocolError(f"protobuf: field {inner} in a group overruns it")
             pos += size
         elif wire_type in (WIRE_I64, WIRE_I32):
             pos += 8 if wire_type == WIRE_I64 else 4
-            if pos > end:
-                raise RemoteProtocolError(f"protobuf: truncated fixed field {inner} in a group")
         elif wire_type == WIRE_SGROUP:
             if len(open_groups) >= MAX_GROUP_DEPTH:
                 raise RemoteProtocolError("protobuf: groups nested too deeply")
@@ -264,6 +271,8 @@ def _skip_group(data: bytes, pos: int, number: int) -> int:
                 raise RemoteProtocolError(f"protobuf: group end {inner} does not match its start")
         else:
             raise RemoteProtocolError(f"protobuf: bad wire type {wire_type} (field {inner})")
+        if pos > end:
+            raise RemoteProtocolError(f"protobuf: field {inner} in group {number} overruns it")
     return pos
 
 
@@ -274,11 +283,13 @@ def _text(value: bytes, what: str) -> str:
         raise RemoteProtocolError(f"protobuf: {what} is not valid UTF-8") from exc
 
 
-def _int64(value: int) -> int:
+def to_int64(value: int) -> int:
+    """An ``int64`` field's value from its varint (two's complement, as Go reads it)."""
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def _int32(value: int) -> int:
+def to_int32(value: int) -> int:
+    """An ``int32`` field's value from its varint."""
     value &= 0xFFFFFFFF  # Go's int32(uint64) conversion keeps the low 32 bits
     return value - (1 << 32) if value >= 1 << 31 else value
 
@@ -300,7 +311,7 @@ def decode_request(data: bytes) -> RequestEnvelope:
             elif number == REQUEST_METADATA:
                 metadata.append(_decode_key_value(value))
         elif number == REQUEST_TIMEOUT_NANO and wire_type == WIRE_VARINT:
-            timeout_nano = _int64(value)
+            timeout_nano = to_int64(value)
     return RequestEnvelope(service, method, payload, timeout_nano, tuple(metadata))
 
 
@@ -328,7 +339,7 @@ def decode_response(data: bytes) -> ResponseEnvelope:
             for inner, wire_type, item in _fields(value):
                 if inner == STATUS_CODE and wire_type == WIRE_VARINT:
                     assert isinstance(item, int)
-                    code = _int32(item)
+                    code = to_int32(item)
                 elif isinstance(item, bytes):
                     if inner == STATUS_MESSAGE:
                         message = _text(item, "Status.message")
