@@ -306,6 +306,7 @@ async def _node(
         machine.execute,
         rollback=machine.rollback,
         follow_up=machine.follow_up,
+        execute_batch=machine.execute_batch,
     )
     machine.watch_state(lambda: owner.state)
     socket_path = base / "kubelet" / "plugins" / "dra.cpu" / "dra.sock"

@@ -473,6 +473,7 @@ class _Node:
             machine.execute,
             rollback=machine.rollback,
             follow_up=machine.follow_up,
+            execute_batch=machine.execute_batch,
         )
         machine.watch_state(lambda: owner.state)
         self.owner = owner

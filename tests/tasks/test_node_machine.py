@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
+import anyio
+import anyio.to_thread
 import pytest
 
 from dracpu.adapters import cdi_files, checkpoint_file
@@ -21,14 +24,19 @@ from dracpu.core.commands import (
 )
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.effects import (
+    ClaimPrepared,
     ContainerUpdate,
+    DeleteCdiSpec,
+    Effect,
     PruneCdiSpecs,
     PublishSlices,
     Reply,
     UpdateContainers,
     WriteCdiSpec,
+    WriteCheckpoint,
 )
 from dracpu.core.slices import CpuDeviceMode
+from dracpu.core.state import commit_phase
 from dracpu.errors import CheckpointError, DracpuError
 from dracpu.tasks.node_machine import NodeMachine
 from dracpu.tasks.slice_publisher import republish_channel
@@ -39,6 +47,8 @@ pytestmark = pytest.mark.anyio
 UID_A = "aaaaaaaa-0000-4000-8000-000000000001"
 UID_B = "bbbbbbbb-0000-4000-8000-000000000002"
 FOREIGN = "vendor.example-gpu.json"
+
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
@@ -219,3 +229,94 @@ async def test_prune_removes_only_our_specs_that_are_not_kept(scratch: Path) -> 
     (scratch / FOREIGN).write_text("{}")
     await NodeMachine(config).execute(PruneCdiSpecs(frozenset({UID_A})))
     assert _names(scratch) == sorted([cdi_files.spec_path(scratch, UID_A).name, FOREIGN])
+
+
+# --- the commit phase in one worker-thread hop --------------------------------------------------
+
+
+def _count_thread_hops(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record every ``anyio.to_thread.run_sync`` call (the name of the function it runs)."""
+    hops: list[str] = []
+    real = anyio.to_thread.run_sync
+
+    async def counting(func: Callable[..., T], *args: object, **kwargs: Any) -> T:
+        hops.append(getattr(func, "__name__", repr(func)))
+        return await real(func, *args, **kwargs)
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", counting)
+    return hops
+
+
+async def test_a_prepare_commit_phase_takes_one_worker_thread_hop(
+    trees: SysfsTrees, scratch: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = _config(trees, scratch)
+    machine = NodeMachine(config)
+    state = await machine.restore()
+    machine.watch_state(lambda: state)
+    new, effects = machine.apply(state, _grouped(UID_A, 2))
+    commit, reply, _ = commit_phase(effects)
+    assert [type(e) for e in commit] == [WriteCdiSpec, WriteCheckpoint]
+    hops = _count_thread_hops(monkeypatch)
+    started: list[Effect] = []
+
+    await machine.execute_batch(commit, started)
+
+    assert hops == ["_run_file_effects"]
+    assert started == commit
+    cpus = new.claims[UID_A].cpus
+    assert cdi_files.list_our_specs(config.cdi_dir) == {UID_A: cpus}
+    assert _saved(config) == {UID_A: cpus}
+    assert machine.desired_specs() == {UID_A: cpus}
+    assert isinstance(reply.value, ClaimPrepared)
+
+
+async def test_a_batch_runs_other_effects_in_order_between_file_hops(
+    trees: SysfsTrees, scratch: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = _config(trees, scratch)
+    send, receive = republish_channel()
+    with send, receive:
+        machine = NodeMachine(config, republish=send)
+        state = await machine.restore()
+        assert receive.receive_nowait() == "resync"
+        hops = _count_thread_hops(monkeypatch)
+        batch: list[Effect] = [
+            WriteCdiSpec(UID_A, CpuSet.parse("4-5")),
+            WriteCdiSpec(UID_B, CpuSet.parse("6-7")),
+            PublishSlices(state.config.topology),
+            PruneCdiSpecs(frozenset({UID_B})),
+        ]
+        started: list[Effect] = []
+        await machine.execute_batch(batch, started)
+        assert started == batch
+        assert hops == ["_run_file_effects", "_run_file_effects"]  # split by PublishSlices
+        assert receive.receive_nowait() == "resync"
+        assert cdi_files.list_our_specs(config.cdi_dir) == {UID_B: CpuSet.parse("6-7")}
+
+
+async def test_a_failed_batch_names_what_began_and_leaves_no_trace_of_the_rest(
+    trees: SysfsTrees, scratch: Path
+) -> None:
+    config = _config(trees, scratch)
+    machine = NodeMachine(config)
+    state = await machine.restore()
+    machine.watch_state(lambda: state)
+    config.state_dir.mkdir(parents=True, exist_ok=True)
+    config.checkpoint_path.mkdir()  # a directory where the checkpoint goes: its write fails
+    machine.apply(state, UnprepareClaim(UID_A))  # a new command: no CDI change marked yet
+    batch: list[Effect] = [
+        WriteCdiSpec(UID_A, CpuSet.parse("4-5")),
+        WriteCheckpoint(state.checkpoint()),
+        WriteCdiSpec(UID_B, CpuSet.parse("6-7")),
+        DeleteCdiSpec(UID_A),
+    ]
+    started: list[Effect] = []
+
+    with pytest.raises(CheckpointError, match="cannot write checkpoint"):
+        await machine.execute_batch(batch, started)
+
+    assert started == batch[:2]  # the failed one is last; the others never began
+    assert cdi_files.list_our_specs(config.cdi_dir) == {UID_A: CpuSet.parse("4-5")}
+    # The watcher's view has the write that happened, not the two that never began.
+    assert machine.desired_specs() == {UID_A: CpuSet.parse("4-5")}

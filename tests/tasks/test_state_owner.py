@@ -101,6 +101,14 @@ def apply(state: State, command: Command) -> tuple[State, Sequence[Effect]]:
 class Executor:
     def __init__(self) -> None:
         self.executed: list[str] = []
+        self.batches: list[list[str]] = []  # the effects of each execute_batch call
+
+    async def batch(self, effects: Sequence[Effect], started: list[Effect]) -> None:
+        """``execute_batch``: each effect in order, marked as begun first."""
+        self.batches.append([e.name for e in effects if not isinstance(e, Reply)])
+        for effect in effects:
+            started.append(effect)
+            await self(effect)
 
     async def __call__(self, effect: Effect) -> None:
         assert not isinstance(effect, Reply)
@@ -131,7 +139,10 @@ Streams = tuple[
 
 
 def _owner(
-    *, with_hooks: bool = True, deadline: float = state_owner.COMMAND_DEADLINE
+    *,
+    with_hooks: bool = True,
+    deadline: float = state_owner.COMMAND_DEADLINE,
+    batching: bool = False,
 ) -> tuple[StateOwner[State, Command, Effect], MemoryObjectSendStream[Request[Command]], Executor]:
     streams: Streams = create_request_stream()
     send, receive = streams
@@ -144,6 +155,7 @@ def _owner(
         rollback=rollback if with_hooks else None,
         follow_up=follow_up if with_hooks else None,
         command_deadline=deadline,
+        execute_batch=executor.batch if batching else None,
     )
     return owner, send, executor
 
@@ -462,3 +474,77 @@ async def test_module_run_serves_until_every_sender_is_closed() -> None:
             assert await request(send, Do.replying("a", Write("w"))) == "a"
         # every send side closed: the owner's loop ends and run() returns by itself
     assert executor.executed == ["w"]
+
+
+# --- the commit phase in one execute_batch call --------------------------------------------------
+
+
+async def test_a_batch_runs_the_commit_phase_in_one_call_then_the_rest_one_by_one() -> None:
+    owner, send, executor = _owner(batching=True)
+    async with send, anyio.create_task_group() as tg:
+        await tg.start(owner.run)
+        command = Do("a", (Write("cdi"), Write("checkpoint"), Reply("done"), Write("widen")))
+        assert await request(send, command) == "done"
+        await wait_all_tasks_blocked()
+        assert executor.batches == [["cdi", "checkpoint"]]  # the post-commit effect is not in it
+        assert executor.executed == ["cdi", "checkpoint", "widen"]
+        assert owner.state == ("a",)
+        # A command with nothing before its Reply makes no batch call; one without a Reply
+        # batches all its effects and is answered None after them.
+        assert await request(send, Do.replying("b")) == "b"
+        assert await request(send, Do("c", (Write("x"), Write("y")))) is None
+        assert executor.batches == [["cdi", "checkpoint"], ["x", "y"]]
+        assert _committed(owner) == ("a", "b", "c")
+        stats = owner.statistics()
+        assert (stats.commands_applied, stats.commands_failed, stats.effects_failed) == (3, 0, 0)
+        tg.cancel_scope.cancel()
+
+
+async def test_a_failed_batch_rolls_back_exactly_the_effects_it_began() -> None:
+    owner, send, executor = _owner(batching=True)
+    async with send, anyio.create_task_group() as tg:
+        await tg.start(owner.run)
+        assert await request(send, Do.replying("a")) == "a"
+        failing = Do("b", (Write("cdi-b"), Fail("ckpt-b"), Write("never"), Reply("never")))
+        with pytest.raises(DracpuError, match=r"^ckpt-b failed$"):
+            await request(send, failing)
+        assert owner.state == ("a",)
+        # "never" did not begin, so it is neither run nor undone; the rollback runs one by one.
+        assert executor.executed == ["cdi-b", "ckpt-b", "undo-ckpt-b", "undo-cdi-b"]
+        assert executor.batches == [["cdi-b", "ckpt-b", "never"]]
+        stats = owner.statistics()
+        assert (stats.commands_applied, stats.commands_failed, stats.effects_failed) == (1, 1, 1)
+        assert await request(send, Do.replying("c", Write("w"))) == "c"  # the owner goes on
+        assert _committed(owner) == ("a", "c")
+        tg.cancel_scope.cancel()
+
+
+async def test_a_batch_cut_off_by_the_deadline_rolls_back_what_began() -> None:
+    owner, send, executor = _owner(deadline=0.2, batching=True)
+    never = anyio.Event()
+    async with send, anyio.create_task_group() as tg:
+        await tg.start(owner.run)
+        command = Do.replying("a", Write("cdi"), Block("ckpt", never), Write("later"))
+        with pytest.raises(DracpuError, match=r"^Block did not finish within 0.2 s$"):
+            await request(send, command)
+        assert owner.state == ()
+        assert executor.executed == ["cdi", "ckpt", "undo-ckpt", "undo-cdi"]
+        assert owner.statistics().effects_failed == 1
+        assert await request(send, Do.replying("b")) == "b"
+        tg.cancel_scope.cancel()
+
+
+async def test_a_bug_in_a_batch_is_answered_then_ends_the_owner() -> None:
+    owner, send, _ = _owner(batching=True)
+    reply_send, reply_receive = anyio.create_memory_object_stream[object](1)
+    with reply_receive:
+        async with send:
+            await send.send(Request(Do.replying("a", Write("cdi"), Bug("ckpt")), reply_send))
+            with pytest.raises(ExceptionGroup) as info:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(owner.run)
+        assert info.group_contains(RuntimeError, match="^ckpt$")
+        answer = reply_receive.receive_nowait()
+    assert isinstance(answer, DracpuError)
+    assert str(answer) == "Do: internal error in Bug: RuntimeError('ckpt')"
+    assert owner.state == ()

@@ -22,10 +22,13 @@
 
 - :meth:`NodeMachine.execute` runs every effect of :mod:`dracpu.core.effects`:
   ``WriteCdiSpec`` / ``DeleteCdiSpec`` / ``PruneCdiSpecs`` through :mod:`dracpu.adapters.cdi_files`
-  and ``WriteCheckpoint`` through :mod:`dracpu.adapters.checkpoint_file` (each in a worker
-  thread: they fsync), ``UpdateContainers`` to the NRI task (:meth:`NriLink.submit
+  and ``WriteCheckpoint`` through :mod:`dracpu.adapters.checkpoint_file` (in a worker thread:
+  they fsync), ``UpdateContainers`` to the NRI task (:meth:`NriLink.submit
   <dracpu.tasks.nri_plugin.NriLink.submit>`, which never blocks), ``PublishSlices`` to the slice
   publisher (the devices of the topology, then a republish request).
+  :meth:`NodeMachine.execute_batch` runs a command's whole commit phase the same way, in order,
+  but each run of consecutive file effects in ONE worker-thread hop (a Prepare's CDI spec and
+  checkpoint: one hop instead of two), and tells the owner which effects began.
 
 - :meth:`NodeMachine.desired_specs` is the CDI watcher's view of which specs must exist: the
   committed claims, corrected by the CDI writes and deletes of the command being applied. The
@@ -83,6 +86,11 @@ ContainerUpdates = Callable[[UpdateContainers], None]
 """Takes the owner's unsolicited container updates without blocking and without failing
 (:meth:`dracpu.tasks.nri_plugin.NriLink.submit`)."""
 
+# The effects that do file I/O (and fsync): run in a worker thread, never on the event loop.
+_FILE_EFFECTS = (WriteCdiSpec, DeleteCdiSpec, PruneCdiSpecs, WriteCheckpoint)
+# A claim's CDI change before a batch marked it: none (the key was absent).
+_UNMARKED = object()
+
 
 class NodeMachine:
     """The node's state machine: restore, ``apply``, ``execute``, ``rollback``, ``follow_up``.
@@ -91,8 +99,9 @@ class NodeMachine:
     (:func:`dracpu.tasks.slice_publisher.republish_channel`); ``update_containers``: where
     ``UpdateContainers`` effects go (``None``: they are dropped with a debug log, the next NRI
     ``Synchronize`` re-pins every container anyway). Call :meth:`restore` once, then give
-    :meth:`apply`, :meth:`execute`, :meth:`rollback` and :meth:`follow_up` to the state owner
-    and tell :meth:`watch_state` how to read the owner's committed state.
+    :meth:`apply`, :meth:`execute`, :meth:`execute_batch`, :meth:`rollback` and
+    :meth:`follow_up` to the state owner and tell :meth:`watch_state` how to read the owner's
+    committed state.
     """
 
     def __init__(
@@ -157,21 +166,10 @@ class NodeMachine:
 
     async def execute(self, effect: Effect) -> None:
         """Run one effect; failures raise :class:`~dracpu.errors.DracpuError`."""
-        cdi_dir = self.config.cdi_dir
         match effect:
-            case WriteCdiSpec(claim_uid=uid, cpus=cpus):
-                self._cdi_changes[uid] = cpus
-                await anyio.to_thread.run_sync(cdi_files.write_spec, cdi_dir, uid, cpus)
-            case DeleteCdiSpec(claim_uid=uid):
-                self._cdi_changes[uid] = None
-                await anyio.to_thread.run_sync(cdi_files.delete_spec, cdi_dir, uid)
-            case PruneCdiSpecs(keep=keep):
-                removed = await anyio.to_thread.run_sync(_prune, cdi_dir, keep)
-                if removed:
-                    logger.info("removed CDI specs no prepared claim owns: %s", removed)
-            case WriteCheckpoint(checkpoint=data):
-                path = self.config.checkpoint_path
-                await anyio.to_thread.run_sync(_write_checkpoint, path, data)
+            case WriteCdiSpec() | DeleteCdiSpec() | PruneCdiSpecs() | WriteCheckpoint():
+                self._mark(effect)
+                await anyio.to_thread.run_sync(self._run_file_effect, effect)
             case UpdateContainers():
                 if self._update_containers is None:
                     logger.debug(
@@ -183,6 +181,84 @@ class NodeMachine:
                 self._publish(topology)
             case Reply():
                 raise DracpuError("a Reply is not an effect to execute")  # the owner answers it
+
+    async def execute_batch(self, effects: Sequence[Effect], started: list[Effect]) -> None:
+        """Run ``effects`` in order, as :meth:`execute` would one after the other, but each run
+        of consecutive file effects in one worker-thread hop.
+
+        Each effect is appended to ``started`` just before it begins, so after a failure (a
+        :class:`~dracpu.errors.DracpuError`, or a cancellation) the last effect in ``started`` is
+        the one that failed or was cut off, and the effects after it never began: they have left
+        no trace, not even in :meth:`desired_specs`.
+        """
+        index = 0
+        while index < len(effects):
+            effect = effects[index]
+            if not isinstance(effect, _FILE_EFFECTS):
+                started.append(effect)
+                await self.execute(effect)
+                index += 1
+                continue
+            end = index + 1
+            while end < len(effects) and isinstance(effects[end], _FILE_EFFECTS):
+                end += 1
+            await self._run_file_batch(effects[index:end], started)
+            index = end
+
+    async def _run_file_batch(self, batch: Sequence[Effect], started: list[Effect]) -> None:
+        marks = [self._mark(effect) for effect in batch]
+        before = len(started)
+        try:
+            await anyio.to_thread.run_sync(self._run_file_effects, batch, started)
+        except BaseException:
+            # The CDI changes of the effects that never began did not happen: take them back,
+            # newest first (two effects of one batch may change the same claim's spec).
+            for mark in reversed(marks[len(started) - before :]):
+                if mark is not None:
+                    uid, previous = mark
+                    if previous is _UNMARKED:
+                        self._cdi_changes.pop(uid, None)
+                    else:
+                        assert previous is None or isinstance(previous, CpuSet)
+                        self._cdi_changes[uid] = previous
+            raise
+
+    def _mark(self, effect: Effect) -> tuple[str, object] | None:
+        """Record a CDI write/delete in :attr:`_cdi_changes` (before it begins, so the watcher
+        never takes a fresh spec for an orphan); the claim's previous mark."""
+        match effect:
+            case WriteCdiSpec(claim_uid=uid, cpus=cpus):
+                previous = self._cdi_changes.get(uid, _UNMARKED)
+                self._cdi_changes[uid] = cpus
+            case DeleteCdiSpec(claim_uid=uid):
+                previous = self._cdi_changes.get(uid, _UNMARKED)
+                self._cdi_changes[uid] = None
+            case _:
+                return None
+        return uid, previous
+
+    def _run_file_effects(self, batch: Sequence[Effect], started: list[Effect]) -> None:
+        """In a worker thread: the file effects of ``batch`` in order (see execute_batch)."""
+        for effect in batch:
+            started.append(effect)
+            self._run_file_effect(effect)
+
+    def _run_file_effect(self, effect: Effect) -> None:
+        """In a worker thread: one file effect."""
+        cdi_dir = self.config.cdi_dir
+        match effect:
+            case WriteCdiSpec(claim_uid=uid, cpus=cpus):
+                cdi_files.write_spec(cdi_dir, uid, cpus)
+            case DeleteCdiSpec(claim_uid=uid):
+                cdi_files.delete_spec(cdi_dir, uid)
+            case PruneCdiSpecs(keep=keep):
+                removed = _prune(cdi_dir, keep)
+                if removed:
+                    logger.info("removed CDI specs no prepared claim owns: %s", removed)
+            case WriteCheckpoint(checkpoint=data):
+                _write_checkpoint(self.config.checkpoint_path, data)
+            case _:
+                raise DracpuError(f"{type(effect).__name__} is not a file effect")
 
     def _publish(self, topology: Topology) -> None:
         config = self.config
@@ -279,22 +355,20 @@ class NodeMachine:
         else:
             new, planned = self.apply(state, command)
         commit, reply, after = node_state.commit_phase(planned)
-        for index, effect in enumerate(commit):
-            try:
-                await self.execute(effect)
-            except DracpuError as error:
-                what = type(command).__name__ if command is not None else type(effect).__name__
-                logger.error("start-up %s failed: %s", what, error)
-                for undo in node_state.rollback(state, commit[: index + 1], error):
-                    if isinstance(undo, Reply):
-                        continue
-                    try:
-                        await self.execute(undo)
-                    except DracpuError as undo_error:
-                        logger.error(
-                            "start-up rollback %s failed: %s", type(undo).__name__, undo_error
-                        )
-                return state
+        started: list[Effect] = []
+        try:
+            await self.execute_batch(commit, started)
+        except DracpuError as error:
+            what = type(command).__name__ if command is not None else type(started[-1]).__name__
+            logger.error("start-up %s failed: %s", what, error)
+            for undo in node_state.rollback(state, started, error):
+                if isinstance(undo, Reply):
+                    continue
+                try:
+                    await self.execute(undo)
+                except DracpuError as undo_error:
+                    logger.error("start-up rollback %s failed: %s", type(undo).__name__, undo_error)
+            return state
         self._report(reply.value)
         for effect in after:
             try:

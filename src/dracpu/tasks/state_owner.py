@@ -8,7 +8,9 @@ calls the pure ``apply(state, command) -> (new_state, effects)`` and runs the ef
 
 - a :class:`~dracpu.core.effects.Reply` **commits** the new state (it becomes the owner's state)
   and sends its value to the requester;
-- any other effect is awaited through ``execute(effect)``.
+- any other effect is awaited through ``execute(effect)``; with an ``execute_batch`` the effects
+  before the Reply go to it together, in one call (``execute_batch(effects, started)``), so an
+  executor can run a Prepare's file writes in one worker-thread hop.
 
 The effects before the Reply are the commit phase, already in crash-safe order (write the CDI
 spec, then the checkpoint, then reply). If one of them fails, the owner keeps the OLD state, runs
@@ -63,6 +65,7 @@ from dracpu.errors import DracpuError
 __all__ = [
     "COMMAND_DEADLINE",
     "COMMAND_QUEUE_SIZE",
+    "ExecuteBatch",
     "FollowUp",
     "OwnerStatistics",
     "PendingReply",
@@ -191,6 +194,12 @@ FollowUp = Callable[[E, DracpuError], C | None]
 """``follow_up(effect, error)``: a command the owner applies itself after a post-commit effect
 failed (a failed ``UpdateContainers`` becomes ``InvalidateContainers``), or ``None``."""
 
+ExecuteBatch = Callable[[Sequence[E], list[E]], Awaitable[object]]
+"""``execute_batch(effects, started)``: run the commit phase's effects in order, as ``execute``
+would one by one, appending each to ``started`` just before it begins; on the first failure
+raise (the failed effect is the last one in ``started``; the ones after it never began)
+(:meth:`dracpu.tasks.node_machine.NodeMachine.execute_batch`)."""
+
 
 class StateOwner(Generic[S, C, E]):
     """Owns the node state; :meth:`run` is the task. Read-only views: :attr:`state`,
@@ -206,11 +215,13 @@ class StateOwner(Generic[S, C, E]):
         rollback: Rollback[S, E] | None = None,
         follow_up: FollowUp[E, C] | None = None,
         command_deadline: float = COMMAND_DEADLINE,
+        execute_batch: ExecuteBatch[E] | None = None,
     ) -> None:
         self._receive = receive
         self._state = state
         self._apply = apply
         self._execute = execute
+        self._execute_batch = execute_batch
         self._rollback = rollback
         self._follow_up = follow_up
         self._command_deadline = command_deadline
@@ -298,8 +309,16 @@ class StateOwner(Generic[S, C, E]):
         started: list[E] = []  # commit-phase effects begun, for the rollback
         current: E | None = None  # the effect being executed
         failure: DracpuError | None = None
+        rest: Sequence[E] = effects  # the effects left for the loop below
         with self._effects_scope() as scope:
-            for effect in effects:
+            if self._execute_batch is not None:
+                batch = _before_reply(effects)
+                rest = effects[len(batch) :]
+                try:
+                    failure = await self._run_batch(req, name, batch, started)
+                finally:
+                    current = started[-1] if started else None
+            for effect in rest if failure is None else ():
                 if isinstance(effect, Reply):
                     if committed:
                         logger.error("%s: a second Reply was dropped: %r", name, effect.value)
@@ -325,12 +344,14 @@ class StateOwner(Generic[S, C, E]):
                         self._fail(req, name, error)
                     raise
         if scope.cancelled_caught:
-            # The deadline cut off the last effect begun; whether it took place is unknown.
-            assert current is not None  # only an effect awaits inside the scope
+            # The deadline cut off the last effect begun; whether it took place is unknown. (No
+            # effect begun: the batch was cut off before its first one, there is nothing to undo.)
             self._effects_failed += 1
             deadline = self._command_deadline
-            error = DracpuError(f"{_kind(current)} did not finish within {deadline:g} s")
+            what = _kind(current) if current is not None else "the commit phase"
+            error = DracpuError(f"{what} did not finish within {deadline:g} s")
             if committed:
+                assert current is not None  # committed: the loop below the batch ran an effect
                 self._post_commit_failed(name, current, error, follow_ups=follow_ups)
                 return
             failure = error
@@ -338,6 +359,24 @@ class StateOwner(Generic[S, C, E]):
             await self._roll_back(req, name, started, failure)
         elif not committed:
             self._commit(req, name, new_state, None)
+
+    async def _run_batch(
+        self, req: Request[C], name: str, batch: Sequence[E], started: list[E]
+    ) -> DracpuError | None:
+        """The commit phase in one ``execute_batch`` call; its expected failure, if any."""
+        if not batch or self._execute_batch is None:
+            return None
+        try:
+            await self._execute_batch(batch, started)
+        except DracpuError as exc:
+            self._effects_failed += 1
+            return exc
+        except Exception as exc:
+            self._effects_failed += 1
+            what = _kind(started[-1]) if started else "the commit phase"
+            self._fail(req, name, DracpuError(f"{name}: internal error in {what}: {exc!r}"))
+            raise
+        return None
 
     def _effects_scope(self) -> anyio.CancelScope:
         """Shielded from outside cancellation, bounded by the command deadline."""
@@ -408,6 +447,14 @@ class StateOwner(Generic[S, C, E]):
         logger.warning("%s failed, state unchanged: %s", name, error, extra={"command": name})
 
 
+def _before_reply(effects: Sequence[E]) -> Sequence[E]:
+    """The commit phase: the effects before the first Reply (all of them without one)."""
+    for index, effect in enumerate(effects):
+        if isinstance(effect, Reply):
+            return effects[:index]
+    return effects
+
+
 def _kind(effect: object) -> str:
     """An effect in a message: its type (its fields can be a whole checkpoint)."""
     return type(effect).__name__
@@ -431,6 +478,7 @@ async def run(
     rollback: Rollback[S, E] | None = None,
     follow_up: FollowUp[E, C] | None = None,
     command_deadline: float = COMMAND_DEADLINE,
+    execute_batch: ExecuteBatch[E] | None = None,
     task_status: TaskStatus[None] = TASK_STATUS_IGNORED,
 ) -> None:
     """Run a :class:`StateOwner` over ``receive`` (use the class to read its statistics)."""
@@ -442,5 +490,6 @@ async def run(
         rollback=rollback,
         follow_up=follow_up,
         command_deadline=command_deadline,
+        execute_batch=execute_batch,
     )
     await owner.run(task_status=task_status)
