@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -146,18 +147,23 @@ class Node:
     async def unprepare(self, uid: str) -> None:
         await request(self.send, UnprepareClaim(uid))
 
-    async def start_plugin(self) -> None:
-        config = Config(node_name=NODE, nri_socket=self.socket)
-        await self.tg.start(
-            partial(
-                nri_plugin.run,
-                config,
-                self.send.clone(),
-                link=self.link,
-                delays=fast_delays,
-                start_timeout=5.0,
-            )
+    def plugin(
+        self, socket: Path | None = None, *, start_timeout: float = 5.0
+    ) -> partial[Coroutine[Any, Any, None]]:
+        """The NRI plugin task of this node (its link and owner, fast reconnects) for ``socket``
+        (default: the fake runtime's), ready to start."""
+        config = Config(node_name=NODE, nri_socket=socket or self.socket)
+        return partial(
+            nri_plugin.run,
+            config,
+            self.send.clone(),
+            link=self.link,
+            delays=fast_delays,
+            start_timeout=start_timeout,
         )
+
+    async def start_plugin(self) -> None:
+        await self.tg.start(self.plugin())
 
     def exclusive(self, pod: FakePod, name: str, uid: str) -> FakeContainer:
         return self.runtime.new_container(pod, name, env=[claim_env(uid, str(self.claims[uid]))])
@@ -441,12 +447,7 @@ async def test_unsolicited_update_racing_a_newer_event_reply_ends_at_the_newest_
     runtime applies it *after* the Create's reply: the plugin must send the newest cpusets
     again, or the shared containers keep running on B's CPUs."""
     async with open_node(setup=lambda rt: add_shared(rt, 3), nri_version="v0.12.1") as node:
-        await node.prepare(UID_C, "cpudevnuma002")
-        pod_c = node.runtime.add_pod("c")
-        ctr_c = node.exclusive(pod_c, "app", UID_C)
-        await node.runtime.create_container(pod_c, ctr_c)
-        await node.runtime.remove_container(ctr_c.id)
-        gate = await node.executor.hold(node, UID_D, "cpudevnuma003")
+        gate = await _claim_c_released_by_its_pod_and_the_owner_held(node)
         node.tg.start_soon(node.unprepare, UID_C)
         await until(lambda: node.owner.statistics().queue_depth == 1, "Unprepare C queued")
         node.tg.start_soon(partial(node.prepare, UID_B, "cpudevnuma001", cpuset="8-9,40-41"))
@@ -472,12 +473,7 @@ async def test_event_reply_racing_a_queued_unsolicited_update() -> None:
     Create A resumes: whichever reaches the runtime last, it ends at the owner's cpusets."""
     async with open_node(setup=lambda rt: add_shared(rt, 3), nri_version="v0.12.1") as node:
         await node.prepare(UID_A)
-        await node.prepare(UID_C, "cpudevnuma002")
-        pod_c = node.runtime.add_pod("c")
-        ctr_c = node.exclusive(pod_c, "app", UID_C)
-        await node.runtime.create_container(pod_c, ctr_c)
-        await node.runtime.remove_container(ctr_c.id)
-        gate = await node.executor.hold(node, UID_D, "cpudevnuma003")
+        gate = await _claim_c_released_by_its_pod_and_the_owner_held(node)
         pod_a = node.runtime.add_pod("a")
         created = anyio.Event()
 
@@ -494,6 +490,17 @@ async def test_event_reply_racing_a_queued_unsolicited_update() -> None:
         await _settled(node)
         held = CpuSet.union(node.claims[uid] for uid in (UID_A, UID_D))
         assert CpuSet.parse(node.pool) == CpuSet.parse(ALLOCATABLE) - held
+
+
+async def _claim_c_released_by_its_pod_and_the_owner_held(node: Node) -> anyio.Event:
+    """Claim C prepared, its container created and removed (an Unprepare C widens the shared
+    containers), then the owner held in Prepare D's CDI write: the gate releases it."""
+    await node.prepare(UID_C, "cpudevnuma002")
+    pod_c = node.runtime.add_pod("c")
+    ctr_c = node.exclusive(pod_c, "app", UID_C)
+    await node.runtime.create_container(pod_c, ctr_c)
+    await node.runtime.remove_container(ctr_c.id)
+    return await node.executor.hold(node, UID_D, "cpudevnuma003")
 
 
 async def _settled(node: Node) -> None:
@@ -663,18 +670,8 @@ async def _still_pins(node: Node) -> None:
 async def test_starts_without_a_runtime_and_connects_when_it_comes() -> None:
     async with open_node(start=False) as node:
         missing = node.socket.with_name("later.sock")
-        config = Config(node_name=NODE, nri_socket=missing)
         with anyio.fail_after(2):  # ready after start_timeout although nobody listens
-            await node.tg.start(
-                partial(
-                    nri_plugin.run,
-                    config,
-                    node.send.clone(),
-                    link=node.link,
-                    delays=fast_delays,
-                    start_timeout=0.2,
-                )
-            )
+            await node.tg.start(node.plugin(missing, start_timeout=0.2))
         status = node.link.status()
         assert not status.connected
         assert f"cannot connect to {missing}" in status.last_error
@@ -757,17 +754,7 @@ async def bare_runtime() -> AsyncIterator[tuple[anyio.abc.SocketListener, Node]]
     async with open_node(start=False) as node:
         path = node.socket.with_name("bare.sock")
         async with await anyio.create_unix_listener(path) as listener:
-            config = Config(node_name=NODE, nri_socket=path)
-            node.tg.start_soon(
-                partial(
-                    nri_plugin.run,
-                    config,
-                    node.send.clone(),
-                    link=node.link,
-                    delays=fast_delays,
-                    start_timeout=0.1,
-                )
-            )
+            node.tg.start_soon(node.plugin(path, start_timeout=0.1))
             yield listener, node
 
 
