@@ -65,7 +65,12 @@ async def test_grouped_claims_prepare_and_unprepare() -> None:
         assert spec["kind"] == "dra.k8s.io/cpu"
         assert spec["devices"][0]["name"] == f"claim-{first.uid}"
         assert sim.cdi_env(first.uid) == [f"DRA_CPUSET_{first.uid}={sim.cdi_cpus(first.uid)}"]
-        assert sim.claim_status_cpusets(first) == [sim.cdi_cpus(first.uid)]
+        # The status patch runs after the answer: it lands shortly after.
+        await wait_until(
+            "the claim's status.devices to record its cpuset",
+            lambda: sim.claim_status_cpusets(first) == [sim.cdi_cpus(first.uid)],
+            failed=sim.daemon.exited,
+        )
         assert cpus(checkpoint_claims(sim.paths.checkpoint)[first.uid]["cpus"]) == held
 
         # Preparing again (the kubelet retries) gives the same CPUs.

@@ -34,7 +34,13 @@ from dracpu.adapters.checkpoint_file import write_checkpoint
 from dracpu.core.checkpoint_schema import decode, encode
 from dracpu.core.commands import Command, DeviceResult, PrepareClaim
 from dracpu.core.cpuset import EMPTY, CpuSet
-from dracpu.core.effects import DeleteCdiSpec, Effect, WriteCdiSpec, WriteCheckpoint
+from dracpu.core.effects import (
+    ClaimPrepared,
+    DeleteCdiSpec,
+    Effect,
+    WriteCdiSpec,
+    WriteCheckpoint,
+)
 from dracpu.core.state import NodeConfig, NodeState, apply, rollback
 from dracpu.errors import (
     CdiError,
@@ -128,6 +134,21 @@ class FakeClaims:
         self.patches: list[tuple[str, str, dict[str, Any]]] = []
         self.patch_errors: list[DracpuError] = []  # raised by the next patch calls, in order
         self.after_get: Callable[[dict[str, Any]], None] | None = None  # a concurrent writer
+        self.patch_gate: anyio.Event | None = None  # patch calls wait for it (a slow server)
+        self.patching = 0  # patch calls in progress now
+        self.most_patching = 0  # the most patch calls ever in progress at once
+        self.cancelled_patches = 0  # patch calls cancelled while they waited
+        self._changed = anyio.Event()  # set (and replaced) whenever a patch call starts or ends
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def wait_until(self, check: Callable[[], bool]) -> None:
+        """Wait (at most 10 s) until ``check()`` holds; re-checked when a patch starts or ends."""
+        with anyio.fail_after(10):
+            while not check():
+                await self._changed.wait()
 
     def add(self, obj: dict[str, Any]) -> None:
         meta = obj["metadata"]
@@ -151,6 +172,18 @@ class FakeClaims:
     ) -> dict[str, Any]:
         await anyio.lowlevel.checkpoint()
         self.patches.append((namespace, name, copy.deepcopy(dict(patch))))
+        self.patching += 1
+        self.most_patching = max(self.most_patching, self.patching)
+        self._notify()
+        try:
+            if self.patch_gate is not None:
+                await self.patch_gate.wait()
+        except anyio.get_cancelled_exc_class():
+            self.cancelled_patches += 1
+            raise
+        finally:
+            self.patching -= 1
+            self._notify()
         if self.patch_errors:
             raise self.patch_errors.pop(0)
         obj = self.objects.get((namespace, name))
@@ -252,7 +285,11 @@ class RunningNode:
 
 @asynccontextmanager
 async def running_node(
-    tmp_path: Path, claims: FakeClaims | None = None, *, owner_running: bool = True
+    tmp_path: Path,
+    claims: FakeClaims | None = None,
+    *,
+    owner_running: bool = True,
+    max_pending_status_patches: int = kubelet_plugin.MAX_PENDING_STATUS_PATCHES,
 ) -> AsyncIterator[RunningNode]:
     config = node_config()
     cdi_dir = tmp_path / "cdi"
@@ -270,7 +307,16 @@ async def running_node(
                 await tg.start(owner.run)
             else:
                 receive.close()
-            service = await tg.start(partial(kubelet_plugin.run, sock, send.clone(), claims, NODE))
+            service = await tg.start(
+                partial(
+                    kubelet_plugin.run,
+                    sock,
+                    send.clone(),
+                    claims,
+                    NODE,
+                    max_pending_status_patches=max_pending_status_patches,
+                )
+            )
             yield RunningNode(sock, cdi_dir, checkpoint, claims, effects, owner, service, config)
             tg.cancel_scope.cancel()
 
@@ -348,7 +394,8 @@ async def test_prepare_answers_devices_writes_cdi_checkpoint_and_status(
         assert cpus <= node.numa_cpus("cpudevnuma001")
         assert node.checkpointed() == {uid: cpus}
         assert os.stat(node.checkpoint).st_mode & 0o777 == 0o600
-        # status.devices records the cpuset on our device (best effort, done before the answer)
+        # status.devices records the cpuset on our device (best effort, after the answer)
+        await node.service.wait_status_patches()
         stored = claims.objects[(ns, name)]["status"]["devices"]
         assert stored == [
             {
@@ -401,7 +448,8 @@ async def test_repeated_prepare_is_idempotent_and_rewrites_a_lost_cdi_spec(tmp_p
     async with running_node(tmp_path, claims) as node:
         first = await prepare(node, "v1", (ns, uid, name))
         cpus = _env_cpus(node.spec_env(uid), uid)
-        patches = len(claims.patches)
+        await node.service.wait_status_patches()
+        assert len(claims.patches) == 1
         (node.cdi_dir / f"dra.k8s.io-cpu_claim-{uid}.json").unlink()  # a reboot empties the dir
 
         again = await prepare(node, "v1beta1", (ns, uid, name))
@@ -410,7 +458,8 @@ async def test_repeated_prepare_is_idempotent_and_rewrites_a_lost_cdi_spec(tmp_p
         assert again.claims[uid].error == ""
         assert _env_cpus(node.spec_env(uid), uid) == cpus
         assert node.checkpointed() == {uid: cpus}
-        assert len(claims.patches) == patches  # the status already says so: no second patch
+        await node.service.wait_status_patches()
+        assert len(claims.patches) == 1  # the status already says so: no second patch
 
 
 async def test_claim_without_our_devices_is_prepared_with_no_devices(tmp_path: Path) -> None:
@@ -422,6 +471,7 @@ async def test_claim_without_our_devices_is_prepared_with_no_devices(tmp_path: P
         entry = reply.claims[_ref(obj)[1]]
         assert (entry.error, _devices(entry)) == ("", [])
         assert node.spec_env(_ref(obj)[1]) is None
+        await node.service.wait_status_patches()
         assert claims.patches == []
 
 
@@ -610,6 +660,8 @@ async def test_status_patch_failure_does_not_fail_prepare(
         reply = await prepare(node, "v1", _ref(obj))
         assert reply.claims[_ref(obj)[1]].error == ""
         assert node.spec_env(_ref(obj)[1]) is not None
+        await node.service.wait_status_patches()
+    assert len(claims.patches) == 1
     assert "status.devices could not be updated: connection refused" in caplog.text
     assert "devices" not in claims.objects[("default", "a")]["status"]
     [record] = [r for r in caplog.records if "could not be updated" in r.getMessage()]
@@ -637,11 +689,165 @@ async def test_status_patch_conflict_reads_the_claim_again(tmp_path: Path) -> No
         reply = await prepare(node, "v1", _ref(obj))
         assert reply.claims[_ref(obj)[1]].error == ""
         cpus = _env_cpus(node.spec_env(_ref(obj)[1]), _ref(obj)[1])
+        await node.service.wait_status_patches()
     assert len(claims.patches) == 2  # the 409, then the retry on the fresh object
     assert claims.objects[("default", "a")]["status"]["devices"] == [
         {"driver": "gpu.example.com", "pool": NODE, "device": "gpu-0", "data": {"x": 1}},
         {"driver": DRIVER, "pool": NODE, "device": "cpudevnuma000", "data": {"cpuset": str(cpus)}},
     ]
+
+
+def _status_cpusets(claims: FakeClaims, obj: Mapping[str, Any]) -> list[str]:
+    meta = obj["metadata"]
+    stored = claims.objects[(meta["namespace"], meta["name"])]
+    return [d["data"]["cpuset"] for d in stored["status"].get("devices", [])]
+
+
+async def test_the_answer_does_not_wait_for_the_status_patch(tmp_path: Path) -> None:
+    claims = FakeClaims()
+    claims.patch_gate = anyio.Event()  # the API server does not answer the PATCH yet
+    obj = claim_object("a", [grouped_result("cpudevnuma000", "2")])
+    claims.add(obj)
+    async with running_node(tmp_path, claims) as node:
+        with anyio.fail_after(10):
+            reply = await prepare(node, "v1", _ref(obj))
+        assert reply.claims[_ref(obj)[1]].error == ""
+        cpus = _env_cpus(node.spec_env(_ref(obj)[1]), _ref(obj)[1])
+        assert node.checkpointed() == {_ref(obj)[1]: cpus}
+        await claims.wait_until(lambda: claims.patching == 1)  # sent, not answered
+        assert len(claims.patches) == 1
+        assert _status_cpusets(claims, obj) == []
+
+        claims.patch_gate.set()
+        await node.service.wait_status_patches()
+        assert _status_cpusets(claims, obj) == [str(cpus)]
+
+
+async def test_unprepare_cancels_the_claims_pending_status_patch(tmp_path: Path) -> None:
+    claims = FakeClaims()
+    claims.patch_gate = anyio.Event()
+    obj = claim_object("a", [grouped_result("cpudevnuma000", "2")])
+    other = claim_object("b", [grouped_result("cpudevnuma001", "2")])
+    claims.add(obj)
+    claims.add(other)
+    async with running_node(tmp_path, claims) as node:
+        assert (await prepare(node, "v1", _ref(obj))).claims[_ref(obj)[1]].error == ""
+        assert (await prepare(node, "v1", _ref(other))).claims[_ref(other)[1]].error == ""
+        await claims.wait_until(lambda: claims.patching == 2)
+
+        reply = await unprepare(node, "v1", _ref(obj))
+
+        assert reply.claims[_ref(obj)[1]].error == ""
+        await claims.wait_until(lambda: claims.cancelled_patches == 1)
+        assert claims.patching == 1  # the other claim's patch still waits for the server
+        claims.patch_gate.set()
+        await node.service.wait_status_patches()
+        assert claims.cancelled_patches == 1
+        assert _status_cpusets(claims, obj) == []  # never recorded for the freed CPUs
+        other_cpus = node.checkpointed()[_ref(other)[1]]
+        assert _status_cpusets(claims, other) == [str(other_cpus)]
+
+
+async def test_a_new_prepare_of_the_claim_replaces_its_pending_patch_in_order(
+    tmp_path: Path,
+) -> None:
+    claims = FakeClaims()
+    claims.patch_gate = anyio.Event()
+    obj = claim_object("a", [grouped_result("cpudevnuma002", "3")])
+    claims.add(obj)
+    async with running_node(tmp_path, claims) as node:
+        await prepare(node, "v1", _ref(obj))
+        await claims.wait_until(lambda: claims.patching == 1)
+        claims.patch_gate = None  # the server answers again
+
+        again = await prepare(node, "v1", _ref(obj))  # the kubelet retries
+
+        assert again.claims[_ref(obj)[1]].error == ""
+        await node.service.wait_status_patches()
+        assert claims.cancelled_patches == 1  # the first patch was cancelled ...
+        assert claims.most_patching == 1  # ... and had ended before the second one began
+        assert len(claims.patches) == 2
+        cpus = node.checkpointed()[_ref(obj)[1]]
+        assert _status_cpusets(claims, obj) == [str(cpus)]
+
+
+async def test_pending_status_patches_end_with_the_task(tmp_path: Path) -> None:
+    claims = FakeClaims()
+    claims.patch_gate = anyio.Event()  # never set: the server never answers
+    obj = claim_object("a", [grouped_result("cpudevnuma000", "2")])
+    claims.add(obj)
+    with anyio.fail_after(10):
+        async with running_node(tmp_path, claims) as node:
+            await prepare(node, "v1", _ref(obj))
+            await claims.wait_until(lambda: claims.patching == 1)
+    assert (claims.patching, claims.cancelled_patches) == (0, 1)
+    assert _status_cpusets(claims, obj) == []
+
+
+async def test_beyond_the_pending_patch_limit_a_prepare_answers_after_its_patch(
+    tmp_path: Path,
+) -> None:
+    claims = FakeClaims()
+    gate = anyio.Event()
+    claims.patch_gate = gate
+    first = claim_object("a", [grouped_result("cpudevnuma000", "2")])
+    second = claim_object("b", [grouped_result("cpudevnuma001", "2")])
+    claims.add(first)
+    claims.add(second)
+    answers: list[str] = []
+    async with running_node(tmp_path, claims, max_pending_status_patches=1) as node:
+        await prepare(node, "v1", _ref(first))  # its patch is pending: the limit is reached
+        await claims.wait_until(lambda: claims.patching == 1)
+
+        async def second_prepare() -> None:
+            reply = await prepare(node, "v1", _ref(second))
+            answers.append(reply.claims[_ref(second)[1]].error)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(second_prepare)
+            await claims.wait_until(lambda: claims.patching == 2)  # its patch is sent ...
+            assert answers == []  # ... and its Prepare waits for it
+            gate.set()
+        assert answers == [""]
+        assert _status_cpusets(claims, second) == [str(node.checkpointed()[_ref(second)[1]])]
+        await node.service.wait_status_patches()
+        assert _status_cpusets(claims, first) == [str(node.checkpointed()[_ref(first)[1]])]
+
+
+async def test_a_service_patches_inline_before_its_patch_group_and_not_after_it(
+    tmp_path: Path,
+) -> None:
+    claims = FakeClaims()
+    before = claim_object("before", [grouped_result("cpudevnuma000", "2")])
+    after = claim_object("after", [grouped_result("cpudevnuma001", "2")])
+    claims.add(before)
+    claims.add(after)
+    send, receive = _command_stream()
+    service = DraService(send, claims, NODE)
+
+    async def owner() -> None:  # answers every PrepareClaim with cpus 2-3
+        async for req in receive:
+            command = req.command
+            assert isinstance(command, PrepareClaim)
+            with req.reply:
+                prepared = ClaimPrepared(command.claim_uid, CpuSet.parse("2-3"), None, ())
+                await req.reply.send(prepared)
+
+    with send, receive:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(owner)
+            outcome = await service.prepare([kubelet_plugin.ClaimRef(*_ref(before))])
+            assert outcome[_ref(before)[1]].error == ""
+            assert _status_cpusets(claims, before) == ["2-3"]  # patched before the answer
+
+            async with service.status_patches():
+                pass  # the server has stopped: answers still in flight record nothing
+            outcome = await service.prepare([kubelet_plugin.ClaimRef(*_ref(after))])
+            assert outcome[_ref(after)[1]].error == ""
+            await service.wait_status_patches()
+            assert len(claims.patches) == 1
+            assert _status_cpusets(claims, after) == []
+            tg.cancel_scope.cancel()
 
 
 # --- the socket ---------------------------------------------------------------------------------

@@ -18,7 +18,14 @@ a time over all calls):
    Go helper strips ``/<subrequest>``; the kubelet matches containers by main request names),
    pool, device and the claim's CDI id ``dra.k8s.io/cpu=claim-<uid>``;
 4. best effort, record the cpuset in the claim's ``status.devices[].data`` (a failure is logged;
-   the claim stays prepared).
+   the claim stays prepared). This PATCH runs AFTER the answer, in a task of the kubelet-plugin
+   task's own task group (cancelled when the task stops): the kubelet never waits for the API
+   server's write. At most one patch per claim runs at a time, in order: a new Prepare of the
+   claim cancels its pending patch and starts its own once that one has ended, and an Unprepare
+   cancels it (the claim no longer holds those CPUs here); the patch carries the claim's
+   ``resourceVersion``, so a write the API server still applies late can never overwrite a newer
+   one. Beyond :data:`MAX_PENDING_STATUS_PATCHES` pending patches (a slow API server) a Prepare
+   waits for its own patch before answering, as it did when patches were inline.
 
 A claim that cannot be prepared gets its own ``error`` string; the other claims of the call are
 still prepared, and the call itself never fails at the gRPC level for a claim's problem (the
@@ -30,14 +37,15 @@ be gone) and an unknown claim succeeds.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import anyio
 from anyio import TASK_STATUS_IGNORED
-from anyio.abc import TaskStatus
+from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
 from dracpu import DRIVER_NAME
@@ -55,6 +63,7 @@ from dracpu.tasks.state_owner import Request
 
 __all__ = [
     "MAX_CONCURRENT_CLAIMS",
+    "MAX_PENDING_STATUS_PATCHES",
     "STATUS_PATCH_TIMEOUT",
     "ClaimRef",
     "ClaimSource",
@@ -72,9 +81,15 @@ logger = logging.getLogger(__name__)
 # call per pod admission with that pod's claims (reference §1.5), rarely more than a few; the
 # state owner serialises the rest anyway.
 MAX_CONCURRENT_CLAIMS = 16
-# Longest the best-effort status patch may delay a Prepare answer (seconds). The kubelet gives
-# the whole call 45 s (dra_plugin.go defaultClientCallTimeout); the claim is already prepared.
+# Longest one best-effort status patch may take (seconds), a retry after a 409 included. It
+# also bounds how long a Prepare answered inline (too many pending patches) waits for it: the
+# kubelet gives the whole call 45 s (dra_plugin.go defaultClientCallTimeout).
 STATUS_PATCH_TIMEOUT = 5.0
+# Status patches pending after their Prepare was answered, at most; beyond, a Prepare waits for
+# its patch before answering (back pressure instead of an unbounded backlog). Far above what a
+# healthy API server leaves pending: the kubelet prepares one pod's claims per call and at most
+# MAX_CONCURRENT_CLAIMS claims are handled at once.
+MAX_PENDING_STATUS_PATCHES = 64
 
 T = TypeVar("T")
 
@@ -122,6 +137,15 @@ class PrepareOutcome:
     error: str = ""
 
 
+@dataclass(eq=False, slots=True)
+class _StatusPatch:
+    """A claim's status patch running after the answer: ``scope`` cancels it, ``done`` is set
+    once it has ended (whatever the outcome)."""
+
+    scope: anyio.CancelScope
+    done: anyio.Event
+
+
 def _unique(refs: Iterable[ClaimRef]) -> list[ClaimRef]:
     """The claims by UID, first occurrence wins (the answer is a map keyed by UID)."""
     seen: dict[str, ClaimRef] = {}
@@ -163,7 +187,11 @@ def _refs(claims: Iterable[_ClaimMessage]) -> list[ClaimRef]:
 
 
 class DraService:
-    """Prepare and Unprepare, independent of the gRPC version."""
+    """Prepare and Unprepare, independent of the gRPC version.
+
+    Status patches run after the answers inside :meth:`status_patches` (at most
+    ``max_pending_status_patches`` pending), before them outside it.
+    """
 
     def __init__(
         self,
@@ -174,6 +202,7 @@ class DraService:
         driver: str = DRIVER_NAME,
         max_concurrent: int = MAX_CONCURRENT_CLAIMS,
         status_patch_timeout: float = STATUS_PATCH_TIMEOUT,
+        max_pending_status_patches: int = MAX_PENDING_STATUS_PATCHES,
     ) -> None:
         self._owner = owner
         self._claims = claims
@@ -182,6 +211,29 @@ class DraService:
         self._max_concurrent = max_concurrent
         self._status_patch_timeout = status_patch_timeout
         self._limiter: anyio.CapacityLimiter | None = None
+        self._background: TaskGroup | None = None  # runs the patches (inside status_patches)
+        self._stopped = False  # status_patches has ended: no more patches
+        self._max_pending = max_pending_status_patches
+        self._pending: dict[str, _StatusPatch] = {}  # by claim UID
+
+    @asynccontextmanager
+    async def status_patches(self) -> AsyncIterator[None]:
+        """While the block runs, status patches run after the answers, in a task group of the
+        caller's task. When it ends they are cancelled, and a Prepare still answered afterwards
+        (the server is stopping) records nothing."""
+        async with anyio.create_task_group() as background:
+            self._background = background
+            try:
+                yield
+            finally:
+                self._background = None
+                self._stopped = True
+                background.cancel_scope.cancel()
+
+    async def wait_status_patches(self) -> None:
+        """Wait until no status patch is pending (the patches run after the answers)."""
+        while self._pending:
+            await next(iter(self._pending.values())).done.wait()
 
     def _slots(self) -> anyio.CapacityLimiter:
         # Created on first use: an anyio primitive needs the running event loop.
@@ -245,7 +297,7 @@ class DraService:
                 result.cpus,
                 extra={**context, "cpus": str(result.cpus)},
             )
-            await self._record_status(ref, obj, allocation, result.cpus)
+            await self._status_patch(ref, obj, allocation, result.cpus)
         cdi_ids = (device_id(ref.uid),)
         return PrepareOutcome(
             devices=tuple(
@@ -274,6 +326,60 @@ class DraService:
             ) from exc
         allocation = read_claim(obj, uid=ref.uid, pool=self._node_name, driver=self._driver)
         return obj, allocation
+
+    async def _status_patch(
+        self, ref: ClaimRef, obj: Mapping[str, Any], allocation: ClaimAllocation, cpus: CpuSet
+    ) -> None:
+        """Record the cpuset in the claim's status: after the answer when a task group runs the
+        patches and fewer than the limit are pending, else now (see the module docstring)."""
+        if self._stopped:
+            logger.debug(
+                "not recording the cpuset of claim %s/%s: stopping",
+                ref.namespace,
+                ref.name,
+                extra=ref.log_context(),
+            )
+            return
+        previous = self._pending.get(ref.uid)
+        if previous is not None:
+            previous.scope.cancel()  # this Prepare read the claim later: its patch wins
+        if self._background is None or (
+            previous is None and len(self._pending) >= self._max_pending
+        ):
+            await self._record_status(ref, obj, allocation, cpus)
+            return
+        patch = _StatusPatch(anyio.CancelScope(), anyio.Event())
+        self._pending[ref.uid] = patch
+        self._background.start_soon(
+            self._patch_after_answer, ref, obj, allocation, cpus, previous, patch
+        )
+
+    async def _patch_after_answer(
+        self,
+        ref: ClaimRef,
+        obj: Mapping[str, Any],
+        allocation: ClaimAllocation,
+        cpus: CpuSet,
+        previous: _StatusPatch | None,
+        patch: _StatusPatch,
+    ) -> None:
+        try:
+            if previous is not None:
+                await previous.done.wait()  # one patch of a claim at a time, in order
+            with patch.scope:
+                await self._record_status(ref, obj, allocation, cpus)
+            if patch.scope.cancelled_caught:
+                logger.debug(
+                    "status patch of claim %s/%s dropped: the claim was unprepared or prepared "
+                    "again",
+                    ref.namespace,
+                    ref.name,
+                    extra=ref.log_context(),
+                )
+        finally:
+            patch.done.set()
+            if self._pending.get(ref.uid) is patch:
+                del self._pending[ref.uid]
 
     async def _record_status(
         self, ref: ClaimRef, obj: Mapping[str, Any], allocation: ClaimAllocation, cpus: CpuSet
@@ -331,6 +437,9 @@ class DraService:
 
     async def _unprepare_one(self, ref: ClaimRef) -> str:
         context = ref.log_context()
+        pending = self._pending.get(ref.uid)
+        if pending is not None:
+            pending.scope.cancel()  # its cpuset is about to be freed: do not record it now
         try:
             result = await state_owner.request(self._owner, UnprepareClaim(ref.uid))
             if not isinstance(result, ClaimUnprepared):
@@ -458,6 +567,7 @@ async def run(
     node_name: str,
     *,
     driver: str = DRIVER_NAME,
+    max_pending_status_patches: int = MAX_PENDING_STATUS_PATCHES,
     task_status: TaskStatus[DraService] = TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the DRA socket at ``socket_path`` (v1 and v1beta1) until cancelled.
@@ -467,14 +577,25 @@ async def run(
     Ready (``task_status.started(service)``) once the socket is listening.
 
     Resource handling: the socket file is removed on exit; calls in flight are cancelled (the
-    kubelet retries them; a command the owner already received still completes).
+    kubelet retries them; a command the owner already received still completes), and so are the
+    status patches still pending (best effort).
     Error handling: a socket that cannot be made raises :class:`~dracpu.errors.DracpuError`
     before ``started``; a claim's problem is that claim's error string, never a task failure.
     """
     async with owner:
-        service = DraService(owner, claims, node_name, driver=driver)
+        service = DraService(
+            owner,
+            claims,
+            node_name,
+            driver=driver,
+            max_pending_status_patches=max_pending_status_patches,
+        )
         handlers: list[Servable] = [DraPluginV1(service), DraPluginV1beta1(service)]
-        async with open_unix_server(handlers, socket_path, private_dir=True):
+        # The patches' task group inside the server: when it ends, later answers patch nothing.
+        async with (
+            open_unix_server(handlers, socket_path, private_dir=True),
+            service.status_patches(),
+        ):
             logger.info("DRA socket %s is listening (v1, v1beta1)", socket_path)
             task_status.started(service)
             await anyio.sleep_forever()
