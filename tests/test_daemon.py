@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import http.client
 import json
 import logging
@@ -85,6 +86,7 @@ async def _serve(
     stop_timeout: float = 4.5,
     readiness: Readiness | None = None,
     shutdown: Shutdown | None = None,
+    on_running: Callable[[], None] | None = None,
 ) -> int:
     readiness = Readiness() if readiness is None else readiness
     shutdown = Shutdown() if shutdown is None else shutdown
@@ -97,7 +99,13 @@ async def _serve(
     async with anyio.create_task_group() as tg:
         if stop_when_ready:
             tg.start_soon(stop_when_all_ready)
-        code = await serve(tasks, readiness=readiness, shutdown=shutdown, stop_timeout=stop_timeout)
+        code = await serve(
+            tasks,
+            readiness=readiness,
+            shutdown=shutdown,
+            stop_timeout=stop_timeout,
+            on_running=on_running,
+        )
         tg.cancel_scope.cancel()
     return code
 
@@ -127,6 +135,22 @@ async def test_readiness_waits_for_the_last_task() -> None:
     ]
     assert await _serve(tasks, readiness=readiness) == EXIT_OK
     assert seen == [False, False]  # b was still starting, then its own flag was not yet set
+
+
+@pytest.mark.anyio
+async def test_on_running_is_called_once_when_every_task_has_started() -> None:
+    journal = Journal()
+    tasks = [journal.task("a"), journal.task("b")]
+    assert await _serve(tasks, on_running=lambda: journal.events.append("running")) == EXIT_OK
+    assert journal.events == ["start a", "start b", "running", "stop b", "stop a"]
+
+    journal = Journal()
+    tasks = [journal.task("a"), journal.task("b", fail=ValueError("x"), fail_before_start=True)]
+    code = await _serve(
+        tasks, stop_when_ready=False, on_running=lambda: journal.events.append("running")
+    )
+    assert code == EXIT_FAILURE
+    assert "running" not in journal.events
 
 
 @pytest.mark.anyio
@@ -259,7 +283,10 @@ def test_main_returns_1_when_the_daemon_cannot_be_wired(capsys: pytest.CaptureFi
         raise DracpuError("cannot read /sys/devices/system/cpu/online")
 
     config = Config(node_name="n", bind_address=BindAddress("127.0.0.1", 0), log_format="json")
+    assert gc.isenabled()
     assert main(config, machine=broken) == EXIT_FAILURE
+    assert gc.isenabled()  # main turns the collector off for the start-up only
+    assert gc.get_freeze_count() > 0  # and leaves the heap frozen for a fast exit
     lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
     assert lines[-1]["message"] == (
         "dracpu failed to start: cannot read /sys/devices/system/cpu/online"
