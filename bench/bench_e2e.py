@@ -5,7 +5,9 @@
 * ``e2e.sigterm_to_exit``: milliseconds from SIGTERM to the exit of the connected daemon;
 * ``e2e.prepare``: ``NodePrepareResources`` of one grouped 2-CPU claim, from the grpcio kubelet
   (a worker-thread hop included) through the daemon (claim GET, allocation, CDI spec and
-  checkpoint with fsync, status patch) and back;
+  checkpoint with fsync) and back; the claim's status PATCH runs after the answer, and the fake
+  API server that serves the GET and the PATCH runs in this process, on the same event loop as
+  the kubelet's side of the call;
 * ``e2e.create_container``: NRI ``CreateContainer`` of that claim's container from the fake
   runtime (Google protobuf) to the decoded reply, which moves all ``SHARED`` shared containers
   off the claim's CPUs;
