@@ -53,7 +53,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
 from anyio import TASK_STATUS_IGNORED
@@ -67,6 +67,7 @@ from prometheus_client.metrics_core import (
 )
 
 from dracpu import __version__
+from dracpu.adapters.kube import KubeClient, open_kube_client
 from dracpu.config import Config
 from dracpu.core.commands import Command, Resync
 from dracpu.core.effects import Reply, Resynced
@@ -86,9 +87,6 @@ from dracpu.tasks.http import Readiness
 from dracpu.tasks.node_machine import NodeMachine
 from dracpu.tasks.nri_plugin import NriLink
 from dracpu.tasks.state_owner import FollowUp, OwnerStatistics, Request, Rollback, StateOwner
-
-if TYPE_CHECKING:  # imported by _serve_node, inside main()'s start-up (see _settle_heap)
-    from dracpu.adapters.kube import KubeClient
 
 __all__ = [
     "EXIT_FAILURE",
@@ -555,10 +553,6 @@ async def _serve_node(config: Config) -> int:
     send: MemoryObjectSendStream[Request[Command]]
     receive: MemoryObjectReceiveStream[Request[Command]]
     send, receive = state_owner.create_request_stream()
-    # kubernetes + aiohttp: ~0.5 s of imports, done here so that they run with the collector
-    # off (main), not when the module is imported.
-    from dracpu.adapters.kube import open_kube_client
-
     with send, receive:  # the owner closes `receive` itself; this covers a failed start
         async with open_kube_client(config.kubeconfig) as kube:
             node = _Node(config, kube, send, receive, readiness, shutdown)
