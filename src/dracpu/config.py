@@ -717,10 +717,10 @@ def _check_socket_paths(config: Config, sources: Mapping[str, str]) -> None:
         ("kubelet_root_dir", "pod-resources socket", config.pod_resources_socket),
         ("nri_socket", "NRI socket", config.nri_socket),
     )
-    for field, what, path in checks:
+    for key, what, path in checks:
         size = len(os.fsencode(path))
         if size > UNIX_PATH_MAX:
-            source = sources.get(field, "default")
+            source = sources.get(key, "default")
             raise ConfigError(
                 f"{source}: {what} path {_show(str(path))} is {size} bytes, over the "
                 f"{UNIX_PATH_MAX}-byte limit of a Unix socket path"

@@ -48,6 +48,8 @@ __all__ = ["DemoOptions", "Step", "main", "run_demo"]
 EXIT_OK = 0
 EXIT_FAILED = 1  # the node did not behave as expected
 EXIT_USAGE = 2  # bad options (dracpu's CLI convention)
+# How long the status PATCH after a Prepare answer may take (a local fake API server).
+STATUS_TIMEOUT = 5.0
 # How long the demo waits for the shared containers to widen after an Unprepare.
 WIDEN_TIMEOUT = 5.0
 # With an old runtime: how long the demo checks that nothing widens before the next event.
@@ -234,6 +236,12 @@ async def _prepare(sim: NodeSim, claim: Any) -> tuple[Step, CpuSet]:
         len(held)
         == sum(int(r.get("consumedCapacity", {}).get("dra.cpu/cpu", 1)) for r in claim.results),
         f"claim {claim.uid} got cpus {held}",
+    )
+    # The daemon records the cpuset in the claim's status after answering (best effort).
+    await wait_until(
+        "the claim status to carry the cpuset",
+        lambda: str(held) in sim.claim_status_cpusets(claim),
+        timeout=STATUS_TIMEOUT,
     )
     status = sim.claim_status_cpusets(claim)
     return Step(
