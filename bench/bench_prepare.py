@@ -1,14 +1,17 @@
 """NodePrepareResources as the kubelet sees it: one grouped claim over the real DRA socket.
 
-Run: ``.venv/bin/python bench/bench_prepare.py [--n 1000] [--cdi-dir DIR] [--state-dir DIR]``.
+Run: ``.venv/bin/python bench/bench_prepare.py [--n 1000] [--cdi-dir DIR] [--state-dir DIR]
+[--only api|memory|floors]`` (``--only``: run one part alone, e.g. to profile it).
 
 The daemon's prepare path runs in this process: the state owner with the node machine of
 ``dracpu run`` (:class:`dracpu.tasks.node_machine.NodeMachine`: the real ``apply`` on the 64-CPU
 ``dual-socket-smt2`` machine, real CDI spec and checkpoint writes with fsync) and the DRA socket of
 :mod:`dracpu.tasks.kubelet_plugin`. ResourceClaims come through the REAL kube adapter
 (:mod:`dracpu.adapters.kube`, aiohttp) from the fake API server of :mod:`dracpu.sim` served in
-this same process and event loop (schema validation on), so its request handling is counted in
-the daemon's time and CPU (a real API server runs elsewhere). The client is grpcio (the kubelet's
+this same process and event loop, so its request handling is counted in the daemon's time and
+CPU (a real API server runs elsewhere). Its job here is serving, not validating (the tests do
+that): the OpenAPI schema validation of written objects is off, the claim status PATCHes still
+really happen (``status_patches``). The client is grpcio (the kubelet's
 role) in its own process, as the kubelet is; each figure is the client-side latency of one call.
 
 As in production, CDI specs go to tmpfs (``/dev/shm``; ``/var/run/cdi`` is on ``/run``) and the
@@ -100,6 +103,8 @@ PREPARE = "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources"
 UNPREPARE = "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodeUnprepareResources"
 GET_INFO = "/pluginregistration.Registration/GetInfo"
 _SCRIPT = str(Path(__file__).resolve())
+# The parts --only can pick: the API-server variant, the in-memory variant, the floors.
+PARTS = ("api", "memory", "floors")
 
 
 def _results(index: int) -> list[dict[str, Any]]:
@@ -361,7 +366,7 @@ def _fs_type(path: Path) -> str:
     return kind
 
 
-async def _run(cdi_base: Path, state_base: Path, n: int) -> None:
+async def _run(cdi_base: Path, state_base: Path, n: int, parts: frozenset[str]) -> None:
     count = WARMUP + n
     where: dict[str, str] = {}
     for label, base in (("cdi_dir", cdi_base), ("state_dir", state_base)):
@@ -373,68 +378,72 @@ async def _run(cdi_base: Path, state_base: Path, n: int) -> None:
         state_dir.mkdir(parents=True)
         return cdi_dir, state_dir
 
-    floor_cdi, floor_state = dirs("floor")
-    cdi_write_ms = await anyio.to_thread.run_sync(_write_floor, floor_cdi, n)
-    state_write_ms = await anyio.to_thread.run_sync(_write_floor, floor_state, n)
-    bare_ms = await _bare_floor(state_base, n)
-
-    async with open_fake_apiserver(kubeconfig_dir=state_base) as api:
-        objects = [api.add_resource_claim(obj) for obj in _claims(count)]
-        refs = [_ref(obj) for obj in objects]
-        async with open_kube_client(api.kubeconfig_path) as kube:
-            get_ms = await _get_floor(kube, refs)
-            cdi_dir, state_dir = dirs("api")
-            api_prepare, api_unprepare, api_cpu = await _pairs(
-                state_base, cdi_dir, state_dir, kube, list(refs)
-            )
-        api_patched = sum(
-            1
-            for ns, _, name in refs
-            if (api.resource_claim(ns, name).get("status") or {}).get("devices")
-        )
-
-    memory = _MemoryClaims(_claims(count))
-    memory_refs = [_ref(obj) for obj in memory.objects.values()]
-    cdi_dir, state_dir = dirs("memory")
-    mem_prepare, mem_unprepare, mem_cpu = await _pairs(
-        state_base, cdi_dir, state_dir, memory, list(memory_refs)
-    )
-
     claim = f"{CPUS} cpus of a cpudevnuma device ({TOPOLOGY}), a new claim per call"
-    _emit(
-        "prepare.grouped_claim.v1",
-        api_prepare,
-        target_p50=3.0,
-        target_p99=20.0,
-        claim=claim,
-        claims_from="kube adapter + in-process fake API server",
-        status_patches=api_patched,
-        server_cpu_ms_per_pair=round(api_cpu, 3),
-        **where,
-    )
-    _emit("prepare.unprepare.v1", api_unprepare, **where)
-    _emit(
-        "prepare.grouped_claim.v1.memory_claims",
-        mem_prepare,
-        claim=claim,
-        claims_from="in-memory",
-        status_patches=memory.patched(),
-        server_cpu_ms_per_pair=round(mem_cpu, 3),
-        **where,
-    )
-    _emit("prepare.unprepare.v1.memory_claims", mem_unprepare, **where)
-    _emit("floor.grpc_unary_unix", bare_ms, call="grpcio client -> grpclib GetInfo")
-    _emit(
-        "floor.atomic_write_fsync_2k.state_dir",
-        state_write_ms,
-        dir=f"{floor_state} ({_fs_type(floor_state)})",
-    )
-    _emit(
-        "floor.atomic_write_fsync_2k.cdi_dir",
-        cdi_write_ms,
-        dir=f"{floor_cdi} ({_fs_type(floor_cdi)})",
-    )
-    _emit("floor.kube_get_claim", get_ms, call="kube adapter GET <- in-process fake API server")
+    if "api" in parts:
+        # Serving, not validating: the schema validation of written claims is the tests' job.
+        async with open_fake_apiserver(kubeconfig_dir=state_base, schema_validation=False) as api:
+            objects = [api.add_resource_claim(obj) for obj in _claims(count)]
+            refs = [_ref(obj) for obj in objects]
+            async with open_kube_client(api.kubeconfig_path) as kube:
+                get_ms = await _get_floor(kube, refs)
+                cdi_dir, state_dir = dirs("api")
+                api_prepare, api_unprepare, api_cpu = await _pairs(
+                    state_base, cdi_dir, state_dir, kube, list(refs)
+                )
+            api_patched = sum(
+                1
+                for ns, _, name in refs
+                if (api.resource_claim(ns, name).get("status") or {}).get("devices")
+            )
+        _emit(
+            "prepare.grouped_claim.v1",
+            api_prepare,
+            target_p50=3.0,
+            target_p99=20.0,
+            claim=claim,
+            claims_from="kube adapter + in-process fake API server (schema validation off)",
+            status_patches=api_patched,
+            server_cpu_ms_per_pair=round(api_cpu, 3),
+            **where,
+        )
+        _emit("prepare.unprepare.v1", api_unprepare, **where)
+
+    if "memory" in parts:
+        memory = _MemoryClaims(_claims(count))
+        memory_refs = [_ref(obj) for obj in memory.objects.values()]
+        cdi_dir, state_dir = dirs("memory")
+        mem_prepare, mem_unprepare, mem_cpu = await _pairs(
+            state_base, cdi_dir, state_dir, memory, list(memory_refs)
+        )
+        _emit(
+            "prepare.grouped_claim.v1.memory_claims",
+            mem_prepare,
+            claim=claim,
+            claims_from="in-memory",
+            status_patches=memory.patched(),
+            server_cpu_ms_per_pair=round(mem_cpu, 3),
+            **where,
+        )
+        _emit("prepare.unprepare.v1.memory_claims", mem_unprepare, **where)
+
+    if "floors" in parts:
+        floor_cdi, floor_state = dirs("floor")
+        cdi_write_ms = await anyio.to_thread.run_sync(_write_floor, floor_cdi, n)
+        state_write_ms = await anyio.to_thread.run_sync(_write_floor, floor_state, n)
+        bare_ms = await _bare_floor(state_base, n)
+        _emit("floor.grpc_unary_unix", bare_ms, call="grpcio client -> grpclib GetInfo")
+        _emit(
+            "floor.atomic_write_fsync_2k.state_dir",
+            state_write_ms,
+            dir=f"{floor_state} ({_fs_type(floor_state)})",
+        )
+        _emit(
+            "floor.atomic_write_fsync_2k.cdi_dir",
+            cdi_write_ms,
+            dir=f"{floor_cdi} ({_fs_type(floor_cdi)})",
+        )
+    if "api" in parts:
+        _emit("floor.kube_get_claim", get_ms, call="kube adapter GET <- in-process fake API server")
 
 
 def _default_cdi_base() -> Path | None:
@@ -467,7 +476,13 @@ def main() -> None:
         default=_default_state_base(),
         help="where the checkpoint goes (default: /var/tmp, a disk like /var/lib/dracpu)",
     )
+    parser.add_argument(
+        "--only",
+        choices=PARTS,
+        help="run only this part: the API-server variant, the in-memory one or the floors",
+    )
     args = parser.parse_args()
+    parts = frozenset([args.only] if args.only else PARTS)
     with contextlib.ExitStack() as stack:
         bases = []
         for base in (args.cdi_dir, args.state_dir):
@@ -477,7 +492,7 @@ def main() -> None:
                 tempfile.TemporaryDirectory(prefix="dracpu-bench-prepare-", dir=base)
             )
             bases.append(Path(tmp))
-        anyio.run(_run, bases[0], bases[1], args.n, backend="asyncio")
+        anyio.run(_run, bases[0], bases[1], args.n, parts, backend="asyncio")
 
 
 if __name__ == "__main__":
