@@ -21,7 +21,6 @@ import anyio.to_thread
 import betterproto2
 import grpc
 import grpclib.client
-import grpclib.server
 import pytest
 from google.protobuf.message import Message
 from hypothesis import given, settings
@@ -32,6 +31,7 @@ from dracpu._gen.dra import v1beta1 as dra_v1beta1
 from dracpu._gen.nri import v1alpha1 as nri
 from dracpu._gen.pluginregistration import v1 as reg_v1
 from dracpu._gen.podresources import v1 as podres_v1
+from dracpu.adapters.grpc_server import open_unix_server
 from tests.peers import load_pb2, load_pb2_grpc, module_name, serialize, unix_target
 
 __all__: list[str] = []
@@ -1027,8 +1027,6 @@ def _unary(channel: Any, path: str, request: Message, reply_type: Any) -> Any:
 async def test_grpcio_kubelet_registers_through_grpclib_server(tmp_path: Path) -> None:
     registrar = _Registrar()
     socket_path = tmp_path / "dra.cpu-reg.sock"
-    server = grpclib.server.Server([registrar])
-    await server.start(path=str(socket_path))
 
     def kubelet() -> tuple[Any, Any]:
         with grpc.insecure_channel(unix_target(socket_path)) as channel:
@@ -1049,11 +1047,9 @@ async def test_grpcio_kubelet_registers_through_grpclib_server(tmp_path: Path) -
             )
             return info, again
 
-    try:
+    # open_unix_server also closes the connections grpclib's Server.close() leaves open.
+    async with open_unix_server([registrar], socket_path):
         info, again = await anyio.to_thread.run_sync(kubelet)
-    finally:
-        server.close()
-        await server.wait_closed()
 
     assert info == again
     assert info.type == "DRAPlugin"
@@ -1067,8 +1063,6 @@ async def test_grpcio_kubelet_registers_through_grpclib_server(tmp_path: Path) -
 async def test_grpcio_kubelet_prepares_through_grpclib_dra_server(tmp_path: Path) -> None:
     driver = _DriverV1()
     socket_path = tmp_path / "dra.sock"
-    server = grpclib.server.Server([driver, _DriverV1beta1()])
-    await server.start(path=str(socket_path))
     claims = [
         G_DRA_V1.Claim(namespace="default", uid="uid-1", name="cpus"),
         G_DRA_V1.Claim(namespace="default", uid="uid-2", name="more-cpus"),
@@ -1112,11 +1106,8 @@ async def test_grpcio_kubelet_prepares_through_grpclib_dra_server(tmp_path: Path
                     failures[path] = exc.code()
             return prepared, unprepared, beta, failures
 
-    try:
+    async with open_unix_server([driver, _DriverV1beta1()], socket_path):
         prepared, unprepared, beta, failures = await anyio.to_thread.run_sync(kubelet)
-    finally:
-        server.close()
-        await server.wait_closed()
 
     assert [(c.uid, c.name) for c in driver.prepared] == [("uid-1", "cpus"), ("uid-2", "more-cpus")]
     assert sorted(prepared.claims) == ["uid-1", "uid-2"]
