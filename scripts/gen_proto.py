@@ -9,8 +9,8 @@ Usage (from the repository root or anywhere)::
 Two trees come out of the same protos:
 
 * ``dracpu._gen``: betterproto2 messages + grpclib stubs, used by the daemon (below);
-* ``dracpu.sim._pb2``: Google ``protobuf`` messages (``*_pb2.py`` + ``*_pb2.pyi`` stubs) and
-  grpcio stubs (``*_pb2_grpc.py``) of EVERY proto under ``proto/`` (including the ttrpc envelope
+* ``dracpu.sim._pb2``: Google ``protobuf`` messages (``*_pb2.py`` + ``*_pb2.pyi`` stubs) of
+  EVERY proto under ``proto/`` (including the ttrpc envelope
   and ``google.rpc.Status``), used only by the simulator's independent peers (fake runtime, fake
   kubelet), which must share no code with the daemon (design §7). One protoc run compiles them
   all; the module path follows the proto path (``nri/v1alpha1/api.proto`` ->
@@ -257,7 +257,6 @@ def generate_pb2() -> dict[str, bytes]:
             f"-I{_well_known_include()}",
             f"--python_out={out_dir}",
             f"--pyi_out={out_dir}",
-            f"--grpc_python_out={out_dir}",
             *protos,
         ]
         result = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, check=False)
