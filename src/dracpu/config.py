@@ -269,7 +269,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         dest="node_name",
         default=s,
         metavar="NAME",
-        help="node this daemon serves (env NODE_NAME; required)",
+        help="node this daemon serves (env NODE_NAME; default: the lower-cased hostname)",
     )
     parser.add_argument(
         "--kubeconfig", default=s, metavar="FILE", help="kubeconfig (env KUBECONFIG; in-cluster)"
