@@ -17,19 +17,12 @@
   kubelet sees the plugin go away) and the socket file is removed, unless another process has
   meanwhile replaced it.
 
-Each connection's writes are coalesced: grpclib writes every HTTP/2 frame group to the
-transport as it makes it (a unary answer is three or four writes: window update, headers, data,
-trailers); here the writes of one event-loop turn go to the socket as one ``send`` at the end
-of that turn (:class:`_CoalescingTransport`): one wake-up of the peer per answer instead of
-several, the same bytes in the same order.
-
 The only module that touches grpclib's server and asyncio directly (design §3: anyio
 everywhere else).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import logging
@@ -37,11 +30,10 @@ import os
 import socket
 import stat
 import weakref
-from collections.abc import AsyncIterator, Collection, Iterable
+from collections.abc import AsyncIterator, Collection
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -84,113 +76,6 @@ Servable = IServable
 """A grpclib service object (anything with ``__mapping__``, e.g. a betterproto2 ``*Base``)."""
 
 
-class _CoalescingTransport(asyncio.Transport):
-    """A transport whose writes of one event-loop turn reach the socket as one write.
-
-    ``write`` queues the bytes and, for the first write of a turn, schedules the flush with
-    ``call_soon``: every write the running callback (and those already queued) makes lands in
-    the same ``send``. Closing flushes first (the last trailers are not lost); ``abort`` drops
-    what is queued as the real transport's ``abort`` drops its buffer. Flow control is the real
-    transport's: it calls the protocol's ``pause_writing``/``resume_writing`` as its buffer
-    fills, and at most one turn's bytes wait here.
-    """
-
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__()
-        self._transport = transport
-        self._loop = loop
-        self._pending: list[bytes | bytearray | memoryview] = []
-
-    def _flush(self) -> None:
-        pending, self._pending = self._pending, []
-        if not pending or self._transport.is_closing():
-            return
-        self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        if not data:
-            return
-        if not self._pending:
-            self._loop.call_soon(self._flush)
-        self._pending.append(data)
-
-    def writelines(self, list_of_data: Iterable[bytes | bytearray | memoryview]) -> None:
-        for data in list_of_data:
-            self.write(data)
-
-    def close(self) -> None:
-        self._flush()
-        self._transport.close()
-
-    def abort(self) -> None:
-        self._pending = []
-        self._transport.abort()
-
-    def is_closing(self) -> bool:
-        return self._transport.is_closing()
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return self._transport.get_extra_info(name, default)
-
-    def get_write_buffer_size(self) -> int:
-        return self._transport.get_write_buffer_size() + sum(len(d) for d in self._pending)
-
-    def get_write_buffer_limits(self) -> tuple[int, int]:
-        return self._transport.get_write_buffer_limits()
-
-    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
-        self._transport.set_write_buffer_limits(high, low)
-
-    def can_write_eof(self) -> bool:
-        return self._transport.can_write_eof()
-
-    def write_eof(self) -> None:
-        self._flush()
-        self._transport.write_eof()
-
-    def is_reading(self) -> bool:
-        return self._transport.is_reading()
-
-    def pause_reading(self) -> None:
-        self._transport.pause_reading()
-
-    def resume_reading(self) -> None:
-        self._transport.resume_reading()
-
-    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
-        self._transport.set_protocol(protocol)
-
-    def get_protocol(self) -> asyncio.BaseProtocol:
-        return self._transport.get_protocol()
-
-
-class _CoalescingProtocol(asyncio.Protocol):
-    """grpclib's ``H2Protocol`` seen by asyncio, handed a :class:`_CoalescingTransport`."""
-
-    def __init__(self, inner: H2Protocol) -> None:
-        self._inner = inner
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        loop = asyncio.get_running_loop()
-        self._inner.connection_made(_CoalescingTransport(transport, loop))
-
-    def data_received(self, data: bytes) -> None:
-        self._inner.data_received(data)
-
-    def eof_received(self) -> bool | None:
-        return self._inner.eof_received()
-
-    def pause_writing(self) -> None:
-        self._inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self._inner.resume_writing()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._inner.connection_lost(exc)
-
-
 class _Server(grpclib.server.Server):
     """grpclib's server, remembering its connections so that closing can drop them.
 
@@ -207,8 +92,7 @@ class _Server(grpclib.server.Server):
     def _protocol_factory(self) -> H2Protocol:
         protocol = super()._protocol_factory()
         self._connections.add(protocol)
-        # grpclib's own create_server only needs an asyncio protocol factory.
-        return _CoalescingProtocol(protocol)  # type: ignore[return-value]
+        return protocol
 
     def close_connections(self) -> int:
         """Close every connection still open; how many there were."""
