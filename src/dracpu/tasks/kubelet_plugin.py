@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import anyio
-import anyio.lowlevel
 from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
@@ -365,10 +364,6 @@ class DraService:
         patch: _StatusPatch,
     ) -> None:
         try:
-            # Let the answer go first: this task was started while the Prepare's handler runs,
-            # and the answer's bytes leave in a callback the handler queues after that (the gRPC
-            # server sends a turn's writes at its end); one yield puts this task's work behind it.
-            await anyio.lowlevel.checkpoint()
             if previous is not None:
                 await previous.done.wait()  # one patch of a claim at a time, in order
             with patch.scope:
