@@ -334,6 +334,38 @@ def allocated() -> dict[str, Any]:
 
 
 @pytest.mark.anyio
+async def test_claim_status_writes_change_only_the_status_and_version() -> None:
+    async with server(schema_validation=False) as (api, http):
+        stored = api.add_resource_claim(allocated())
+        entry = {"driver": "dra.cpu", "pool": "node-a", "device": "cpudev000"}
+        versions = []
+        for cpuset in ("0-3", "4-7"):
+            patch = {"status": {"devices": [{**entry, "data": {"cpuset": cpuset}}]}}
+            status, body = await call(
+                http, "PATCH", f"{CLAIM}/status", patch, content_type="application/merge-patch+json"
+            )
+            assert status == 200
+            versions.append(body)
+        first, second = versions
+        assert first["status"]["devices"][0]["data"] == {"cpuset": "0-3"}
+        assert second["status"]["devices"][0]["data"] == {"cpuset": "4-7"}
+        for body in versions:
+            assert body["spec"] == stored["spec"]
+            assert body["status"]["allocation"] == stored["status"]["allocation"]
+            assert {k: v for k, v in body["metadata"].items() if k != "resourceVersion"} == {
+                k: v for k, v in stored["metadata"].items() if k != "resourceVersion"
+            }
+        rvs = [int(b["metadata"]["resourceVersion"]) for b in (stored, first, second)]
+        assert rvs == sorted(set(rvs))
+        current = api.resource_claim("ns", "c1")
+        assert current == second
+        current["spec"]["devices"]["requests"][0]["name"] = "changed by the reader"
+        current["metadata"]["labels"] = {"changed": "by the reader"}
+        status, body = await call(http, "GET", CLAIM)
+        assert (status, body) == (200, second)
+
+
+@pytest.mark.anyio
 async def test_claim_status_writes_are_validated() -> None:
     async with server() as (api, http):
         stored = api.add_resource_claim(allocated())

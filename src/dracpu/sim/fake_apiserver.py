@@ -675,7 +675,10 @@ class FakeApiServer:
                 f"Precondition failed: UID in precondition: {meta['uid']}, "
                 f"UID in object meta: {old['metadata']['uid']}",
             )
-        new = copy.deepcopy(old)
+        # The versions share what a status write leaves alone (spec, most of metadata): a
+        # stored claim is never changed in place, every read hands out a copy or JSON.
+        new = dict(old)
+        new["metadata"] = dict(old["metadata"])
         new["status"] = copy.deepcopy(patched.get("status") or {})  # status subresource only
         if new == old:
             return old
