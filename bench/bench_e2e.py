@@ -11,6 +11,8 @@
 * ``e2e.create_container``: NRI ``CreateContainer`` of that claim's container from the fake
   runtime (Google protobuf) to the decoded reply, which moves all ``SHARED`` shared containers
   off the claim's CPUs;
+* ``e2e.create_container.call``: the same calls as the fake runtime timed them on the socket
+  (request written to reply decoded), without its own bookkeeping of the 200 updates;
 * ``e2e.unprepare``: ``NodeUnprepareResources`` of the claim after its pod is gone (CDI delete,
   checkpoint, and the unsolicited UpdateContainers widening the shared containers).
 
@@ -97,6 +99,10 @@ async def _rounds(sim: NodeSim) -> None:
         sim.deallocate(claim)
     _figure("e2e.prepare", prepare, cpus=CLAIM_CPUS)
     _figure("e2e.create_container", create, shared=SHARED)
+    calls = sim.runtime.calls("CreateContainer")[-ROUNDS:]
+    if len(calls) != ROUNDS or any(call.outcome != "ok" for call in calls):
+        raise RuntimeError(f"expected {ROUNDS} answered CreateContainer calls, got {calls!r}")
+    _figure("e2e.create_container.call", [call.seconds * 1000 for call in calls], shared=SHARED)
     _figure("e2e.unprepare", unprepare, shared=SHARED)
 
 
