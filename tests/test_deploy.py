@@ -11,6 +11,7 @@ import yaml
 
 from dracpu import DRIVER_NAME
 from dracpu.cli import _build_parser
+from dracpu.config import load_config
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kustomize"
 # The Kubernetes version whose schemas we validate against: the newest kubernetes-validate ships.
@@ -65,6 +66,14 @@ def _daemonset_args(overlay_patch: bool) -> list[str]:
 def test_daemonset_args_are_accepted_by_the_cli(overlay: bool) -> None:
     args = _build_parser().parse_args(_daemonset_args(overlay))
     assert args.command == "run"
+    # The pod's environment as the DaemonSet sets it (NODE_NAME from spec.nodeName).
+    config = load_config(args, {"NODE_NAME": "node-a", "HOST_ROOT": "/host"})
+    assert (config.node_name, config.node_name_source) == (
+        "node-a",
+        "environment variable NODE_NAME",
+    )
+    assert config.host_root == Path("/host")
+    assert str(config.reserved_cpus) == ("0" if overlay else "")
 
 
 def test_daemonset_mounts_the_paths_the_daemon_uses() -> None:
