@@ -526,3 +526,13 @@ def test_every_spec_round_trips_and_is_valid_for_old_runtimes(uid: str, cpus: Cp
     assert validate_spec(json.loads(data), newest_known="0.5.0") == []
     assert parse_env(["A=1", env_entry(uid, cpus)]) == {uid: cpus}
     assert claim_uid_from_file_name(spec_file_name(uid)) == uid
+
+
+@pytest.mark.parametrize("depth", [600, 990, 100_000])
+def test_deeply_nested_spec_is_a_cdi_error_not_a_recursion_error(depth: int) -> None:
+    # A corrupt file in the CDI dir must not crash the watcher: json.loads (deep) or the
+    # validation walk (less deep, but still parseable) raised RecursionError.
+    nested = b"[" * depth + b"]" * depth
+    raw = EXPECTED.replace(b'"kind":', b'"annotations":{"a":' + nested + b'},"kind":', 1)
+    with pytest.raises(CdiError, match="nested too deeply"):
+        parse_spec(raw)

@@ -294,3 +294,13 @@ def test_round_trip_property(
         claims[uid] = PreparedClaim(uid, cpus, ns, name, mems, ordered)
     data = CheckpointData(MappingProxyType(claims))
     assert dict(decode(encode(data)).claims) == claims
+
+
+@pytest.mark.parametrize("depth", [600, 990, 100_000])
+def test_deeply_nested_checkpoint_is_a_checkpoint_error(depth: int) -> None:
+    # json.loads raises RecursionError (not a ValueError) on deep nesting; the file adapter
+    # moves aside a checkpoint only on CheckpointError, so anything else crash-looped the daemon.
+    nested = b"[" * depth + b"]" * depth
+    raw = b'{"version": 1, "checksum": "sha256:' + b"0" * 64 + b'", "claims": ' + nested + b"}"
+    with pytest.raises(CheckpointError, match=r"nested too deeply|checksum mismatch"):
+        decode(raw)

@@ -284,7 +284,12 @@ def parse_spec(data: bytes) -> tuple[str, CpuSet]:
         raise CdiError(f"CDI spec is not valid JSON: {exc}") from exc
     except ValueError as exc:  # json.JSONDecodeError, or a number too large
         raise CdiError(f"CDI spec is not valid JSON: {exc}") from exc
-    problems = validate_spec(obj)
+    except RecursionError as exc:  # json.loads of deeply nested arrays/objects
+        raise CdiError("CDI spec is not valid JSON: nested too deeply") from exc
+    try:
+        problems = validate_spec(obj)
+    except RecursionError as exc:  # the validation walk of a parseable but deep document
+        raise CdiError("CDI spec is nested too deeply") from exc
     if problems:
         raise CdiError("invalid CDI spec: " + "; ".join(problems))
     assert isinstance(obj, dict)

@@ -161,6 +161,8 @@ def decode(raw: bytes) -> CheckpointData:
         raise CheckpointError(f"checkpoint is not UTF-8 text: {exc}") from exc
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"checkpoint is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # json.loads of deeply nested arrays/objects
+        raise CheckpointError("checkpoint is not valid JSON: nested too deeply") from exc
     if not isinstance(doc, dict):
         raise CheckpointError(f"checkpoint must be a JSON object, not {type(doc).__name__}")
     version = doc.get("version")
@@ -181,7 +183,10 @@ def decode(raw: bytes) -> CheckpointData:
         or len(checksum) != len(_CHECKSUM_PREFIX) + _SHA256_HEX_LEN
     ):
         raise CheckpointError(f"checkpoint checksum {checksum!r} is not 'sha256:<64 hex digits>'")
-    expected = _checksum(doc)
+    try:
+        expected = _checksum(doc)
+    except RecursionError as exc:  # json.dumps of a parseable but deeply nested document
+        raise CheckpointError("checkpoint is nested too deeply") from exc
     if checksum != expected:
         raise CheckpointError(
             f"checkpoint checksum mismatch: file says {checksum}, content hashes to {expected}"
