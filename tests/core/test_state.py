@@ -794,6 +794,20 @@ def test_restore_drops_claims_that_no_longer_fit() -> None:
     check_invariants(restored)
 
 
+def test_restore_drops_a_claim_whose_uid_is_not_a_uuid() -> None:
+    # A checkpoint that decodes (checksum fine) but names a claim that can have no CDI spec:
+    # keeping it made every Resync fail at the CDI write (the start-up one too).
+    state = NodeState.initial(INDIVIDUAL)
+    state, _, _ = ok(state, individual(INDIVIDUAL, 1, [4]))
+    bad = PreparedClaim("../../etc", cpus("5"))
+    data = CheckpointData({**state.claims, bad.claim_uid: bad})
+    restored, rejected = restore_state(INDIVIDUAL, decode(encode(data)))
+    assert set(restored.claims) == {uid(1)}
+    assert restored.claimed == cpus("4")
+    assert rejected == (("../../etc", "malformed record"),)
+    check_invariants(restored)
+
+
 # --- rollback ------------------------------------------------------------------------------------
 
 

@@ -883,7 +883,7 @@ def restore_state(
     rejected: list[tuple[str, str]] = []
     for uid in sorted(data.claims):
         claim = data.claims[uid]
-        if uid != claim.claim_uid or not claim.cpus:
+        if uid != claim.claim_uid or not claim.cpus or not is_valid_claim_uid(uid):
             rejected.append((uid, "malformed record"))
         elif not claim.cpus <= config.allocatable:
             outside = claim.cpus - config.allocatable
