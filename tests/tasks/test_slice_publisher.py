@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import anyio
@@ -269,6 +269,37 @@ async def test_started_even_while_the_api_server_fails_then_publishes() -> None:
             api.clear_faults()
             await until(lambda: len(ours(api)) == 1, "published once the server is back")
             expected_pool(api, want)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("healthy_after", "expected"),
+    [(120.0, [0.01, 0.02, 0.04, 0.04, 0.04]), (0.0, [0.01, 0.01, 0.01, 0.01, 0.01])],
+)
+async def test_a_watch_that_keeps_failing_backs_off_although_each_relist_works(
+    monkeypatch: pytest.MonkeyPatch, healthy_after: float, expected: list[float]
+) -> None:
+    # Each watch attempt lists first (one LISTED event), then its watch request fails. The
+    # listing must not count as a recovery, or the delay never grows and a watch that keeps
+    # failing (no 'watch' permission, a proxy cutting long requests) lists every 0.5 s forever.
+    # Only a watch that ran for _WATCH_BACKOFF_RESET seconds starts the backoff over.
+    monkeypatch.setattr(slice_publisher, "_WATCH_BACKOFF_RESET", healthy_after)
+    taken: list[float] = []
+
+    def recorded_backoff() -> Iterator[float]:
+        for delay in backoff_delays(initial=0.01, cap=0.04, jitter=0.0):
+            taken.append(delay)
+            yield delay
+
+    settings = PublisherSettings(debounce=0.01, backoff=recorded_backoff)
+    async with cluster() as (api, kube), anyio.create_task_group() as tg:
+        api.fail_next(10_000, status=403, watch=True)
+        await tg.start(
+            functools.partial(slice_publisher.run, kube, NODE, devices, settings=settings)
+        )
+        await until(lambda: len(taken) >= 5, "five watch retries")
+        tg.cancel_scope.cancel()
+    assert taken[:5] == expected
 
 
 # --- generation, changes, fallback --------------------------------------------------------------

@@ -96,6 +96,11 @@ DEFAULT_RESYNC_INTERVAL = 600.0
 DEFAULT_START_TIMEOUT = 10.0
 # Pending republish requests kept; more are merged into the pending ones.
 _REPUBLISH_BUFFER = 16
+# A watch that failed again within this long of its start continues its backoff; one that ran
+# longer starts the backoff over. Each attempt lists first, so its LISTED event proves nothing
+# about the watch. client-go's reflector does the same: "If we don't backoff for 2min, assume
+# API server is healthy and we reset the backoff" (NewExponentialBackoffManager(800ms, 30s, 2m)).
+_WATCH_BACKOFF_RESET = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -387,15 +392,15 @@ class _Publisher:
         await self.first_attempt.wait()
         delays: Iterator[float] | None = None
         while True:
+            began = anyio.current_time()
             try:
                 events = self.kube.watch_resource_slices(DRIVER_NAME, self.node_name)
                 async with contextlib.aclosing(events):
                     async for kind, obj in events:
-                        delays = None
                         if self.drifted(kind, obj):
                             self.wake(f"{kind.lower()} {_name(obj)}".strip())
             except KubeAPIError as exc:
-                if delays is None:
+                if delays is None or anyio.current_time() - began >= _WATCH_BACKOFF_RESET:
                     delays = self.settings.backoff()
                 delay = next(delays)
                 logger.warning("watching ResourceSlices failed, again in %.1f s: %s", delay, exc)
