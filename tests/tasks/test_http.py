@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import platform
 import random
 import socket
@@ -12,7 +14,7 @@ import anyio
 import prometheus_client
 import pytest
 from anyio import BrokenResourceError, EndOfStream
-from anyio.abc import SocketStream, TaskGroup
+from anyio.abc import SocketAttribute, SocketListener, SocketStream, TaskGroup
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -299,6 +301,46 @@ async def test_garbage_never_ends_the_server() -> None:
             assert response.status in {200, 400, 404, 405}, data
         assert (await _get(port, "/healthz")).status == 200
         tg.cancel_scope.cancel()
+
+
+class _AbortingListener(SocketListener):
+    """A real listener whose first ``accept()`` fails with ECONNABORTED, as the kernel's does
+    for a connection reset while it waited in the accept queue (accept(2): such errors are to be
+    retried like EAGAIN)."""
+
+    def __init__(self, inner: SocketListener) -> None:
+        self._inner = inner
+        self.failures = 0
+
+    @property
+    def _raw_socket(self) -> socket.socket:
+        return self._inner.extra(SocketAttribute.raw_socket)
+
+    async def accept(self) -> SocketStream:
+        if not self.failures:
+            self.failures += 1
+            raise OSError(errno.ECONNABORTED, os.strerror(errno.ECONNABORTED))
+        return await self._inner.accept()
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+async def test_a_connection_aborted_before_accept_does_not_end_the_server() -> None:
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    inner = listener.listeners[0]
+    assert isinstance(inner, SocketListener)
+    aborting = _AbortingListener(inner)
+    port = aborting.extra(SocketAttribute.local_port)
+    readiness = Readiness()
+    server = http._Server(readiness, build_registry(readiness))
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(server.serve_listener, aborting, tg)
+        with anyio.fail_after(5):
+            response = await _get(port, "/healthz")
+        tg.cancel_scope.cancel()
+    assert aborting.failures == 1
+    assert (response.status, response.body) == (200, b"ok\n")
 
 
 async def test_an_address_in_use_is_a_clear_error() -> None:

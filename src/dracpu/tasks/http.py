@@ -65,6 +65,29 @@ MAX_CONNECTIONS = 64
 # serve_listeners does (_highlevel_serve_listeners.py ACCEPT_CAPACITY_ERRNOS, SLEEP_TIME).
 ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 ACCEPT_RETRY_DELAY = 0.1
+# accept() errors that concern the one connection being accepted, not the listener: the peer
+# reset it while it waited in the queue, a firewall refused it (EPERM), a network error was
+# pending on it. accept(2) (Linux notes) says to retry these like EAGAIN; trio's SocketListener
+# skips the same errnos (_ignorable_accept_errno_names). Only that connection is lost.
+ACCEPT_CONNECTION_ERRNOS = frozenset(
+    {
+        errno.EPERM,
+        errno.ECONNABORTED,
+        errno.ECONNRESET,
+        errno.EPROTO,
+        errno.ENETDOWN,
+        errno.ENETUNREACH,
+        errno.ENOPROTOOPT,
+        errno.EHOSTDOWN,
+        errno.EHOSTUNREACH,
+        errno.ENONET,
+        errno.EOPNOTSUPP,
+        errno.ENOSR,
+        errno.ESOCKTNOSUPPORT,
+        errno.EPROTONOSUPPORT,
+        errno.ETIMEDOUT,
+    }
+)
 
 _REASONS = {
     200: "OK",
@@ -302,6 +325,9 @@ class _Server:
             try:
                 stream = await listener.accept()
             except OSError as exc:
+                if exc.errno in ACCEPT_CONNECTION_ERRNOS:
+                    logger.debug("a connection was lost before it was accepted: %s", exc)
+                    continue
                 if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
                     raise
                 logger.error("accept failed (%s); retrying in %s s", exc, ACCEPT_RETRY_DELAY)
