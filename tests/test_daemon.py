@@ -177,6 +177,41 @@ async def test_a_dracpu_error_is_logged_as_its_message(caplog: pytest.LogCapture
 
 
 @pytest.mark.anyio
+async def test_a_failure_in_a_tasks_own_task_group_is_logged_with_its_messages(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Most tasks run their loops in a task group of their own (anyio wraps what a child raises
+    # in an ExceptionGroup): the log line must still say what went wrong.
+    async def publisher(*, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
+        async def loop() -> None:
+            await anyio.sleep(0.05)
+            raise DracpuError("node name 'Bad_Name' is not a valid pool name")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(loop)
+            tg.start_soon(anyio.sleep_forever)
+            task_status.started()
+
+    async def nri(*, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch_events)
+            task_status.started()
+
+    async def watch_events() -> None:
+        await anyio.sleep(0.05)
+        raise ExceptionGroup("events", [ValueError("bad event"), KeyError("uid")])
+
+    for name, run, expected in [
+        ("slice-publisher", publisher, "node name 'Bad_Name' is not a valid pool name"),
+        ("nri", nri, "ValueError: bad event; KeyError: 'uid'"),
+    ]:
+        caplog.clear()
+        assert await _serve([TaskSpec(name, run)], stop_when_ready=False) == EXIT_FAILURE
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert errors == [f"task {name} failed: {expected}"]
+
+
+@pytest.mark.anyio
 async def test_a_start_up_failure_exits_1(caplog: pytest.LogCaptureFixture) -> None:
     journal = Journal()
     tasks = [

@@ -181,6 +181,9 @@ class Shutdown:
 
 
 def _describe(error: BaseException) -> str:
+    if isinstance(error, BaseExceptionGroup):
+        # A task's own task group wraps what its children raised: name those, not the group.
+        return "; ".join(_describe(inner) for inner in error.exceptions)
     if isinstance(error, DracpuError):
         return str(error)
     return f"{type(error).__name__}: {error}"
