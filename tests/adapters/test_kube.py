@@ -496,6 +496,54 @@ async def test_broken_watch_stream_is_a_server_error() -> None:
 
 
 @pytest.mark.anyio
+async def test_a_watch_error_answer_cut_short_is_a_server_error(tmp_path: Path) -> None:
+    # The server answers the watch with an error status and the connection drops in the middle
+    # of the body (a restarting API server, a load balancer): a KubeServerError like any other
+    # broken watch, never a raw aiohttp error the publisher would not retry.
+    listed = json.dumps(
+        {"kind": "ResourceSliceList", "metadata": {"resourceVersion": "7"}, "items": []}
+    )
+
+    async def serve(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += await stream.receive()
+            if b"watch=true" in data.partition(b"\r\n")[0]:
+                await stream.send(
+                    b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 400\r\n\r\n" + b'{"kind": "Status", "mess'
+                )
+                return  # closes the connection with most of the body missing
+            await stream.send(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                + f"Content-Length: {len(listed)}\r\n\r\n{listed}".encode()
+            )
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    config = tmp_path / "kubeconfig"
+    config.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        f"clusters: [{{name: c, cluster: {{server: 'http://127.0.0.1:{port}'}}}}]\n"
+        "users: [{name: u, user: {token: t}}]\n"
+        "contexts: [{name: c, context: {cluster: c, user: u}}]\n"
+    )
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, serve)
+        async with open_kube_client(config, request_timeout=5) as kube:
+            events = kube.watch_resource_slices("dra.cpu", NODE)
+            async with contextlib.aclosing(events):
+                assert (await next_event(events))[0] == LISTED
+                with pytest.raises(KubeServerError) as info:
+                    await next_event(events)
+        tg.cancel_scope.cancel()
+    assert "watch resourceslices" in str(info.value)
+    assert "500 Internal Server Error: (reading the answer failed: " in str(info.value)
+    assert info.value.status == 500
+
+
+@pytest.mark.anyio
 async def test_watch_relists_when_the_server_answers_410() -> None:
     async with connected() as (api, kube):
         api.fail_next(status=410, watch=True, message="too old resource version")

@@ -409,7 +409,11 @@ class KubeClient:
                     version = None
                     continue
                 if response.status >= 400:
-                    data = await response.read()
+                    try:
+                        data = await response.read()
+                    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                        # The status is known; only the server's message was lost.
+                        data = f"(reading the answer failed: {exc!r})".encode()
                     raise _status_error(what, response.status, response.reason or "", data)
                 while True:
                     try:
