@@ -192,3 +192,25 @@ def test_good_checkpoint_after_a_corrupt_one(tmp_path: Path) -> None:
     restore(path)
     write_checkpoint(path, encode(data()))
     assert dict(restore(path).claims) == dict(data().claims)
+
+
+def test_restore_removes_temp_files_a_crashed_write_left(tmp_path: Path) -> None:
+    path = tmp_path / CHECKPOINT_FILE_NAME
+    write_checkpoint(path, encode(CheckpointData()))
+    good = path.read_bytes()
+
+    def crash(tmp: Path) -> None:
+        raise OSError("killed before the rename")
+
+    with pytest.raises(CheckpointError):
+        write_checkpoint(path, b"{}", before_rename=crash)
+    # A SIGKILL gives no chance to clean up: leave a temp file as the kill would.
+    leftover = tmp_path / f".{CHECKPOINT_FILE_NAME}.k1ll3d.tmp"
+    leftover.write_bytes(b'{"version": 1')
+    unrelated = tmp_path / "notes.tmp"
+    unrelated.write_bytes(b"keep me")
+
+    assert restore(path) == CheckpointData()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_FILE_NAME, "notes.tmp"]
+    assert path.read_bytes() == good
+    assert unrelated.read_bytes() == b"keep me"

@@ -135,8 +135,30 @@ def _move_aside(path: Path) -> Path:
     raise CheckpointError(f"cannot move {path} aside: {_MAX_MOVED_ASIDE} moved-aside files exist")
 
 
+def _remove_leftover_temp_files(path: Path) -> None:
+    """Temp files of writes that a crash cut short (``.checkpoint.json.<random>.tmp``).
+
+    Only called at restore, before this process writes: no write of ours is in flight.
+    """
+    try:
+        leftovers = sorted(path.parent.glob(f".{path.name}.*{_TMP_SUFFIX}"))
+    except OSError:
+        return
+    for leftover in leftovers:
+        try:
+            leftover.unlink()
+        except OSError as exc:
+            logger.warning("cannot remove leftover checkpoint temp file %s: %s", leftover, exc)
+        else:
+            logger.info("removed %s, left by a checkpoint write that did not finish", leftover)
+
+
 def restore(path: Path) -> CheckpointData:
-    """The checkpoint's content; empty when missing; empty (file moved aside) when corrupt."""
+    """The checkpoint's content; empty when missing; empty (file moved aside) when corrupt.
+
+    Temp files left by a write that a crash cut short are removed first.
+    """
+    _remove_leftover_temp_files(path)
     raw = load_checkpoint(path)
     if raw is None:
         return CheckpointData()
