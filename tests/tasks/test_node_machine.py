@@ -320,3 +320,22 @@ async def test_a_failed_batch_names_what_began_and_leaves_no_trace_of_the_rest(
     assert cdi_files.list_our_specs(config.cdi_dir) == {UID_A: CpuSet.parse("4-5")}
     # The watcher's view has the write that happened, not the two that never began.
     assert machine.desired_specs() == {UID_A: CpuSet.parse("4-5")}
+
+
+async def test_a_failed_adoption_fails_the_start_and_keeps_the_specs(
+    trees: SysfsTrees, scratch: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = _config(trees, scratch)
+    _checkpoint(config, PreparedClaim(UID_A, CpuSet.parse("4-5"), "ns", "known"))
+    cdi_files.write_spec(config.cdi_dir, UID_B, CpuSet.parse("8-9"))  # only its spec knows it
+    before = _saved(config)
+
+    def disk_full(path: Path, data: bytes, **_: object) -> None:
+        raise CheckpointError(f"cannot write checkpoint {path}: No space left on device")
+
+    monkeypatch.setattr(checkpoint_file, "write_checkpoint", disk_full)
+    with pytest.raises(DracpuError, match=r"start-up AdoptClaims failed, not starting: .*No space"):
+        await NodeMachine(config).restore()
+    # Neither rolled back nor pruned: the next start can still adopt the claim.
+    assert cdi_files.list_our_specs(config.cdi_dir) == {UID_B: CpuSet.parse("8-9")}
+    assert _saved(config) == before

@@ -344,12 +344,24 @@ class NodeMachine:
         if not candidates:
             return state, False
         before = state
-        state = await self._run(state, AdoptClaims(tuple(candidates)))
+        # The specs are the only record of these claims: if adopting them fails, starting
+        # anyway would prune them (the Resync below) and a rollback would delete them. Fail the
+        # start instead; the DaemonSet restarts us and the next try finds the specs untouched.
+        state = await self._run(state, AdoptClaims(tuple(candidates)), must_succeed=True)
         return state, state is not before
 
-    async def _run(self, state: NodeState, command: Command | None, *effects: Effect) -> NodeState:
+    async def _run(
+        self,
+        state: NodeState,
+        command: Command | None,
+        *effects: Effect,
+        must_succeed: bool = False,
+    ) -> NodeState:
         """Apply ``command`` (or run ``effects``) like the state owner does, before it runs:
-        the commit phase in order, a rollback when one fails (the old state is kept)."""
+        the commit phase in order, a rollback when one fails (the old state is kept).
+
+        ``must_succeed``: a failed commit phase is not rolled back but raised (the start fails).
+        """
         if command is None:
             new, planned = state, [*effects, Reply(None)]
         else:
@@ -360,6 +372,8 @@ class NodeMachine:
             await self.execute_batch(commit, started)
         except DracpuError as error:
             what = type(command).__name__ if command is not None else type(started[-1]).__name__
+            if must_succeed:
+                raise DracpuError(f"start-up {what} failed, not starting: {error}") from error
             logger.error("start-up %s failed: %s", what, error)
             for undo in node_state.rollback(state, started, error):
                 if isinstance(undo, Reply):
