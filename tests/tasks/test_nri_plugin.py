@@ -173,6 +173,7 @@ class Node:
 
     def assert_shared_at(self, cpus: str) -> None:
         table = self.table()
+        assert self.state.shared, "no shared container to check"  # never pass vacuously
         for cid in self.state.shared:
             assert table[cid][0] == cpus, f"shared container {cid} runs on {table[cid][0]}"
 
