@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 
 import pytest
+from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -369,3 +370,61 @@ def test_arbitrary_bytes_decode_or_fail_cleanly(data: bytes) -> None:
     ):
         with contextlib.suppress(RemoteProtocolError):
             decode(data)
+
+
+# Structured garbage: a valid CreateContainerRequest (pod, container with env and nested
+# messages), then a few bytes overwritten, inserted or cut. Random bytes alone almost never reach
+# the nested PodSandbox/Container decoding; these do, and often still parse.
+_SEED = pb.CreateContainerRequest(
+    pod=pb.PodSandbox(id="p1", name="web", uid="u1", namespace="ns", labels={"a": "b"}),
+    container=pb.Container(
+        id="c1",
+        pod_sandbox_id="p1",
+        name="app",
+        state=pb.ContainerState.CONTAINER_RUNNING,
+        env=["PATH=/bin", "DRA_CPUSET_x=1-3"],
+        linux=pb.LinuxContainer(resources=pb.LinuxResources(cpu=pb.LinuxCPU(cpus="0-3"))),
+    ),
+).SerializeToString()
+
+
+@st.composite
+def _mutated(draw: st.DrawFn) -> bytes:
+    data = bytearray(_SEED)
+    for _ in range(draw(st.integers(1, 3))):
+        at = draw(st.integers(0, len(data)))
+        letters = [i for i, byte in enumerate(data) if chr(byte).isalpha()]
+        match draw(st.sampled_from(["text", "set", "insert", "cut"])):
+            case "text" if letters:  # a string's content changes, the structure stays
+                data[draw(st.sampled_from(letters))] = draw(st.sampled_from(b"xyz\xff"))
+            case "set" if at < len(data):
+                data[at] = draw(st.integers(0, 255))
+            case "insert":
+                data[at:at] = draw(st.binary(min_size=1, max_size=3))
+            case _:
+                del data[at : at + draw(st.integers(1, 4))]
+    return bytes(data)
+
+
+@settings(max_examples=300)
+@given(_mutated())
+def test_mutated_container_events_decode_like_protobuf_or_fail_cleanly(data: bytes) -> None:
+    try:
+        peer = pb.CreateContainerRequest.FromString(data)
+    except DecodeError:  # Google rejected it: we may reject it too, or be lazier
+        with contextlib.suppress(RemoteProtocolError):
+            nri.decode_container_event(data)
+        return
+    # Google accepted it: so must we, with the same values for the fields we read.
+    decoded = nri.decode_container_event(data)
+    if peer.HasField("pod"):
+        p = peer.pod
+        assert decoded.pod == Pod(p.id, p.name, p.uid, p.namespace)
+    else:
+        assert decoded.pod is None
+    if peer.HasField("container"):
+        c = peer.container
+        expected = Container(c.id, c.pod_sandbox_id, c.name, c.state, tuple(c.env))
+        assert decoded.container == expected
+    else:
+        assert decoded.container is None
