@@ -19,6 +19,7 @@ from dracpu.wire.events import (
     NEED_DATA,
     ConnectionClosed,
     MuxFrame,
+    TtrpcBadRequest,
     TtrpcRequest,
     TtrpcResponse,
 )
@@ -273,4 +274,53 @@ def test_garbage_on_the_socket_only_raises_peer_errors(data: bytes, cuts: list[i
     with contextlib.suppress(RemoteProtocolError):
         for chunk in [*split(data, cuts), b""]:
             side.receive(chunk)
+            assert side.mux.buffered_bytes <= 8 + 10 + (4 << 20)
+
+
+# Structured garbage: well-framed mux frames (conns 1, 2 and an unopened 3) whose payloads are
+# ttrpc messages with small, plausible header values (odd, even and reused stream ids, every
+# message type, lengths right, short or long) around a mangled envelope. Random bytes alone
+# almost never get past the mux header to the ttrpc connections; these do.
+_envelopes = st.one_of(
+    st.binary(max_size=12),
+    st.sampled_from(
+        [b"", bytes.fromhex("0a0373766312014d"), bytes.fromhex("0a02 0803"), b"\x0a\x05ab"]
+    ),
+)
+
+
+@st.composite
+def _mux_frame(draw: st.DrawFn) -> bytes:
+    conn_id = draw(st.sampled_from([1, 2, 3]))
+    usual = 1 if conn_id == PLUGIN_SERVICE_CONN else 2  # what this conn should carry
+    data = draw(_envelopes)
+    length = len(data) + draw(st.sampled_from([0, 0, 0, -1, 1, 5]))
+    header = (
+        max(length, 0).to_bytes(4, "big")
+        + draw(st.sampled_from([1, 3, 5] * 2 + [0, 2, 7])).to_bytes(4, "big")
+        + bytes((draw(st.sampled_from([usual] * 4 + [0, 1, 2, 3, 4])), draw(st.integers(0, 7))))
+    )
+    message = header + data
+    return conn_id.to_bytes(4, "big") + len(message).to_bytes(4, "big") + message
+
+
+_mux_frames = st.lists(_mux_frame(), max_size=8).map(b"".join)
+
+
+@settings(max_examples=300)
+@given(_mux_frames, st.lists(st.integers(0, 400), max_size=6))
+def test_framed_garbage_reaches_ttrpc_and_only_raises_peer_errors(
+    data: bytes, cuts: list[int]
+) -> None:
+    side = plugin()
+    for _ in range(3):  # responses on streams 1, 3 and 5 are expected on conn 2
+        side.conns[RUNTIME_SERVICE_CONN].send_request(RUNTIME, "RegisterPlugin", b"")
+    allowed = {
+        PLUGIN_SERVICE_CONN: TtrpcRequest | TtrpcBadRequest | ConnectionClosed,
+        RUNTIME_SERVICE_CONN: TtrpcResponse | ConnectionClosed,
+    }
+    with contextlib.suppress(RemoteProtocolError):
+        for chunk in [*split(data, cuts), b""]:
+            for conn_id, event in side.receive(chunk):
+                assert isinstance(event, allowed[conn_id]), (conn_id, event)
             assert side.mux.buffered_bytes <= 8 + 10 + (4 << 20)
