@@ -351,6 +351,7 @@ async def test_consumable_capacity_drop_is_detected() -> None:
     async with connected(consumable_capacity=False) as (_, kube):
         stored = await kube.create_resource_slice(grouped)
     assert consumable_capacity_dropped(grouped, stored)
+    assert len(stored["spec"]["devices"]) == len(grouped["spec"]["devices"])  # none lost
     for device in stored["spec"]["devices"]:
         assert "allowMultipleAllocations" not in device
         assert all("requestPolicy" not in c for c in device["capacity"].values())

@@ -360,6 +360,7 @@ async def test_cluster_without_consumable_capacity_gets_the_fallback() -> None:
     ):
         await settled(api)
         slices = ours(api)
+        assert slices[0]["spec"]["devices"]  # the loop below must check something
         for device in slices[0]["spec"]["devices"]:
             assert "allowMultipleAllocations" not in device
             assert "requestPolicy" not in device["capacity"]["dra.cpu/cpu"]
