@@ -37,15 +37,11 @@ from dataclasses import dataclass
 
 from dracpu.errors import LocalProtocolError, RemoteProtocolError
 from dracpu.wire.protowire import (
-    MAX_FIELD_NUMBER,
-    WIRE_I32,
-    WIRE_I64,
     WIRE_LEN,
-    WIRE_SGROUP,
     WIRE_VARINT,
-    decode_varint,
+    Field,
     encode_varint,
-    skip_group,
+    scan_fields,
     to_int32,
     to_int64,
 )
@@ -205,50 +201,6 @@ class CpusetUpdate:
 
 # --- decoding -------------------------------------------------------------------------------------
 
-# One field of a message: (number, wire type, a, b). Varint: a = value. Length-delimited:
-# data[a:b] is the value (no copy is made until it is used). Fixed-size fields are dropped.
-_Field = tuple[int, int, int, int]
-
-
-def _scan(data: bytes, pos: int, end: int) -> list[_Field]:
-    """The fields of the message in ``data[pos:end]``, in wire order."""
-    fields: list[_Field] = []
-    while pos < end:
-        key = data[pos]
-        if key < 0x80:
-            pos += 1
-        else:
-            key, pos = decode_varint(data, pos)
-        number, wire_type = key >> 3, key & 7
-        if not 1 <= number <= MAX_FIELD_NUMBER:
-            raise RemoteProtocolError(f"protobuf: invalid field number {number}")
-        if wire_type == WIRE_LEN:
-            if pos < end and data[pos] < 0x80:
-                size = data[pos]
-                pos += 1
-            else:
-                size, pos = decode_varint(data, pos)
-            if size > end - pos:
-                raise RemoteProtocolError(
-                    f"protobuf: field {number} declares {size} bytes, {end - pos} remain"
-                )
-            fields.append((number, WIRE_LEN, pos, pos + size))
-            pos += size
-        elif wire_type == WIRE_VARINT:
-            value, pos = decode_varint(data, pos)
-            fields.append((number, WIRE_VARINT, value, 0))
-        elif wire_type in (WIRE_I64, WIRE_I32):
-            pos += 8 if wire_type == WIRE_I64 else 4
-            if pos > end:
-                raise RemoteProtocolError(f"protobuf: truncated fixed-size field {number}")
-        elif wire_type == WIRE_SGROUP:
-            pos = skip_group(data, pos, end, number)
-        else:
-            raise RemoteProtocolError(f"protobuf: bad wire type {wire_type} (field {number})")
-    if pos > end:  # a varint read past the end of an embedded message
-        raise RemoteProtocolError("protobuf: a field overruns its message")
-    return fields
-
 
 def _text(data: bytes, start: int, end: int, what: str) -> str:
     try:
@@ -264,7 +216,7 @@ def _pod(data: bytes, spans: Sequence[_Span]) -> Pod:
     """A PodSandbox from every occurrence of the field (occurrences merge)."""
     pod_id = name = uid = namespace = ""
     for start, end in spans:
-        for number, wire_type, a, b in _scan(data, start, end):
+        for number, wire_type, a, b in scan_fields(data, start, end):
             if wire_type != WIRE_LEN:
                 continue
             if number == 1:
@@ -284,7 +236,7 @@ def _container(data: bytes, spans: Sequence[_Span]) -> Container:
     state = 0
     env: list[str] = []
     for start, end in spans:
-        for number, wire_type, a, b in _scan(data, start, end):
+        for number, wire_type, a, b in scan_fields(data, start, end):
             if wire_type == WIRE_LEN:
                 if number == 8:
                     env.append(_text(data, a, b, "Container.env"))
@@ -300,7 +252,7 @@ def _container(data: bytes, spans: Sequence[_Span]) -> Container:
 
 
 def _pod_and_container(
-    data: bytes, fields: Iterable[_Field], pod_field: int, container_field: int
+    data: bytes, fields: Iterable[Field], pod_field: int, container_field: int
 ) -> tuple[Pod | None, Container | None]:
     pods: list[_Span] = []
     containers: list[_Span] = []
@@ -322,7 +274,7 @@ def decode_configure_request(data: bytes) -> ConfigureRequest:
     texts = {1: "", 2: "", 3: "", 6: ""}
     names = {1: "config", 2: "runtime_name", 3: "runtime_version", 6: "NRI_version"}
     timeouts = {4: 0, 5: 0}
-    for number, wire_type, a, b in _scan(data, 0, len(data)):
+    for number, wire_type, a, b in scan_fields(data, 0, len(data)):
         if wire_type == WIRE_LEN and number in texts:
             texts[number] = _text(data, a, b, f"ConfigureRequest.{names[number]}")
         elif wire_type == WIRE_VARINT and number in timeouts:
@@ -336,7 +288,7 @@ def decode_synchronize_request(data: bytes) -> SynchronizeRequest:
     pods: list[Pod] = []
     containers: list[Container] = []
     more = False
-    for number, wire_type, a, b in _scan(data, 0, len(data)):
+    for number, wire_type, a, b in scan_fields(data, 0, len(data)):
         if wire_type == WIRE_LEN:
             if number == 2:
                 containers.append(_container(data, ((a, b),)))
@@ -350,14 +302,14 @@ def decode_synchronize_request(data: bytes) -> SynchronizeRequest:
 def decode_container_event(data: bytes) -> ContainerEvent:
     """Parse any request of the form ``{PodSandbox pod = 1; Container container = 2; ...}``."""
     data = bytes(data)
-    pod, container = _pod_and_container(data, _scan(data, 0, len(data)), 1, 2)
+    pod, container = _pod_and_container(data, scan_fields(data, 0, len(data)), 1, 2)
     return ContainerEvent(pod, container)
 
 
 def decode_state_change_event(data: bytes) -> StateChangeEvent:
     """Parse an NRI ``StateChangeEvent`` (1 event, 2 pod, 3 container)."""
     data = bytes(data)
-    fields = _scan(data, 0, len(data))
+    fields = scan_fields(data, 0, len(data))
     event = 0
     for number, wire_type, a, _ in fields:
         if number == 1 and wire_type == WIRE_VARINT:
@@ -370,10 +322,10 @@ def decode_update_containers_response(data: bytes) -> tuple[str, ...]:
     """The ids of ``UpdateContainersResponse.failed`` (1: repeated ContainerUpdate)."""
     data = bytes(data)
     failed: list[str] = []
-    for number, wire_type, a, b in _scan(data, 0, len(data)):
+    for number, wire_type, a, b in scan_fields(data, 0, len(data)):
         if number == 1 and wire_type == WIRE_LEN:
             container_id = ""
-            for inner, inner_type, c, d in _scan(data, a, b):
+            for inner, inner_type, c, d in scan_fields(data, a, b):
                 if inner == 1 and inner_type == WIRE_LEN:
                     container_id = _text(data, c, d, "ContainerUpdate.container_id")
             failed.append(container_id)

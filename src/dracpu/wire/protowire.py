@@ -36,6 +36,7 @@ __all__ = [
     "WIRE_LEN",
     "WIRE_SGROUP",
     "WIRE_VARINT",
+    "Field",
     "RequestEnvelope",
     "ResponseEnvelope",
     "decode_request",
@@ -44,6 +45,7 @@ __all__ = [
     "encode_request",
     "encode_response",
     "encode_varint",
+    "scan_fields",
     "skip_group",
     "to_int32",
     "to_int64",
@@ -203,46 +205,49 @@ def decode_varint(data: bytes, pos: int) -> tuple[int, int]:
     raise AssertionError("unreachable: the 10th varint byte either ends it or overflows")
 
 
-_Field = tuple[int, int, "int | bytes"]
+Field = tuple[int, int, int, int]
+"""One field of a message: (number, wire type, a, b). Varint: ``a`` is the value.
+Length-delimited: ``data[a:b]`` is the value (no copy is made until it is used). Fixed-size
+fields are skipped: none of the messages we read has one."""
 
 
-def _fields(data: bytes) -> list[_Field]:
-    """Split a message into ``(field_number, wire_type, value)``; groups are skipped."""
-    fields: list[_Field] = []
-    pos, end = 0, len(data)
+def scan_fields(data: bytes, pos: int, end: int) -> list[Field]:
+    """The fields of the message in ``data[pos:end]``, in wire order; groups are skipped."""
+    fields: list[Field] = []
     while pos < end:
         key = data[pos]
-        if key < 0x80:  # one-byte tag: every field this module knows (inlined: the hot path)
+        if key < 0x80:  # one-byte tag: every field we know (inlined: the hot path)
             pos += 1
         else:
             key, pos = decode_varint(data, pos)
         number, wire_type = key >> 3, key & 7
         if not 1 <= number <= MAX_FIELD_NUMBER:
             raise RemoteProtocolError(f"protobuf: invalid field number {number}")
-        value: int | bytes
-        if wire_type == WIRE_VARINT:
-            value, pos = decode_varint(data, pos)
-        elif wire_type == WIRE_LEN:
+        if wire_type == WIRE_LEN:
             if pos < end and data[pos] < 0x80:
-                size, pos = data[pos], pos + 1
+                size = data[pos]
+                pos += 1
             else:
                 size, pos = decode_varint(data, pos)
             if size > end - pos:
                 raise RemoteProtocolError(
                     f"protobuf: field {number} declares {size} bytes, {end - pos} remain"
                 )
-            value, pos = data[pos : pos + size], pos + size
+            fields.append((number, WIRE_LEN, pos, pos + size))
+            pos += size
+        elif wire_type == WIRE_VARINT:
+            value, pos = decode_varint(data, pos)
+            fields.append((number, WIRE_VARINT, value, 0))
         elif wire_type in (WIRE_I64, WIRE_I32):
-            size = 8 if wire_type == WIRE_I64 else 4
-            if size > end - pos:
-                raise RemoteProtocolError(f"protobuf: truncated fixed{size * 8} field {number}")
-            value, pos = int.from_bytes(data[pos : pos + size], "little"), pos + size
+            pos += 8 if wire_type == WIRE_I64 else 4
+            if pos > end:
+                raise RemoteProtocolError(f"protobuf: truncated fixed-size field {number}")
         elif wire_type == WIRE_SGROUP:
             pos = skip_group(data, pos, end, number)
-            continue
         else:
             raise RemoteProtocolError(f"protobuf: bad wire type {wire_type} (field {number})")
-        fields.append((number, wire_type, value))
+    if pos > end:  # a varint read past the end of an embedded message
+        raise RemoteProtocolError("protobuf: a field overruns its message")
     return fields
 
 
@@ -276,9 +281,9 @@ def skip_group(data: bytes, pos: int, end: int, number: int) -> int:
     return pos
 
 
-def _text(value: bytes, what: str) -> str:
+def _text(data: bytes, start: int, end: int, what: str) -> str:
     try:
-        return value.decode("utf-8")
+        return data[start:end].decode("utf-8")
     except UnicodeDecodeError as exc:
         raise RemoteProtocolError(f"protobuf: {what} is not valid UTF-8") from exc
 
@@ -300,29 +305,29 @@ def decode_request(data: bytes) -> RequestEnvelope:
     payload = b""
     timeout_nano = 0
     metadata: list[tuple[str, str]] = []
-    for number, wire_type, value in _fields(data):
-        if isinstance(value, bytes):
+    for number, wire_type, a, b in scan_fields(data, 0, len(data)):
+        if wire_type == WIRE_LEN:
             if number == REQUEST_SERVICE:
-                service = _text(value, "Request.service")
+                service = _text(data, a, b, "Request.service")
             elif number == REQUEST_METHOD:
-                method = _text(value, "Request.method")
+                method = _text(data, a, b, "Request.method")
             elif number == REQUEST_PAYLOAD:
-                payload = value
+                payload = data[a:b]
             elif number == REQUEST_METADATA:
-                metadata.append(_decode_key_value(value))
-        elif number == REQUEST_TIMEOUT_NANO and wire_type == WIRE_VARINT:
-            timeout_nano = to_int64(value)
+                metadata.append(_decode_key_value(data, a, b))
+        elif number == REQUEST_TIMEOUT_NANO:
+            timeout_nano = to_int64(a)
     return RequestEnvelope(service, method, payload, timeout_nano, tuple(metadata))
 
 
-def _decode_key_value(data: bytes) -> tuple[str, str]:
+def _decode_key_value(data: bytes, start: int, end: int) -> tuple[str, str]:
     key = value = ""
-    for number, _, item in _fields(data):
-        if isinstance(item, bytes):
+    for number, wire_type, a, b in scan_fields(data, start, end):
+        if wire_type == WIRE_LEN:
             if number == KEY_VALUE_KEY:
-                key = _text(item, "KeyValue.key")
+                key = _text(data, a, b, "KeyValue.key")
             elif number == KEY_VALUE_VALUE:
-                value = _text(item, "KeyValue.value")
+                value = _text(data, a, b, "KeyValue.value")
     return key, value
 
 
@@ -330,26 +335,25 @@ def decode_response(data: bytes) -> ResponseEnvelope:
     """Parse a ``ttrpc.Response``; several ``status`` fields merge as in any protobuf runtime."""
     code, message = 0, ""
     payload = b""
-    for number, _, value in _fields(data):
-        if not isinstance(value, bytes):
+    for number, wire_type, a, b in scan_fields(data, 0, len(data)):
+        if wire_type != WIRE_LEN:
             continue
         if number == RESPONSE_PAYLOAD:
-            payload = value
+            payload = data[a:b]
         elif number == RESPONSE_STATUS:
-            for inner, wire_type, item in _fields(value):
-                if inner == STATUS_CODE and wire_type == WIRE_VARINT:
-                    assert isinstance(item, int)
-                    code = to_int32(item)
-                elif isinstance(item, bytes):
-                    if inner == STATUS_MESSAGE:
-                        message = _text(item, "Status.message")
-                    elif inner == STATUS_DETAILS:
-                        _check_any(item)
+            for inner, inner_type, x, y in scan_fields(data, a, b):
+                if inner_type == WIRE_VARINT:
+                    if inner == STATUS_CODE:
+                        code = to_int32(x)
+                elif inner == STATUS_MESSAGE:
+                    message = _text(data, x, y, "Status.message")
+                elif inner == STATUS_DETAILS:
+                    _check_any(data, x, y)
     return ResponseEnvelope(code, message, payload)
 
 
-def _check_any(data: bytes) -> None:
+def _check_any(data: bytes, start: int, end: int) -> None:
     """Validate (and drop) a ``google.protobuf.Any`` detail as Go's unmarshal would."""
-    for number, _, item in _fields(data):
-        if number == ANY_TYPE_URL and isinstance(item, bytes):
-            _text(item, "Any.type_url")
+    for number, wire_type, a, b in scan_fields(data, start, end):
+        if number == ANY_TYPE_URL and wire_type == WIRE_LEN:
+            _text(data, a, b, "Any.type_url")
