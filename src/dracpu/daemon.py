@@ -71,7 +71,7 @@ from dracpu.adapters.kube import KubeClient, open_kube_client
 from dracpu.config import Config
 from dracpu.core.commands import Command, Resync
 from dracpu.core.effects import Reply, Resynced
-from dracpu.errors import DracpuError
+from dracpu.errors import DracpuError, leaf_errors
 from dracpu.logs import setup_logging
 from dracpu.tasks import (
     cdi_watcher,
@@ -278,7 +278,7 @@ async def serve(
         # Only a start-up failure (or a bug of the supervisor) gets here: _supervise catches
         # what a task raises after it started.
         culprit = tasks[len(running)].name if len(running) < len(tasks) else "supervisor"
-        for error in _leaves(group):
+        for error in leaf_errors(group):
             shutdown.fail(culprit, error)
         return EXIT_FAILURE
     if shutdown.failed:
@@ -298,16 +298,6 @@ async def _stop(running: Sequence[_Running], shutdown: Shutdown, stop_timeout: f
     left = [task.spec.name for task in running if not task.done.is_set()]
     if left:
         logger.warning("cancelling tasks that had not stopped yet: %s", ", ".join(left))
-
-
-def _leaves(group: BaseExceptionGroup[Exception]) -> list[Exception]:
-    leaves: list[Exception] = []
-    for error in group.exceptions:
-        if isinstance(error, BaseExceptionGroup):
-            leaves.extend(_leaves(error))
-        else:
-            leaves.append(error)
-    return leaves
 
 
 # --- the daemon's tasks -------------------------------------------------------------------------

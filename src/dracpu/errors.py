@@ -10,6 +10,8 @@ Errors that involve a peer say whose fault they are (:class:`LocalProtocolError`
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 __all__ = [
     "AllocationError",
     "CdiError",
@@ -30,6 +32,7 @@ __all__ = [
     "QuantityError",
     "RemoteProtocolError",
     "TopologyError",
+    "leaf_errors",
 ]
 
 
@@ -114,3 +117,17 @@ class KubeServerError(KubeAPIError):
 
 class QuantityError(DracpuError, ValueError):
     """Text is not a Kubernetes quantity (``resource.Quantity``), or not one the caller allows."""
+
+
+_E = TypeVar("_E", bound=BaseException)
+
+
+def leaf_errors(group: BaseExceptionGroup[_E]) -> list[_E]:
+    """The errors inside ``group`` and the groups nested in it, in order (task groups nest)."""
+    leaves: list[_E] = []
+    for error in group.exceptions:
+        if isinstance(error, BaseExceptionGroup):
+            leaves.extend(leaf_errors(error))
+        else:
+            leaves.append(error)
+    return leaves

@@ -32,7 +32,7 @@ import anyio
 from dracpu.core.allocator import describe_plan
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.slices import CpuDeviceMode, GroupBy
-from dracpu.errors import DracpuError
+from dracpu.errors import DracpuError, leaf_errors
 from dracpu.sim.node import (
     DEFAULT_RUNTIME_VERSION,
     DEFAULT_TOPOLOGY,
@@ -327,16 +327,6 @@ async def _unprepare(sim: NodeSim, claim: Any, pod: Any, held: CpuSet) -> Step:
 # --- the command ------------------------------------------------------------------------------
 
 
-def _leaves(group: BaseExceptionGroup[DracpuError]) -> list[DracpuError]:
-    leaves: list[DracpuError] = []
-    for error in group.exceptions:
-        if isinstance(error, BaseExceptionGroup):
-            leaves.extend(_leaves(error))
-        else:
-            leaves.append(error)
-    return leaves
-
-
 def _print_step(out: TextIO) -> Callable[[Step], None]:
     count = 0
 
@@ -377,7 +367,7 @@ def main(options: DemoOptions, *, output: str = "text", out: TextIO | None = Non
     try:
         anyio.run(run_demo, options, emit, backend="asyncio")
     except* DracpuError as group:  # the peers' task groups wrap what a step raised
-        failure = "; ".join(str(error) for error in _leaves(group))
+        failure = "; ".join(str(error) for error in leaf_errors(group))
     elapsed = time.monotonic() - started
     if output == "json":
         document = {
