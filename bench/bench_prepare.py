@@ -70,7 +70,6 @@ from dracpu.adapters.grpc_server import open_unix_server
 from dracpu.adapters.kube import open_kube_client
 from dracpu.config import Config
 from dracpu.core.commands import Command
-from dracpu.core.effects import Effect
 from dracpu.core.state import NodeConfig, NodeState
 from dracpu.errors import KubeNotFoundError
 from dracpu.sim._pb2.dra.v1 import api_pb2 as dra_pb
@@ -80,7 +79,7 @@ from dracpu.sim.topologies import FIXTURES, build_topology
 from dracpu.tasks import kubelet_plugin, registration
 from dracpu.tasks.kubelet_plugin import ClaimSource
 from dracpu.tasks.node_machine import NodeMachine
-from dracpu.tasks.state_owner import Request, StateOwner, create_request_stream
+from dracpu.tasks.state_owner import Request, create_request_stream
 
 __all__ = ["main"]
 
@@ -305,16 +304,7 @@ async def _node(
     send: MemoryObjectSendStream[Request[Command]]
     receive: MemoryObjectReceiveStream[Request[Command]]
     send, receive = create_request_stream()
-    owner: StateOwner[NodeState, Command, Effect] = StateOwner(
-        receive,
-        state,
-        machine.apply,
-        machine.execute,
-        rollback=machine.rollback,
-        follow_up=machine.follow_up,
-        execute_batch=machine.execute_batch,
-    )
-    machine.watch_state(lambda: owner.state)
+    owner = machine.state_owner(receive, state)
     socket_path = base / "kubelet" / "plugins" / "dra.cpu" / "dra.sock"
     with send, receive:
         async with anyio.create_task_group() as tg:

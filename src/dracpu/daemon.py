@@ -468,19 +468,8 @@ class _Node:
         await signals.run(self.send.clone(), self.shutdown.request, task_status=task_status)
 
     async def run_state_owner(self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
-        machine = self.machine
-        state = await machine.restore()
-        owner: StateOwner[Any, Command, Any] = StateOwner(
-            self.receive,
-            state,
-            machine.apply,
-            machine.execute,
-            rollback=machine.rollback,
-            follow_up=machine.follow_up,
-            execute_batch=machine.execute_batch,
-        )
-        machine.watch_state(lambda: owner.state)
-        self.owner = owner
+        state = await self.machine.restore()
+        self.owner = owner = self.machine.state_owner(self.receive, state)
         await owner.run(task_status=task_status)
 
     async def run_cdi_watcher(self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import anyio
 import anyio.to_thread
-from anyio.streams.memory import MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from dracpu.adapters import cdi_files, checkpoint_file
 from dracpu.adapters.sysfs import read_topology
@@ -77,6 +77,7 @@ from dracpu.core.state import NodeConfig, NodeState
 from dracpu.core.topology import Topology
 from dracpu.errors import CdiError, DracpuError
 from dracpu.tasks.slice_publisher import request_republish
+from dracpu.tasks.state_owner import Request, StateOwner
 
 __all__ = ["ContainerUpdates", "NodeMachine"]
 
@@ -98,10 +99,9 @@ class NodeMachine:
     ``republish``: the sending end of the slice publisher's republish channel
     (:func:`dracpu.tasks.slice_publisher.republish_channel`); ``update_containers``: where
     ``UpdateContainers`` effects go (``None``: they are dropped with a debug log, the next NRI
-    ``Synchronize`` re-pins every container anyway). Call :meth:`restore` once, then give
-    :meth:`apply`, :meth:`execute`, :meth:`execute_batch`, :meth:`rollback` and
-    :meth:`follow_up` to the state owner and tell :meth:`watch_state` how to read the owner's
-    committed state.
+    ``Synchronize`` re-pins every container anyway). Call :meth:`restore` once, then run
+    :meth:`state_owner` (which hands :meth:`apply`, :meth:`execute`, :meth:`execute_batch`,
+    :meth:`rollback` and :meth:`follow_up` to the owner and reads its committed state).
     """
 
     def __init__(
@@ -129,6 +129,24 @@ class NodeMachine:
     def watch_state(self, committed: Callable[[], NodeState]) -> None:
         """Read the committed state through ``committed`` (``lambda: owner.state``)."""
         self._committed = committed
+
+    def state_owner(
+        self, receive: MemoryObjectReceiveStream[Request[Command]], state: NodeState
+    ) -> StateOwner[NodeState, Command, Effect]:
+        """The state owner that runs this machine from ``state`` (what ``dracpu run`` runs):
+        its apply, effects (file effects batched), rollback and follow-up; watched by
+        :meth:`desired_specs`."""
+        owner: StateOwner[NodeState, Command, Effect] = StateOwner(
+            receive,
+            state,
+            self.apply,
+            self.execute,
+            rollback=self.rollback,
+            follow_up=self.follow_up,
+            execute_batch=self.execute_batch,
+        )
+        self.watch_state(lambda: owner.state)
+        return owner
 
     def desired_specs(self) -> dict[str, CpuSet]:
         """The CDI specs that must exist now: ``{claim UID: cpus}`` (the CDI watcher's view).
