@@ -18,7 +18,6 @@ import pytest
 
 from dracpu.adapters.kube import (
     LISTED,
-    KubeClient,
     WatchEvent,
     consumable_capacity_dropped,
     open_kube_client,
@@ -35,9 +34,7 @@ from dracpu.errors import (
 )
 from dracpu.sim.fake_apiserver import FakeApiServer, build_resource_claim, open_fake_apiserver
 from dracpu.sim.topologies import FIXTURES, build_topology
-
-NODE = "node-a"
-NODE_UID = "6c4d2b1a-0000-4000-8000-000000000001"
+from tests.kube_helpers import NODE, NODE_UID, connected, foreign_slice
 
 
 def slices(
@@ -48,28 +45,6 @@ def slices(
         topology, reserved=CpuSet.parse(""), mode=mode, group_by=GroupBy.NUMANODE
     )
     return build_resource_slices(node, devices, generation=generation, owner_uid=NODE_UID)
-
-
-def foreign_slice(name: str, *, driver: str, node: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceSlice",
-        "metadata": {"name": name},
-        "spec": {
-            "driver": driver,
-            "nodeName": node,
-            "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
-            "devices": [{"name": "dev0"}],
-        },
-    }
-
-
-@contextlib.asynccontextmanager
-async def connected(**options: Any) -> AsyncIterator[tuple[FakeApiServer, KubeClient]]:
-    async with open_fake_apiserver(**options) as api:
-        api.add_node(NODE, uid=NODE_UID)
-        async with open_kube_client(api.kubeconfig_path, request_timeout=10) as kube:
-            yield api, kube
 
 
 # --- nodes, errors ----------------------------------------------------------------------------

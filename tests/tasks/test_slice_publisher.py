@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 from dracpu.adapters.backoff import backoff_delays
-from dracpu.adapters.kube import KubeClient, open_kube_client
+from dracpu.adapters.kube import KubeClient
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.slices import (
     CpuDeviceMode,
@@ -23,13 +23,12 @@ from dracpu.core.slices import (
     slice_name,
     validate_pool,
 )
-from dracpu.sim.fake_apiserver import FakeApiServer, open_fake_apiserver
+from dracpu.sim.fake_apiserver import FakeApiServer
 from dracpu.sim.topologies import FIXTURES, MachineSpec, build_topology
 from dracpu.tasks import slice_publisher
 from dracpu.tasks.slice_publisher import PublisherSettings, republish_channel, request_republish
+from tests.kube_helpers import NODE, NODE_UID, connected, foreign_slice
 
-NODE = "node-a"
-NODE_UID = "0c0c0c0c-1111-4222-8333-444444444444"
 FAST = PublisherSettings(
     debounce=0.01,
     resync_interval=600.0,
@@ -54,28 +53,6 @@ def devices(
     return published_devices(
         topology, reserved=CpuSet.parse(reserved), mode=mode, group_by=GroupBy.NUMANODE
     )
-
-
-def foreign_slice(name: str, *, driver: str, node: str, generation: int = 1) -> dict[str, Any]:
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceSlice",
-        "metadata": {"name": name},
-        "spec": {
-            "driver": driver,
-            "nodeName": node,
-            "pool": {"name": node, "generation": generation, "resourceSliceCount": 1},
-            "devices": [{"name": "dev0"}],
-        },
-    }
-
-
-@contextlib.asynccontextmanager
-async def cluster(**options: Any) -> AsyncIterator[tuple[FakeApiServer, KubeClient]]:
-    async with open_fake_apiserver(**options) as api:
-        api.add_node(NODE, uid=NODE_UID)
-        async with open_kube_client(api.kubeconfig_path, request_timeout=10) as kube:
-            yield api, kube
 
 
 @contextlib.asynccontextmanager
@@ -147,7 +124,7 @@ def expected_pool(api: FakeApiServer, want: Sequence[Device]) -> None:
 @pytest.mark.anyio
 async def test_first_publish_happens_before_started() -> None:
     want = devices()
-    async with cluster() as (api, kube), publishing(kube, lambda: want):
+    async with connected() as (api, kube), publishing(kube, lambda: want):
         slices = ours(api)  # right after started(): no waiting
         assert [s["metadata"]["name"] for s in slices] == [slice_name(NODE, 0)]
         expected_pool(api, want)
@@ -165,7 +142,7 @@ async def test_300_cpus_individual_mode_give_three_slices() -> None:
     spec = MachineSpec(sockets=2, cores_per_cluster=75, threads_per_core=2)
     want = devices(CpuDeviceMode.INDIVIDUAL, spec=spec)
     assert len(want) == 300
-    async with cluster() as (api, kube), publishing(kube, lambda: want):
+    async with connected() as (api, kube), publishing(kube, lambda: want):
         slices = ours(api)
         assert [s["metadata"]["name"] for s in slices] == [slice_name(NODE, i) for i in range(3)]
         assert [len(s["spec"]["devices"]) for s in slices] == [128, 128, 44]
@@ -175,7 +152,7 @@ async def test_300_cpus_individual_mode_give_three_slices() -> None:
 
 @pytest.mark.anyio
 async def test_nothing_is_written_while_nothing_changes() -> None:
-    async with cluster() as (api, kube), publishing(kube, lambda: devices()):
+    async with connected() as (api, kube), publishing(kube, lambda: devices()):
         await settled(api)
         before = writes(api)
         assert before == ["POST"]
@@ -190,7 +167,7 @@ async def test_nothing_is_written_while_nothing_changes() -> None:
 async def test_slices_wiped_by_a_kubelet_restart_come_back() -> None:
     spec = MachineSpec(sockets=2, cores_per_cluster=75, threads_per_core=2)
     want = devices(CpuDeviceMode.INDIVIDUAL, spec=spec)
-    async with cluster() as (api, kube), publishing(kube, lambda: want):
+    async with connected() as (api, kube), publishing(kube, lambda: want):
         await settled(api)
         assert len(api.kubelet_restart(NODE)) == 3
         assert ours(api) == []
@@ -202,7 +179,7 @@ async def test_slices_wiped_by_a_kubelet_restart_come_back() -> None:
 @pytest.mark.anyio
 async def test_someone_elses_edit_is_repaired() -> None:
     want = devices()
-    async with cluster() as (api, kube), publishing(kube, lambda: want):
+    async with connected() as (api, kube), publishing(kube, lambda: want):
         await settled(api)
         original = ours(api)[0]["spec"]
         name = slice_name(NODE, 0)
@@ -221,7 +198,7 @@ async def test_someone_elses_edit_is_repaired() -> None:
 
 @pytest.mark.anyio
 async def test_other_drivers_and_nodes_are_untouched_and_our_stale_slices_go() -> None:
-    async with cluster() as (api, kube):
+    async with connected() as (api, kube):
         gpu = api.create_resource_slice(foreign_slice("gpu-a", driver="gpu.example.com", node=NODE))
         other_node = api.create_resource_slice(
             foreign_slice("node-b-dra.cpu-000", driver="dra.cpu", node="node-b", generation=9)
@@ -246,7 +223,7 @@ async def test_other_drivers_and_nodes_are_untouched_and_our_stale_slices_go() -
 
 @pytest.mark.anyio
 async def test_server_errors_and_dropped_connections_are_retried() -> None:
-    async with cluster() as (api, kube):
+    async with connected() as (api, kube):
         api.fail_next(2, status=500, method="GET", path="/nodes/")
         api.fail_next(3, status=None, method="POST")
         api.fail_next(2, status=409, method="POST")
@@ -260,7 +237,7 @@ async def test_server_errors_and_dropped_connections_are_retried() -> None:
 
 @pytest.mark.anyio
 async def test_started_even_while_the_api_server_fails_then_publishes() -> None:
-    async with cluster() as (api, kube):
+    async with connected() as (api, kube):
         api.fail_next(10_000, status=503)
         want = devices()
         async with publishing(kube, lambda: want):
@@ -292,7 +269,7 @@ async def test_a_watch_that_keeps_failing_backs_off_although_each_relist_works(
             yield delay
 
     settings = PublisherSettings(debounce=0.01, backoff=recorded_backoff)
-    async with cluster() as (api, kube), anyio.create_task_group() as tg:
+    async with connected() as (api, kube), anyio.create_task_group() as tg:
         api.fail_next(10_000, status=403, watch=True)
         await tg.start(
             functools.partial(slice_publisher.run, kube, NODE, devices, settings=settings)
@@ -307,7 +284,7 @@ async def test_a_watch_that_keeps_failing_backs_off_although_each_relist_works(
 
 @pytest.mark.anyio
 async def test_generation_increases_across_restarts_and_changes() -> None:
-    async with cluster() as (api, kube):
+    async with connected() as (api, kube):
         async with publishing(kube, lambda: devices()):
             assert generations(api) == {1}
         async with publishing(kube, lambda: devices()):
@@ -327,7 +304,7 @@ async def test_generation_increases_across_restarts_and_changes() -> None:
 
 @pytest.mark.anyio
 async def test_a_higher_foreign_generation_is_overtaken() -> None:
-    async with cluster() as (api, kube), publishing(kube, lambda: devices()):
+    async with connected() as (api, kube), publishing(kube, lambda: devices()):
         await settled(api)
         api.edit_resource_slice(
             slice_name(NODE, 0), lambda o: o["spec"]["pool"].update(generation=41)
@@ -341,7 +318,7 @@ async def test_republish_request_rereads_the_devices() -> None:
     send, receive = republish_channel()
     async with (
         send,
-        cluster() as (api, kube),
+        connected() as (api, kube),
         publishing(kube, lambda: current["devices"], republish=receive),
     ):
         await settled(api)
@@ -355,7 +332,7 @@ async def test_republish_request_rereads_the_devices() -> None:
 @pytest.mark.anyio
 async def test_cluster_without_consumable_capacity_gets_the_fallback() -> None:
     async with (
-        cluster(consumable_capacity=False) as (api, kube),
+        connected(consumable_capacity=False) as (api, kube),
         publishing(kube, lambda: devices()),
     ):
         await settled(api)
