@@ -30,18 +30,15 @@ import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from dracpu.adapters import cdi_files
-from dracpu.adapters.checkpoint_file import write_checkpoint
-from dracpu.core.checkpoint_schema import decode, encode
+from dracpu.config import Config
+from dracpu.core.checkpoint_schema import decode
 from dracpu.core.commands import Command, DeviceResult, PrepareClaim
 from dracpu.core.cpuset import EMPTY, CpuSet
 from dracpu.core.effects import (
     ClaimPrepared,
-    DeleteCdiSpec,
     Effect,
-    WriteCdiSpec,
-    WriteCheckpoint,
 )
-from dracpu.core.state import NodeConfig, NodeState, apply, rollback
+from dracpu.core.state import NodeConfig, NodeState
 from dracpu.errors import (
     CdiError,
     DracpuError,
@@ -52,13 +49,13 @@ from dracpu.errors import (
 from dracpu.sim.topologies import FIXTURES, build_topology
 from dracpu.tasks import kubelet_plugin
 from dracpu.tasks.kubelet_plugin import DraService
+from dracpu.tasks.node_machine import NodeMachine
 from dracpu.tasks.state_owner import Request, StateOwner, create_request_stream
 from tests.peers import load_pb2, unix_target
 
 __all__ = [
     "NODE",
     "FakeClaims",
-    "FileEffects",
     "RunningNode",
     "claim_object",
     "grouped_result",
@@ -97,32 +94,6 @@ def _command_stream() -> tuple[
 def node_config() -> NodeConfig:
     """Grouped by NUMA node on 2 sockets x 2 NUMA x 16 CPUs: cpudevnuma000..003."""
     return NodeConfig.build(NODE, build_topology(FIXTURES["dual-socket-smt2"]))
-
-
-class FileEffects:
-    """The effect executor: real CDI specs and a real checkpoint; other effects are recorded.
-
-    ``fail_delete`` names claims whose CDI spec removal fails (fault injection)."""
-
-    def __init__(self, cdi_dir: Path, checkpoint: Path) -> None:
-        self.cdi_dir = cdi_dir
-        self.checkpoint = checkpoint
-        self.other: list[Effect] = []
-        self.fail_delete: set[str] = set()
-
-    async def __call__(self, effect: Effect) -> None:
-        match effect:
-            case WriteCdiSpec(claim_uid=uid, cpus=cpus):
-                await anyio.to_thread.run_sync(cdi_files.write_spec, self.cdi_dir, uid, cpus)
-            case DeleteCdiSpec(claim_uid=uid):
-                if uid in self.fail_delete:
-                    raise CdiError(f"injected: cannot remove the CDI spec of {uid}")
-                await anyio.to_thread.run_sync(cdi_files.delete_spec, self.cdi_dir, uid)
-            case WriteCheckpoint(checkpoint=data):
-                raw = encode(data)
-                await anyio.to_thread.run_sync(write_checkpoint, self.checkpoint, raw)
-            case _:
-                self.other.append(effect)
 
 
 class FakeClaims:
@@ -259,7 +230,7 @@ class RunningNode:
     cdi_dir: Path
     checkpoint: Path
     claims: FakeClaims
-    effects: FileEffects
+    machine: NodeMachine
     owner: StateOwner[NodeState, Command, Effect]
     service: DraService
     config: NodeConfig = field(default_factory=node_config)
@@ -295,12 +266,11 @@ async def running_node(
     cdi_dir = tmp_path / "cdi"
     checkpoint = tmp_path / "state" / "checkpoint.json"
     sock = tmp_path / "kubelet" / "plugins" / DRIVER / "dra.sock"
-    effects = FileEffects(cdi_dir, checkpoint)
+    # The daemon's own effect executor: real CDI specs and a real checkpoint.
+    machine = NodeMachine(Config(node_name=NODE, cdi_dir=cdi_dir, state_dir=checkpoint.parent))
     claims = FakeClaims() if claims is None else claims
     send, receive = _command_stream()
-    owner: StateOwner[NodeState, Command, Effect] = StateOwner(
-        receive, NodeState.initial(config), apply, effects, rollback=rollback
-    )
+    owner = machine.state_owner(receive, NodeState.initial(config))
     with send, receive:
         async with anyio.create_task_group() as tg:
             if owner_running:
@@ -317,7 +287,7 @@ async def running_node(
                     max_pending_status_patches=max_pending_status_patches,
                 )
             )
-            yield RunningNode(sock, cdi_dir, checkpoint, claims, effects, owner, service, config)
+            yield RunningNode(sock, cdi_dir, checkpoint, claims, machine, owner, service, config)
             tg.cancel_scope.cancel()
 
 
@@ -605,15 +575,24 @@ async def test_group_exhausted_by_earlier_claims(tmp_path: Path) -> None:
         assert set(node.checkpointed()) == {_ref(big)[1]}
 
 
-async def test_unprepare_failure_is_that_claims_error(tmp_path: Path) -> None:
+async def test_unprepare_failure_is_that_claims_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     claims = FakeClaims()
     a = claim_object("a", [grouped_result("cpudevnuma000", "2")])
     b = claim_object("b", [grouped_result("cpudevnuma001", "2")])
     claims.add(a)
     claims.add(b)
+    real_delete = cdi_files.delete_spec
+
+    def delete_spec(cdi_dir: Path, uid: str) -> bool:
+        if uid == _ref(a)[1]:
+            raise CdiError(f"injected: cannot remove the CDI spec of {uid}")
+        return real_delete(cdi_dir, uid)
+
     async with running_node(tmp_path, claims) as node:
         await prepare(node, "v1", _ref(a), _ref(b))
-        node.effects.fail_delete.add(_ref(a)[1])
+        monkeypatch.setattr(cdi_files, "delete_spec", delete_spec)
 
         reply = await unprepare(node, "v1", _ref(a), _ref(b))
 
