@@ -4,12 +4,7 @@ Writing a fake sysfs tree creates many small files (22k for ``big-1024``); on a 
 ``/tmp`` that takes seconds, on tmpfs (``/dev/shm``) a fraction of one. :func:`scratch_dir`
 therefore prefers ``/dev/shm`` and falls back to the default temporary directory.
 
-Use from a test module::
-
-    @pytest.fixture(scope="module")
-    def trees() -> Iterator[SysfsTrees]:
-        with sysfs_trees() as trees:
-            yield trees
+``tests/conftest.py`` offers them as the fixtures ``trees`` (module scope) and ``scratch``::
 
     def test_x(trees: SysfsTrees) -> None:
         topo = read_topology(trees.root("dual-socket-smt2"))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,22 +13,10 @@ from dracpu.core.cpuset import CpuSet
 from dracpu.core.topology import CoreType, Topology
 from dracpu.errors import TopologyError
 from dracpu.sim.topologies import FIXTURES, MachineSpec, build_topology, write_sysfs
-from tests.fixtures import SysfsTrees, scratch_dir, sysfs_trees
+from tests.fixtures import SysfsTrees
 
 CPU = "sys/devices/system/cpu"
 NODE = "sys/devices/system/node"
-
-
-@pytest.fixture(scope="module")
-def trees() -> Iterator[SysfsTrees]:
-    with sysfs_trees() as written:
-        yield written
-
-
-@pytest.fixture
-def scratch() -> Iterator[Path]:
-    with scratch_dir() as path:
-        yield path
 
 
 def cs(text: str) -> CpuSet:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,16 +12,9 @@ from dracpu.core.cpuset import CpuSet
 from dracpu.core.topology import CoreType
 from dracpu.errors import ConfigError
 from dracpu.sim.topologies import FIXTURES, MachineSpec, build_topology, fixture, write_sysfs
-from tests.fixtures import scratch_dir
 
 CPU = "sys/devices/system/cpu"
 NODE = "sys/devices/system/node"
-
-
-@pytest.fixture
-def scratch() -> Iterator[Path]:
-    with scratch_dir() as path:
-        yield path
 
 
 def cs(text: str) -> CpuSet:

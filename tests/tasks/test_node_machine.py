@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -40,7 +40,7 @@ from dracpu.core.state import commit_phase
 from dracpu.errors import CheckpointError, DracpuError
 from dracpu.tasks.node_machine import NodeMachine
 from dracpu.tasks.slice_publisher import republish_channel
-from tests.fixtures import SysfsTrees, scratch_dir, sysfs_trees
+from tests.fixtures import SysfsTrees
 
 pytestmark = pytest.mark.anyio
 
@@ -49,18 +49,6 @@ UID_B = "bbbbbbbb-0000-4000-8000-000000000002"
 FOREIGN = "vendor.example-gpu.json"
 
 T = TypeVar("T")
-
-
-@pytest.fixture(scope="module")
-def trees() -> Iterator[SysfsTrees]:
-    with sysfs_trees() as written:
-        yield written
-
-
-@pytest.fixture
-def scratch() -> Iterator[Path]:
-    with scratch_dir() as path:
-        yield path
 
 
 def _config(trees: SysfsTrees, scratch: Path, **changes: object) -> Config:
