@@ -464,12 +464,13 @@ async def test_the_command_stream_is_bounded_and_its_depth_reported() -> None:
         tg.cancel_scope.cancel()
 
 
-async def test_module_run_serves_until_every_sender_is_closed() -> None:
+async def test_run_serves_until_every_sender_is_closed() -> None:
     streams: Streams = create_request_stream()
     send, receive = streams
     executor = Executor()
+    owner: StateOwner[State, Command, Effect] = StateOwner(receive, (), apply, executor)
     async with anyio.create_task_group() as tg:
-        await tg.start(state_owner.run, receive, (), apply, executor)
+        await tg.start(owner.run)
         async with send:
             assert await request(send, Do.replying("a", Write("w"))) == "a"
         # every send side closed: the owner's loop ends and run() returns by itself

@@ -74,7 +74,6 @@ __all__ = [
     "StateOwner",
     "create_request_stream",
     "request",
-    "run",
 ]
 
 logger = logging.getLogger(__name__)
@@ -467,29 +466,3 @@ def _answer(req: Request[C], value: object) -> None:
         req.reply.send_nowait(value)
     except (BrokenResourceError, ClosedResourceError, WouldBlock):
         logger.debug("the requester of %s is gone; answer dropped", type(req.command).__name__)
-
-
-async def run(
-    receive: MemoryObjectReceiveStream[Request[C]],
-    state: S,
-    apply: Callable[[S, C], tuple[S, Sequence[E]]],
-    execute: Callable[[E], Awaitable[object]],
-    *,
-    rollback: Rollback[S, E] | None = None,
-    follow_up: FollowUp[E, C] | None = None,
-    command_deadline: float = COMMAND_DEADLINE,
-    execute_batch: ExecuteBatch[E] | None = None,
-    task_status: TaskStatus[None] = TASK_STATUS_IGNORED,
-) -> None:
-    """Run a :class:`StateOwner` over ``receive`` (use the class to read its statistics)."""
-    owner = StateOwner(
-        receive,
-        state,
-        apply,
-        execute,
-        rollback=rollback,
-        follow_up=follow_up,
-        command_deadline=command_deadline,
-        execute_batch=execute_batch,
-    )
-    await owner.run(task_status=task_status)
