@@ -1318,7 +1318,8 @@ class FakeRuntime:
         else:
             async with self._lock:  # containerd nri.go updateFromPlugin takes l.Lock()
                 code, text = self._apply_unsolicited(request)
-        await self._reply(conn, stream_id, code=code, text=text)
+        # Logged before the reply is written (an await): whoever sees the table changed also
+        # sees the call that changed it.
         self.log.append(
             Call(
                 caller="plugin",
@@ -1333,6 +1334,7 @@ class FakeRuntime:
                 connection=conn.number,
             )
         )
+        await self._reply(conn, stream_id, code=code, text=text)
 
     def _apply_unsolicited(self, request: nri.UpdateContainersRequest) -> tuple[int, str]:
         self._evict(request.evict)
