@@ -28,7 +28,10 @@ import anyio.to_thread
 import grpc
 import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from grpclib.exceptions import StreamTerminatedError
 
+from dracpu._gen.dra import v1 as gen_v1
+from dracpu._gen.dra import v1beta1 as gen_v1beta1
 from dracpu.adapters import cdi_files
 from dracpu.config import Config
 from dracpu.core.checkpoint_schema import decode
@@ -48,7 +51,7 @@ from dracpu.errors import (
 )
 from dracpu.sim.topologies import FIXTURES, build_topology
 from dracpu.tasks import kubelet_plugin
-from dracpu.tasks.kubelet_plugin import DraService
+from dracpu.tasks.kubelet_plugin import DraPluginV1, DraPluginV1beta1, DraService, RawMessage
 from dracpu.tasks.node_machine import NodeMachine
 from dracpu.tasks.state_owner import Request, StateOwner, create_request_stream
 from tests.peers import load_pb2, unix_target
@@ -308,6 +311,21 @@ def _call(node: RunningNode, version: str, method: str, refs: list[tuple[str, st
             response_deserializer=resp_cls.FromString,
         )
         return call(request, timeout=CALL_TIMEOUT)
+
+
+def _call_with_status(node: RunningNode, ref: tuple[str, str, str]) -> tuple[Any, grpc.StatusCode]:
+    """A v1 Prepare of one claim: the answer, and the status of the call's trailers."""
+    request = G_V1.NodePrepareResourcesRequest(
+        claims=[G_V1.Claim(namespace=ref[0], uid=ref[1], name=ref[2])]
+    )
+    with grpc.insecure_channel(unix_target(node.socket)) as channel:
+        call = channel.unary_unary(
+            PATHS["v1"]["prepare"],
+            request_serializer=G_V1.NodePrepareResourcesRequest.SerializeToString,
+            response_deserializer=G_V1.NodePrepareResourcesResponse.FromString,
+        )
+        reply, state = call.with_call(request, timeout=CALL_TIMEOUT)
+        return reply, state.code()
 
 
 async def prepare(node: RunningNode, version: str, *refs: tuple[str, str, str]) -> Any:
@@ -689,7 +707,8 @@ async def test_the_answer_does_not_wait_for_the_status_patch(tmp_path: Path) -> 
     claims.add(obj)
     async with running_node(tmp_path, claims) as node:
         with anyio.fail_after(10):
-            reply = await prepare(node, "v1", _ref(obj))
+            reply, code = await anyio.to_thread.run_sync(_call_with_status, node, _ref(obj))
+        assert code == grpc.StatusCode.OK  # the trailers arrived: the call is complete
         assert reply.claims[_ref(obj)[1]].error == ""
         cpus = _env_cpus(node.spec_env(_ref(obj)[1]), _ref(obj)[1])
         assert node.checkpointed() == {_ref(obj)[1]: cpus}
@@ -829,6 +848,199 @@ async def test_a_service_patches_inline_before_its_patch_group_and_not_after_it(
             tg.cancel_scope.cancel()
 
 
+# --- answer first, then patch -------------------------------------------------------------------
+
+
+class FakeCallStream:
+    """The grpclib server stream as the rpc methods use it: one request, then what they send.
+
+    Every step first lets all other tasks run (``wait_all_tasks_blocked``), so a status patch
+    already started by then has reached the claim source before the step is recorded.
+    ``send_gate``: ``send_message`` waits for it (a slow or stuck transport); ``send_error``:
+    ``send_message`` raises it (the kubelet went away).
+    """
+
+    def __init__(
+        self,
+        request: bytes,
+        claims: FakeClaims,
+        *,
+        send_gate: anyio.Event | None = None,
+        send_error: Exception | None = None,
+    ) -> None:
+        self.request = request
+        self.claims = claims
+        self.send_gate = send_gate
+        self.send_error = send_error
+        self.sending = anyio.Event()  # send_message was called
+        self.sent = b""
+        self.steps: list[tuple[str, int]] = []  # (step, PATCH calls begun by then)
+
+    async def recv_message(self) -> RawMessage | None:
+        return RawMessage(self.request)
+
+    async def send_message(self, message: RawMessage) -> None:
+        self.sending.set()
+        if self.send_gate is not None:
+            await self.send_gate.wait()
+        await anyio.wait_all_tasks_blocked()
+        if self.send_error is not None:
+            raise self.send_error
+        self.sent = message.SerializeToString()
+        self.steps.append(("message", len(self.claims.patches)))
+
+    async def send_trailing_metadata(self) -> None:
+        await anyio.wait_all_tasks_blocked()
+        self.steps.append(("trailers", len(self.claims.patches)))
+
+
+async def _patches_settled(node: RunningNode) -> None:
+    with anyio.fail_after(10):  # a patch that never ends fails the test, not the timeout
+        await node.service.wait_status_patches()
+
+
+def _prepare_request(version: str, *refs: tuple[str, str, str]) -> bytes:
+    pb = PEERS[version]
+    claims = [pb.Claim(namespace=ns, uid=uid, name=name) for ns, uid, name in refs]
+    data: bytes = pb.NodePrepareResourcesRequest(claims=claims).SerializeToString()
+    return data
+
+
+async def _serve_prepare(node: RunningNode, version: str, stream: FakeCallStream) -> None:
+    """Run the version's NodePrepareResources rpc method on ``stream``, as grpclib would."""
+    plugin = DraPluginV1(node.service) if version == "v1" else DraPluginV1beta1(node.service)
+    handler = plugin.__mapping__()[PATHS[version]["prepare"]]
+    await handler.func(stream)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+async def test_the_patch_starts_only_after_the_trailers(tmp_path: Path, version: str) -> None:
+    claims = FakeClaims()
+    obj = claim_object("a", [grouped_result("cpudevnuma000", "2", share_id="s-1")])
+    claims.add(obj)
+    ns, uid, name = _ref(obj)
+    async with running_node(tmp_path, claims) as node:
+        stream = FakeCallStream(_prepare_request(version, _ref(obj)), claims)
+
+        await _serve_prepare(node, version, stream)
+
+        # no PATCH had begun while the message or the trailers were being sent
+        assert stream.steps == [("message", 0), ("trailers", 0)]
+        reply = PEERS[version].NodePrepareResourcesResponse.FromString(stream.sent)
+        assert _devices(reply.claims[uid]) == [
+            (["cpu"], NODE, "cpudevnuma000", [f"dra.k8s.io/cpu=claim-{uid}"])
+        ]
+        # share_id (5) in v1 only: read as v1, the v1beta1 answer has none
+        [device] = G_V1.NodePrepareResourcesResponse.FromString(stream.sent).claims[uid].devices
+        assert (device.HasField("share_id"), device.share_id) == (
+            (True, "s-1") if version == "v1" else (False, "")
+        )
+        # ... and once the answer is out, the patch lands
+        await _patches_settled(node)
+        assert _status_cpusets(claims, obj) == [str(node.checkpointed()[uid])]
+        assert (ns, name) in claims.objects
+
+
+async def test_a_patch_starts_even_when_the_answer_cannot_be_sent(tmp_path: Path) -> None:
+    claims = FakeClaims()
+    obj = claim_object("a", [grouped_result("cpudevnuma001", "3")])
+    claims.add(obj)
+    async with running_node(tmp_path, claims) as node:
+        stream = FakeCallStream(
+            _prepare_request("v1", _ref(obj)),
+            claims,
+            send_error=StreamTerminatedError("Connection lost"),
+        )
+        with pytest.raises(StreamTerminatedError):
+            await _serve_prepare(node, "v1", stream)
+        assert stream.steps == []
+        # the claim IS prepared here: its cpuset is recorded all the same
+        await _patches_settled(node)
+        cpus = node.checkpointed()[_ref(obj)[1]]
+        assert _status_cpusets(claims, obj) == [str(cpus)]
+
+
+async def test_a_call_cancelled_while_answering_still_starts_its_patch(tmp_path: Path) -> None:
+    claims = FakeClaims()
+    obj = claim_object("a", [grouped_result("cpudevnuma002", "2")])
+    claims.add(obj)
+    async with running_node(tmp_path, claims) as node:
+        stream = FakeCallStream(_prepare_request("v1", _ref(obj)), claims, send_gate=anyio.Event())
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_serve_prepare, node, "v1", stream)
+            await stream.sending.wait()
+            await anyio.wait_all_tasks_blocked()
+            assert claims.patches == []  # held while the answer is being sent
+            tg.cancel_scope.cancel()  # the deadline passed
+        await _patches_settled(node)
+        assert _status_cpusets(claims, obj) == [str(node.checkpointed()[_ref(obj)[1]])]
+
+
+async def test_unprepare_drops_a_patch_held_for_an_unsent_answer(tmp_path: Path) -> None:
+    claims = FakeClaims()
+    obj = claim_object("a", [grouped_result("cpudevnuma000", "2")])
+    claims.add(obj)
+    gate = anyio.Event()
+    async with running_node(tmp_path, claims) as node:
+        stream = FakeCallStream(_prepare_request("v1", _ref(obj)), claims, send_gate=gate)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_serve_prepare, node, "v1", stream)
+            await stream.sending.wait()
+
+            reply = await unprepare(node, "v1", _ref(obj))
+
+            assert reply.claims[_ref(obj)[1]].error == ""
+            gate.set()
+        assert stream.steps == [("message", 0), ("trailers", 0)]
+        await _patches_settled(node)
+        assert claims.patches == []  # never sent for the freed CPUs
+        assert node.checkpointed() == {}
+
+
+async def test_a_retried_prepare_waits_for_the_held_patch_and_wins(tmp_path: Path) -> None:
+    claims = FakeClaims()
+    obj = claim_object("a", [grouped_result("cpudevnuma003", "2")])
+    claims.add(obj)
+    gate = anyio.Event()
+    async with running_node(tmp_path, claims) as node:
+        stream = FakeCallStream(_prepare_request("v1", _ref(obj)), claims, send_gate=gate)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_serve_prepare, node, "v1", stream)
+            await stream.sending.wait()
+
+            again = await prepare(node, "v1beta1", _ref(obj))  # the kubelet retries
+
+            assert again.claims[_ref(obj)[1]].error == ""
+            await anyio.wait_all_tasks_blocked()
+            assert claims.patches == []  # the retry's patch waits for the held one
+            gate.set()
+        await _patches_settled(node)
+        # the first call's patch was dropped unsent; the retry's landed
+        assert len(claims.patches) == 1
+        assert _status_cpusets(claims, obj) == [str(node.checkpointed()[_ref(obj)[1]])]
+
+
+async def test_a_patch_held_when_the_task_stops_is_never_sent(tmp_path: Path) -> None:
+    claims = FakeClaims()
+    obj = claim_object("a", [grouped_result("cpudevnuma000", "2")])
+    claims.add(obj)
+    gate = anyio.Event()
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            async with running_node(tmp_path, claims) as node:
+                stream = FakeCallStream(_prepare_request("v1", _ref(obj)), claims, send_gate=gate)
+                tg.start_soon(_serve_prepare, node, "v1", stream)
+                await stream.sending.wait()
+                await anyio.wait_all_tasks_blocked()
+                assert claims.patches == []  # held while the answer is being sent
+            # the kubelet-plugin task has stopped; the call still finishes its answer
+            gate.set()
+    assert stream.steps == [("message", 0), ("trailers", 0)]
+    await _patches_settled(node)
+    assert claims.patches == []
+    assert _status_cpusets(claims, obj) == []
+
+
 # --- the socket ---------------------------------------------------------------------------------
 
 
@@ -894,6 +1106,69 @@ async def test_unknown_method_is_unimplemented_and_server_keeps_serving(tmp_path
         assert await anyio.to_thread.run_sync(call_v1alpha4) == grpc.StatusCode.UNIMPLEMENTED
         reply = await prepare(node, "v1", _ref(obj))
         assert reply.claims[_ref(obj)[1]].error == ""
+
+
+def test_method_paths_are_the_generated_services() -> None:
+    send, receive = _command_stream()
+    with send, receive:
+        service = DraService(send, FakeClaims(), NODE)
+        assert set(DraPluginV1(service).__mapping__()) == set(gen_v1.DraPluginBase().__mapping__())
+        assert set(DraPluginV1beta1(service).__mapping__()) == set(
+            gen_v1beta1.DraPluginBase().__mapping__()
+        )
+    assert set(PATHS["v1"].values()) == set(gen_v1.DraPluginBase().__mapping__())
+
+
+GARBAGE = {
+    "truncated": bytes.fromhex("0a 0a 0a 02 6e 73"),
+    "bad varint": bytes.fromhex("0a ffffffffffffffffffff01"),
+    "invalid UTF-8": bytes.fromhex("0a 03 12 01 ff"),
+    "huge length": bytes.fromhex("0a ffffffff0f 00"),
+    "bad wire type": bytes.fromhex("0f"),
+}
+
+
+async def test_undecodable_requests_are_invalid_argument_and_serving_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    claims = FakeClaims()
+    obj = claim_object("a", [grouped_result("cpudevnuma000", "1")])
+    claims.add(obj)
+    async with running_node(tmp_path, claims) as node:
+
+        def call_raw(path: str, data: bytes) -> tuple[grpc.StatusCode, str]:
+            with grpc.insecure_channel(unix_target(node.socket)) as channel:
+                call = channel.unary_unary(path)  # no serializers: bytes go out as they are
+                with pytest.raises(grpc.RpcError) as info:
+                    call(data, timeout=CALL_TIMEOUT)
+                code: grpc.StatusCode = info.value.code()
+                details: str = info.value.details()
+                return code, details
+
+        for version in VERSIONS:
+            for method, message in (
+                ("prepare", "NodePrepareResourcesRequest"),
+                ("unprepare", "NodeUnprepareResourcesRequest"),
+            ):
+                for case, data in GARBAGE.items():
+                    path = PATHS[version][method]
+                    code, details = await anyio.to_thread.run_sync(call_raw, path, data)
+                    assert code == grpc.StatusCode.INVALID_ARGUMENT, (path, case)
+                    assert details.startswith(f"malformed {message}: protobuf: "), details
+        assert claims.gets == 0  # nothing was prepared from a garbled request
+        reply = await prepare(node, "v1", _ref(obj))
+        assert reply.claims[_ref(obj)[1]].error == ""
+    refused = [r for r in caplog.records if "refusing a Node" in r.getMessage()]
+    assert len(refused) == 2 * 2 * len(GARBAGE)
+    assert all(r.levelname == "WARNING" for r in refused)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]  # no "Application error"
+
+
+async def test_empty_request_gets_an_empty_answer(tmp_path: Path) -> None:
+    async with running_node(tmp_path) as node:
+        for version in VERSIONS:
+            assert dict((await prepare(node, version)).claims) == {}
+            assert dict((await unprepare(node, version)).claims) == {}
 
 
 async def test_requests_use_the_owner_stream_request_type(tmp_path: Path) -> None:
