@@ -204,7 +204,8 @@ class Config:
 
     @property
     def checkpoint_path(self) -> Path:
-        """The checkpoint file: ``<state_dir>/checkpoint.json``."""
+        """The checkpoint's slot 0: ``<state_dir>/checkpoint.json``; slot 1 (``checkpoint.1.json``)
+        is derived from it (:func:`dracpu.adapters.checkpoint_file.slot_paths`)."""
         return self.state_dir / CHECKPOINT_FILE
 
 

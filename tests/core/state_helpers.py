@@ -103,7 +103,7 @@ class FakeDisk:
     compensations included) that raises instead of happening."""
 
     cdi: dict[str, CpuSet] = field(default_factory=dict)
-    checkpoint: bytes = field(default_factory=lambda: encode(CheckpointData()))
+    checkpoint: bytes = field(default_factory=lambda: encode(CheckpointData(), 1))
     slices: Topology | None = None
     fail_at: int | None = None
     executed: int = 0
@@ -125,7 +125,7 @@ class FakeDisk:
                 for key in [k for k in self.cdi if k not in keep]:
                     del self.cdi[key]
             case WriteCheckpoint(checkpoint=data):
-                self.checkpoint = encode(data)
+                self.checkpoint = encode(data, decode(self.checkpoint).sequence + 1)
             case PublishSlices(topology=topology):
                 self.slices = topology
             case UpdateContainers(updates=updates):
@@ -134,7 +134,7 @@ class FakeDisk:
                 pass
 
     def claims(self) -> dict[str, PreparedClaim]:
-        return dict(decode(self.checkpoint).claims)
+        return dict(decode(self.checkpoint).data.claims)
 
 
 def run(state: NodeState, command: Command, disk: FakeDisk) -> tuple[NodeState, object]:

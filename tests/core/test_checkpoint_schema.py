@@ -14,6 +14,7 @@ from dracpu.core.checkpoint_schema import (
     CHECKPOINT_VERSION,
     CheckpointData,
     PreparedClaim,
+    StoredCheckpoint,
     decode,
     encode,
 )
@@ -63,22 +64,30 @@ def rewrite(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
-def test_round_trip_keeps_every_field() -> None:
+def claims_of(raw: bytes) -> dict[str, PreparedClaim]:
+    return dict(decode(raw).data.claims)
+
+
+def test_round_trip_keeps_every_field_and_the_sequence() -> None:
     data = sample()
-    assert dict(decode(encode(data)).claims) == dict(data.claims)
+    stored = decode(encode(data, 41))
+    assert dict(stored.data.claims) == dict(data.claims)
+    assert stored.sequence == 41
 
 
 def test_empty_round_trip() -> None:
-    raw = encode(CheckpointData())
-    assert dict(decode(raw).claims) == {}
+    raw = encode(CheckpointData(), 1)
+    assert decode(raw) == StoredCheckpoint(CheckpointData(), 1)
     doc = json.loads(raw)
-    assert doc["version"] == CHECKPOINT_VERSION == 1
+    assert doc["version"] == CHECKPOINT_VERSION == 2
     assert doc["claims"] == {}
+    assert doc["sequence"] == 1
 
 
 def test_layout_is_the_documented_one() -> None:
-    doc = json.loads(encode(sample()))
-    assert set(doc) == {"version", "checksum", "claims"}
+    doc = json.loads(encode(sample(), 7))
+    assert set(doc) == {"version", "checksum", "claims", "sequence"}
+    assert doc["sequence"] == 7
     assert doc["checksum"].startswith("sha256:")
     assert doc["claims"][UID_A] == {
         "cpus": "4-5",
@@ -100,7 +109,7 @@ def test_layout_is_the_documented_one() -> None:
 
 
 def test_checksum_is_sha256_of_canonical_payload() -> None:
-    raw = encode(sample())
+    raw = encode(sample(), 3)
     doc = json.loads(raw)
     checksum = doc.pop("checksum")
     canonical = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
@@ -108,13 +117,46 @@ def test_checksum_is_sha256_of_canonical_payload() -> None:
 
 
 def test_encoding_is_deterministic() -> None:
-    assert encode(sample()) == encode(sample())
+    assert encode(sample(), 5) == encode(sample(), 5)
+    assert encode(sample(), 5) != encode(sample(), 6)
 
 
-def test_encoding_is_canonical_json() -> None:
-    raw = encode(sample())
+@pytest.mark.parametrize("sequence", [1, 9, 10, 2**63])
+def test_encoding_is_canonical_json(sequence: int) -> None:
+    raw = encode(sample(), sequence)
     canonical = json.dumps(json.loads(raw), sort_keys=True, separators=(",", ":")).encode()
     assert raw == canonical + b"\n"
+
+
+@pytest.mark.parametrize("sequence", [0, -1, True, 1.0, "1"])
+def test_encoding_refuses_a_sequence_below_one(sequence: object) -> None:
+    with pytest.raises(CheckpointError, match="sequence must be an integer >= 1"):
+        encode(sample(), sequence)  # type: ignore[arg-type]
+
+
+def test_sequence_is_covered_by_the_checksum() -> None:
+    doc = json.loads(encode(sample(), 4))
+    doc["sequence"] = 5  # a newer number on older content: must not pass
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        decode(json.dumps(doc).encode())
+
+
+def test_version_1_documents_decode_as_sequence_0() -> None:
+    # What earlier dracpu builds wrote: the same layout without "sequence".
+    doc = json.loads(encode(sample(), 1))
+    del doc["sequence"]
+    doc["version"] = 1
+    stored = decode(rewrite(doc))
+    assert stored.sequence == 0
+    assert dict(stored.data.claims) == dict(sample().claims)
+
+
+def test_trailing_spaces_pad_a_valid_document() -> None:
+    # A slot overwritten by a shorter document keeps its size with spaces after the newline.
+    raw = encode(sample(), 2)
+    padded = raw + b" " * 3000
+    assert json.loads(padded) == json.loads(raw)
+    assert decode(padded) == decode(raw)
 
 
 def test_encoding_follows_changes_of_shared_claims() -> None:
@@ -122,15 +164,15 @@ def test_encoding_follows_changes_of_shared_claims() -> None:
     claims = dict(first.claims)
     claims[UID_B] = replace(claims[UID_B], cpus=CpuSet.parse("9"))
     second = CheckpointData(MappingProxyType(claims))
-    assert decode(encode(first)).claims[UID_B].cpus == CpuSet.parse("8,12")
-    assert decode(encode(second)).claims[UID_B].cpus == CpuSet.parse("9")
-    assert decode(encode(first)).claims[UID_A] == decode(encode(second)).claims[UID_A]
+    assert claims_of(encode(first, 1))[UID_B].cpus == CpuSet.parse("8,12")
+    assert claims_of(encode(second, 2))[UID_B].cpus == CpuSet.parse("9")
+    assert claims_of(encode(first, 3))[UID_A] == claims_of(encode(second, 4))[UID_A]
 
 
 def test_whitespace_changes_do_not_break_the_checksum() -> None:
-    doc = json.loads(encode(sample()))
+    doc = json.loads(encode(sample(), 8))
     pretty = json.dumps(doc, indent=4).encode()
-    assert dict(decode(pretty).claims) == dict(sample().claims)
+    assert decode(pretty) == StoredCheckpoint(sample(), 8)
 
 
 @pytest.mark.parametrize(
@@ -142,8 +184,15 @@ def test_whitespace_changes_do_not_break_the_checksum() -> None:
         (b"[]", "must be a JSON object"),
         (b'{"claims": {}}', "no integer 'version'"),
         (b'{"version": "1", "claims": {}}', "no integer 'version'"),
-        (b'{"version": 2, "claims": {}, "checksum": "sha256:00"}', "version 2 is unknown"),
+        (b'{"version": 3, "claims": {}, "checksum": "sha256:00"}', "version 3 is unknown"),
+        (b'{"version": 0, "claims": {}, "checksum": "sha256:00"}', "version 0 is unknown"),
         (b'{"version": 1, "claims": {}}', "keys must be"),
+        (b'{"version": 2, "claims": {}, "checksum": "sha256:00"}', "version 2 keys must be"),
+        (b'{"version": 1, "claims": {}, "checksum": "x", "sequence": 1}', "1 keys must be"),
+        (b'{"version": 2, "claims": {}, "checksum": "x", "sequence": 0}', "sequence must be"),
+        (b'{"version": 2, "claims": {}, "checksum": "x", "sequence": "1"}', "sequence must be"),
+        (b'{"version": 2, "claims": {}, "checksum": "x", "sequence": true}', "sequence must be"),
+        (b'{"version": 2, "claims": {}, "checksum": "x", "sequence": 1.0}', "sequence must be"),
         (b'{"version": 1, "claims": {}, "checksum": 5}', "is not 'sha256:<64 hex digits>'"),
         (b'{"version": 1, "claims": {}, "checksum": "md5:abc"}', "is not 'sha256"),
     ],
@@ -154,35 +203,35 @@ def test_refused_documents(raw: bytes, message: str) -> None:
 
 
 def test_wrong_checksum_is_refused() -> None:
-    doc = json.loads(encode(sample()))
+    doc = json.loads(encode(sample(), 1))
     doc["claims"][UID_A]["cpus"] = "4-6"  # content changed, checksum kept
     with pytest.raises(CheckpointError, match="checksum mismatch"):
         decode(json.dumps(doc).encode())
 
 
 def test_every_flipped_byte_is_detected() -> None:
-    raw = encode(sample())
+    raw = encode(sample(), 12)
     for index in range(len(raw) - 1):  # the final newline is whitespace
         for bit in (0x01, 0x20):
             tampered = bytearray(raw)
             tampered[index] ^= bit
             try:
-                data = decode(bytes(tampered))
+                stored = decode(bytes(tampered))
             except CheckpointError:
                 continue
             # Only a flip that keeps the same JSON content may pass (e.g. whitespace).
-            assert dict(data.claims) == dict(sample().claims), (index, bit)
+            assert stored == StoredCheckpoint(sample(), 12), (index, bit)
 
 
 def test_every_truncation_is_detected() -> None:
-    raw = encode(sample()).rstrip(b"\n")
+    raw = encode(sample(), 1).rstrip(b"\n")
     for length in range(len(raw)):
         with pytest.raises(CheckpointError):
             decode(raw[:length])
 
 
 def bad_claim(**changes: Any) -> bytes:
-    doc = json.loads(encode(sample()))
+    doc = json.loads(encode(sample(), 1))
     claim = doc["claims"][UID_A]
     for key, value in changes.items():
         if value is KeyError:
@@ -224,28 +273,28 @@ def test_refused_claims(changes: dict[str, Any], message: str) -> None:
     ],
 )
 def test_refused_results(field: str, value: object, message: str) -> None:
-    doc = json.loads(encode(sample()))
+    doc = json.loads(encode(sample(), 1))
     doc["claims"][UID_A]["results"][0][field] = value
     with pytest.raises(CheckpointError, match=message):
         decode(rewrite(doc))
 
 
 def test_overlapping_claims_are_refused() -> None:
-    doc = json.loads(encode(sample()))
+    doc = json.loads(encode(sample(), 1))
     doc["claims"][UID_B]["cpus"] = "5,8"
     with pytest.raises(CheckpointError, match="cpus 5 that another claim holds"):
         decode(rewrite(doc))
 
 
 def test_empty_uid_is_refused() -> None:
-    doc = json.loads(encode(sample()))
+    doc = json.loads(encode(sample(), 1))
     doc["claims"][""] = doc["claims"].pop(UID_A)
     with pytest.raises(CheckpointError, match="empty UID"):
         decode(rewrite(doc))
 
 
 def test_claims_object_must_be_an_object() -> None:
-    doc = json.loads(encode(sample()))
+    doc = json.loads(encode(sample(), 1))
     doc["claims"] = []
     with pytest.raises(CheckpointError, match="'claims' must be an object"):
         decode(rewrite(doc))
@@ -278,10 +327,12 @@ _text = st.text(max_size=12)
             ),
         ),
         max_size=6,
-    )
+    ),
+    st.integers(1, 2**64),
 )
 def test_round_trip_property(
     raw: dict[str, tuple[CpuSet, str, str, CpuSet | None, list[DeviceResult]]],
+    sequence: int,
 ) -> None:
     claims: dict[str, PreparedClaim] = {}
     held = CpuSet()
@@ -293,7 +344,8 @@ def test_round_trip_property(
         ordered = tuple(sorted(results, key=DeviceResult.sort_key))
         claims[uid] = PreparedClaim(uid, cpus, ns, name, mems, ordered)
     data = CheckpointData(MappingProxyType(claims))
-    assert dict(decode(encode(data)).claims) == claims
+    stored = decode(encode(data, sequence))
+    assert (dict(stored.data.claims), stored.sequence) == (claims, sequence)
 
 
 @pytest.mark.parametrize("depth", [600, 990, 100_000])

@@ -773,7 +773,7 @@ def test_restore_round_trip_through_the_checkpoint() -> None:
     state, _, _ = ok(state, grouped(1, ("cpudevnuma000", 3)))
     second = grouped(2, ("cpudevnuma001", 2), ("cpudevnuma000", 1))
     state, _, _ = ok(state, second)
-    restored, rejected = restore_state(GROUPED, decode(encode(state.checkpoint())))
+    restored, rejected = restore_state(GROUPED, decode(encode(state.checkpoint(), 1)).data)
     assert rejected == ()
     assert restored == NodeState(GROUPED, state.claims, state.claimed)
     check_invariants(restored)
@@ -801,7 +801,7 @@ def test_restore_drops_a_claim_whose_uid_is_not_a_uuid() -> None:
     state, _, _ = ok(state, individual(INDIVIDUAL, 1, [4]))
     bad = PreparedClaim("../../etc", cpus("5"))
     data = CheckpointData({**state.claims, bad.claim_uid: bad})
-    restored, rejected = restore_state(INDIVIDUAL, decode(encode(data)))
+    restored, rejected = restore_state(INDIVIDUAL, decode(encode(data, 1)).data)
     assert set(restored.claims) == {uid(1)}
     assert restored.claimed == cpus("4")
     assert rejected == (("../../etc", "malformed record"),)
@@ -845,7 +845,7 @@ def test_failure_at_any_commit_effect_keeps_the_old_state_on_disk(
     for fail_at in range(len(commit)):
         disk = FakeDisk(
             cdi={u: c.cpus for u, c in state.claims.items()},
-            checkpoint=encode(state.checkpoint()),
+            checkpoint=encode(state.checkpoint(), 1),
             fail_at=fail_at,
         )
         kept, value = run(state, command, disk)
@@ -861,7 +861,7 @@ def test_success_leaves_the_new_state_on_disk(
     case: str, state: NodeState, command: Command
 ) -> None:
     disk = FakeDisk(
-        cdi={u: c.cpus for u, c in state.claims.items()}, checkpoint=encode(state.checkpoint())
+        cdi={u: c.cpus for u, c in state.claims.items()}, checkpoint=encode(state.checkpoint(), 1)
     )
     new, value = run(state, command, disk)
     assert not isinstance(value, DracpuError), (case, value)

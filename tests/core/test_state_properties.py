@@ -248,7 +248,7 @@ def test_random_commands_keep_the_invariants_and_the_disk(name: str, data: st.Da
         disk_matches(kept, disk)
         state = kept
     # a restart restores exactly the claims from the checkpoint on disk
-    restored, rejected = restore_state(state.config, decode(disk.checkpoint))
+    restored, rejected = restore_state(state.config, decode(disk.checkpoint).data)
     assert rejected == ()
     assert restored.claims == state.claims
     assert restored.claimed == state.claimed
@@ -261,7 +261,7 @@ def test_checkpoint_round_trip_of_random_states(data: st.DataObject) -> None:
     state = NodeState.initial(CONFIGS["numa"])
     for _ in range(data.draw(st.integers(1, 15))):
         state, _ = apply(state, draw_prepare(data, state))
-    restored, rejected = restore_state(state.config, decode(encode(state.checkpoint())))
+    restored, rejected = restore_state(state.config, decode(encode(state.checkpoint(), 1)).data)
     assert rejected == ()
     assert restored == replace(
         NodeState.initial(state.config), claims=state.claims, claimed=state.claimed

@@ -1,6 +1,7 @@
 """Crash safety on the real daemon (design §3): claims survive SIGKILL through the checkpoint, the
-CDI specs come back at start, a corrupt checkpoint is moved aside and the claims adopted from
-their CDI specs, and NRI ``Synchronize`` re-pins the running containers."""
+CDI specs come back at start, a torn checkpoint slot falls back to the other slot, a corrupt
+checkpoint (both slots) is moved aside and the claims adopted from their CDI specs, and NRI
+``Synchronize`` re-pins the running containers."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ async def test_a_killed_daemon_keeps_its_claims_and_repins_containers_at_synchro
         assert cpus(sim.cpus_of(container.id)) == held
         shared = {cid: cpus(sim.cpus_of(cid)) for cid in sim.shared_ids()}
         assert shared == dict.fromkeys(sim.shared_ids(), node_cpus(sim) - held)
-        assert "restored 1 prepared claims from " + str(sim.paths.checkpoint) in (
+        assert "restored 1 prepared claims from " + str(sim.paths.checkpoint_slots[0]) in (
             sim.daemon.messages()
         )
 
@@ -109,21 +110,58 @@ async def test_an_orphan_spec_that_conflicts_with_a_claim_is_removed_at_start() 
         )
 
 
+async def test_a_torn_newest_slot_falls_back_to_the_other_and_adopts_the_lost_claim() -> None:
+    async with open_node_sim() as sim:
+        await sim.wait_published()
+        first = sim.allocate("first", 2, device="cpudevnuma000")
+        second = sim.allocate("second", 3, device="cpudevnuma001")
+        held = {first.uid: await _prepare(sim, first), second.uid: await _prepare(sim, second)}
+        older, newest = sim.paths.checkpoint_slots  # two writes: slot 0, then slot 1
+        assert sim.paths.checkpoint == newest
+        assert await sim.daemon.kill() == -9
+
+        # The power failed in the middle of the second claim's checkpoint write.
+        torn = newest.read_bytes()[:150]
+        newest.write_bytes(torn)
+        await sim.start_daemon()
+
+        assert (sim.paths.state_dir / "checkpoint.1.json.corrupt-1").read_bytes() == torn
+        assert any(
+            m.startswith(f"checkpoint {newest} is unusable") and f"using {older} (sequence 1)" in m
+            for m in sim.daemon.messages("warning")
+        )
+        assert sim.daemon.messages("error") == []
+        saved = checkpoint_claims(sim.paths.checkpoint)
+        assert {uid: cpus(c["cpus"]) for uid, c in saved.items()} == held
+        assert saved[first.uid]["results"] != []  # from the older slot
+        assert saved[second.uid]["results"] == []  # adopted from its CDI spec
+        assert await _prepare(sim, second) == held[second.uid]  # the kubelet's retry
+
+
 async def test_a_corrupt_checkpoint_is_moved_aside_and_claims_are_adopted_from_cdi() -> None:
     async with open_node_sim() as sim:
         numa0 = node_cpus(sim, numa=0)
         await sim.wait_published()
         claim = sim.allocate("adoptee", 4, device="cpudevnuma000")
         held = await _prepare(sim, claim)
+        # Two more checkpoint writes, so that both slots hold the claim.
+        other = sim.allocate("other", 2, device="cpudevnuma001")
+        await _prepare(sim, other)
+        assert (await sim.unprepare(other))[other.uid] == ""
+        for slot in sim.paths.checkpoint_slots:
+            assert claim.uid in checkpoint_claims(slot)
         assert await sim.daemon.kill() == -9
 
-        corrupt = sim.paths.checkpoint.read_bytes()[:-20]  # a torn write
-        sim.paths.checkpoint.write_bytes(corrupt)
+        # Torn writes (the spaces that pad a slot are not content: cut into the document).
+        corrupt = [slot.read_bytes().rstrip(b" ")[:-20] for slot in sim.paths.checkpoint_slots]
+        for slot, raw in zip(sim.paths.checkpoint_slots, corrupt, strict=True):
+            slot.write_bytes(raw)
         await sim.start_daemon()
 
-        moved = sim.paths.state_dir / "checkpoint.json.corrupt-1"
-        assert moved.read_bytes() == corrupt
-        assert any(m.startswith("checkpoint ") for m in sim.daemon.messages("error"))
+        for slot, raw in zip(sim.paths.checkpoint_slots, corrupt, strict=True):
+            assert slot.with_name(slot.name + ".corrupt-1").read_bytes() == raw
+        errors = [m for m in sim.daemon.messages("error") if m.startswith("checkpoint ")]
+        assert len(errors) == 2
         assert f"adopted 1 claims from CDI specs the checkpoint lacked: ['{claim.uid}']" in (
             sim.daemon.messages("warning")
         )

@@ -32,9 +32,8 @@ from grpclib.exceptions import StreamTerminatedError
 
 from dracpu._gen.dra import v1 as gen_v1
 from dracpu._gen.dra import v1beta1 as gen_v1beta1
-from dracpu.adapters import cdi_files
+from dracpu.adapters import cdi_files, checkpoint_file
 from dracpu.config import Config
-from dracpu.core.checkpoint_schema import decode
 from dracpu.core.commands import Command, DeviceResult, PrepareClaim
 from dracpu.core.cpuset import EMPTY, CpuSet
 from dracpu.core.effects import (
@@ -254,7 +253,10 @@ class RunningNode:
         return env
 
     def checkpointed(self) -> dict[str, CpuSet]:
-        return {uid: c.cpus for uid, c in decode(self.checkpoint.read_bytes()).claims.items()}
+        """The claims of the newest checkpoint (of its two slot files)."""
+        stored = checkpoint_file.read_newest(self.checkpoint)
+        assert stored is not None, f"no checkpoint next to {self.checkpoint}"
+        return {uid: c.cpus for uid, c in stored.data.claims.items()}
 
 
 @asynccontextmanager

@@ -15,7 +15,12 @@ import pytest
 
 from dracpu.adapters import cdi_files, checkpoint_file
 from dracpu.config import Config
-from dracpu.core.checkpoint_schema import CheckpointData, PreparedClaim, decode, encode
+from dracpu.core.checkpoint_schema import (
+    CheckpointData,
+    PreparedClaim,
+    StoredCheckpoint,
+    decode,
+)
 from dracpu.core.commands import (
     DeviceResult,
     InvalidateContainers,
@@ -36,7 +41,7 @@ from dracpu.core.effects import (
     WriteCheckpoint,
 )
 from dracpu.core.slices import CpuDeviceMode
-from dracpu.core.state import commit_phase
+from dracpu.core.state import NodeState, commit_phase
 from dracpu.errors import CheckpointError, DracpuError
 from dracpu.tasks.node_machine import NodeMachine
 from dracpu.tasks.slice_publisher import republish_channel
@@ -64,12 +69,14 @@ def _config(trees: SysfsTrees, scratch: Path, **changes: object) -> Config:
 
 def _checkpoint(config: Config, *claims: PreparedClaim) -> None:
     data = CheckpointData({c.claim_uid: c for c in claims})
-    checkpoint_file.write_checkpoint(config.checkpoint_path, encode(data))
+    checkpoint_file.CheckpointStore(config.checkpoint_path).write(data)
 
 
 def _saved(config: Config) -> dict[str, CpuSet]:
-    data = decode(config.checkpoint_path.read_bytes())
-    return {uid: claim.cpus for uid, claim in data.claims.items()}
+    """The claims of the newest checkpoint on disk (there must be one)."""
+    stored = checkpoint_file.read_newest(config.checkpoint_path)
+    assert stored is not None, "no checkpoint written"
+    return {uid: claim.cpus for uid, claim in stored.data.claims.items()}
 
 
 def _names(directory: Path) -> list[str]:
@@ -91,7 +98,10 @@ async def test_a_fresh_node_restores_empty_and_hands_its_devices_to_the_publishe
         assert dict(state.claims) == {}
         assert [d.name for d in machine.devices()] == [f"cpudevnuma00{n}" for n in range(4)]
         assert receive.receive_nowait() == "resync"
-    assert not (scratch / "state" / "checkpoint.json").exists()  # nothing to persist yet
+    # nothing to persist yet: no slot written
+    assert not any(
+        p.exists() for p in checkpoint_file.slot_paths(scratch / "state" / "checkpoint.json")
+    )
 
 
 async def test_restore_keeps_fitting_claims_drops_others_and_rewrites_specs(
@@ -156,6 +166,57 @@ async def test_an_unreadable_checkpoint_fails_the_restore(trees: SysfsTrees, scr
     config.checkpoint_path.mkdir(parents=True)  # a directory where the file should be
     with pytest.raises(CheckpointError, match="cannot read checkpoint"):
         await NodeMachine(config).restore()
+
+
+async def _prepare(machine: NodeMachine, state: NodeState, command: PrepareClaim) -> NodeState:
+    """A Prepare's commit phase through the machine (CDI spec, checkpoint); the new state."""
+    new, effects = machine.apply(state, command)
+    commit, reply, _ = commit_phase(effects)
+    assert isinstance(reply.value, ClaimPrepared)
+    await machine.execute_batch(commit, [])
+    return new
+
+
+async def test_prepares_checkpoint_into_alternate_slots_and_a_restart_takes_the_newest(
+    trees: SysfsTrees, scratch: Path
+) -> None:
+    config = _config(trees, scratch)
+    machine = NodeMachine(config)
+    state = await machine.restore()
+    state = await _prepare(machine, state, _grouped(UID_A, 2))
+    state = await _prepare(machine, state, _grouped(UID_B, 3))
+    zero, one = checkpoint_file.slot_paths(config.checkpoint_path)
+    assert dict(decode(zero.read_bytes()).data.claims) == {UID_A: state.claims[UID_A]}
+    assert decode(one.read_bytes()) == StoredCheckpoint(state.checkpoint(), 2)
+    restarted = await NodeMachine(config).restore()
+    assert dict(restarted.claims) == dict(state.claims)
+
+
+async def test_a_prepare_whose_checkpoint_write_was_torn_is_adopted_from_its_cdi_spec(
+    trees: SysfsTrees, scratch: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = _config(trees, scratch)
+    machine = NodeMachine(config)
+    state = await machine.restore()
+    state = await _prepare(machine, state, _grouped(UID_A, 2))
+    state = await _prepare(machine, state, _grouped(UID_B, 3))
+    # The power failed in the middle of B's checkpoint write (after its CDI spec was written):
+    # that write was never acknowledged, so the kubelet still thinks B is unprepared.
+    zero, one = checkpoint_file.slot_paths(config.checkpoint_path)
+    one.write_bytes(one.read_bytes()[:100])
+    with caplog.at_level(logging.WARNING, logger="dracpu"):
+        restarted = await NodeMachine(config).restore()
+    assert {uid: c.cpus for uid, c in restarted.claims.items()} == {
+        uid: c.cpus for uid, c in state.claims.items()
+    }
+    assert restarted.claims[UID_A] == state.claims[UID_A]  # from the checkpoint, with results
+    assert restarted.claims[UID_B].results == ()  # adopted from its spec: the kubelet's retry
+    assert _saved(config) == {uid: c.cpus for uid, c in state.claims.items()}
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(f"using {zero} (sequence 1)" in m for m in messages)
+    assert any(
+        f"adopted 1 claims from CDI specs the checkpoint lacked: ['{UID_B}']" in m for m in messages
+    )
 
 
 async def test_desired_specs_follow_the_command_in_flight(trees: SysfsTrees, scratch: Path) -> None:
@@ -318,10 +379,10 @@ async def test_a_failed_adoption_fails_the_start_and_keeps_the_specs(
     cdi_files.write_spec(config.cdi_dir, UID_B, CpuSet.parse("8-9"))  # only its spec knows it
     before = _saved(config)
 
-    def disk_full(path: Path, data: bytes, **_: object) -> None:
-        raise CheckpointError(f"cannot write checkpoint {path}: No space left on device")
+    def disk_full(store: checkpoint_file.CheckpointStore, data: CheckpointData) -> None:
+        raise CheckpointError(f"cannot write checkpoint {store.path}: No space left on device")
 
-    monkeypatch.setattr(checkpoint_file, "write_checkpoint", disk_full)
+    monkeypatch.setattr(checkpoint_file.CheckpointStore, "write", disk_full)
     with pytest.raises(DracpuError, match=r"start-up AdoptClaims failed, not starting: .*No space"):
         await NodeMachine(config).restore()
     # Neither rolled back nor pruned: the next start can still adopt the claim.

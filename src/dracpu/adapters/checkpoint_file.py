@@ -1,30 +1,65 @@
-"""The checkpoint file: atomic writes, and a restore that never loses a bad file (design §3).
+"""The checkpoint on disk: two slot files overwritten in place in turn, and a restore that never
+loses a bad file (design §3; see docs/architecture.md for why it is not a rename).
 
-Write: a temp file in the SAME directory (``.checkpoint.json.<random>.tmp``, never ending in
-``.json``), the bytes, ``fsync``, ``rename`` over the checkpoint, ``fsync`` of the directory.
-A crash at any point leaves either the old or the new checkpoint, whole. The file is mode 0600;
-a missing directory is created 0700.
+Slots: slot 0 is the configured checkpoint path (``<state-dir>/checkpoint.json``: the single
+file of earlier dracpu builds simply is slot 0), slot 1 is ``checkpoint.1.json`` next to it
+(:func:`slot_paths`; still a ``.json`` document, and not ``checkpoint.json.1``, which reads like
+a rotated backup that is safe to delete). Each slot holds one complete, self-validating
+checkpoint document (:mod:`dracpu.core.checkpoint_schema`: SHA-256 checksum over everything,
+including the write's ``sequence``). Both are mode 0600; a missing directory is created 0700.
 
-Restore: no file → empty state. A file that does not decode (corrupt, truncated, unknown
-version) is moved aside to ``<name>.corrupt-<n>`` (the lowest free ``n``: an earlier moved file
-is never overwritten, nothing is deleted), an error is logged, and the state starts empty. A file
-that cannot be read at all (permissions, I/O error) raises :class:`CheckpointError`: starting
-empty over a checkpoint we merely failed to read would lose claims.
+Write (:meth:`CheckpointStore.write`): the document gets the next sequence number and goes IN
+PLACE into the slot that does NOT hold the newest valid checkpoint: ``pwrite`` at offset 0, then
+``fdatasync``. No new inode, no rename, no directory change: a 1.2 KB checkpoint (5 claims) is
+encoded and durable in 0.21-0.26 ms (p50, ext4, ``bench/bench_state.py``) instead of
+0.73-0.81 ms with the temp-file-and-rename it replaces. At every instant the newest acknowledged
+checkpoint is whole in one slot, and a write torn by a power loss (any mix of old and new
+sectors) can only damage the other slot, whose new content was never acknowledged. Sizes:
 
-These functions are synchronous and small; the state owner calls them via ``anyio.to_thread``.
+- shorter document than the slot held: padded with ASCII spaces after its final newline up to
+  the old content's end, so the file stays ONE JSON document (trailing whitespace is valid JSON)
+  and its size does not change (the fast ``fdatasync`` path). The store remembers how far each
+  slot's content reaches (bytes beyond are spaces already); when it does not know (after a
+  failed write), the file size counts. The hot path never truncates.
+- longer: the file grows (``fdatasync`` makes the new size durable too), rounded up to
+  :data:`GROWTH_STEP` with spaces so that a checkpoint growing claim by claim grows the file
+  only every few kilobytes;
+- no file yet: created (``O_CREAT|O_EXCL``, 0600), written, ``fsync``, then the directory is
+  fsynced so the new entry is durable (only on creation).
+
+A failed write raises :class:`CheckpointError` naming the file and changes nothing in what the
+store takes for the newest slot: the next write (the state owner's rollback) goes to the same
+slot again, with the same sequence number. Its first byte is overwritten (best effort) so that the
+slot does not decode: a write that failed in ``fdatasync`` has its complete new document in the
+page cache, and a restart must not take that unacknowledged document for the newest.
+
+Restore (:meth:`CheckpointStore.restore`): both slots are read first; one that exists but
+cannot be read (permissions, I/O error, a directory in the way) raises :class:`CheckpointError`
+(starting empty over a checkpoint we merely failed to read would lose claims). The valid slot
+with the highest sequence wins (a tie cannot happen; if it does, slot 0 wins, with a warning),
+except that a version-1 slot 0 beats a slot 1 of sequence >= 2 (an earlier build wrote it after
+a downgrade: see :data:`_DOWNGRADE_SEQUENCE`).
+A slot that does not decode is moved aside to ``<name>.corrupt-<n>`` (the lowest free ``n``:
+never overwritten, never deleted): a WARNING when the other slot is valid (a power loss during a
+write leaves this), an ERROR when no slot is (the state starts with no claims). No slot at all:
+empty state, and the first write goes to slot 0. Temp files of the earlier rename-based writer
+(``.checkpoint.json.<random>.tmp``) are removed, and the directory is fsynced once (the entry of
+a slot whose creation was cut short becomes durable before it is relied on).
+
+A store is used from one thread at a time (the state owner's file thread); nothing here is
+async. :func:`read_newest` reads the newest valid checkpoint without changing any file.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
-import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from dracpu.core.checkpoint_schema import CheckpointData, decode
+from dracpu.core.checkpoint_schema import CheckpointData, StoredCheckpoint, decode, encode
 from dracpu.errors import CheckpointError
 
 __all__ = [
@@ -32,25 +67,315 @@ __all__ = [
     "CORRUPT_SUFFIX",
     "DIR_MODE",
     "FILE_MODE",
-    "load_checkpoint",
-    "restore",
-    "write_checkpoint",
+    "GROWTH_STEP",
+    "CheckpointStore",
+    "Fsync",
+    "Pwrite",
+    "read_newest",
+    "slot_paths",
 ]
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_FILE_NAME = "checkpoint.json"  # design §5: <state-dir>/checkpoint.json
+CHECKPOINT_FILE_NAME = "checkpoint.json"  # design §5: <state-dir>/checkpoint.json (slot 0)
+_SLOT_1_TAG = ".1"  # slot 1 of checkpoint.json is checkpoint.1.json: still a .json document
 FILE_MODE = 0o600  # design §5: the checkpoint is private to the daemon
 DIR_MODE = 0o700  # design §5: files we create live in 0700 directories
 CORRUPT_SUFFIX = ".corrupt-"  # <name>.corrupt-<n>: a moved-aside bad checkpoint
-_TMP_SUFFIX = ".tmp"  # never ".json": nothing scanning the directory mistakes it for a checkpoint
+# A slot that must grow grows to a multiple of this (bytes, padded with spaces): the page size
+# and ext4 block size. A Prepare adds ~200 bytes, so most writes keep the size. Measured on ext4
+# (pwrite + fdatasync of a 1 KB document growing by 200 B per write, p50): 0.24-0.28 ms when every
+# write grows the file, 0.18-0.21 ms in 4 KiB steps, 0.17-0.18 ms when it never grows.
+GROWTH_STEP = 4096
+_TMP_SUFFIX = ".tmp"  # the temp files of the rename-based writer of earlier builds
 _MAX_MOVED_ASIDE = 100_000  # give up looking for a free .corrupt-<n> name after this many
+# A version-1 checkpoint.json (sequence 0, written only by earlier builds) next to a slot 1 of at
+# least this sequence was written AFTER it: from an upgrade, slot 1 gets sequence 1 and the next
+# write (2) overwrites slot 0, so only a downgraded build can have written slot 0 since. Taking
+# slot 1 would bring back the claims unprepared meanwhile.
+_DOWNGRADE_SEQUENCE = 2
+_SPOILER = b"\x00"  # written over byte 0 of a slot whose write failed: never valid JSON
+
+Fsync = Callable[[int], None]
+"""``os.fsync`` / ``os.fdatasync``: the seams a test replaces to inject an I/O error."""
+Pwrite = Callable[[int, memoryview, int], int]
+"""``os.pwrite``: the seam a test replaces to inject an error or tear a write."""
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+def slot_paths(path: Path) -> tuple[Path, Path]:
+    """Slot 0 (``path`` itself) and slot 1 (``checkpoint.json`` → ``checkpoint.1.json``)."""
+    return path, path.with_name(f"{path.stem}{_SLOT_1_TAG}{path.suffix}")
+
+
+# --- reading --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Slot:
+    """One slot as read: its bytes (``None``: no file) and what they decode to."""
+
+    path: Path
+    raw: bytes | None
+    stored: StoredCheckpoint | None
+    error: CheckpointError | None
+
+    @property
+    def extent(self) -> int | None:
+        """Where the content ends (the spaces after it are padding); ``None``: unknown (no
+        file, or not a valid document): the file size counts when it is written."""
+        if self.raw is None or self.stored is None:
+            return None
+        return len(self.raw.rstrip(b" "))
+
+
+def _read(path: Path) -> bytes | None:
     try:
-        os.fsync(fd)
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
+
+
+def _read_slots(paths: tuple[Path, Path]) -> tuple[_Slot, _Slot]:
+    """Both slots, read before anything is changed (an unreadable one raises)."""
+    raws = [_read(path) for path in paths]
+    slots: list[_Slot] = []
+    for path, raw in zip(paths, raws, strict=True):
+        if raw is None:
+            slots.append(_Slot(path, None, None, None))
+            continue
+        try:
+            slots.append(_Slot(path, raw, decode(raw), None))
+        except CheckpointError as error:
+            slots.append(_Slot(path, raw, None, error))
+    return slots[0], slots[1]
+
+
+def _newest(slots: tuple[_Slot, _Slot]) -> int | None:
+    """The index of the valid slot with the highest sequence (``None``: no valid slot), but see
+    :data:`_DOWNGRADE_SEQUENCE`."""
+    first, second = (slot.stored for slot in slots)
+    if first is None:
+        return None if second is None else 1
+    if first.sequence == 0 and second is not None and second.sequence >= _DOWNGRADE_SEQUENCE:
+        logger.warning(
+            "checkpoint %s (version 1) was written by an earlier dracpu after %s (sequence %d): "
+            "a downgrade and upgrade; using %s",
+            slots[0].path,
+            slots[1].path,
+            second.sequence,
+            slots[0].path,
+        )
+        return 0
+    if second is None or first.sequence > second.sequence:
+        return 0
+    if first.sequence == second.sequence:
+        logger.warning(
+            "checkpoint slots %s and %s both hold sequence %d (not written by one dracpu?); "
+            "using %s",
+            slots[0].path,
+            slots[1].path,
+            first.sequence,
+            slots[0].path,
+        )
+        return 0
+    return 1
+
+
+def read_newest(path: Path) -> StoredCheckpoint | None:
+    """The newest valid checkpoint of the slots of ``path`` (``None``: no slot holds one),
+    changing no file; :class:`CheckpointError` if a slot exists but cannot be read."""
+    slots = _read_slots(slot_paths(path))
+    index = _newest(slots)
+    return None if index is None else slots[index].stored
+
+
+# --- the store ------------------------------------------------------------------------------------
+
+
+class CheckpointStore:
+    """The checkpoint of one state directory (see the module docstring).
+
+    ``path`` is slot 0 (``Config.checkpoint_path``). ``pwrite``, ``fdatasync`` and ``fsync`` are
+    test seams (``fsync`` syncs a created slot and the directory). Call :meth:`restore` once at
+    start; a :meth:`write` before it first reads the slots (changing none) so that it never
+    overwrites the newest checkpoint.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        pwrite: Pwrite = os.pwrite,
+        fdatasync: Fsync = os.fdatasync,
+        fsync: Fsync = os.fsync,
+    ) -> None:
+        self.slots = slot_paths(path)
+        self._pwrite = pwrite
+        self._fdatasync = fdatasync
+        self._fsync = fsync
+        self._known = False  # the slots have been read (restore, or a first write)
+        self._newest: int | None = None  # the slot holding the newest valid checkpoint
+        self._sequence = 0  # its sequence (0: none, or a version-1 document)
+        # Per slot: where the last content written or read ends (the bytes beyond, up to the
+        # file's end, are spaces); None: unknown, the file size counts.
+        self._extent: list[int | None] = [None, None]
+        # Per slot: created by this store, but its directory entry is not known durable yet.
+        self._entry_pending = [False, False]
+
+    @property
+    def path(self) -> Path:
+        """Slot 0: the configured checkpoint path."""
+        return self.slots[0]
+
+    def restore(self) -> CheckpointData:
+        """The newest valid checkpoint's content (empty when there is none); bad slots are moved
+        aside. Raises :class:`CheckpointError` when a slot cannot be read or moved aside."""
+        _remove_leftover_temp_files(self.path)
+        slots = _read_slots(self.slots)
+        newest = _newest(slots)
+        for slot in slots:
+            if slot.raw is not None and slot.stored is None:
+                self._move_aside(slot, None if newest is None else slots[newest])
+        if any(slot.raw is not None for slot in slots):
+            try:
+                _fsync_dir(self.path.parent, self._fsync)
+            except OSError as exc:
+                raise CheckpointError(
+                    f"cannot fsync checkpoint dir {self.path.parent}: {exc}"
+                ) from exc
+        self._learn(slots, newest)
+        if newest is None:
+            return CheckpointData()
+        stored = slots[newest].stored
+        assert stored is not None
+        logger.info(
+            "checkpoint: sequence %d of %s, %d claims",
+            stored.sequence,
+            slots[newest].path,
+            len(stored.data.claims),
+        )
+        return stored.data
+
+    def write(self, data: CheckpointData) -> None:
+        """Make ``data`` the newest checkpoint, durably, before returning (see the module
+        docstring); :class:`CheckpointError` naming the file if it cannot."""
+        if not self._known:
+            slots = _read_slots(self.slots)
+            self._learn(slots, _newest(slots))
+        target = 0 if self._newest is None else 1 - self._newest
+        sequence = self._sequence + 1
+        raw = encode(data, sequence)
+        path = self.slots[target]
+        extent, self._extent[target] = self._extent[target], None  # unknown until it is done
+        try:
+            self._write_slot(target, raw, extent)
+        except OSError as exc:
+            self._spoil(path)
+            raise CheckpointError(f"cannot write checkpoint {path}: {exc}") from exc
+        self._extent[target] = len(raw)
+        self._newest = target
+        self._sequence = sequence
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _learn(self, slots: tuple[_Slot, _Slot], newest: int | None) -> None:
+        self._known = True
+        self._newest = newest
+        stored = None if newest is None else slots[newest].stored
+        self._sequence = 0 if stored is None else stored.sequence
+        self._extent = [slot.extent for slot in slots]
+
+    def _move_aside(self, slot: _Slot, used: _Slot | None) -> None:
+        try:
+            moved = _move_aside(slot.path)
+        except OSError as exc:
+            raise CheckpointError(
+                f"checkpoint {slot.path} is unusable ({slot.error}) and cannot be moved aside: "
+                f"{exc}"
+            ) from exc
+        if used is not None:
+            assert used.stored is not None
+            logger.warning(
+                "checkpoint %s is unusable (a write cut short by a crash leaves this), moved to "
+                "%s; using %s (sequence %d): %s",
+                slot.path,
+                moved,
+                used.path,
+                used.stored.sequence,
+                slot.error,
+            )
+        else:
+            logger.error(
+                "checkpoint %s is unusable, moved to %s, and no checkpoint slot is valid: "
+                "starting with no prepared claims: %s",
+                slot.path,
+                moved,
+                slot.error,
+            )
+
+    def _write_slot(self, index: int, raw: bytes, extent: int | None) -> None:
+        """``raw`` at offset 0 of slot ``index``, padded with spaces, synced (see the module
+        docstring)."""
+        path = self.slots[index]
+        created = False
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            _ensure_dir(path.parent)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+            created = True
+            self._entry_pending[index] = True
+        try:
+            if created:
+                os.fchmod(fd, FILE_MODE)  # the mode of os.open is masked by the umask
+            size = os.fstat(fd).st_size
+            end = max(len(raw), size if extent is None else extent)
+            if end > size:  # the file grows: by whole steps
+                end = -(-end // GROWTH_STEP) * GROWTH_STEP
+            self._pwrite_all(fd, raw + b" " * (end - len(raw)) if end > len(raw) else raw)
+            if created:
+                self._fsync(fd)
+            else:
+                self._fdatasync(fd)
+        finally:
+            os.close(fd)
+        if self._entry_pending[index]:
+            _fsync_dir(path.parent, self._fsync)
+            self._entry_pending[index] = False
+
+    def _spoil(self, path: Path) -> None:
+        """Best effort after a failed write: make ``path`` not decode (see the module
+        docstring); if even this fails, the slot holds what the failed write left."""
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            self._pwrite(fd, memoryview(_SPOILER), 0)
+        except OSError as exc:
+            logger.warning("cannot mark the failed checkpoint write of %s: %s", path, exc)
+        finally:
+            os.close(fd)
+
+    def _pwrite_all(self, fd: int, buffer: bytes) -> None:
+        view = memoryview(buffer)
+        offset = 0
+        while offset < len(buffer):
+            written = self._pwrite(fd, view[offset:], offset)
+            if written <= 0:
+                raise OSError(errno.EIO, f"pwrite wrote {written} bytes at offset {offset}")
+            offset += written
+
+
+# --- files ----------------------------------------------------------------------------------------
+
+
+def _fsync_dir(directory: Path, fsync: Fsync = os.fsync) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fsync(fd)
     finally:
         os.close(fd)
 
@@ -60,58 +385,6 @@ def _ensure_dir(directory: Path) -> None:
         return
     directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
     directory.chmod(DIR_MODE)  # mkdir's mode is masked by the umask
-
-
-def write_checkpoint(
-    path: Path,
-    data: bytes,
-    *,
-    before_rename: Callable[[Path], None] | None = None,
-) -> None:
-    """Replace ``path`` with ``data`` atomically and durably.
-
-    ``before_rename`` is a test seam, called with the written and synced temp file just before
-    the rename (raise from it to simulate a crash or an I/O error at that point). On any error
-    the temp file is removed, the old checkpoint is untouched and :class:`CheckpointError` is
-    raised naming the file.
-    """
-    directory = path.parent
-    tmp: Path | None = None
-    try:
-        _ensure_dir(directory)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=_TMP_SUFFIX, dir=directory)
-        tmp = Path(tmp_name)
-        try:
-            os.fchmod(fd, FILE_MODE)
-            view = memoryview(data)
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        if before_rename is not None:
-            before_rename(tmp)
-        os.replace(tmp, path)
-        tmp = None
-        _fsync_dir(directory)
-    except OSError as exc:
-        raise CheckpointError(f"cannot write checkpoint {path}: {exc}") from exc
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-
-
-def load_checkpoint(path: Path) -> bytes | None:
-    """The checkpoint's bytes, ``None`` if there is no file; :class:`CheckpointError` if it
-    exists but cannot be read."""
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
 
 
 def _move_aside(path: Path) -> Path:
@@ -136,10 +409,8 @@ def _move_aside(path: Path) -> Path:
 
 
 def _remove_leftover_temp_files(path: Path) -> None:
-    """Temp files of writes that a crash cut short (``.checkpoint.json.<random>.tmp``).
-
-    Only called at restore, before this process writes: no write of ours is in flight.
-    """
+    """Temp files of the rename-based writer of earlier builds that a crash left
+    (``.checkpoint.json.<random>.tmp``). Only called at restore, before this process writes."""
     try:
         leftovers = sorted(path.parent.glob(f".{path.name}.*{_TMP_SUFFIX}"))
     except OSError:
@@ -151,30 +422,3 @@ def _remove_leftover_temp_files(path: Path) -> None:
             logger.warning("cannot remove leftover checkpoint temp file %s: %s", leftover, exc)
         else:
             logger.info("removed %s, left by a checkpoint write that did not finish", leftover)
-
-
-def restore(path: Path) -> CheckpointData:
-    """The checkpoint's content; empty when missing; empty (file moved aside) when corrupt.
-
-    Temp files left by a write that a crash cut short are removed first.
-    """
-    _remove_leftover_temp_files(path)
-    raw = load_checkpoint(path)
-    if raw is None:
-        return CheckpointData()
-    try:
-        return decode(raw)
-    except CheckpointError as error:
-        try:
-            moved = _move_aside(path)
-        except OSError as exc:
-            raise CheckpointError(
-                f"checkpoint {path} is unusable ({error}) and cannot be moved aside: {exc}"
-            ) from exc
-        logger.error(
-            "checkpoint %s is unusable, moved to %s; starting with no prepared claims: %s",
-            path,
-            moved,
-            error,
-        )
-        return CheckpointData()

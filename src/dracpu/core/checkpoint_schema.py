@@ -1,20 +1,27 @@
 """The checkpoint: what survives a restart of dracpu (and a reboot of the node), as versioned JSON.
 
 Only the prepared claims are persisted: containers are learnt again from NRI ``Synchronize``.
-Layout (version 1)::
+Layout (version 2)::
 
     {"checksum": "sha256:<hex>",
      "claims": {"<claimUID>": {"cpus": "4-5", "mems": "0" | null,
                                "namespace": "ns", "name": "claim",
                                "results": [{"request": "req", "pool": "node", "device": "dev",
                                             "consumedCpus": 2 | null, "cpuset": "4-5" | null}]}},
-     "version": 1}
+     "sequence": 7,
+     "version": 2}
 
 ``checksum`` is the SHA-256 of the canonical JSON (sorted keys, no whitespace, ASCII) of the
 document without the ``checksum`` key, so a flipped byte or a truncated file is detected even
-when it still parses. ``mems`` are NUMA node ids (``null``: no memory pinning). ``results`` are the
-claim's allocation results, needed to tell an idempotent re-prepare from a conflicting one; an
-adopted claim (found as a CDI spec only) has none.
+when it still parses. ``sequence`` (an integer >= 1, covered by the checksum) numbers the writes:
+the checkpoint is kept in two slot files written in turn (:mod:`dracpu.adapters.checkpoint_file`),
+and the valid slot with the highest sequence is the newest. Version 1 (written by earlier dracpu
+builds: the same without ``sequence``) still decodes, as sequence 0. Whitespace around the
+document (the spaces that pad a slot overwritten by a shorter document) is allowed.
+
+``mems`` are NUMA node ids (``null``: no memory pinning). ``results`` are the claim's allocation
+results, needed to tell an idempotent re-prepare from a conflicting one; an adopted claim (found
+as a CDI spec only) has none.
 
 :func:`decode` refuses anything else with a :class:`CheckpointError` naming the problem: not
 UTF-8, not JSON, wrong shape, unknown version, bad checksum, bad field types, malformed or
@@ -39,14 +46,17 @@ __all__ = [
     "CHECKPOINT_VERSION",
     "CheckpointData",
     "PreparedClaim",
+    "StoredCheckpoint",
     "decode",
     "encode",
 ]
 
-CHECKPOINT_VERSION = 1  # bump on any incompatible change of the layout above
+CHECKPOINT_VERSION = 2  # bump on any incompatible change of the layout above (2: + "sequence")
+_LEGACY_VERSION = 1  # the layout of earlier builds: no "sequence"; decodes as sequence 0
 _CHECKSUM_PREFIX = "sha256:"
 _SHA256_HEX_LEN = 64  # hashlib.sha256().hexdigest() length
-_TOP_KEYS = frozenset({"version", "checksum", "claims"})
+_TOP_KEYS = frozenset({"version", "checksum", "claims", "sequence"})
+_LEGACY_TOP_KEYS = frozenset({"version", "checksum", "claims"})
 _CLAIM_KEYS = frozenset({"cpus", "mems", "namespace", "name", "results"})
 _RESULT_KEYS = frozenset({"request", "pool", "device", "consumedCpus", "cpuset"})
 _FRAGMENT_SLACK = 64  # memoized claim fragments beyond 2x the live claims before a sweep
@@ -74,6 +84,15 @@ class CheckpointData:
     """The persisted content: prepared claims by UID (read-only view, never copied)."""
 
     claims: Mapping[str, PreparedClaim] = field(default_factory=lambda: MappingProxyType({}))
+
+
+@dataclass(frozen=True, slots=True)
+class StoredCheckpoint:
+    """A decoded checkpoint document: its content and the sequence number of its write
+    (0 for a version-1 document, which has none)."""
+
+    data: CheckpointData
+    sequence: int
 
 
 # --- encode ---------------------------------------------------------------------------------------
@@ -124,14 +143,17 @@ def _fragment(claim: PreparedClaim) -> bytes:
 _fragments: dict[int, tuple[PreparedClaim, bytes]] = {}
 
 
-def encode(data: CheckpointData) -> bytes:
-    """The checkpoint file's bytes: canonical JSON (what ``json.dumps(doc, sort_keys=True,
-    separators=(",", ":"))`` gives) plus a final newline.
+def encode(data: CheckpointData, sequence: int) -> bytes:
+    """The checkpoint document of write number ``sequence`` (>= 1): canonical JSON (what
+    ``json.dumps(doc, sort_keys=True, separators=(",", ":"))`` gives) plus a final newline.
 
     Built from memoized per-claim fragments: with sorted keys the document is
-    ``{"checksum":…,"claims":{…},"version":1}`` and the checksummed payload is the same text
-    without the ``"checksum"`` member, so it is hashed and spliced rather than dumped twice.
+    ``{"checksum":…,"claims":{…},"sequence":…,"version":2}`` and the checksummed payload is the
+    same text without the ``"checksum"`` member, so it is hashed and spliced rather than dumped
+    twice.
     """
+    if type(sequence) is not int or sequence < 1:
+        raise CheckpointError(f"checkpoint sequence must be an integer >= 1, not {sequence!r}")
     claims = data.claims
     parts = [
         b"".join((_canonical_str(uid), b":", _fragment(claims[uid]))) for uid in sorted(claims)
@@ -141,7 +163,16 @@ def encode(data: CheckpointData) -> bytes:
         for key in list(_fragments):  # a copy: safe if another thread encodes meanwhile
             if key not in live:
                 _fragments.pop(key, None)
-    body = b'"claims":{' + b",".join(parts) + b'},"version":' + str(CHECKPOINT_VERSION).encode()
+    body = b"".join(
+        (
+            b'"claims":{',
+            b",".join(parts),
+            b'},"sequence":',
+            str(sequence).encode(),
+            b',"version":',
+            str(CHECKPOINT_VERSION).encode(),
+        )
+    )
     checksum = _CHECKSUM_PREFIX + hashlib.sha256(b"{" + body + b"}").hexdigest()
     return b'{"checksum":' + _canonical_str(checksum) + b"," + body + b"}\n"
 
@@ -153,8 +184,9 @@ def _canonical_str(text: str) -> bytes:
 # --- decode ---------------------------------------------------------------------------------------
 
 
-def decode(raw: bytes) -> CheckpointData:
-    """Parse and verify a checkpoint; :class:`CheckpointError` says what is wrong."""
+def decode(raw: bytes) -> StoredCheckpoint:
+    """Parse and verify a checkpoint document (version 1 or 2); :class:`CheckpointError` says
+    what is wrong."""
     try:
         doc = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
@@ -168,14 +200,20 @@ def decode(raw: bytes) -> CheckpointData:
     version = doc.get("version")
     if type(version) is not int:
         raise CheckpointError(f"checkpoint has no integer 'version' (got {version!r})")
-    if version != CHECKPOINT_VERSION:
+    if version not in (_LEGACY_VERSION, CHECKPOINT_VERSION):
         raise CheckpointError(
-            f"checkpoint version {version} is unknown: this dracpu reads version "
-            f"{CHECKPOINT_VERSION}"
+            f"checkpoint version {version} is unknown: this dracpu reads versions "
+            f"{_LEGACY_VERSION} and {CHECKPOINT_VERSION}"
         )
+    top_keys = _TOP_KEYS if version == CHECKPOINT_VERSION else _LEGACY_TOP_KEYS
     keys = set(doc)
-    if keys != _TOP_KEYS:
-        raise CheckpointError(f"checkpoint keys must be {sorted(_TOP_KEYS)}, got {sorted(keys)}")
+    if keys != top_keys:
+        raise CheckpointError(
+            f"checkpoint version {version} keys must be {sorted(top_keys)}, got {sorted(keys)}"
+        )
+    sequence = doc.get("sequence", 0)
+    if version == CHECKPOINT_VERSION and (type(sequence) is not int or sequence < 1):
+        raise CheckpointError(f"checkpoint sequence must be an integer >= 1, not {sequence!r}")
     checksum = doc.pop("checksum")
     if (
         not isinstance(checksum, str)
@@ -205,7 +243,7 @@ def decode(raw: bytes) -> CheckpointData:
             )
         held |= claim.cpus.mask
         claims[uid] = claim
-    return CheckpointData(MappingProxyType(claims))
+    return StoredCheckpoint(CheckpointData(MappingProxyType(claims)), sequence)
 
 
 def _cpuset(text: object, what: str, *, optional: bool = False) -> CpuSet | None:

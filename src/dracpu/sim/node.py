@@ -300,8 +300,25 @@ class SimPaths:
         return self.root / "state"
 
     @property
+    def checkpoint_slots(self) -> tuple[Path, Path]:
+        """The checkpoint's two slot files, which the daemon overwrites in turn."""
+        return self.state_dir / "checkpoint.json", self.state_dir / "checkpoint.1.json"
+
+    @property
     def checkpoint(self) -> Path:
-        return self.state_dir / "checkpoint.json"
+        """The slot holding the newest checkpoint: of the slots that parse as JSON, the one with
+        the highest ``sequence`` (read here as plain JSON, not by the daemon's code); slot 0 when
+        none does."""
+        newest, newest_sequence = self.checkpoint_slots[0], -1
+        for path in self.checkpoint_slots:
+            try:
+                doc = json.loads(path.read_bytes())
+            except (OSError, ValueError):
+                continue
+            sequence = doc.get("sequence", 0) if isinstance(doc, dict) else None
+            if type(sequence) is int and sequence > newest_sequence:
+                newest, newest_sequence = path, sequence
+        return newest
 
     @property
     def nri_socket(self) -> Path:

@@ -51,7 +51,6 @@ from dracpu.adapters import cdi_files, checkpoint_file
 from dracpu.adapters.sysfs import read_topology
 from dracpu.config import Config
 from dracpu.core import state as node_state
-from dracpu.core.checkpoint_schema import CheckpointData, encode
 from dracpu.core.commands import (
     AdoptClaims,
     AdoptedClaim,
@@ -115,6 +114,7 @@ class NodeMachine:
         self._republish = republish
         self._update_containers = update_containers
         self._devices: tuple[Device, ...] = ()
+        self._checkpoint = checkpoint_file.CheckpointStore(config.checkpoint_path)
         # CDI writes (cpus) and deletes (None) of the command being applied, by claim UID.
         self._cdi_changes: dict[str, CpuSet | None] = {}
         self._committed: Callable[[], NodeState] | None = None
@@ -274,7 +274,7 @@ class NodeMachine:
                 if removed:
                     logger.info("removed CDI specs no prepared claim owns: %s", removed)
             case WriteCheckpoint(checkpoint=data):
-                _write_checkpoint(self.config.checkpoint_path, data)
+                self._checkpoint.write(data)
             case _:
                 raise DracpuError(f"{type(effect).__name__} is not a file effect")
 
@@ -319,7 +319,7 @@ class NodeMachine:
         # The devices are known now, whatever happens to the Resync below (which publishes
         # them again): a publisher must never see an empty device list for a working node.
         self._devices = tuple(node.devices.values())
-        data = await anyio.to_thread.run_sync(checkpoint_file.restore, config.checkpoint_path)
+        data = await anyio.to_thread.run_sync(self._checkpoint.restore)
         state, refused = node_state.restore_state(node, data)
         for uid, reason in refused:
             claim = data.claims[uid]
@@ -451,7 +451,3 @@ def _prune(cdi_dir: Path, keep: frozenset[str]) -> list[str]:
     if errors:
         raise CdiError("; ".join(errors))
     return removed
-
-
-def _write_checkpoint(path: Path, data: CheckpointData) -> None:
-    checkpoint_file.write_checkpoint(path, encode(data))
