@@ -11,8 +11,18 @@ Figures (one JSON line each, milliseconds):
   shared containers to the new pool;
 - ``checkpoint.encode``, ``checkpoint.decode`` of 500 claims (encode memoizes each claim's JSON,
   so this is the steady state: a Prepare re-encodes only its own claim);
-- ``checkpoint.encode+write``: encode and atomic write (temp file, fsync, rename, fsync of the
-  directory) on a real disk, in a temporary directory under ``--dir`` (default ``/var/tmp``).
+- ``checkpoint.encode+write`` (500 claims) and ``checkpoint.encode+write.small`` (5 claims,
+  ~1.5 KB): :meth:`CheckpointStore.write <dracpu.adapters.checkpoint_file.CheckpointStore.write>`
+  of the same content again and again: encode, ``pwrite`` in place into the other slot,
+  ``fdatasync`` (the size never changes). Until the two-slot store, this figure measured the
+  atomic replace (temp file, fsync, rename, fsync of the directory): same name, new method;
+- ``checkpoint.encode+write.growing``: one more claim per write from the 5 of the small figure on
+  (a node filling up, Prepare after Prepare; ~1 KB to ~60 KB): the slots grow in steps of
+  ``GROWTH_STEP`` (4 KiB), so most writes keep the file size;
+  ``checkpoint.encode+write.growing.unrounded``: the same with the files grown to the exact
+  document size (every write grows a slot): what the 4 KiB steps save;
+
+  all on a real disk, in a temporary directory under ``--dir`` (default ``/var/tmp``).
 
 Each figure applies the command to the same starting state (``apply`` is pure), so every sample
 measures the same work. Run: ``.venv/bin/python bench/bench_state.py``.
@@ -24,14 +34,17 @@ import argparse
 import os
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._harness import measure
-from dracpu.adapters.checkpoint_file import CHECKPOINT_FILE_NAME, write_checkpoint
-from dracpu.core.checkpoint_schema import decode, encode
+from dracpu.adapters import checkpoint_file
+from dracpu.adapters.checkpoint_file import CHECKPOINT_FILE_NAME, CheckpointStore
+from dracpu.core.checkpoint_schema import CheckpointData, PreparedClaim, decode, encode
 from dracpu.core.commands import (
     ClaimEnv,
     Command,
@@ -41,6 +54,7 @@ from dracpu.core.commands import (
     PrepareClaim,
     UnprepareClaim,
 )
+from dracpu.core.cpuset import CpuSet
 from dracpu.core.effects import Reply
 from dracpu.core.slices import CpuDeviceMode
 from dracpu.core.state import NodeConfig, NodeState, apply, check_invariants
@@ -53,7 +67,8 @@ NODE = "bench-node"
 HELD = 500  # claims held before the measured command (the issue's figure)
 SHARED = 200  # shared containers the node runs (kube-system pods, sidecars, best-effort pods)
 N = 2000  # samples per in-memory figure: the 99th percentile is the 20th worst
-N_DISK = 300  # samples of the fsync figure (each one writes and syncs ~100 KiB)
+N_DISK = 300  # samples of each fsync figure (each one writes and syncs up to ~160 KiB)
+SMALL = 5  # claims of the small checkpoint figure (a node running a few exclusive pods)
 
 
 def uid(n: int) -> str:
@@ -106,9 +121,9 @@ def bench_grouped(topology_name: str) -> None:
     create = CreateContainer(Container("excl-new", "pod-new", name="app", claims=env))
     measure("state.create_container", lambda: check(prepared, create), n=N, **extra)
 
-    raw = encode(state.checkpoint())
+    raw = encode(state.checkpoint(), 1)
     size: dict[str, Any] = {"held": HELD, "bytes": len(raw)}
-    measure("checkpoint.encode", lambda: encode(state.checkpoint()), n=N // 4, **size)
+    measure("checkpoint.encode", lambda: encode(state.checkpoint(), 1), n=N // 4, **size)
     measure("checkpoint.decode", lambda: decode(raw), n=N // 4, **size)
 
 
@@ -128,25 +143,60 @@ def bench_individual(topology_name: str) -> None:
     measure("state.prepare.individual", lambda: check(state, prepare), n=N, **extra)
 
 
+def _growing(data: CheckpointData, count: int) -> list[CheckpointData]:
+    """``data`` plus 1, 2, … ``count`` more one-CPU claims (on CPUs no claim of ``data`` holds)."""
+    claims = dict(data.claims)
+    first = 1 + max((claim.cpus.max() for claim in claims.values()), default=0)
+    steps: list[CheckpointData] = []
+    for i in range(count):
+        extra = PreparedClaim(uid(HELD + 1 + i), CpuSet([first + i]), "bench", f"more-{i}")
+        claims[extra.claim_uid] = extra
+        steps.append(CheckpointData(MappingProxyType(dict(claims))))
+    return steps
+
+
 def bench_disk(directory: Path, topology_name: str) -> None:
     config = NodeConfig.build(NODE, build_topology(FIXTURES[topology_name]))
     state = populated(config)
+    full = state.checkpoint()
+    small = CheckpointData(MappingProxyType(dict(list(full.claims.items())[:SMALL])))
     with tempfile.TemporaryDirectory(prefix="dracpu-bench-", dir=directory) as tmp:
-        path = Path(tmp) / "state" / CHECKPOINT_FILE_NAME
-
-        def once() -> None:
-            write_checkpoint(path, encode(state.checkpoint()))
-
-        fs = os.statvfs(tmp)
-        measure(
-            "checkpoint.encode+write",
-            once,
-            n=N_DISK,
-            held=HELD,
-            bytes=len(encode(state.checkpoint())),
-            dir=str(directory),
-            fs_block=fs.f_bsize,
-        )
+        fs: dict[str, Any] = {"dir": str(directory), "fs_block": os.statvfs(tmp).f_bsize}
+        for name, data in (
+            ("checkpoint.encode+write", full),
+            ("checkpoint.encode+write.small", small),
+        ):
+            store = CheckpointStore(Path(tmp) / name / CHECKPOINT_FILE_NAME)
+            store.restore()
+            measure(
+                name,
+                partial(store.write, data),
+                n=N_DISK,
+                held=len(data.claims),
+                bytes=len(encode(data, 1)),
+                method="two-slot in-place pwrite+fdatasync",
+                **fs,
+            )
+        default_step = checkpoint_file.GROWTH_STEP
+        for name, step in (
+            ("checkpoint.encode+write.growing", default_step),
+            ("checkpoint.encode+write.growing.unrounded", 1),
+        ):
+            checkpoint_file.GROWTH_STEP = step  # the module reads it at every write
+            try:
+                store = CheckpointStore(Path(tmp) / name / CHECKPOINT_FILE_NAME)
+                store.restore()
+                steps = iter(_growing(small, N_DISK + 3))  # + the harness's warm-up calls
+                measure(
+                    name,
+                    lambda: store.write(next(steps)),  # noqa: B023 (called before the loop moves on)
+                    n=N_DISK,
+                    held=f"{SMALL}+1..{N_DISK + 3}",
+                    growth_step=step,
+                    **fs,
+                )
+            finally:
+                checkpoint_file.GROWTH_STEP = default_step
 
 
 def main() -> None:
