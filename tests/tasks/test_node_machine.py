@@ -4,13 +4,12 @@ on a written sysfs tree and real files in scratch directories."""
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import anyio
-import anyio.to_thread
 import pytest
 
 from dracpu.adapters import cdi_files, checkpoint_file
@@ -43,7 +42,8 @@ from dracpu.core.effects import (
 from dracpu.core.slices import CpuDeviceMode
 from dracpu.core.state import NodeState, commit_phase
 from dracpu.errors import CheckpointError, DracpuError
-from dracpu.tasks.node_machine import NodeMachine
+from dracpu.tasks.node_machine import FILE_THREAD_NAME, NodeMachine
+from dracpu.tasks.serial_thread import SerialThread
 from dracpu.tasks.slice_publisher import republish_channel
 from tests.fixtures import SysfsTrees
 
@@ -280,23 +280,30 @@ async def test_prune_removes_only_our_specs_that_are_not_kept(scratch: Path) -> 
     assert _names(scratch) == sorted([cdi_files.spec_path(scratch, UID_A).name, FOREIGN])
 
 
-# --- the commit phase in one worker-thread hop --------------------------------------------------
+# --- the commit phase in one hop to the file thread ---------------------------------------------
 
 
 def _count_thread_hops(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Record every ``anyio.to_thread.run_sync`` call (the name of the function it runs)."""
+    """Record every call handed to the file thread (the name of the function it runs), and
+    check that it runs in that thread."""
     hops: list[str] = []
-    real = anyio.to_thread.run_sync
+    real = SerialThread.call
 
-    async def counting(func: Callable[..., T], *args: object, **kwargs: Any) -> T:
-        hops.append(getattr(func, "__name__", repr(func)))
-        return await real(func, *args, **kwargs)
+    async def counting(self: SerialThread, func: Callable[..., T], *args: Any) -> T:
+        name = getattr(func, "__name__", repr(func))
 
-    monkeypatch.setattr(anyio.to_thread, "run_sync", counting)
+        def in_thread(*inner: Any) -> T:
+            assert threading.current_thread().name == FILE_THREAD_NAME
+            return func(*inner)
+
+        hops.append(name)
+        return await real(self, in_thread, *args)
+
+    monkeypatch.setattr(SerialThread, "call", counting)
     return hops
 
 
-async def test_a_prepare_commit_phase_takes_one_worker_thread_hop(
+async def test_a_prepare_commit_phase_takes_one_file_thread_hop(
     trees: SysfsTrees, scratch: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = _config(trees, scratch)

@@ -22,13 +22,14 @@
 
 - :meth:`NodeMachine.execute` runs every effect of :mod:`dracpu.core.effects`:
   ``WriteCdiSpec`` / ``DeleteCdiSpec`` / ``PruneCdiSpecs`` through :mod:`dracpu.adapters.cdi_files`
-  and ``WriteCheckpoint`` through :mod:`dracpu.adapters.checkpoint_file` (in a worker thread:
-  they fsync), ``UpdateContainers`` to the NRI task (:meth:`NriLink.submit
-  <dracpu.tasks.nri_plugin.NriLink.submit>`, which never blocks), ``PublishSlices`` to the slice
-  publisher (the devices of the topology, then a republish request).
+  and ``WriteCheckpoint`` through :mod:`dracpu.adapters.checkpoint_file` (in the file thread,
+  a :class:`~dracpu.tasks.serial_thread.SerialThread`: they fsync), ``UpdateContainers`` to the
+  NRI task (:meth:`NriLink.submit <dracpu.tasks.nri_plugin.NriLink.submit>`, which never
+  blocks), ``PublishSlices`` to the slice publisher (the devices of the topology, then a
+  republish request).
   :meth:`NodeMachine.execute_batch` runs a command's whole commit phase the same way, in order,
-  but each run of consecutive file effects in ONE worker-thread hop (a Prepare's CDI spec and
-  checkpoint: one hop instead of two), and tells the owner which effects began.
+  but each run of consecutive file effects in ONE hop to the file thread (a Prepare's CDI spec
+  and checkpoint: one hop instead of two), and tells the owner which effects began.
 
 - :meth:`NodeMachine.desired_specs` is the CDI watcher's view of which specs must exist: the
   committed claims, corrected by the CDI writes and deletes of the command being applied. The
@@ -75,10 +76,11 @@ from dracpu.core.slices import Device, published_devices
 from dracpu.core.state import NodeConfig, NodeState
 from dracpu.core.topology import Topology
 from dracpu.errors import CdiError, DracpuError
+from dracpu.tasks.serial_thread import SerialThread
 from dracpu.tasks.slice_publisher import request_republish
 from dracpu.tasks.state_owner import Request, StateOwner
 
-__all__ = ["ContainerUpdates", "NodeMachine"]
+__all__ = ["FILE_THREAD_NAME", "ContainerUpdates", "NodeMachine"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +88,10 @@ ContainerUpdates = Callable[[UpdateContainers], None]
 """Takes the owner's unsolicited container updates without blocking and without failing
 (:meth:`dracpu.tasks.nri_plugin.NriLink.submit`)."""
 
-# The effects that do file I/O (and fsync): run in a worker thread, never on the event loop.
+# The effects that do file I/O (and fsync): run in the file thread, never on the event loop.
 _FILE_EFFECTS = (WriteCdiSpec, DeleteCdiSpec, PruneCdiSpecs, WriteCheckpoint)
+# The name of that thread (thread listings, py-spy dumps).
+FILE_THREAD_NAME = "dracpu-files"
 # A claim's CDI change before a batch marked it: none (the key was absent).
 _UNMARKED = object()
 
@@ -115,6 +119,8 @@ class NodeMachine:
         self._update_containers = update_containers
         self._devices: tuple[Device, ...] = ()
         self._checkpoint = checkpoint_file.CheckpointStore(config.checkpoint_path)
+        # The file effects' own thread: one at a time, in order (a CDI spec, then the checkpoint).
+        self._files = SerialThread(FILE_THREAD_NAME)
         # CDI writes (cpus) and deletes (None) of the command being applied, by claim UID.
         self._cdi_changes: dict[str, CpuSet | None] = {}
         self._committed: Callable[[], NodeState] | None = None
@@ -187,7 +193,7 @@ class NodeMachine:
         match effect:
             case WriteCdiSpec() | DeleteCdiSpec() | PruneCdiSpecs() | WriteCheckpoint():
                 self._mark(effect)
-                await anyio.to_thread.run_sync(self._run_file_effect, effect)
+                await self._files.call(self._run_file_effect, effect)
             case UpdateContainers():
                 if self._update_containers is None:
                     logger.debug(
@@ -202,7 +208,7 @@ class NodeMachine:
 
     async def execute_batch(self, effects: Sequence[Effect], started: list[Effect]) -> None:
         """Run ``effects`` in order, as :meth:`execute` would one after the other, but each run
-        of consecutive file effects in one worker-thread hop.
+        of consecutive file effects in one hop to the file thread.
 
         Each effect is appended to ``started`` just before it begins, so after a failure (a
         :class:`~dracpu.errors.DracpuError`, or a cancellation) the last effect in ``started`` is
@@ -227,7 +233,7 @@ class NodeMachine:
         marks = [self._mark(effect) for effect in batch]
         before = len(started)
         try:
-            await anyio.to_thread.run_sync(self._run_file_effects, batch, started)
+            await self._files.call(self._run_file_effects, batch, started)
         except BaseException:
             # The CDI changes of the effects that never began did not happen: take them back,
             # newest first (two effects of one batch may change the same claim's spec).
@@ -256,13 +262,13 @@ class NodeMachine:
         return uid, previous
 
     def _run_file_effects(self, batch: Sequence[Effect], started: list[Effect]) -> None:
-        """In a worker thread: the file effects of ``batch`` in order (see execute_batch)."""
+        """In the file thread: the file effects of ``batch`` in order (see execute_batch)."""
         for effect in batch:
             started.append(effect)
             self._run_file_effect(effect)
 
     def _run_file_effect(self, effect: Effect) -> None:
-        """In a worker thread: one file effect."""
+        """In the file thread: one file effect."""
         cdi_dir = self.config.cdi_dir
         match effect:
             case WriteCdiSpec(claim_uid=uid, cpus=cpus):
