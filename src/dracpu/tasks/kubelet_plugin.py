@@ -689,7 +689,8 @@ async def run(
     kubelet retries them; a command the owner already received still completes), and so are the
     status patches still pending (best effort).
     Error handling: a socket that cannot be made raises :class:`~dracpu.errors.DracpuError`
-    before ``started``; a claim's problem is that claim's error string, never a task failure.
+    before ``started``; a claim's problem is that claim's error string, and a request that does
+    not decode fails that call alone (``INVALID_ARGUMENT``), never the task.
     """
     async with owner:
         service = DraService(
