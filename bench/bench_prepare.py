@@ -35,10 +35,13 @@ Figures (ms, p50/p99):
   with an in-memory claim source instead of the API server (what the daemon itself costs);
 * floors measured in the same run: ``floor.grpc_unary_unix`` (a bare grpclib unary call,
   GetInfo, from the same grpcio client on the same kind of socket),
-  ``floor.atomic_write_fsync_2k.state_dir`` / ``.cdi_dir`` (one atomic write + fsync of a 2 KB
-  file: temp file, write, fsync, rename, fsync the directory) and ``floor.kube_get_claim`` (one
-  GET of a claim through the kube adapter from the in-process fake API server). A Prepare is one
-  gRPC call, one claim GET and two atomic writes (CDI spec, checkpoint).
+  ``floor.atomic_write_fsync_2k.state_dir`` / ``.cdi_dir`` (one atomic replace of a 2 KB file:
+  temp file, write, fsync, rename, fsync the directory — what a CDI spec write is, and what the
+  checkpoint write was), ``floor.overwrite_fdatasync_2k.state_dir`` (one in-place overwrite of an
+  existing 2 KB file: pwrite, fdatasync — what a checkpoint slot write is) and
+  ``floor.kube_get_claim`` (one GET of a claim through the kube adapter from the in-process fake
+  API server, back to back: the GET inside a Prepare runs with colder caches). A Prepare is one
+  gRPC call, one claim GET, one CDI spec write (tmpfs) and one checkpoint slot write (disk).
 """
 
 from __future__ import annotations
@@ -247,7 +250,7 @@ def _client_main(args: list[str]) -> None:
 
 
 def _write_floor(directory: Path, n: int) -> list[float]:
-    """One atomic write of 2 KB: temp file, write, fsync, rename, fsync the directory."""
+    """One atomic replace of a 2 KB file: temp file, write, fsync, rename, fsync the directory."""
     data = os.urandom(FLOOR_BYTES // 2).hex().encode()
     final = directory / "floor.json"
     temp = directory / ".floor.tmp"
@@ -269,6 +272,27 @@ def _write_floor(directory: Path, n: int) -> list[float]:
         if i >= WARMUP:
             samples.append((time.perf_counter() - start) * 1000)
     final.unlink()
+    return samples
+
+
+def _overwrite_floor(directory: Path, n: int) -> list[float]:
+    """One in-place overwrite of an existing 2 KB file: open, pwrite at 0, fdatasync, close
+    (what a checkpoint slot write does)."""
+    path = directory / "slot.json"
+    path.write_bytes(b" " * FLOOR_BYTES)
+    samples: list[float] = []
+    for i in range(WARMUP + n):
+        data = os.urandom(FLOOR_BYTES // 2).hex().encode()
+        start = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, 0)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        if i >= WARMUP:
+            samples.append((time.perf_counter() - start) * 1000)
+    path.unlink()
     return samples
 
 
@@ -420,11 +444,17 @@ async def _run(cdi_base: Path, state_base: Path, n: int, parts: frozenset[str]) 
         floor_cdi, floor_state = dirs("floor")
         cdi_write_ms = await anyio.to_thread.run_sync(_write_floor, floor_cdi, n)
         state_write_ms = await anyio.to_thread.run_sync(_write_floor, floor_state, n)
+        state_overwrite_ms = await anyio.to_thread.run_sync(_overwrite_floor, floor_state, n)
         bare_ms = await _bare_floor(state_base, n)
         _emit("floor.grpc_unary_unix", bare_ms, call="grpcio client -> grpclib GetInfo")
         _emit(
             "floor.atomic_write_fsync_2k.state_dir",
             state_write_ms,
+            dir=f"{floor_state} ({_fs_type(floor_state)})",
+        )
+        _emit(
+            "floor.overwrite_fdatasync_2k.state_dir",
+            state_overwrite_ms,
             dir=f"{floor_state} ({_fs_type(floor_state)})",
         )
         _emit(
