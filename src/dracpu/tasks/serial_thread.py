@@ -80,8 +80,8 @@ class SerialThread:
                 self._started += 1
                 self._thread.start()
         with anyio.CancelScope(shield=True):  # a write that has begun is seen to its end
-            await asyncio.wait((future,))
-        return future.result()
+            result = await future
+        return result
 
     def _work(self) -> None:
         while True:
