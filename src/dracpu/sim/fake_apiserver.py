@@ -44,6 +44,7 @@ import logging
 import re
 import secrets
 import shutil
+import ssl
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -954,10 +955,13 @@ async def open_fake_apiserver(
     consumable_capacity: bool = True,
     history: int = DEFAULT_HISTORY,
     kubeconfig_dir: Path | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> AsyncIterator[FakeApiServer]:
     """Start a :class:`FakeApiServer` on ``127.0.0.1:<random port>`` and write its kubeconfig
     (``api.kubeconfig_path``; in a temporary directory unless ``kubeconfig_dir`` is given).
-    Must run on the asyncio backend (aiohttp)."""
+    Must run on the asyncio backend (aiohttp). With ``ssl_context`` (a server context) it serves
+    HTTPS; the kubeconfig then names no CA, so a client must be given one (a test writes its
+    own kubeconfig with ``certificate-authority``)."""
     api = FakeApiServer(
         schema_validation=schema_validation,
         consumable_capacity=consumable_capacity,
@@ -969,10 +973,10 @@ async def open_fake_apiserver(
     await runner.setup()
     directory = kubeconfig_dir or Path(tempfile.mkdtemp(prefix="dracpu-fake-apiserver-"))
     try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ssl_context)
         await site.start()
         host, port = runner.addresses[0][:2]
-        api.url = f"http://{host}:{port}"
+        api.url = f"{'https' if ssl_context else 'http'}://{host}:{port}"
         api.kubeconfig_path = directory / "kubeconfig"
         api.kubeconfig_path.write_text(json.dumps(_kubeconfig(api.url), indent=2))
         logger.debug("fake API server listening on %s", api.url)
