@@ -820,6 +820,32 @@ async def test_a_reused_connection_closed_by_the_server_is_retried_for_get_only(
                 assert accepted == [0, 1]
 
 
+@pytest.mark.anyio
+async def test_an_idle_connection_the_server_closed_is_not_reused(tmp_path: Path) -> None:
+    """The server answers keep-alive, then closes the idle connection (an idle timeout): the
+    next request, even a PATCH, goes on a new connection and is not lost."""
+    seen: list[RawRequest] = []
+    claim = json.dumps(allocated_claim()).encode()
+
+    async def handler(
+        stream: anyio.abc.ByteStream, buffered: BufferedByteReceiveStream, number: int
+    ) -> None:
+        request = await read_request(buffered, number)
+        assert request is not None
+        seen.append(request)
+        await stream.send(ok(claim))  # no "Connection: close": reusable as far as HTTP says
+        # ... and the handler returns: raw_server closes the connection.
+
+    async with raw_server(handler) as (port, accepted):
+        config = write_kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{port}")
+        async with open_kube_client(config, request_timeout=10) as kube:
+            await kube.get_resource_claim("team", "claim-1")
+            await anyio.sleep(0.1)  # the FIN arrives while the connection is idle
+            await kube.patch_resource_claim_status("team", "claim-1", {"status": {}})
+    assert accepted == [0, 1]
+    assert [(r.connection, r.line.split()[0]) for r in seen] == [(0, "GET"), (1, "PATCH")]
+
+
 # --- TLS ----------------------------------------------------------------------------------------
 
 

@@ -32,10 +32,13 @@ What the client does, and what it keeps from ``kubernetes.aio`` (``rest.py``, ``
   credentials are known. Only ``http://`` proxies are supported (aiohttp had the same limit).
 - **Connections**: keep-alive, idle ones reused last-in first-out, at most
   :data:`_MAX_CONNECTIONS` ordinary requests at a time (watches hold their own connection on
-  top). A connection that failed or that the server closed is dropped. A GET whose connection
-  drops before any byte of the answer arrives (the keep-alive race: the server closed an idle
-  connection just as we reused it) is sent once more on a fresh connection (RFC 9112 §9.3.1:
-  idempotent; aiohttp did the same); a PATCH/POST/PUT/DELETE is never sent twice.
+  top). A connection that failed or that the server closed is dropped: before reuse, an idle
+  connection whose socket is readable (FIN, RST, stray bytes) or that has been idle for
+  :data:`_IDLE_SECONDS` is closed; TCP keep-alive probes run on every connection. A GET whose
+  connection drops before any byte of the answer arrives (the keep-alive race: the server
+  closed an idle connection just as we reused it) is sent once more on a fresh connection
+  (RFC 9112 §9.3.1: idempotent; aiohttp did the same); a PATCH/POST/PUT/DELETE is never sent
+  twice.
 - **Timeouts**: ``request_timeout`` bounds a whole ordinary request; a watch is bounded by its
   ``timeoutSeconds`` plus :data:`_WATCH_CLIENT_MARGIN`.
 
@@ -63,6 +66,8 @@ import logging
 import netrc
 import os
 import random
+import select
+import socket
 import ssl
 import urllib.request
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
@@ -140,6 +145,14 @@ _BODY_EXCERPT = 200
 _MAX_CONNECTIONS: Final = 8
 # Idle keep-alive connections kept for reuse (the rest are closed when released).
 _MAX_IDLE: Final = _MAX_CONNECTIONS
+# An idle connection older than this is closed instead of reused: Go's http.Transport
+# IdleConnTimeout default (90 s). Load balancers drop idle flows silently after minutes
+# (AWS NLB 350 s, Azure 4 min); a connection is never reused past that.
+_IDLE_SECONDS: Final = 90.0
+# TCP keep-alive probes on every connection (a watch may be silent for minutes; a peer that
+# vanished without a FIN is noticed): idle 30 s, then every 30 s, as Go's net.Dialer
+# (KeepAlive: 30 s) does for client-go.
+_KEEPALIVE_SECONDS: Final = 30
 # Bytes asked of the socket per read: a claim answer (~3 KB) or a watch event fits in one.
 _READ_SIZE: Final = 65536
 # The longest watch event line accepted: one object, the same bound as a whole LIST answer.
@@ -294,7 +307,7 @@ class _HttpPool:
 
     def __init__(self, endpoint: _Endpoint, *, max_connections: int = _MAX_CONNECTIONS) -> None:
         self.endpoint = endpoint
-        self._idle: list[anyio.abc.ByteStream] = []
+        self._idle: list[tuple[anyio.abc.ByteStream, float]] = []  # (stream, idle since)
         self._slots = anyio.Semaphore(max_connections)
         self._closed = False
 
@@ -302,10 +315,15 @@ class _HttpPool:
         """Close the idle connections; connections in use are closed when released."""
         self._closed = True
         idle, self._idle = self._idle, []
-        for stream in idle:
+        for stream, _ in idle:
             await anyio.aclose_forcefully(stream)
 
     async def _connect(self) -> anyio.abc.ByteStream:
+        stream = await self._open()
+        _keep_alive(stream)
+        return stream
+
+    async def _open(self) -> anyio.abc.ByteStream:
         endpoint = self.endpoint
         proxy = endpoint.proxy
         if proxy is None:
@@ -351,15 +369,18 @@ class _HttpPool:
             raise _ProxyRefusedError(f"the proxy {proxy.url} closed the CONNECT tunnel at once")
 
     async def _checkout(self) -> tuple[anyio.abc.ByteStream, bool]:
-        """An idle connection (``True``: reused) or a new one."""
-        if self._idle:
-            return self._idle.pop(), True
+        """The most recently used live idle connection (``True``: reused) or a new one."""
+        while self._idle:
+            stream, since = self._idle.pop()
+            if anyio.current_time() - since < _IDLE_SECONDS and not _closed_by_peer(stream):
+                return stream, True
+            await anyio.aclose_forcefully(stream)
         return await self._connect(), False
 
     async def release(self, stream: anyio.abc.ByteStream, reusable: bool) -> None:
         """Keep ``stream`` for the next request, or close it."""
         if reusable and not self._closed and len(self._idle) < _MAX_IDLE:
-            self._idle.append(stream)
+            self._idle.append((stream, anyio.current_time()))
         else:
             await anyio.aclose_forcefully(stream)
 
@@ -517,6 +538,36 @@ async def _read_response(
         elif isinstance(event, EndOfMessage):
             assert response is not None  # the parser gives the head first
             return response, b"".join(chunks)
+
+
+def _keep_alive(stream: anyio.abc.ByteStream) -> None:
+    """Turn TCP keep-alive probes on (see :data:`_KEEPALIVE_SECONDS`)."""
+    sock = stream.extra(anyio.abc.SocketAttribute.raw_socket, None)
+    if sock is None:
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if hasattr(socket, "TCP_KEEPIDLE"):  # Linux
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, _KEEPALIVE_SECONDS)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, _KEEPALIVE_SECONDS)
+    except OSError as exc:
+        logger.debug("cannot turn TCP keep-alive on: %s", exc)
+
+
+def _closed_by_peer(stream: anyio.abc.ByteStream) -> bool:
+    """Whether an idle connection is unusable: the server closed it (FIN or RST waiting) or sent
+    bytes nobody asked for, i.e. its socket is readable. One zero-timeout poll (~2 us): an idle
+    connection is not being read (anyio pauses reading between receives), so its end would
+    otherwise only show when a request is written to it, and a PATCH must not be lost to that."""
+    sock = stream.extra(anyio.abc.SocketAttribute.raw_socket, None)
+    if sock is None:
+        return False
+    poller = select.poll()
+    try:
+        poller.register(sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):
+        return True  # closed under us
 
 
 def _bracketed(host: str) -> str:
