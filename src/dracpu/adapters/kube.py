@@ -66,6 +66,7 @@ import logging
 import netrc
 import os
 import random
+import re
 import select
 import socket
 import ssl
@@ -168,6 +169,9 @@ _CONNECTION_ERRORS: Final = (
     anyio.EndOfStream,
     ProtocolError,
 )
+
+# Path segments that need no percent-encoding (RFC 3986 unreserved characters).
+_PLAIN_SEGMENT: Final = re.compile(r"[A-Za-z0-9._~-]+")
 
 _RESOURCE_V1 = "/apis/resource.k8s.io/v1"
 _SLICES = _RESOURCE_V1 + "/resourceslices"
@@ -540,6 +544,14 @@ async def _read_response(
             return response, b"".join(chunks)
 
 
+def _quote(value: str) -> str:
+    """``value`` as one path segment: object names (DNS labels / subdomains) as they are, any
+    other text percent-encoded (``quote`` is the slow part of building a request)."""
+    if _PLAIN_SEGMENT.fullmatch(value):
+        return value
+    return quote(str(value), safe="")
+
+
 def _keep_alive(stream: anyio.abc.ByteStream) -> None:
     """Turn TCP keep-alive probes on (see :data:`_KEEPALIVE_SECONDS`)."""
     sock = stream.extra(anyio.abc.SocketAttribute.raw_socket, None)
@@ -615,7 +627,7 @@ class KubeClient:
     ) -> bytes:
         """The bytes of one request, authenticated now (the token may have been refreshed)."""
         if path_params:
-            path = path.format_map({k: quote(str(v), safe="") for k, v in path_params.items()})
+            path = path.format_map({k: _quote(v) for k, v in path_params.items()})
         params = [(key, str(value)) for key, value in query]
         headers = [("User-Agent", _USER_AGENT), ("Accept", _JSON)]
         await self._authenticate(what, headers, params)

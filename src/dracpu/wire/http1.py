@@ -43,7 +43,7 @@ import enum
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, NoReturn
 
 from dracpu.errors import LocalProtocolError, RemoteProtocolError
 
@@ -78,7 +78,6 @@ MAX_BODY: Final = 64 * 1024 * 1024
 _CRLF: Final = b"\r\n"
 _HEAD_END: Final = b"\r\n\r\n"
 # RFC 9110 §5.6.2 token (method, header field name).
-_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _TOKEN_STR = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 # Characters a field value or request target must never contain (RFC 9110 §5.5: CR, LF, NUL).
 _FORBIDDEN_IN_VALUE = re.compile(r"[\r\n\x00]")
@@ -87,6 +86,11 @@ _FORBIDDEN_IN_TARGET = re.compile(r"[\s\x00-\x1f\x7f]")
 # before an empty reason is tolerated, as h11 and Go do.
 _STATUS_LINE = re.compile(rb"HTTP/1\.([0-9]) ([0-9]{3})(?: ([\t\x20-\x7e\x80-\xff]*))?")
 _HEX = re.compile(rb"[0-9A-Fa-f]+")
+# A header field line (RFC 9112 §5: field-name ":" OWS field-value OWS), on the latin-1 text of
+# the block with a final CRLF; the value may hold any octet but CR, LF, NUL (RFC 9110 §5.5).
+_FIELD_LINE = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[^\r\n\x00]*\r\n"
+_FIELD_BLOCK = re.compile(f"(?:{_FIELD_LINE})*")
+_FIELD = re.compile(r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\r\n\x00]*)\r\n")
 # Headers the encoder writes itself: callers may not pass them.
 _SET_BY_ENCODER: Final = frozenset({"host", "content-length", "transfer-encoding"})
 # Methods whose request has a body by definition, so an empty one still gets Content-Length: 0
@@ -199,28 +203,39 @@ class _State(enum.Enum):
 
 
 def _split_head(block: bytes, what: str) -> list[tuple[str, str]]:
-    """Parse header field lines (no status line, no final blank line)."""
-    fields: list[tuple[str, str]] = []
+    """Parse header field lines (no status line, no final blank line): one regex check of the
+    whole block and one ``findall`` (C speed: this runs for every response); the slow path only
+    names the bad line."""
     if not block:
-        return fields
-    lines = block.split(_CRLF)
-    if len(lines) > MAX_HEADERS:
-        raise RemoteProtocolError(f"HTTP {what}: {len(lines)} header fields, at most {MAX_HEADERS}")
-    for line in lines:
-        if line[:1] in (b" ", b"\t"):
+        return []
+    text = block.decode("latin-1") + "\r\n"
+    if _FIELD_BLOCK.fullmatch(text) is None:
+        _raise_bad_field(text, what)
+    fields: list[tuple[str, str]] = _FIELD.findall(text)
+    if len(fields) > MAX_HEADERS:
+        raise RemoteProtocolError(
+            f"HTTP {what}: {len(fields)} header fields, at most {MAX_HEADERS}"
+        )
+    return [(name.lower(), value.rstrip(" \t")) for name, value in fields]
+
+
+def _raise_bad_field(text: str, what: str) -> NoReturn:
+    for line in text.split("\r\n")[:-1]:
+        if line[:1] in (" ", "\t"):
             raise RemoteProtocolError(f"HTTP {what}: obsolete line folding in {line[:80]!r}")
-        name, colon, value = line.partition(b":")
-        if not colon or not _TOKEN.fullmatch(name):
+        name, colon, value = line.partition(":")
+        if not colon or not _TOKEN_STR.fullmatch(name):
             raise RemoteProtocolError(f"HTTP {what}: malformed header line {line[:80]!r}")
-        if b"\r" in value or b"\n" in value or b"\x00" in value:
+        if _FORBIDDEN_IN_VALUE.search(value):
             raise RemoteProtocolError(f"HTTP {what}: CR/LF/NUL in header {name!r}")
-        fields.append((name.decode("ascii").lower(), value.strip(b" \t").decode("latin-1")))
-    return fields
+    raise RemoteProtocolError(f"HTTP {what}: malformed header block {text[:80]!r}")
 
 
 def _content_length(values: list[str]) -> int:
     """One length from every Content-Length field (RFC 9110 §8.6: a list of identical values
     may be accepted; anything else is unrecoverable)."""
+    if len(values) == 1 and values[0].isdigit() and values[0].isascii():
+        return int(values[0])  # the usual case
     lengths = set()
     for value in values:
         for part in value.split(","):
@@ -394,12 +409,16 @@ class ResponseParser:
             return response
 
     def _frame_body(self, response: Response, minor: int) -> None:
-        connection = {
-            token.strip(" \t").lower()
-            for name, value in response.headers
-            if name == "connection"
-            for token in value.split(",")
-        }
+        connection: list[str] = []
+        codings: list[str] = []
+        lengths: list[str] = []
+        for name, value in response.headers:
+            if name == "content-length":
+                lengths.append(value)
+            elif name == "transfer-encoding":
+                codings.extend(t.strip(" \t").lower() for t in value.split(",") if t.strip(" \t"))
+            elif name == "connection":
+                connection.extend(t.strip(" \t").lower() for t in value.split(","))
         self._keep_alive = minor >= 1 and "close" not in connection
         status = response.status
         if (
@@ -409,14 +428,6 @@ class ResponseParser:
         ):
             self._state = _State.END
             return
-        codings = [
-            token.strip(" \t").lower()
-            for name, value in response.headers
-            if name == "transfer-encoding"
-            for token in value.split(",")
-            if token.strip(" \t")
-        ]
-        lengths = [value for name, value in response.headers if name == "content-length"]
         if codings:
             if codings != ["chunked"]:
                 raise RemoteProtocolError(
