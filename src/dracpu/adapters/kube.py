@@ -5,16 +5,21 @@ ResourceSlices (list, watch, create, update, delete). The ONLY module that impor
 ``kubernetes`` is used for ONE job: loading the configuration (kubeconfig or the in-cluster
 service account, client certificates, exec plugins, token files), i.e. a
 ``kubernetes.aio.client.Configuration``. Every request goes through our own small HTTP/1.1
-client: the sans-IO :mod:`dracpu.wire.http1` over a pool of ``anyio`` TCP (TLS) streams.
+client: the sans-IO :mod:`dracpu.wire.http1` over the connection pool of
+:mod:`dracpu.adapters.http_pool`.
 
-Why (measured on the 2-core VM, a claim GET against the in-process fake API server, of which
-the server's handler is ~0.22 ms): the ``kubernetes.aio`` ``ApiClient`` -> aiohttp path took
-0.34-0.40 ms back to back and 0.94-1.14 ms a few ms after the previous burst of work (cold
-caches, the case of a kubelet Prepare call); a raw stream took 0.19 / 0.59 ms. What counts
-cold is how much code one request runs, and the GET of the claim sits in the Prepare path
-(issue 4). The same client also serves the claim status PATCH and the slice publisher.
+Why (measured on the 2-core VM against the in-process fake API server, whose handler is ~0.22
+ms of each figure): the claim GET sits in the Prepare path (issue 4), and on this VM code that
+runs a few ms after the previous burst of work runs ~3x slower (cold caches), so what counts is
+how much code one request runs. The ``kubernetes.aio`` ``ApiClient`` -> aiohttp path took
+0.42-0.47 ms back to back and 1.19-1.33 ms cold; this client takes 0.38-0.41 / 1.09-1.23 ms (a
+bare anyio stream with no client code on top: 0.24 / 0.82-0.90). Modest per request, but the
+Prepare benchmark (``bench/bench_prepare.py --only api``, six alternating runs) was faster with
+it in five of six, by ~0.5 ms at the median: the claim status PATCH after each answer competes
+with the next call too. It also sends nothing twice behind our back (aiohttp retried PUT and
+DELETE once on a dropped connection).
 
-What the client does, and what it keeps from ``kubernetes.aio`` (``rest.py``, ``api_client.py``):
+What this module keeps from ``kubernetes.aio`` (``rest.py``, ``api_client.py``):
 
 - **TLS**: one ``ssl.SSLContext`` built at open as ``RESTClientObject`` builds it (CA file /
   data, client certificate, ``verify_ssl``, ``disable_strict_ssl_verification``) plus
@@ -27,18 +32,12 @@ What the client does, and what it keeps from ``kubernetes.aio`` (``rest.py``, ``
 - **Proxy**: resolved ONCE at open (kubeconfig ``proxy-url`` first, else ``https_proxy`` /
   ``http_proxy`` for the server's scheme, ``no_proxy`` honoured, credentials from the proxy URL
   or ``~/.netrc``) as the old aiohttp set-up did and as client-go does
-  (``http.ProxyFromEnvironment``). An https server is reached through a ``CONNECT`` tunnel,
-  then TLS; an http server gets absolute-form request targets; ``Proxy-Authorization`` when
-  credentials are known. Only ``http://`` proxies are supported (aiohttp had the same limit).
-- **Connections**: keep-alive, idle ones reused last-in first-out, at most
-  :data:`_MAX_CONNECTIONS` ordinary requests at a time (watches hold their own connection on
-  top). A connection that failed or that the server closed is dropped: before reuse, an idle
-  connection whose socket is readable (FIN, RST, stray bytes) or that has been idle for
-  :data:`_IDLE_SECONDS` is closed; TCP keep-alive probes run on every connection. A GET whose
-  connection drops before any byte of the answer arrives (the keep-alive race: the server
-  closed an idle connection just as we reused it) is sent once more on a fresh connection
-  (RFC 9112 §9.3.1: idempotent; aiohttp did the same); a PATCH/POST/PUT/DELETE is never sent
-  twice.
+  (``http.ProxyFromEnvironment``). Only ``http://`` proxies are supported (aiohttp had the same
+  limit).
+- **Connections** (:mod:`dracpu.adapters.http_pool`): keep-alive, at most
+  :data:`~dracpu.adapters.http_pool.MAX_CONNECTIONS` ordinary requests at a time, dead idle
+  connections dropped before reuse, a GET resent once after the keep-alive race, nothing else
+  ever sent twice.
 - **Timeouts**: ``request_timeout`` bounds a whole ordinary request; a watch is bounded by its
   ``timeoutSeconds`` plus :data:`_WATCH_CLIENT_MARGIN`.
 
@@ -66,25 +65,30 @@ import logging
 import netrc
 import os
 import random
-import re
-import select
-import socket
 import ssl
 import urllib.request
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 from urllib.parse import quote, unquote, urlencode, urlsplit
 
 import anyio
 import anyio.abc
-from anyio.streams.tls import TLSStream
 from kubernetes.aio import client as kube_client
 from kubernetes.aio import config as kube_config
 
 from dracpu import __version__
+from dracpu.adapters.http_pool import (
+    CONNECTION_ERRORS,
+    Endpoint,
+    HttpPool,
+    Proxy,
+    ProxyRefusedError,
+    StreamedResponse,
+    bracketed,
+    quote_segment,
+)
 from dracpu.errors import (
     ConfigError,
     KubeAPIError,
@@ -95,12 +99,7 @@ from dracpu.errors import (
     ProtocolError,
 )
 from dracpu.wire.http1 import (
-    MAX_BODY,
-    NEED_DATA,
-    Data,
-    EndOfMessage,
     Response,
-    ResponseParser,
     encode_request,
 )
 
@@ -139,39 +138,8 @@ _WATCH_MIN_SECONDS = 300
 _WATCH_CLIENT_MARGIN = 30.0
 # How much of a non-JSON error body goes into an error message.
 _BODY_EXCERPT = 200
-# Ordinary requests in flight at once (each on its own connection). dracpu makes a few at a
-# time (a Prepare's GET + PATCH per claim, the publisher's writes); the kubelet sends Prepare
-# calls one after the other. 8 is aiohttp's per-host default order of magnitude (its total
-# limit is 100) kept small: the API server counts our connections against the node's budget.
-_MAX_CONNECTIONS: Final = 8
-# Idle keep-alive connections kept for reuse (the rest are closed when released).
-_MAX_IDLE: Final = _MAX_CONNECTIONS
-# An idle connection older than this is closed instead of reused: Go's http.Transport
-# IdleConnTimeout default (90 s). Load balancers drop idle flows silently after minutes
-# (AWS NLB 350 s, Azure 4 min); a connection is never reused past that.
-_IDLE_SECONDS: Final = 90.0
-# TCP keep-alive probes on every connection (a watch may be silent for minutes; a peer that
-# vanished without a FIN is noticed): idle 30 s, then every 30 s, as Go's net.Dialer
-# (KeepAlive: 30 s) does for client-go.
-_KEEPALIVE_SECONDS: Final = 30
-# Bytes asked of the socket per read: a claim answer (~3 KB) or a watch event fits in one.
-_READ_SIZE: Final = 65536
-# The longest watch event line accepted: one object, the same bound as a whole LIST answer.
-_MAX_EVENT_LINE: Final = MAX_BODY
 # Default ports of the API server URL's schemes (RFC 9110 §4.2).
 _DEFAULT_PORTS: Final = {"http": 80, "https": 443}
-# What a connection failure can raise below us: socket errors (ssl.SSLError, TimeoutError are
-# OSErrors), anyio's stream errors, and the peer's HTTP violations (dracpu.wire.http1).
-_CONNECTION_ERRORS: Final = (
-    OSError,
-    anyio.BrokenResourceError,
-    anyio.ClosedResourceError,
-    anyio.EndOfStream,
-    ProtocolError,
-)
-
-# Path segments that need no percent-encoding (RFC 3986 unreserved characters).
-_PLAIN_SEGMENT: Final = re.compile(r"[A-Za-z0-9._~-]+")
 
 _RESOURCE_V1 = "/apis/resource.k8s.io/v1"
 _SLICES = _RESOURCE_V1 + "/resourceslices"
@@ -269,324 +237,6 @@ def _resource_version(obj: Mapping[str, Any]) -> str | None:
     return None
 
 
-# --- the HTTP transport --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Proxy:
-    """An HTTP proxy, resolved once at open."""
-
-    host: str
-    port: int
-    url: str  # for messages: scheme://host:port, no credentials
-    authorization: str | None  # the Proxy-Authorization value, when credentials are known
-
-
-@dataclass(frozen=True, slots=True)
-class _Endpoint:
-    """Where and how the API server is reached."""
-
-    scheme: str  # "http" or "https"
-    host: str  # to connect to (an IPv6 address without brackets)
-    port: int
-    authority: str  # the Host header: host[:port] as in the URL
-    prefix: str  # a path prefix of the server URL (a proxying front end), "" usually
-    ssl_context: ssl.SSLContext | None  # https only
-    tls_name: str  # the name sent as SNI and checked in the certificate
-    proxy: _Proxy | None
-
-    def target(self, path_and_query: str) -> str:
-        """The request target: origin-form, or absolute-form through an http proxy."""
-        if self.proxy is not None and self.ssl_context is None:
-            return f"{self.scheme}://{self.authority}{self.prefix}{path_and_query}"
-        return self.prefix + path_and_query
-
-
-class _ProxyRefusedError(Exception):
-    """The proxy answered CONNECT with something other than 2xx."""
-
-
-class _HttpPool:
-    """Keep-alive HTTP/1.1 connections to one API server."""
-
-    def __init__(self, endpoint: _Endpoint, *, max_connections: int = _MAX_CONNECTIONS) -> None:
-        self.endpoint = endpoint
-        self._idle: list[tuple[anyio.abc.ByteStream, float]] = []  # (stream, idle since)
-        self._slots = anyio.Semaphore(max_connections)
-        self._closed = False
-
-    async def aclose(self) -> None:
-        """Close the idle connections; connections in use are closed when released."""
-        self._closed = True
-        idle, self._idle = self._idle, []
-        for stream, _ in idle:
-            await anyio.aclose_forcefully(stream)
-
-    async def _connect(self) -> anyio.abc.ByteStream:
-        stream = await self._open()
-        _keep_alive(stream)
-        return stream
-
-    async def _open(self) -> anyio.abc.ByteStream:
-        endpoint = self.endpoint
-        proxy = endpoint.proxy
-        if proxy is None:
-            if endpoint.ssl_context is None:
-                return await anyio.connect_tcp(endpoint.host, endpoint.port)
-            return await anyio.connect_tcp(
-                endpoint.host,
-                endpoint.port,
-                ssl_context=endpoint.ssl_context,
-                tls_hostname=endpoint.tls_name,
-                tls_standard_compatible=False,  # our framing detects truncation itself
-            )
-        stream: anyio.abc.ByteStream = await anyio.connect_tcp(proxy.host, proxy.port)
-        if endpoint.ssl_context is None:
-            return stream
-        try:
-            await self._open_tunnel(stream, proxy)
-            return await TLSStream.wrap(
-                stream,
-                hostname=endpoint.tls_name,
-                ssl_context=endpoint.ssl_context,
-                standard_compatible=False,
-            )
-        except BaseException:
-            await anyio.aclose_forcefully(stream)
-            raise
-
-    async def _open_tunnel(self, stream: anyio.abc.ByteStream, proxy: _Proxy) -> None:
-        authority = f"{_bracketed(self.endpoint.host)}:{self.endpoint.port}"
-        headers = [("User-Agent", _USER_AGENT)]
-        if proxy.authorization is not None:
-            headers.append(("Proxy-Authorization", proxy.authorization))
-        await stream.send(encode_request("CONNECT", authority, host=authority, headers=headers))
-        parser = ResponseParser("CONNECT", max_body=_BODY_EXCERPT * 64)
-        response, body = await _read_response(stream, parser)
-        if not 200 <= response.status < 300:
-            excerpt = body[:_BODY_EXCERPT].decode("utf-8", "replace").strip()
-            raise _ProxyRefusedError(
-                f"the proxy {proxy.url} refused CONNECT {authority}: "
-                f"{response.status} {response.reason} {excerpt}".rstrip()
-            )
-        if not parser.reusable:
-            raise _ProxyRefusedError(f"the proxy {proxy.url} closed the CONNECT tunnel at once")
-
-    async def _checkout(self) -> tuple[anyio.abc.ByteStream, bool]:
-        """The most recently used live idle connection (``True``: reused) or a new one."""
-        while self._idle:
-            stream, since = self._idle.pop()
-            if anyio.current_time() - since < _IDLE_SECONDS and not _closed_by_peer(stream):
-                return stream, True
-            await anyio.aclose_forcefully(stream)
-        return await self._connect(), False
-
-    async def release(self, stream: anyio.abc.ByteStream, reusable: bool) -> None:
-        """Keep ``stream`` for the next request, or close it."""
-        if reusable and not self._closed and len(self._idle) < _MAX_IDLE:
-            self._idle.append((stream, anyio.current_time()))
-        else:
-            await anyio.aclose_forcefully(stream)
-
-    async def request(
-        self, method: str, target: str, wire: bytes, *, max_body: int = MAX_BODY
-    ) -> tuple[Response, bytes]:
-        """Send one encoded request, read the whole answer: its head and body.
-
-        Raises what the connection raises (:data:`_CONNECTION_ERRORS`, :class:`_ProxyRefusedError`).
-        """
-        try:  # the common case without a checkpoint (an event loop iteration, cold: ~50 us)
-            self._slots.acquire_nowait()
-        except anyio.WouldBlock:
-            await self._slots.acquire()
-        try:
-            retry = method == "GET"
-            while True:
-                stream, reused = await self._checkout()
-                parser = ResponseParser(method, max_body=max_body)
-                try:
-                    await stream.send(wire)
-                    response, body = await _read_response(stream, parser)
-                except _CONNECTION_ERRORS as exc:
-                    await anyio.aclose_forcefully(stream)
-                    if retry and not parser.started:
-                        retry = False
-                        logger.debug(
-                            "%s %s: the %s connection dropped before an answer (%r), sending "
-                            "it again on a new one",
-                            method,
-                            target,
-                            "reused" if reused else "new",
-                            exc,
-                        )
-                        continue
-                    raise
-                except BaseException:  # cancelled or timed out mid-request: state unknown
-                    await anyio.aclose_forcefully(stream)
-                    raise
-                await self.release(stream, parser.reusable)
-                return response, body
-        finally:
-            self._slots.release()
-
-    async def open_stream(self, method: str, wire: bytes) -> _StreamedResponse:
-        """Send one encoded request, read the answer's head; the body is read by the caller
-        (:class:`_StreamedResponse`, which must be closed). Not counted against the slots:
-        watches hold their connection for minutes."""
-        retry = method == "GET"
-        while True:
-            stream, _ = await self._checkout()
-            parser = ResponseParser(method, max_body=None)
-            try:
-                await stream.send(wire)
-                while True:
-                    event = parser.next_event()
-                    if event is NEED_DATA:
-                        parser.receive_data(await _receive(stream))
-                    elif isinstance(event, Response):
-                        return _StreamedResponse(self, stream, parser, event)
-            except _CONNECTION_ERRORS:
-                await anyio.aclose_forcefully(stream)
-                if retry and not parser.started:
-                    retry = False  # the keep-alive race, as in request()
-                    continue
-                raise
-            except BaseException:
-                await anyio.aclose_forcefully(stream)
-                raise
-
-
-class _StreamedResponse:
-    """An answer whose body is read piece by piece (a watch)."""
-
-    def __init__(
-        self, pool: _HttpPool, stream: anyio.abc.ByteStream, parser: ResponseParser, head: Response
-    ) -> None:
-        self.status = head.status
-        self.reason = head.reason
-        self._pool = pool
-        self._stream: anyio.abc.ByteStream | None = stream
-        self._parser = parser
-        self._done = False
-        self._pending = bytearray()
-
-    async def receive_some(self) -> bytes:
-        """The next body bytes; ``b""`` once the body ended."""
-        if self._done or self._stream is None:
-            return b""
-        while True:
-            event = self._parser.next_event()
-            if event is NEED_DATA:
-                self._parser.receive_data(await _receive(self._stream))
-            elif isinstance(event, Data):
-                return event.data
-            else:
-                self._done = True
-                return b""
-
-    async def read_line(self) -> bytes:
-        """The next ``\\n``-terminated line of the body (the newline kept), or what is left
-        without one at the end of the body (``b""``: nothing left)."""
-        while True:
-            end = self._pending.find(b"\n")
-            if end >= 0:
-                line = bytes(self._pending[: end + 1])
-                del self._pending[: end + 1]
-                return line
-            if len(self._pending) > _MAX_EVENT_LINE:
-                raise KubeServerError(f"a watch event longer than {_MAX_EVENT_LINE} bytes: refused")
-            data = await self.receive_some()
-            if not data:
-                line = bytes(self._pending)
-                self._pending.clear()
-                return line
-            self._pending += data
-
-    async def read_all(self, limit: int = MAX_BODY) -> bytes:
-        """The rest of the body (an error answer's Status), at most ``limit`` bytes."""
-        chunks = bytearray()
-        while data := await self.receive_some():
-            chunks += data
-            if len(chunks) > limit:
-                raise KubeServerError(f"an answer of more than {limit} bytes: refused")
-        return bytes(chunks)
-
-    async def aclose(self) -> None:
-        """Give the connection back (reusable if the body was read to its end) or close it."""
-        stream, self._stream = self._stream, None
-        if stream is not None:
-            await self._pool.release(stream, self._done and self._parser.reusable)
-
-
-async def _receive(stream: anyio.abc.ByteStream) -> bytes:
-    """Bytes from the connection, ``b""`` at its end."""
-    try:
-        return await stream.receive(_READ_SIZE)
-    except anyio.EndOfStream:
-        return b""
-
-
-async def _read_response(
-    stream: anyio.abc.ByteStream, parser: ResponseParser
-) -> tuple[Response, bytes]:
-    response: Response | None = None
-    chunks: list[bytes] = []
-    while True:
-        event = parser.next_event()
-        if event is NEED_DATA:
-            parser.receive_data(await _receive(stream))
-        elif isinstance(event, Data):
-            chunks.append(event.data)
-        elif isinstance(event, Response):
-            response = event
-        elif isinstance(event, EndOfMessage):
-            assert response is not None  # the parser gives the head first
-            return response, b"".join(chunks)
-
-
-def _quote(value: str) -> str:
-    """``value`` as one path segment: object names (DNS labels / subdomains) as they are, any
-    other text percent-encoded (``quote`` is the slow part of building a request)."""
-    if _PLAIN_SEGMENT.fullmatch(value):
-        return value
-    return quote(str(value), safe="")
-
-
-def _keep_alive(stream: anyio.abc.ByteStream) -> None:
-    """Turn TCP keep-alive probes on (see :data:`_KEEPALIVE_SECONDS`)."""
-    sock = stream.extra(anyio.abc.SocketAttribute.raw_socket, None)
-    if sock is None:
-        return
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        if hasattr(socket, "TCP_KEEPIDLE"):  # Linux
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, _KEEPALIVE_SECONDS)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, _KEEPALIVE_SECONDS)
-    except OSError as exc:
-        logger.debug("cannot turn TCP keep-alive on: %s", exc)
-
-
-def _closed_by_peer(stream: anyio.abc.ByteStream) -> bool:
-    """Whether an idle connection is unusable: the server closed it (FIN or RST waiting) or sent
-    bytes nobody asked for, i.e. its socket is readable. One zero-timeout poll (~2 us): an idle
-    connection is not being read (anyio pauses reading between receives), so its end would
-    otherwise only show when a request is written to it, and a PATCH must not be lost to that."""
-    sock = stream.extra(anyio.abc.SocketAttribute.raw_socket, None)
-    if sock is None:
-        return False
-    poller = select.poll()
-    try:
-        poller.register(sock.fileno(), select.POLLIN)
-        return bool(poller.poll(0))
-    except (OSError, ValueError):
-        return True  # closed under us
-
-
-def _bracketed(host: str) -> str:
-    """``host`` as it appears in an authority (an IPv6 address in brackets)."""
-    return f"[{host}]" if ":" in host else host
-
-
 _USER_AGENT: Final = f"dracpu/{__version__}"
 
 
@@ -601,7 +251,7 @@ class KubeClient:
     def __init__(
         self,
         configuration: Any,
-        pool: _HttpPool,
+        pool: HttpPool,
         *,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
         watch_seconds: int | None = None,
@@ -627,7 +277,7 @@ class KubeClient:
     ) -> bytes:
         """The bytes of one request, authenticated now (the token may have been refreshed)."""
         if path_params:
-            path = path.format_map({k: _quote(v) for k, v in path_params.items()})
+            path = path.format_map({k: quote_segment(v) for k, v in path_params.items()})
         params = [(key, str(value)) for key, value in query]
         headers = [("User-Agent", _USER_AGENT), ("Accept", _JSON)]
         await self._authenticate(what, headers, params)
@@ -700,7 +350,7 @@ class KubeClient:
         with anyio.move_on_after(self._request_timeout):
             try:
                 answer = await self._pool.request(method, path, wire)
-            except (_ProxyRefusedError, *_CONNECTION_ERRORS) as exc:
+            except (ProxyRefusedError, *CONNECTION_ERRORS) as exc:
                 raise KubeServerError(f"{what}: cannot reach the API server: {exc!r}") from exc
         if answer is None:
             raise KubeServerError(
@@ -845,11 +495,11 @@ class KubeClient:
             # scope, up to this one deadline.
             deadline = anyio.current_time() + seconds + _WATCH_CLIENT_MARGIN
             wire = await self._encode("GET", _SLICES, what, query=query)
-            response: _StreamedResponse | None = None
+            response: StreamedResponse | None = None
             with anyio.move_on_after(deadline - anyio.current_time()):
                 try:
                     response = await self._pool.open_stream("GET", wire)
-                except (_ProxyRefusedError, *_CONNECTION_ERRORS) as exc:
+                except (ProxyRefusedError, *CONNECTION_ERRORS) as exc:
                     raise KubeServerError(f"{what}: cannot reach the API server: {exc!r}") from exc
             if response is None:
                 raise KubeServerError(f"{what}: cannot reach the API server: no answer in time")
@@ -862,7 +512,7 @@ class KubeClient:
                     try:
                         with anyio.fail_after(self._request_timeout):
                             data = await response.read_all()
-                    except (TimeoutError, KubeServerError, *_CONNECTION_ERRORS) as exc:
+                    except (TimeoutError, KubeServerError, *CONNECTION_ERRORS) as exc:
                         # The status is known; only the server's message was lost.
                         data = f"(reading the answer failed: {exc!r})".encode()
                     raise _status_error(what, response.status, response.reason, data)
@@ -872,7 +522,7 @@ class KubeClient:
                             line = await response.read_line()
                     except TimeoutError:
                         break  # the client-side deadline: renew the watch
-                    except _CONNECTION_ERRORS as exc:
+                    except CONNECTION_ERRORS as exc:
                         raise KubeServerError(f"{what}: the stream broke: {exc!r}") from exc
                     if not line:
                         break  # the server ended the stream (timeoutSeconds)
@@ -968,7 +618,7 @@ def _netrc_authorization(host: str) -> str | None:
     return _basic(login or "", password or "")
 
 
-def _proxy(configuration: Any, scheme: str, host: str) -> _Proxy | None:
+def _proxy(configuration: Any, scheme: str, host: str) -> Proxy | None:
     """The proxy for the API server, decided now: kubeconfig ``proxy-url``, else the
     environment (``<scheme>_proxy``, ``no_proxy``)."""
     if configuration.proxy:
@@ -998,12 +648,12 @@ def _proxy(configuration: Any, scheme: str, host: str) -> _Proxy | None:
     for key, value in dict(configuration.proxy_headers or {}).items():
         if str(key).lower() == "proxy-authorization":
             authorization = str(value)
-    plain = f"http://{_bracketed(parsed.hostname)}:{port}"
+    plain = f"http://{bracketed(parsed.hostname)}:{port}"
     logger.info("the API server %s is reached through proxy %s", configuration.host, plain)
-    return _Proxy(host=parsed.hostname, port=port, url=plain, authorization=authorization)
+    return Proxy(host=parsed.hostname, port=port, url=plain, authorization=authorization)
 
 
-def _endpoint(configuration: Any) -> _Endpoint:
+def _endpoint(configuration: Any) -> Endpoint:
     host = str(configuration.host)
     url = urlsplit(host)
     scheme = url.scheme.lower()
@@ -1014,7 +664,7 @@ def _endpoint(configuration: Any) -> _Endpoint:
     except ValueError as exc:
         raise ConfigError(f"the API server URL {host!r} has a bad port: {exc}") from exc
     tls = scheme == "https"
-    return _Endpoint(
+    return Endpoint(
         scheme=scheme,
         host=url.hostname,
         port=port,
@@ -1036,7 +686,7 @@ async def open_kube_client(
     """A :class:`KubeClient` for the cluster of ``kubeconfig`` (``None``: in-cluster, from the
     pod's service account). Bad or missing configuration raises :class:`ConfigError`."""
     configuration = await _load_configuration(kubeconfig)
-    pool = _HttpPool(_endpoint(configuration))
+    pool = HttpPool(_endpoint(configuration), _USER_AGENT)
     try:
         yield KubeClient(
             configuration, pool, request_timeout=request_timeout, watch_seconds=watch_seconds
