@@ -467,14 +467,7 @@ class ResponseParser:
                     f"{self._received_body + self._remaining} body bytes missing"
                 )
             return NEED_DATA
-        n = min(self._remaining, len(self._buffer))
-        self._remaining -= n
-        data = bytes(self._buffer[:n])
-        del self._buffer[:n]
-        self._received_body += n
-        if not self._remaining:
-            self._state = _State.END
-        return Data(data)
+        return self._take_part(_State.END)
 
     def _read_chunk_size(self) -> Event:
         end = self._buffer.find(_CRLF, 0, MAX_CHUNK_LINE)
@@ -501,13 +494,18 @@ class ResponseParser:
     def _read_chunk_data(self) -> Event:
         if not self._buffer:
             return self._need(self._eof, "inside a chunk")
+        return self._take_part(_State.CHUNK_END)
+
+    def _take_part(self, then: _State) -> Data:
+        """The buffered bytes of the current body part, up to what is left of it (the buffer
+        is not empty); ``then`` is the state once the part is complete."""
         n = min(self._remaining, len(self._buffer))
         self._remaining -= n
         data = bytes(self._buffer[:n])
         del self._buffer[:n]
         self._received_body += n
         if not self._remaining:
-            self._state = _State.CHUNK_END
+            self._state = then
         return Data(data)
 
     def _read_trailers(self) -> Event:
