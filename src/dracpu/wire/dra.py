@@ -46,8 +46,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from dracpu.errors import LocalProtocolError, RemoteProtocolError
-from dracpu.wire.protowire import WIRE_LEN, encode_varint, scan_fields
+from dracpu.errors import RemoteProtocolError
+from dracpu.wire.protowire import WIRE_LEN, encode_text, len_field, scan_fields
 
 __all__ = [
     "ClaimRef",
@@ -144,55 +144,39 @@ def decode_unprepare_request(data: bytes) -> tuple[ClaimRef, ...]:
 # --- encoding -------------------------------------------------------------------------------------
 
 # One-byte tags, (field number << 3) | WIRE_LEN: every field we write is length-delimited.
-_TAG_1 = b"\x0a"
-_TAG_2 = b"\x12"
-_TAG_3 = b"\x1a"
-_TAG_4 = b"\x22"
-_TAG_5 = b"\x2a"
+_TAG_1 = 0x0A
+_TAG_2 = 0x12
+_TAG_3 = 0x1A
+_TAG_4 = 0x22
+_TAG_5 = 0x2A
 # A map entry's value field holding an empty message (upb and Go always write the value).
 _EMPTY_VALUE = b"\x12\x00"
-_SMALL_VARINTS = [bytes((i,)) for i in range(0x80)]  # one-byte varints, the common lengths
 # Sorts after every byte of valid UTF-8 (which never holds 0xF8-0xFF): appended to a key, it
 # makes a key sort after the longer keys it is a prefix of, as upb's map sorter does.
 _AFTER_UTF8 = b"\xff"
 
 
-def _varint(value: int) -> bytes:
-    return _SMALL_VARINTS[value] if value < 0x80 else encode_varint(value)
-
-
-def _utf8(text: str, what: str) -> bytes:
-    try:
-        return text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise LocalProtocolError(f"{what} {text!r} cannot be encoded as UTF-8") from exc
-
-
-def _field(tag: bytes, value: bytes) -> bytes:
-    return tag + _varint(len(value)) + value
-
-
 def _device(device: PreparedDevice, share_ids: bool) -> bytes:
     out = bytearray()
     for request in device.request_names:
-        out += _field(_TAG_1, _utf8(request, "Device.request_names"))
+        out += len_field(_TAG_1, encode_text(request, "Device.request_names"))
     if device.pool_name:
-        out += _field(_TAG_2, _utf8(device.pool_name, "Device.pool_name"))
+        out += len_field(_TAG_2, encode_text(device.pool_name, "Device.pool_name"))
     if device.device_name:
-        out += _field(_TAG_3, _utf8(device.device_name, "Device.device_name"))
+        out += len_field(_TAG_3, encode_text(device.device_name, "Device.device_name"))
     for cdi_id in device.cdi_device_ids:
-        out += _field(_TAG_4, _utf8(cdi_id, "Device.cdi_device_ids"))
+        out += len_field(_TAG_4, encode_text(cdi_id, "Device.cdi_device_ids"))
     if share_ids and device.share_id is not None:
-        out += _field(_TAG_5, _utf8(device.share_id, "Device.share_id"))
+        out += len_field(_TAG_5, encode_text(device.share_id, "Device.share_id"))
     return bytes(out)
 
 
 def _prepare_outcome(outcome: PrepareOutcome, share_ids: bool) -> bytes:
     out = bytearray()
     for device in outcome.devices:
-        out += _field(_TAG_1, _device(device, share_ids))
+        out += len_field(_TAG_1, _device(device, share_ids))
     if outcome.error:
-        out += _field(_TAG_2, _utf8(outcome.error, "NodePrepareResourceResponse.error"))
+        out += len_field(_TAG_2, encode_text(outcome.error, "NodePrepareResourceResponse.error"))
     return bytes(out)
 
 
@@ -202,10 +186,7 @@ def _map(entries: list[tuple[bytes, bytes]]) -> bytes:
         entries.sort(key=lambda entry: entry[0] + _AFTER_UTF8)
     out = bytearray()
     for key, value in entries:
-        entry = _field(_TAG_1, key) + value
-        out += _TAG_1
-        out += _varint(len(entry))
-        out += entry
+        out += len_field(_TAG_1, len_field(_TAG_1, key) + value)
     return bytes(out)
 
 
@@ -219,8 +200,8 @@ def encode_prepare_response(
     """
     entries = [
         (
-            _utf8(uid, "NodePrepareResourcesResponse.claims key"),
-            _field(_TAG_2, _prepare_outcome(outcome, share_ids)),
+            encode_text(uid, "NodePrepareResourcesResponse.claims key"),
+            len_field(_TAG_2, _prepare_outcome(outcome, share_ids)),
         )
         for uid, outcome in claims.items()
     ]
@@ -232,8 +213,10 @@ def encode_unprepare_response(claims: Mapping[str, str]) -> bytes:
     unprepared)."""
     entries = [
         (
-            _utf8(uid, "NodeUnprepareResourcesResponse.claims key"),
-            _field(_TAG_2, _field(_TAG_1, _utf8(error, "NodeUnprepareResourceResponse.error")))
+            encode_text(uid, "NodeUnprepareResourcesResponse.claims key"),
+            len_field(
+                _TAG_2, len_field(_TAG_1, encode_text(error, "NodeUnprepareResourceResponse.error"))
+            )
             if error
             else _EMPTY_VALUE,
         )

@@ -40,7 +40,9 @@ from dracpu.wire.protowire import (
     WIRE_LEN,
     WIRE_VARINT,
     Field,
+    encode_text,
     encode_varint,
+    len_field,
     scan_fields,
     to_int32,
     to_int64,
@@ -335,18 +337,6 @@ def decode_update_containers_response(data: bytes) -> tuple[str, ...]:
 # --- encoding -------------------------------------------------------------------------------------
 
 
-def _utf8(text: str, what: str) -> bytes:
-    try:
-        return text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise LocalProtocolError(f"nri: {what} {text!r} cannot be encoded as UTF-8") from exc
-
-
-def _len_field(tag: int, data: bytes) -> bytes:
-    """A length-delimited field whose (one-byte) tag is ``tag``."""
-    return bytes((tag,)) + encode_varint(len(data)) + data
-
-
 # One-byte tags: (field number << 3) | wire type.
 _TAG_1_LEN = 0x0A
 _TAG_2_LEN = 0x12
@@ -363,17 +353,10 @@ def _linux_resources(cpus: str, mems: str, what: str) -> bytes:
             f"nri: refusing to send an empty cpuset for {what}: the runtime would read it as "
             "'no change'"
         )
-    cpu = _len_field(_TAG_6_LEN, _utf8(cpus, "cpus"))
+    cpu = len_field(_TAG_6_LEN, encode_text(cpus, "nri: cpus"))
     if mems:
-        cpu += _len_field(_TAG_7_LEN, _utf8(mems, "mems"))
-    return _len_field(_TAG_2_LEN, cpu)
-
-
-_SMALL_VARINTS = [bytes((i,)) for i in range(0x80)]  # one-byte varints, the common lengths
-
-
-def _varint(value: int) -> bytes:
-    return _SMALL_VARINTS[value] if value < 0x80 else encode_varint(value)
+        cpu += len_field(_TAG_7_LEN, encode_text(mems, "nri: mems"))
+    return len_field(_TAG_2_LEN, cpu)
 
 
 def _container_updates(field_tag: int, updates: Iterable[CpusetUpdate]) -> bytes:
@@ -387,15 +370,15 @@ def _container_updates(field_tag: int, updates: Iterable[CpusetUpdate]) -> bytes
         if tail is None:
             resources = _linux_resources(update.cpus, update.mems, update.container_id)
             # ContainerUpdate.linux(2) = LinuxContainerUpdate{resources(1)}
-            tail = tails[key] = _len_field(_TAG_2_LEN, _len_field(_TAG_1_LEN, resources))
+            tail = tails[key] = len_field(_TAG_2_LEN, len_field(_TAG_1_LEN, resources))
         if not update.container_id:
             raise LocalProtocolError("nri: a container update needs a container id")
-        container_id = _utf8(update.container_id, "container id")
+        container_id = encode_text(update.container_id, "nri: container id")
         size = len(container_id)
         out += tag
-        out += _varint(1 + len(_varint(size)) + size + len(tail))
+        out += encode_varint(1 + len(encode_varint(size)) + size + len(tail))
         out += b"\x0a"  # ContainerUpdate.container_id(1)
-        out += _varint(size)
+        out += encode_varint(size)
         out += container_id
         out += tail
     return bytes(out)
@@ -405,11 +388,11 @@ def encode_register_plugin_request(name: str, index: str, nri_version: str = "")
     """``RegisterPluginRequest{plugin_name(1), plugin_idx(2), NRI_version(3)}``."""
     out = b""
     if name:
-        out += _len_field(_TAG_1_LEN, _utf8(name, "plugin name"))
+        out += len_field(_TAG_1_LEN, encode_text(name, "nri: plugin name"))
     if index:
-        out += _len_field(_TAG_2_LEN, _utf8(index, "plugin index"))
+        out += len_field(_TAG_2_LEN, encode_text(index, "nri: plugin index"))
     if nri_version:
-        out += _len_field(_TAG_3_LEN, _utf8(nri_version, "NRI version"))
+        out += len_field(_TAG_3_LEN, encode_text(nri_version, "nri: NRI version"))
     return out
 
 
@@ -436,8 +419,8 @@ def encode_create_container_response(
     ``updates`` are for *other* containers (updating the one being created is an error in the
     runtime, nri adaptation/result.go).
     """
-    adjustment = _len_field(_TAG_6_LEN, _len_field(_TAG_2_LEN, _linux_resources(cpus, mems, what)))
-    return _len_field(_TAG_1_LEN, adjustment) + _container_updates(_TAG_2_LEN, updates)
+    adjustment = len_field(_TAG_6_LEN, len_field(_TAG_2_LEN, _linux_resources(cpus, mems, what)))
+    return len_field(_TAG_1_LEN, adjustment) + _container_updates(_TAG_2_LEN, updates)
 
 
 def encode_update_container_response(updates: Sequence[CpusetUpdate]) -> bytes:

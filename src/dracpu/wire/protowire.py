@@ -44,7 +44,9 @@ __all__ = [
     "decode_varint",
     "encode_request",
     "encode_response",
+    "encode_text",
     "encode_varint",
+    "len_field",
     "scan_fields",
     "skip_group",
     "to_int32",
@@ -101,12 +103,15 @@ class ResponseEnvelope:
 # --- encoding -------------------------------------------------------------------------------
 
 
+_SMALL_VARINTS = tuple(bytes((i,)) for i in range(0x80))  # one-byte varints: most lengths
+
+
 def encode_varint(value: int) -> bytes:
     """Base-128 varint of an unsigned 64-bit value."""
+    if 0 <= value < 0x80:
+        return _SMALL_VARINTS[value]
     if not 0 <= value <= _MASK64:
         raise LocalProtocolError(f"varint value {value} is outside 0 .. 2^64-1")
-    if value < 0x80:
-        return bytes((value,))
     out = bytearray()
     while value >= 0x80:
         out.append((value & 0x7F) | 0x80)
@@ -119,11 +124,19 @@ def _tag(field: int, wire_type: int) -> bytes:
     return encode_varint((field << 3) | wire_type)
 
 
-def _utf8(text: str, what: str) -> bytes:
+def encode_text(text: str, what: str) -> bytes:
+    """``text`` as UTF-8 (a protobuf ``string``); :class:`LocalProtocolError` naming ``what``
+    when it cannot be (a lone surrogate)."""
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise LocalProtocolError(f"{what} {text!r} cannot be encoded as UTF-8") from exc
+
+
+def len_field(tag: int, data: bytes) -> bytes:
+    """A length-delimited field whose tag, ``(number << 3) | WIRE_LEN``, is one byte (fields
+    1-15), always written (a proto3 default is the caller's to omit)."""
+    return bytes((tag,)) + encode_varint(len(data)) + data
 
 
 def _put_len(out: bytearray, field: int, data: bytes) -> None:
@@ -152,14 +165,14 @@ def encode_request(
     if not _INT64_MIN <= timeout_nano <= _INT64_MAX:
         raise LocalProtocolError(f"timeout_nano {timeout_nano} does not fit in an int64")
     out = bytearray()
-    _put_len(out, REQUEST_SERVICE, _utf8(service, "service"))
-    _put_len(out, REQUEST_METHOD, _utf8(method, "method"))
+    _put_len(out, REQUEST_SERVICE, encode_text(service, "service"))
+    _put_len(out, REQUEST_METHOD, encode_text(method, "method"))
     _put_len(out, REQUEST_PAYLOAD, bytes(payload))
     _put_int(out, REQUEST_TIMEOUT_NANO, timeout_nano)
     for key, value in metadata:
         entry = bytearray()
-        _put_len(entry, KEY_VALUE_KEY, _utf8(key, "metadata key"))
-        _put_len(entry, KEY_VALUE_VALUE, _utf8(value, "metadata value"))
+        _put_len(entry, KEY_VALUE_KEY, encode_text(key, "metadata key"))
+        _put_len(entry, KEY_VALUE_VALUE, encode_text(value, "metadata value"))
         # A repeated message element is always written, even when empty.
         out += _tag(REQUEST_METADATA, WIRE_LEN)
         out += encode_varint(len(entry))
@@ -174,7 +187,7 @@ def encode_response(payload: bytes = b"", status_code: int = 0, status_message: 
     out = bytearray()
     status = bytearray()
     _put_int(status, STATUS_CODE, status_code)
-    _put_len(status, STATUS_MESSAGE, _utf8(status_message, "status message"))
+    _put_len(status, STATUS_MESSAGE, encode_text(status_message, "status message"))
     if status:
         out += _tag(RESPONSE_STATUS, WIRE_LEN)
         out += encode_varint(len(status))
