@@ -3,6 +3,7 @@ on a written sysfs tree and real files in scratch directories."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import uuid
@@ -10,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import anyio
+import anyio.to_thread
 import pytest
 
 from dracpu.adapters import cdi_files, checkpoint_file
@@ -395,3 +398,22 @@ async def test_a_failed_adoption_fails_the_start_and_keeps_the_specs(
     # Neither rolled back nor pruned: the next start can still adopt the claim.
     assert cdi_files.list_our_specs(config.cdi_dir) == {UID_B: CpuSet.parse("8-9")}
     assert _saved(config) == before
+
+
+async def test_the_file_thread_lives_as_long_as_the_machine(
+    trees: SysfsTrees, scratch: Path
+) -> None:
+    config = _config(trees, scratch)
+    before = set(threading.enumerate())  # other tests' machines may not be collected yet
+    machine = NodeMachine(config)
+    state = await machine.restore()  # its resync already runs file effects
+    new, effects = machine.apply(state, _grouped(UID_A, 2))
+    commit, _, _ = commit_phase(effects)
+    await machine.execute_batch(commit, [])
+    await anyio.sleep(0.05)
+    [thread] = [t for t in set(threading.enumerate()) - before if t.name == FILE_THREAD_NAME]
+    assert thread.is_alive()  # no idle end: the kubelet's calls come minutes apart
+    del machine, new, effects, commit
+    gc.collect()
+    await anyio.to_thread.run_sync(thread.join, 5)
+    assert not thread.is_alive()  # a dropped machine ends its thread

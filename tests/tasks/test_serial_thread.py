@@ -112,3 +112,39 @@ async def test_a_call_made_as_the_thread_goes_idle_is_not_lost() -> None:
     for index in range(200):
         assert await worker.call(int, index) == index
         await anyio.sleep(0.001 * (index % 3))  # around the idle deadline
+
+
+async def test_without_an_idle_end_the_thread_stays_until_closed() -> None:
+    name = "dracpu-test-close"
+    worker = SerialThread(name, idle_seconds=None)
+    assert await worker.call(int, 7) == 7
+    await anyio.sleep(0.1)
+    [thread] = _threads_named(name)  # still there, idle
+    assert await worker.call(int, 8) == 8
+    assert worker.threads_started == 1
+    worker.close()
+    worker.close()  # a second close does nothing
+    await anyio.to_thread.run_sync(thread.join, 5)
+    assert not thread.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        await worker.call(int, 9)
+
+
+async def test_close_lets_the_calls_made_before_it_finish() -> None:
+    worker = SerialThread("dracpu-test-close-order", idle_seconds=None)
+    done: list[int] = []
+
+    def slow(index: int) -> int:
+        time.sleep(0.01)
+        done.append(index)
+        return index
+
+    async def caller(index: int) -> None:
+        assert await worker.call(slow, index) == index
+
+    async with anyio.create_task_group() as tg:
+        for index in range(3):
+            tg.start_soon(caller, index)
+        await anyio.lowlevel.checkpoint()  # the three calls are queued
+        worker.close()
+    assert done == [0, 1, 2]

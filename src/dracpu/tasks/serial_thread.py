@@ -12,9 +12,11 @@ what the function returns or raises what it raises, and waits for it to finish e
 caller is cancelled (the cancellation is delivered afterwards): a file write that has begun is
 never abandoned half-way. Calls run one at a time, in the order they were made (FIFO).
 
-The thread starts on the first call and ends after :data:`IDLE_SECONDS` without one (a later
-call starts a new one), as anyio's own worker threads do; it is a daemon thread, so a process
-that exits never waits for it. This module is the one place besides
+The thread starts on the first call and ends after ``idle_seconds`` without one (a later call
+starts a new one), as anyio's own worker threads do, or never (``None``: starting a thread costs
+~0.13 ms cold, and the kubelet's calls come minutes apart), and in any case after
+:meth:`SerialThread.close`, once the calls made before it are done. It is a daemon thread, so a
+process that exits never waits for it. This module is the one place besides
 :mod:`dracpu.adapters.grpc_server` that uses asyncio directly (the daemon runs anyio on the
 asyncio backend, which grpclib needs): a future of the running loop is what the thread
 completes.
@@ -56,13 +58,24 @@ class SerialThread:
     """Runs blocking calls one at a time, in order, in one thread of its own (see the module
     docstring). ``name`` names the thread (seen in ``py-spy dump`` and thread listings)."""
 
-    def __init__(self, name: str, *, idle_seconds: float = IDLE_SECONDS) -> None:
+    def __init__(self, name: str, *, idle_seconds: float | None = IDLE_SECONDS) -> None:
         self._name = name
         self._idle_seconds = idle_seconds
-        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()  # None: stop
         self._lock = threading.Lock()  # guards _thread against a thread ending as a call comes
         self._thread: threading.Thread | None = None
         self._started = 0  # threads started so far (tests read it)
+        self._closed = False
+
+    def close(self) -> None:
+        """End the thread once the calls already made are done; no call may follow. Safe to
+        call from any thread, more than once (``weakref.finalize`` of the owner calls it)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._thread is not None:
+                self._jobs.put(None)
 
     @property
     def threads_started(self) -> int:
@@ -74,6 +87,8 @@ class SerialThread:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self._name}: the thread is closed")
             self._jobs.put((loop, future, function, args))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
@@ -86,13 +101,16 @@ class SerialThread:
     def _work(self) -> None:
         while True:
             try:
-                loop, future, function, args = self._jobs.get(timeout=self._idle_seconds)
+                job = self._jobs.get(timeout=self._idle_seconds)
             except queue.Empty:
                 with self._lock:
                     if self._jobs.empty():  # no call came in meanwhile: end this thread
                         self._thread = None
                         return
                 continue
+            if job is None:  # closed
+                return
+            loop, future, function, args = job
             result: Any = None
             error: BaseException | None = None
             try:
@@ -101,4 +119,4 @@ class SerialThread:
                 error = exc
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
                 loop.call_soon_threadsafe(_settle, future, result, error)
-            del loop, future, function, args, result, error  # hold nothing while idle
+            del job, loop, future, function, args, result, error  # hold nothing while idle
