@@ -40,8 +40,10 @@ Figures (ms, p50/p99):
   checkpoint write was), ``floor.overwrite_fdatasync_2k.state_dir`` (one in-place overwrite of an
   existing 2 KB file: pwrite, fdatasync — what a checkpoint slot write is) and
   ``floor.kube_get_claim`` (one GET of a claim through the kube adapter from the in-process fake
-  API server, back to back: the GET inside a Prepare runs with colder caches). A Prepare is one
-  gRPC call, one claim GET, one CDI spec write (tmpfs) and one checkpoint slot write (disk).
+  API server, back to back). The same three floors measured "cold", ``….cold``: with
+  :data:`COLD_GAP` of other work in the caller before each call, as a Prepare meets them (see
+  there). A Prepare is one gRPC call, one claim GET, one CDI spec write (tmpfs) and one
+  checkpoint slot write (disk), plus one hand-off to the file thread and back.
 """
 
 from __future__ import annotations
@@ -105,6 +107,12 @@ PREPARE = "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources"
 UNPREPARE = "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodeUnprepareResources"
 GET_INFO = "/pluginregistration.Registration/GetInfo"
 _SCRIPT = str(Path(__file__).resolve())
+# "Cold" floors: the caller keeps its CPU busy with other work this long (seconds) before each
+# call. On the reference VM code that runs a few ms after other work runs 2-3x slower (caches,
+# TLB): a unix-socket ping-pong takes 6 us back to back and 26-60 us after 3 ms of other work.
+# A Prepare meets this condition (the kubelet's calls are far apart; here, the Unprepare and the
+# client's own work come in between), a back-to-back floor does not.
+COLD_GAP = 0.003
 # The parts --only can pick: the API-server variant, the in-memory variant, the floors.
 PARTS = ("api", "memory", "floors")
 
@@ -206,7 +214,14 @@ def _kubelet_pairs(socket_path: Path, refs: list[dra_pb.Claim]) -> tuple[list[fl
     return prepare_ms, unprepare_ms
 
 
-def _bare_calls(socket_path: Path, n: int) -> list[float]:
+def _busy(seconds: float) -> None:
+    """Keep this thread busy for ``seconds`` (0: return at once): what makes a call "cold"."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _bare_calls(socket_path: Path, n: int, gap: float) -> list[float]:
     samples: list[float] = []
     with grpc.insecure_channel(f"unix:{socket_path}") as channel:
         get_info = channel.unary_unary(
@@ -215,6 +230,7 @@ def _bare_calls(socket_path: Path, n: int) -> list[float]:
             response_deserializer=reg_pb.PluginInfo.FromString,
         )
         for i in range(WARMUP + n):
+            _busy(gap)
             start = time.perf_counter()
             get_info(reg_pb.InfoRequest(), timeout=CALL_TIMEOUT)
             if i >= WARMUP:
@@ -233,7 +249,7 @@ async def _client(*args: str) -> list[list[float]]:
 
 
 def _client_main(args: list[str]) -> None:
-    """``--client pairs SOCKET REFS_JSON`` or ``--client bare SOCKET N``: JSON samples."""
+    """``--client pairs SOCKET REFS_JSON`` or ``--client bare SOCKET N GAP``: JSON samples."""
     kind, socket_path = args[0], Path(args[1])
     if kind == "pairs":
         refs = [
@@ -242,7 +258,7 @@ def _client_main(args: list[str]) -> None:
         ]
         out: list[list[float]] = list(_kubelet_pairs(socket_path, refs))
     else:
-        out = [_bare_calls(socket_path, int(args[2]))]
+        out = [_bare_calls(socket_path, int(args[2]), float(args[3]))]
     print(json.dumps(out))
 
 
@@ -275,7 +291,7 @@ def _write_floor(directory: Path, n: int) -> list[float]:
     return samples
 
 
-def _overwrite_floor(directory: Path, n: int) -> list[float]:
+def _overwrite_floor(directory: Path, n: int, gap: float) -> list[float]:
     """One in-place overwrite of an existing 2 KB file: open, pwrite at 0, fdatasync, close
     (what a checkpoint slot write does)."""
     path = directory / "slot.json"
@@ -283,6 +299,7 @@ def _overwrite_floor(directory: Path, n: int) -> list[float]:
     samples: list[float] = []
     for i in range(WARMUP + n):
         data = os.urandom(FLOOR_BYTES // 2).hex().encode()
+        _busy(gap)
         start = time.perf_counter()
         fd = os.open(path, os.O_WRONLY)
         try:
@@ -296,17 +313,20 @@ def _overwrite_floor(directory: Path, n: int) -> list[float]:
     return samples
 
 
-async def _bare_floor(base: Path, n: int) -> list[float]:
+async def _bare_floor(base: Path, n: int, gap: float) -> list[float]:
     bare = registration.Registrar(registration.PluginInfo(name="bench", endpoint=""))
     bare_socket = base / "kubelet" / "bare" / "bare.sock"
     async with open_unix_server([bare], bare_socket):
-        [samples] = await _client("bare", str(bare_socket), str(n))
+        [samples] = await _client("bare", str(bare_socket), str(n), str(gap))
     return samples
 
 
-async def _get_floor(claims: ClaimSource, refs: Sequence[tuple[str, str, str]]) -> list[float]:
+async def _get_floor(
+    claims: ClaimSource, refs: Sequence[tuple[str, str, str]], gap: float
+) -> list[float]:
     samples: list[float] = []
     for index, (namespace, _, name) in enumerate(refs):
+        _busy(gap)
         start = time.perf_counter()
         await claims.get_resource_claim(namespace, name)
         if index >= WARMUP:
@@ -399,7 +419,8 @@ async def _run(cdi_base: Path, state_base: Path, n: int, parts: frozenset[str]) 
             objects = [api.add_resource_claim(obj) for obj in _claims(count)]
             refs = [_ref(obj) for obj in objects]
             async with open_kube_client(api.kubeconfig_path) as kube:
-                get_ms = await _get_floor(kube, refs)
+                get_ms = await _get_floor(kube, refs, 0)
+                get_cold_ms = await _get_floor(kube, refs, COLD_GAP)
                 cdi_dir, state_dir = dirs("api")
                 api_prepare, api_unprepare, api_cpu = await _pairs(
                     state_base, cdi_dir, state_dir, kube, list(refs)
@@ -444,9 +465,14 @@ async def _run(cdi_base: Path, state_base: Path, n: int, parts: frozenset[str]) 
         floor_cdi, floor_state = dirs("floor")
         cdi_write_ms = await anyio.to_thread.run_sync(_write_floor, floor_cdi, n)
         state_write_ms = await anyio.to_thread.run_sync(_write_floor, floor_state, n)
-        state_overwrite_ms = await anyio.to_thread.run_sync(_overwrite_floor, floor_state, n)
-        bare_ms = await _bare_floor(state_base, n)
+        state_overwrite_ms = await anyio.to_thread.run_sync(_overwrite_floor, floor_state, n, 0)
+        state_overwrite_cold_ms = await anyio.to_thread.run_sync(
+            _overwrite_floor, floor_state, n, COLD_GAP
+        )
+        bare_ms = await _bare_floor(state_base, n, 0)
+        bare_cold_ms = await _bare_floor(state_base, n, COLD_GAP)
         _emit("floor.grpc_unary_unix", bare_ms, call="grpcio client -> grpclib GetInfo")
+        _emit("floor.grpc_unary_unix.cold", bare_cold_ms, gap_ms=COLD_GAP * 1000)
         _emit(
             "floor.atomic_write_fsync_2k.state_dir",
             state_write_ms,
@@ -458,12 +484,18 @@ async def _run(cdi_base: Path, state_base: Path, n: int, parts: frozenset[str]) 
             dir=f"{floor_state} ({_fs_type(floor_state)})",
         )
         _emit(
+            "floor.overwrite_fdatasync_2k.state_dir.cold",
+            state_overwrite_cold_ms,
+            gap_ms=COLD_GAP * 1000,
+        )
+        _emit(
             "floor.atomic_write_fsync_2k.cdi_dir",
             cdi_write_ms,
             dir=f"{floor_cdi} ({_fs_type(floor_cdi)})",
         )
     if "api" in parts:
         _emit("floor.kube_get_claim", get_ms, call="kube adapter GET <- in-process fake API server")
+        _emit("floor.kube_get_claim.cold", get_cold_ms, gap_ms=COLD_GAP * 1000)
 
 
 def _default_cdi_base() -> Path | None:
