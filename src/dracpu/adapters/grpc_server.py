@@ -17,8 +17,9 @@
   kubelet sees the plugin go away) and the socket file is removed, unless another process has
   meanwhile replaced it.
 
-The only module that touches grpclib's server and asyncio directly (design §3: anyio
-everywhere else).
+The only module that touches grpclib's server (the kubelet plugin uses grpclib's handler types
+and status codes only), and one of the two that use asyncio directly, with
+:mod:`dracpu.tasks.serial_thread` (design §3: anyio everywhere else).
 """
 
 from __future__ import annotations
