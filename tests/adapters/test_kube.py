@@ -921,6 +921,25 @@ async def test_tls_with_the_cluster_ca(pki: Pki, tmp_path: Path) -> None:
 
 
 @pytest.mark.anyio
+async def test_tls_keep_alive_many_gets_use_one_connection(pki: Pki, tmp_path: Path) -> None:
+    # A TLS 1.3 server sends session tickets after the handshake: bytes the client reads with
+    # the first answer, never a reason to think the idle connection was closed.
+    async def handler(
+        stream: anyio.abc.ByteStream, buffered: BufferedByteReceiveStream, number: int
+    ) -> None:
+        while await read_request(buffered, number) is not None:
+            await stream.send(ok(NODE_JSON))
+
+    async with raw_server(handler, ssl_context=pki.server_context()) as (port, accepted):
+        config = write_kubeconfig(tmp_path / "kubeconfig", f"https://127.0.0.1:{port}", ca=pki.ca)
+        async with open_kube_client(config, request_timeout=10) as kube:
+            for _ in range(5):
+                assert (await kube.get_node(NODE))["metadata"]["name"] == NODE
+                await anyio.sleep(0.02)  # idle between requests, as between Prepares
+    assert accepted == [0]
+
+
+@pytest.mark.anyio
 async def test_tls_with_a_wrong_ca_is_a_clear_server_error(pki: Pki, tmp_path: Path) -> None:
     async with open_fake_apiserver(ssl_context=pki.server_context()) as api:
         api.add_node(NODE, uid=NODE_UID)
