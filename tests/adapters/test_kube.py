@@ -27,6 +27,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from anyio.streams.tls import TLSStream
 from kubernetes.aio.config import incluster_config
 
+from dracpu.adapters import http_pool
 from dracpu.adapters.kube import (
     LISTED,
     WatchEvent,
@@ -741,6 +742,55 @@ async def test_keep_alive_many_gets_use_one_connection(tmp_path: Path) -> None:
     assert first.header("Authorization") == "Bearer t"
     assert first.header("Accept") == "application/json"
     assert (first.header("User-Agent") or "").startswith("dracpu/")
+
+
+@pytest.mark.anyio
+async def test_an_idle_connection_older_than_the_idle_limit_is_not_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Load balancers drop idle flows silently; past the limit a new connection is opened even
+    # though the old one still looks open.
+    monkeypatch.setattr(http_pool, "_IDLE_SECONDS", 0.05)
+
+    async def handler(
+        stream: anyio.abc.ByteStream, buffered: BufferedByteReceiveStream, number: int
+    ) -> None:
+        while await read_request(buffered, number) is not None:
+            await stream.send(ok(NODE_JSON))
+
+    async with raw_server(handler) as (port, accepted):
+        config = write_kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{port}")
+        async with open_kube_client(config, request_timeout=10) as kube:
+            await kube.get_node(NODE)
+            await kube.get_node(NODE)  # at once: reused
+            await anyio.sleep(0.2)
+            await kube.get_node(NODE)  # idle too long: a new connection
+    assert accepted == [0, 1]
+
+
+@pytest.mark.anyio
+async def test_basic_auth_from_the_kubeconfig(tmp_path: Path) -> None:
+    seen: list[RawRequest] = []
+
+    async def handler(
+        stream: anyio.abc.ByteStream, buffered: BufferedByteReceiveStream, number: int
+    ) -> None:
+        while (request := await read_request(buffered, number)) is not None:
+            seen.append(request)
+            await stream.send(ok(NODE_JSON))
+
+    async with raw_server(handler) as (port, _):
+        config = tmp_path / "kubeconfig"
+        config.write_text(
+            "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+            f"clusters: [{{name: c, cluster: {{server: 'http://127.0.0.1:{port}'}}}}]\n"
+            "users: [{name: u, user: {username: 'ad min', password: 'p:w'}}]\n"
+            "contexts: [{name: c, context: {cluster: c, user: u}}]\n"
+        )
+        async with open_kube_client(config, request_timeout=10) as kube:
+            await kube.get_node(NODE)
+    [request] = seen
+    assert request.header("Authorization") == "Basic " + base64.b64encode(b"ad min:p:w").decode()
 
 
 @pytest.mark.anyio
