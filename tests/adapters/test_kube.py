@@ -687,6 +687,20 @@ def ok(body: bytes, *, extra: bytes = b"") -> bytes:
 Handler = Callable[[anyio.abc.ByteStream, BufferedByteReceiveStream, int], Awaitable[None]]
 
 
+def answering_node(seen: list[RawRequest] | None = None) -> Handler:
+    """A handler that answers every request with the Node (recording the requests in ``seen``)."""
+
+    async def handler(
+        stream: anyio.abc.ByteStream, buffered: BufferedByteReceiveStream, number: int
+    ) -> None:
+        while (request := await read_request(buffered, number)) is not None:
+            if seen is not None:
+                seen.append(request)
+            await stream.send(ok(NODE_JSON))
+
+    return handler
+
+
 @contextlib.asynccontextmanager
 async def raw_server(
     handler: Handler, *, ssl_context: ssl.SSLContext | None = None
@@ -722,12 +736,7 @@ async def raw_server(
 async def test_keep_alive_many_gets_use_one_connection(tmp_path: Path) -> None:
     seen: list[RawRequest] = []
 
-    async def handler(
-        stream: anyio.abc.ByteStream, buffered: BufferedByteReceiveStream, number: int
-    ) -> None:
-        while (request := await read_request(buffered, number)) is not None:
-            seen.append(request)
-            await stream.send(ok(NODE_JSON))
+    handler = answering_node(seen)
 
     async with raw_server(handler) as (port, accepted):
         config = write_kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{port}")
@@ -752,11 +761,7 @@ async def test_an_idle_connection_older_than_the_idle_limit_is_not_reused(
     # though the old one still looks open.
     monkeypatch.setattr(http_pool, "_IDLE_SECONDS", 0.05)
 
-    async def handler(
-        stream: anyio.abc.ByteStream, buffered: BufferedByteReceiveStream, number: int
-    ) -> None:
-        while await read_request(buffered, number) is not None:
-            await stream.send(ok(NODE_JSON))
+    handler = answering_node()
 
     async with raw_server(handler) as (port, accepted):
         config = write_kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{port}")
@@ -772,12 +777,7 @@ async def test_an_idle_connection_older_than_the_idle_limit_is_not_reused(
 async def test_basic_auth_from_the_kubeconfig(tmp_path: Path) -> None:
     seen: list[RawRequest] = []
 
-    async def handler(
-        stream: anyio.abc.ByteStream, buffered: BufferedByteReceiveStream, number: int
-    ) -> None:
-        while (request := await read_request(buffered, number)) is not None:
-            seen.append(request)
-            await stream.send(ok(NODE_JSON))
+    handler = answering_node(seen)
 
     async with raw_server(handler) as (port, _):
         config = tmp_path / "kubeconfig"
@@ -974,11 +974,7 @@ async def test_tls_with_the_cluster_ca(pki: Pki, tmp_path: Path) -> None:
 async def test_tls_keep_alive_many_gets_use_one_connection(pki: Pki, tmp_path: Path) -> None:
     # A TLS 1.3 server sends session tickets after the handshake: bytes the client reads with
     # the first answer, never a reason to think the idle connection was closed.
-    async def handler(
-        stream: anyio.abc.ByteStream, buffered: BufferedByteReceiveStream, number: int
-    ) -> None:
-        while await read_request(buffered, number) is not None:
-            await stream.send(ok(NODE_JSON))
+    handler = answering_node()
 
     async with raw_server(handler, ssl_context=pki.server_context()) as (port, accepted):
         config = write_kubeconfig(tmp_path / "kubeconfig", f"https://127.0.0.1:{port}", ca=pki.ca)
@@ -1031,12 +1027,7 @@ async def test_in_cluster_token_is_refreshed_between_requests(
     minute is over; the next request carries the new token (over TLS with the pod's CA)."""
     seen: list[RawRequest] = []
 
-    async def handler(
-        stream: anyio.abc.ByteStream, buffered: BufferedByteReceiveStream, number: int
-    ) -> None:
-        while (request := await read_request(buffered, number)) is not None:
-            seen.append(request)
-            await stream.send(ok(NODE_JSON))
+    handler = answering_node(seen)
 
     token = tmp_path / "token"
     token.write_text("token-1")
