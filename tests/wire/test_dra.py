@@ -22,6 +22,7 @@ from dracpu.sim._pb2.dra.v1 import api_pb2 as pb_v1
 from dracpu.sim._pb2.dra.v1beta1 import api_pb2 as pb_v1beta1
 from dracpu.wire import dra
 from dracpu.wire.dra import ClaimRef, PreparedDevice, PrepareOutcome
+from tests.wire.mutation import mutated
 
 DECODERS = {
     "NodePrepareResourcesRequest": dra.decode_prepare_request,
@@ -322,26 +323,8 @@ _SEED = pb_v1.NodePrepareResourcesRequest(
 ).SerializeToString() + bytes.fromhex("10 01 1a 02 0a00")
 
 
-@st.composite
-def _mutated(draw: st.DrawFn) -> bytes:
-    data = bytearray(_SEED)
-    for _ in range(draw(st.integers(1, 3))):
-        at = draw(st.integers(0, len(data)))
-        letters = [i for i, byte in enumerate(data) if chr(byte).isalnum()]
-        match draw(st.sampled_from(["text", "set", "insert", "cut"])):
-            case "text" if letters:  # a string's content changes, the structure stays
-                data[draw(st.sampled_from(letters))] = draw(st.sampled_from(b"xyz\xff\xc3"))
-            case "set" if at < len(data):
-                data[at] = draw(st.integers(0, 255))
-            case "insert":
-                data[at:at] = draw(st.binary(min_size=1, max_size=3))
-            case _:
-                del data[at : at + draw(st.integers(1, 4))]
-    return bytes(data)
-
-
 @settings(max_examples=300)
-@given(_mutated())
+@given(mutated(_SEED))
 def test_mutated_requests_decode_exactly_like_protobuf(data: bytes) -> None:
     # Every field of a Claim is one we read: the verdicts must agree both ways (but for the
     # overflowing 10-byte varint upb tolerates, see above).

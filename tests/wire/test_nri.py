@@ -28,6 +28,7 @@ from dracpu.wire.nri import (
     StateChangeEvent,
     SynchronizeRequest,
 )
+from tests.wire.mutation import mutated
 
 # --- golden vectors (reference/nri-ttrpc-cdi.md §4.2) ---------------------------------------------
 
@@ -388,26 +389,8 @@ _SEED = pb.CreateContainerRequest(
 ).SerializeToString()
 
 
-@st.composite
-def _mutated(draw: st.DrawFn) -> bytes:
-    data = bytearray(_SEED)
-    for _ in range(draw(st.integers(1, 3))):
-        at = draw(st.integers(0, len(data)))
-        letters = [i for i, byte in enumerate(data) if chr(byte).isalpha()]
-        match draw(st.sampled_from(["text", "set", "insert", "cut"])):
-            case "text" if letters:  # a string's content changes, the structure stays
-                data[draw(st.sampled_from(letters))] = draw(st.sampled_from(b"xyz\xff"))
-            case "set" if at < len(data):
-                data[at] = draw(st.integers(0, 255))
-            case "insert":
-                data[at:at] = draw(st.binary(min_size=1, max_size=3))
-            case _:
-                del data[at : at + draw(st.integers(1, 4))]
-    return bytes(data)
-
-
 @settings(max_examples=300)
-@given(_mutated())
+@given(mutated(_SEED))
 def test_mutated_container_events_decode_like_protobuf_or_fail_cleanly(data: bytes) -> None:
     try:
         peer = pb.CreateContainerRequest.FromString(data)
