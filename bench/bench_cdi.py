@@ -4,8 +4,8 @@ Run: ``.venv/bin/python bench/bench_cdi.py [--dir DIR]``. Figures (ms, p50/p99);
 is measured on a disk directory (``--dir``, default: the system temp dir) and, when ``/dev/shm``
 exists, on tmpfs (what ``/var/run/cdi`` is on a node); ``fs`` names the file system:
 
-* ``cdi.write_spec``: one atomic spec write (temp file in the CDI dir, write, fsync, rename, fsync
-  of the dir), what Prepare pays per claim;
+* ``cdi.write_spec``: one atomic spec write (temp file in the CDI dir, write, rename; no fsync:
+  the checkpoint is the durable record), what Prepare pays per claim;
 * ``cdi.plain_write_2k_fsync``: open + write 2 KiB + fsync + close of a plain file, the floor the
   DRA Prepare benchmark compares with;
 * ``cdi.delete_spec``: what Unprepare pays per claim;

@@ -4,9 +4,16 @@
 Runtimes watch the CDI directory with fsnotify for Write, Rename and Remove only (Create is not
 watched on Linux) and read only ``*.json`` / ``*.yaml`` files (reference nri-ttrpc-cdi.md §5.4,
 §5.6). So a spec is written to a temp file in the SAME directory whose name does not end in
-``.json`` (``.dra.k8s.io-cpu_claim-<uid>.json.tmp-<random>``), fsynced, renamed over the final name
-(the Rename event makes the runtime rescan; it never sees a half-written spec) and the directory
-is fsynced.
+``.json`` (``.dra.k8s.io-cpu_claim-<uid>.json.tmp-<random>``) and renamed over the final name
+(the Rename event makes the runtime rescan; it never sees a half-written spec).
+
+A written spec is NOT fsynced: the checkpoint is the durable record of the prepared claims (it is
+made durable after the spec is written and before the kubelet is answered), and every start
+rewrites the spec of every prepared claim (``Resync``), so a spec that a power loss cut short or
+lost is put back before any container can need it. A DELETE is made durable (the directory is
+fsynced): a spec of ours that outlived its claim would be adopted at the next start, holding CPUs
+the kubelet considers free. (On ``/var/run/cdi``, tmpfs, an fsync does nothing at all; on a
+disk-backed CDI dir one costs ~0.6 ms.)
 
 Only files named exactly like ours (``dra.k8s.io-cpu_claim-<uuid>.json``), our temp files and our
 watch probes are ever removed or replaced; other vendors' files are never opened for writing. Reads
@@ -159,19 +166,13 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[written:]
 
 
-def write_spec(
-    cdi_dir: str | os.PathLike[str],
-    claim_uid: str,
-    cpus: CpuSet,
-    *,
-    fsync: Fsync = os.fsync,
-) -> Path:
+def write_spec(cdi_dir: str | os.PathLike[str], claim_uid: str, cpus: CpuSet) -> Path:
     """Atomically write the spec of a claim; return its path.
 
-    Temp file in the same dir (mode 0644, never a ``.json`` name) → write → fsync → rename over
-    ``dra.k8s.io-cpu_claim-<uid>.json`` → fsync the dir. The dir is created if missing. On any
-    failure the temp file is removed and an existing spec is left as it was. ``fsync`` is a seam
-    for tests (fault injection) and benchmarks.
+    Temp file in the same dir (mode 0644, never a ``.json`` name) → write → rename over
+    ``dra.k8s.io-cpu_claim-<uid>.json``; no fsync (see the module docstring). The dir is
+    created if missing. On any failure the temp file is removed and an existing spec is left as
+    it was.
 
     On the Prepare path: plain string paths (pathlib's parsing was 40 % of this function's
     Python time) and the dir is created only when the temp file cannot be (it exists, almost
@@ -190,7 +191,6 @@ def write_spec(
         try:
             os.fchmod(fd, SPEC_MODE)  # the umask must not narrow it
             _write_all(fd, data)
-            fsync(fd)
         finally:
             os.close(fd)
         os.rename(temp, final)
@@ -201,12 +201,6 @@ def write_spec(
         if not renamed:
             with contextlib.suppress(OSError):
                 os.unlink(temp)
-    try:
-        _fsync_dir(directory, fsync)
-    except OSError as exc:
-        raise CdiError(
-            f"wrote CDI spec {final!r} but cannot fsync its dir: {exc.strerror or exc}"
-        ) from exc
     return Path(final)
 
 
