@@ -5,9 +5,11 @@ Run: ``.venv/bin/python bench/bench_prepare.py [--n 1000] [--cdi-dir DIR] [--sta
 
 The daemon's prepare path runs in this process: the state owner with the node machine of
 ``dracpu run`` (:class:`dracpu.tasks.node_machine.NodeMachine`: the real ``apply`` on the 64-CPU
-``dual-socket-smt2`` machine, real CDI spec and checkpoint writes with fsync) and the DRA socket of
+``dual-socket-smt2`` machine, the real CDI spec write and the real checkpoint slot write with
+``fdatasync``, in the node machine's file thread) and the DRA socket of
 :mod:`dracpu.tasks.kubelet_plugin`. ResourceClaims come through the REAL kube adapter
-(:mod:`dracpu.adapters.kube`, aiohttp) from the fake API server of :mod:`dracpu.sim` served in
+(:mod:`dracpu.adapters.kube`, our HTTP/1.1 client) from the fake API server of :mod:`dracpu.sim`
+(aiohttp) served in
 this same process and event loop, so its request handling is counted in the daemon's time and
 CPU (a real API server runs elsewhere). Its job here is serving, not validating (the tests do
 that): the OpenAPI schema validation of written objects is off, the claim status PATCHes still
