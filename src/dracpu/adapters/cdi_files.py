@@ -1,5 +1,5 @@
-"""Our CDI spec files on disk: atomic write, delete, read, list (synchronous; callers use
-``anyio.to_thread``).
+"""Our CDI spec files on disk: atomic write, delete, read, list (synchronous; callers run them
+off the event loop: the node machine's file thread, or ``anyio.to_thread``).
 
 Runtimes watch the CDI directory with fsnotify for Write, Rename and Remove only (Create is not
 watched on Linux) and read only ``*.json`` / ``*.yaml`` files (reference nri-ttrpc-cdi.md §5.4,
