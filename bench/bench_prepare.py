@@ -318,7 +318,7 @@ def _overwrite_floor(directory: Path, n: int, gap: float) -> list[float]:
 async def _bare_floor(base: Path, n: int, gap: float) -> list[float]:
     bare = registration.Registrar(registration.PluginInfo(name="bench", endpoint=""))
     bare_socket = base / "kubelet" / "bare" / "bare.sock"
-    async with open_unix_server([bare], bare_socket):
+    async with open_unix_server([bare.methods()], bare_socket):
         [samples] = await _client("bare", str(bare_socket), str(n), str(gap))
     return samples
 
@@ -473,7 +473,7 @@ async def _run(cdi_base: Path, state_base: Path, n: int, parts: frozenset[str]) 
         )
         bare_ms = await _bare_floor(state_base, n, 0)
         bare_cold_ms = await _bare_floor(state_base, n, COLD_GAP)
-        _emit("floor.grpc_unary_unix", bare_ms, call="grpcio client -> grpclib GetInfo")
+        _emit("floor.grpc_unary_unix", bare_ms, call="grpcio client -> our gRPC server (wire.h2), GetInfo")
         _emit("floor.grpc_unary_unix.cold", bare_cold_ms, gap_ms=COLD_GAP * 1000)
         _emit(
             "floor.atomic_write_fsync_2k.state_dir",

@@ -1,7 +1,7 @@
-"""grpclib servers on unix sockets, with the socket-file rules of design §5.
+"""gRPC servers on unix sockets, with the socket-file rules of design §5.
 
-:func:`open_unix_server` serves grpclib handlers on a unix socket path for the life of an
-``async with`` block:
+:func:`open_unix_server` serves rpc methods (:data:`Service`: path -> :data:`Handler`) on a unix
+socket path for the life of an ``async with`` block:
 
 - the socket's directory is created if missing (mode 0700); with ``private_dir=True`` an
   existing directory is narrowed to 0700 too (our own ``<kubelet-root>/plugins/dra.cpu``). A
@@ -13,44 +13,70 @@
   under a temporary dot-name in the same directory (the kubelet's plugin watcher ignores
   dot-files), chmod'ed, put into listening state and served, then renamed over the final path
   in one step (the watcher sees it as a creation, as it would a fresh bind);
-- on exit the server stops: in-flight calls are cancelled, open connections are closed (the
-  kubelet sees the plugin go away) and the socket file is removed, unless another process has
-  meanwhile replaced it.
+- on exit the server stops: each connection gets a GOAWAY and is closed (the kubelet sees the
+  plugin go away), in-flight calls are cancelled and waited for, and the socket file is
+  removed, unless another process has meanwhile replaced it.
 
-The only module that touches grpclib's server (the kubelet plugin uses grpclib's handler types
-and status codes only), and one of the two that use asyncio directly, with
-:mod:`dracpu.tasks.serial_thread` (design §3: anyio everywhere else).
+The protocol is ours: HTTP/2 from :mod:`dracpu.wire.h2` and gRPC's framing from
+:mod:`dracpu.wire.grpc` (unary calls only; all the kubelet makes). Each connection is an asyncio
+protocol (the cheapest way to get bytes in and out: no reader task per connection); each call
+runs as a task of the server's anyio task group, in its own cancel scope: the caller resetting
+the stream or dropping the connection cancels it, ``grpc-timeout`` bounds it (then
+``DEADLINE_EXCEEDED``). A handler answers with :meth:`Call.reply`, which hands the whole answer
+(head, message, trailers) to the transport before it returns, so whatever the handler does after
+it never delays the answer. A peer that breaks HTTP/2 loses its connection (GOAWAY naming the
+error, a warning logged); a request that is not a valid gRPC call gets an error status; the
+server keeps serving both ways. One of the modules that use asyncio directly (design §3: anyio
+everywhere else), for the protocol callbacks.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import logging
 import os
 import socket
 import stat
-import weakref
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Final, Protocol, Self, TypeVar
 
 import anyio
-import anyio.lowlevel
-import grpclib.server
-from grpclib._typing import IServable
-from grpclib.protocol import H2Protocol
+from anyio.abc import TaskGroup
 
-from dracpu.errors import DracpuError
+from dracpu.errors import DracpuError, GrpcError, LocalProtocolError
+from dracpu.wire.grpc import (
+    MAX_MESSAGE,
+    RESPONSE_HEAD,
+    Status,
+    frame_message,
+    read_call_head,
+    read_unary_message,
+    trailers,
+    trailers_only,
+)
+from dracpu.wire.h2 import (
+    ConnectionFailed,
+    DataReceived,
+    RequestReceived,
+    ServerConnection,
+    StreamReset,
+)
 
 __all__ = [
     "DIR_MODE",
+    "MAX_WRITE_BUFFER",
     "SOCKET_MODE",
-    "STOP_TIMEOUT",
     "UNIX_PATH_MAX",
-    "Servable",
+    "Call",
+    "Handler",
+    "Service",
     "UnixServer",
+    "decode_message",
     "open_unix_server",
     "remove_stale_socket",
 ]
@@ -63,56 +89,263 @@ DIR_MODE = 0o700
 # sun_path of struct sockaddr_un holds 108 bytes on Linux including the terminating NUL
 # (unix(7)); upstream checks the same limit (dra-driver-cpu pkg/driver/driver.go unixPathMax).
 UNIX_PATH_MAX = 107
-# How long closing waits for the handlers of cancelled calls to finish (seconds). grpclib
-# cancels them at close; they only need to send their trailers. Bounded so a stuck peer cannot
-# hold up the daemon's 5 s stop.
-STOP_TIMEOUT = 1.0
-# Pending connections the kernel queues for us; the kubelet keeps one connection per plugin,
-# grpclib's own default is 100.
+# Pending connections the kernel queues for us; the kubelet keeps one connection per plugin.
 BACKLOG = 100
+# Bytes of answers a client may leave unread before we drop it (its own windows bound the DATA
+# we send; this bounds what PING and SETTINGS acknowledgements could pile up).
+MAX_WRITE_BUFFER = 1 << 20
 
+
+class _Message(Protocol):
+    @classmethod
+    def parse(cls, data: bytes) -> Self: ...
+
+
+_M = TypeVar("_M", bound=_Message)
 _temp_counter = itertools.count()
 
-Servable = IServable
-"""A grpclib service object (anything with ``__mapping__``, e.g. a betterproto2 ``*Base``)."""
+class Call:
+    """One unary call as its handler sees it: the method path and the request message."""
+
+    __slots__ = ("_connection", "_replied", "_stream_id", "path", "request")
+
+    def __init__(self, connection: _Connection, stream_id: int, path: str, request: bytes) -> None:
+        self._connection = connection
+        self._stream_id = stream_id
+        self._replied = False
+        self.path = path
+        self.request = request
+
+    @property
+    def replied(self) -> bool:
+        return self._replied
+
+    def reply(self, message: bytes) -> bool:
+        """Answer the call with ``message`` and status OK: head, message and trailers are handed
+        to the transport at once, before this returns. ``False`` if the caller is gone (the
+        stream was reset, the connection closed): the answer is dropped.
+
+        Raises :class:`~dracpu.errors.LocalProtocolError` on a second reply.
+        """
+        if self._replied:
+            raise LocalProtocolError(f"{self.path}: the call was already answered")
+        self._replied = True
+        return self._connection.respond(self._stream_id, message)
 
 
-class _Server(grpclib.server.Server):
-    """grpclib's server, remembering its connections so that closing can drop them.
+Handler = Callable[[Call], Awaitable[None]]
+"""An rpc method: reads ``call.request``, answers with ``call.reply(...)`` or raises
+:class:`~dracpu.errors.GrpcError`. Any other exception is logged and answered ``UNKNOWN``."""
 
-    ``grpclib.server.Server.close`` stops listening and cancels the calls in flight but leaves
-    the connections open (asyncio's ``Server.close_clients`` is 3.13+); an idle kubelet
-    connection would outlive the server and leak its socket. grpclib makes one ``H2Protocol``
-    per connection through ``_protocol_factory``.
-    """
+Service = Mapping[str, Handler]
+"""The rpc methods of one service by path (``/<package>.<Service>/<Method>``)."""
 
-    def __init__(self, handlers: Collection[IServable]) -> None:
-        super().__init__(handlers)
-        self._connections: weakref.WeakSet[H2Protocol] = weakref.WeakSet()
 
-    def _protocol_factory(self) -> H2Protocol:
-        protocol = super()._protocol_factory()
-        self._connections.add(protocol)
-        return protocol
+def decode_message(message_type: type[_M], data: bytes) -> _M:
+    """A betterproto2 request message; ``INVALID_ARGUMENT`` naming the type if it does not
+    parse."""
+    try:
+        return message_type.parse(data)
+    except Exception as exc:  # betterproto2 raises whatever its decoding meets
+        raise GrpcError(
+            Status.INVALID_ARGUMENT, f"cannot decode {message_type.__name__}: {exc}"
+        ) from exc
 
-    def close_connections(self) -> int:
-        """Close every connection still open; how many there were."""
-        closed = 0
-        for protocol in list(self._connections):
-            connection = getattr(protocol, "connection", None)  # set by connection_made
-            if connection is not None and not connection.is_closing():
-                connection.close()
-                closed += 1
-        return closed
+
+@dataclass(slots=True)
+class _CallState:
+    handler: Handler
+    path: str
+    timeout: float | None
+    body: bytearray = field(default_factory=bytearray)
+    scope: anyio.CancelScope | None = None
+    cancelled: bool = False  # the caller went away; nothing is to be sent
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: HTTP/2 by :mod:`dracpu.wire.h2`, each call a task of the server's
+    task group."""
+
+    def __init__(self, server: _Server) -> None:
+        self._server = server
+        self._h2 = ServerConnection()
+        self._transport: asyncio.Transport | None = None
+        self._calls: dict[int, _CallState] = {}
+
+    # --- asyncio.Protocol ---
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        self._server.connections.add(self)
+        transport.write(self._h2.initiate())
+
+    def data_received(self, data: bytes) -> None:
+        for event in self._h2.receive_data(data):
+            if isinstance(event, RequestReceived):
+                self._request(event)
+            elif isinstance(event, DataReceived):
+                self._data(event)
+            elif isinstance(event, StreamReset):
+                self._cancel(event.stream_id)
+            elif isinstance(event, ConnectionFailed):
+                logger.warning(
+                    "gRPC connection on %s broke the protocol (%s); closing it",
+                    self._server.path,
+                    event.reason,
+                )
+        self._flush()
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._server.connections.discard(self)
+        for stream_id in list(self._calls):
+            self._cancel(stream_id)
+
+    # --- calls ---
+
+    def _request(self, event: RequestReceived) -> None:
+        try:
+            head = read_call_head(event.headers)
+            handler = self._server.handlers.get(head.path)
+            if handler is None:
+                raise GrpcError(Status.UNIMPLEMENTED, f"unknown method {head.path}")
+        except GrpcError as exc:
+            self._refuse(event.stream_id, exc)
+            return
+        state = _CallState(handler, head.path, head.timeout)
+        self._calls[event.stream_id] = state
+        if event.end_stream:
+            self._start(event.stream_id, state)
+
+    def _data(self, event: DataReceived) -> None:
+        state = self._calls.get(event.stream_id)
+        if state is None or state.scope is not None:
+            return  # refused already, or DATA after the end (the stream is reset by h2)
+        state.body += event.data
+        if len(state.body) > MAX_MESSAGE + 5:
+            del self._calls[event.stream_id]
+            self._refuse(
+                event.stream_id,
+                GrpcError(Status.RESOURCE_EXHAUSTED, f"a request over {MAX_MESSAGE} bytes"),
+            )
+        elif event.end_stream:
+            self._start(event.stream_id, state)
+
+    def _start(self, stream_id: int, state: _CallState) -> None:
+        state.scope = anyio.CancelScope()
+        try:
+            self._server.task_group.start_soon(self._run, stream_id, state, name=state.path)
+        except RuntimeError:  # the task group is closing: the server stops
+            del self._calls[stream_id]
+            self._refuse(stream_id, GrpcError(Status.UNAVAILABLE, "the server is stopping"))
+
+    def _cancel(self, stream_id: int) -> None:
+        state = self._calls.pop(stream_id, None)
+        if state is not None:
+            state.cancelled = True
+            if state.scope is not None:
+                state.scope.cancel()
+
+    async def _run(self, stream_id: int, state: _CallState) -> None:
+        assert state.scope is not None
+        error: GrpcError | None = None
+        call: Call | None = None
+        with state.scope as scope:
+            if state.timeout is not None:
+                scope.deadline = anyio.current_time() + state.timeout
+            try:
+                call = Call(self, stream_id, state.path, read_unary_message(bytes(state.body)))
+                state.body = bytearray()
+                await state.handler(call)
+                if not call.replied:
+                    logger.error("%s: the handler sent no answer", state.path)
+                    error = GrpcError(Status.INTERNAL, "the handler sent no answer")
+            except GrpcError as exc:
+                error = exc
+            except Exception:
+                logger.exception("%s failed", state.path)
+                error = GrpcError(Status.UNKNOWN, "internal error")
+        if scope.cancelled_caught and not state.cancelled:
+            error = GrpcError(Status.DEADLINE_EXCEEDED, "deadline exceeded")
+        if self._calls.get(stream_id) is state:
+            del self._calls[stream_id]
+        if error is not None and (call is None or not call.replied):
+            self._refuse(stream_id, error)
+            self._flush()
+
+    # --- sending ---
+
+    def respond(self, stream_id: int, message: bytes) -> bool:
+        """Head, message, OK trailers of ``stream_id``; ``False`` if it is no longer open."""
+        h2 = self._h2
+        if not h2.is_open(stream_id) or self._transport is None or self._transport.is_closing():
+            return False
+        h2.send_headers(stream_id, RESPONSE_HEAD)
+        h2.send_data(stream_id, frame_message(message))
+        h2.send_headers(stream_id, _OK_TRAILERS, end_stream=True)
+        self._flush()
+        return True
+
+    def _refuse(self, stream_id: int, error: GrpcError) -> None:
+        if self._h2.is_open(stream_id):
+            self._h2.send_headers(stream_id, trailers_only(error), end_stream=True)
+
+    def _flush(self) -> None:
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        out = self._h2.data_to_send()
+        if out:
+            transport.write(out)
+        if self._h2.failed:
+            transport.close()
+        elif transport.get_write_buffer_size() > MAX_WRITE_BUFFER:
+            logger.warning(
+                "gRPC client on %s does not read its answers; dropping it", self._server.path
+            )
+            transport.abort()
+
+    def stop(self) -> None:
+        """Send GOAWAY, cancel the calls, close (after the queued bytes are written)."""
+        for stream_id in list(self._calls):
+            self._cancel(stream_id)
+        if self._transport is not None and not self._transport.is_closing():
+            self._h2.close()
+            self._flush()
+            self._transport.close()
+
+
+_OK_TRAILERS: Final = tuple(trailers(Status.OK))
+
+
+class _Server:
+    """The handlers, the open connections and the task group of the calls."""
+
+    def __init__(self, services: Collection[Service], path: Path, task_group: TaskGroup) -> None:
+        self.handlers: dict[str, Handler] = {}
+        for service in services:
+            for method_path, handler in service.items():
+                if method_path in self.handlers:
+                    raise DracpuError(f"two handlers for {method_path}")
+                self.handlers[method_path] = handler
+        self.path = path
+        self.task_group = task_group
+        self.connections: set[_Connection] = set()
 
 
 @dataclass(frozen=True, slots=True)
 class UnixServer:
-    """A running server: its socket path and the grpclib server (for its handlers' state)."""
+    """A running server."""
 
     path: Path
-    server: grpclib.server.Server
+    _server: _Server
 
+    @property
+    def open_connections(self) -> int:
+        return len(self._server.connections)
 
 def _check_path(path: Path) -> None:
     if len(os.fsencode(path)) > UNIX_PATH_MAX:
@@ -221,54 +454,58 @@ def _remove_if_ours(path: Path, identity: tuple[int, int] | None) -> None:
 
 @asynccontextmanager
 async def open_unix_server(
-    handlers: Collection[Servable],
+    services: Collection[Service],
     path: Path,
     *,
     private_dir: bool = False,
 ) -> AsyncIterator[UnixServer]:
-    """Serve ``handlers`` on the unix socket ``path`` until the block exits.
+    """Serve the rpc methods of ``services`` on the unix socket ``path`` until the block exits.
 
     ``private_dir``: the directory belongs to us alone, so an existing one is narrowed to 0700.
 
     Raises :class:`DracpuError` (naming the path) when the path is too long, the directory cannot
     be made, a non-socket file is in the way, or binding fails. Resource handling: the listening
-    socket, the server and the socket file are released on exit, also on cancellation.
+    socket, the connections, the calls in flight (cancelled) and the socket file are released on
+    exit, also on cancellation.
     """
     _check_path(path)
     _prepare_dir(path.parent, private=private_dir)
     temp = _temp_path(path)
     sock = _bind_private(temp)
-    server = _Server(handlers)
-    started = placed = False
     identity = _identity(temp)
+    placed = False
     try:
-        try:
-            await server.start(sock=sock, backlog=BACKLOG)
-        except OSError as exc:
-            raise DracpuError(f"cannot serve on {str(path)!r}: {exc.strerror or exc}") from exc
-        started = True
-        if remove_stale_socket(path):
-            logger.info("removed a stale socket at %s", path)
-        try:
-            os.rename(temp, path)
-        except OSError as exc:
-            raise DracpuError(
-                f"cannot move socket {str(temp)!r} to {str(path)!r}: {exc.strerror or exc}"
-            ) from exc
-        placed = True
-        logger.debug("serving gRPC on %s", path)
-        yield UnixServer(path, server)
+        async with anyio.create_task_group() as task_group:
+            server = _Server(services, path, task_group)
+            loop = asyncio.get_running_loop()
+            try:
+                listener = await loop.create_unix_server(
+                    lambda: _Connection(server), sock=sock, backlog=BACKLOG
+                )
+            except OSError as exc:
+                raise DracpuError(f"cannot serve on {str(path)!r}: {exc.strerror or exc}") from exc
+            try:
+                if remove_stale_socket(path):
+                    logger.info("removed a stale socket at %s", path)
+                try:
+                    os.rename(temp, path)
+                except OSError as exc:
+                    raise DracpuError(
+                        f"cannot move socket {str(temp)!r} to {str(path)!r}: "
+                        f"{exc.strerror or exc}"
+                    ) from exc
+                placed = True
+                logger.debug("serving gRPC on %s", path)
+                yield UnixServer(path, server)
+            finally:
+                listener.close()
+                for connection in list(server.connections):
+                    connection.stop()
+                task_group.cancel_scope.cancel()
     finally:
-        with anyio.CancelScope(shield=True):
-            if started:
-                server.close()
-                if server.close_connections():
-                    await anyio.lowlevel.checkpoint()  # the transports finish closing
-                with anyio.move_on_after(STOP_TIMEOUT):
-                    await server.wait_closed()
-            sock.close()
-            if placed:
-                _remove_if_ours(path, identity)
-            else:
-                with contextlib.suppress(OSError):
-                    temp.unlink()
+        sock.close()
+        if placed:
+            _remove_if_ours(path, identity)
+        else:
+            with contextlib.suppress(OSError):
+                temp.unlink()

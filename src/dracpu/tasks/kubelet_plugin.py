@@ -22,11 +22,13 @@ a time over all calls):
    pool, device and the claim's CDI id ``dra.k8s.io/cpu=claim-<uid>``;
 4. best effort, record the cpuset in the claim's ``status.devices[].data`` (a failure is logged;
    the claim stays prepared). This PATCH starts only once the WHOLE answer (message and
-   trailers) has been handed to the transport: each rpc method receives, prepares, sends the
-   message, sends the trailers, and only then starts the call's patches (held until then in a
+   trailers) has been handed to the transport: each rpc method receives, prepares, answers with
+   :meth:`~dracpu.adapters.grpc_server.Call.reply` (which returns once head, message and
+   trailers are written), and only then starts the call's patches (held until then in a
    :class:`DeferredPatches`), so building and sending the PATCH never competes with the
-   answer. If sending the answer fails (the kubelet went away, the deadline passed) the patches
-   start all the same: the claims ARE prepared here, so recording their cpusets is still right.
+   answer. If the call ends without an answer (the kubelet went away, the deadline passed) the
+   patches start all the same: the claims ARE prepared here, so recording their cpusets is
+   still right.
    The patches run in tasks of the kubelet-plugin task's own task group (cancelled when the
    task stops): the kubelet never waits for the API server's write. At most one patch per claim
    runs at a time, in order: a new Prepare of the claim cancels its pending patch (started or
@@ -57,11 +59,9 @@ import anyio
 from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
-from grpclib.const import Cardinality, Handler, Status
-from grpclib.exceptions import GRPCError
 
 from dracpu import DRIVER_NAME
-from dracpu.adapters.grpc_server import Servable, open_unix_server
+from dracpu.adapters.grpc_server import Call, Handler, Service, open_unix_server
 from dracpu.core.cdi_spec import device_id
 from dracpu.core.claims import ClaimAllocation, device_status_patch, read_claim
 from dracpu.core.commands import Command, PrepareClaim, UnprepareClaim
@@ -69,6 +69,7 @@ from dracpu.core.cpuset import CpuSet
 from dracpu.core.effects import ClaimPrepared, ClaimUnprepared
 from dracpu.errors import (
     DracpuError,
+    GrpcError,
     KubeAPIError,
     KubeConflictError,
     KubeNotFoundError,
@@ -86,6 +87,7 @@ from dracpu.wire.dra import (
     encode_prepare_response,
     encode_unprepare_response,
 )
+from dracpu.wire.grpc import Status
 
 __all__ = [
     "MAX_CONCURRENT_CLAIMS",
@@ -93,7 +95,6 @@ __all__ = [
     "SERVICE_V1",
     "SERVICE_V1BETA1",
     "STATUS_PATCH_TIMEOUT",
-    "CallStream",
     "ClaimRef",
     "ClaimSource",
     "DeferredPatches",
@@ -102,7 +103,6 @@ __all__ = [
     "DraService",
     "PrepareOutcome",
     "PreparedDevice",
-    "RawMessage",
     "run",
 ]
 
@@ -552,66 +552,29 @@ class DraService:
 # --- the two gRPC versions ----------------------------------------------------------------------
 
 
-class RawMessage:
-    """A protobuf message as bytes, for grpclib's ``ProtoCodec``: it decodes a request with
-    ``FromString`` and encodes a reply with ``SerializeToString`` (after an ``isinstance`` check
-    against the handler's reply type). The rpc methods decode and encode with
-    :mod:`dracpu.wire.dra` themselves, so a request that does not decode is answered
-    ``INVALID_ARGUMENT`` with the reason (an exception inside grpclib's decoding would be logged
-    as an application error and answered ``UNKNOWN``)."""
-
-    __slots__ = ("data",)
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    @classmethod
-    def FromString(cls, data: bytes) -> RawMessage:  # grpclib's name (ProtoCodec.decode)
-        return cls(data)
-
-    def SerializeToString(self) -> bytes:  # grpclib's name (ProtoCodec.encode)
-        return self.data
-
-
-class CallStream(Protocol):
-    """What an rpc method uses of a ``grpclib.server.Stream[RawMessage, RawMessage]``."""
-
-    async def recv_message(self) -> RawMessage | None: ...
-
-    async def send_message(self, message: RawMessage) -> None: ...
-
-    async def send_trailing_metadata(self) -> None: ...
-
-
-async def _receive(
-    stream: CallStream, decode: Callable[[bytes], tuple[ClaimRef, ...]], method: str
-) -> tuple[ClaimRef, ...]:
+def _decode(call: Call, decode: Callable[[bytes], tuple[ClaimRef, ...]]) -> tuple[ClaimRef, ...]:
     """The claims of the call's request; ``INVALID_ARGUMENT`` if it does not decode."""
-    request = await stream.recv_message()
-    if request is None:
-        raise GRPCError(Status.INVALID_ARGUMENT, f"{method}: the call carries no request message")
     try:
-        return decode(request.data)
+        return decode(call.request)
     except RemoteProtocolError as exc:
-        logger.warning("refusing a %s call: %s", method, exc)
-        raise GRPCError(Status.INVALID_ARGUMENT, str(exc)) from exc
+        logger.warning("refusing a %s call: %s", call.path.rsplit("/", 1)[-1], exc)
+        raise GrpcError(Status.INVALID_ARGUMENT, str(exc)) from exc
 
 
-def _reply(method: str, encode: Callable[[], bytes]) -> RawMessage:
+def _encode(call: Call, encode: Callable[[], bytes]) -> bytes:
     try:
-        return RawMessage(encode())
+        return encode()
     except LocalProtocolError as exc:  # our bug: say so, keep serving
-        logger.error("cannot encode the %s answer: %s", method, exc)
-        raise GRPCError(Status.INTERNAL, f"cannot encode the answer: {exc}") from exc
+        logger.error("cannot encode the %s answer: %s", call.path.rsplit("/", 1)[-1], exc)
+        raise GrpcError(Status.INTERNAL, f"cannot encode the answer: {exc}") from exc
 
 
 class _DraPlugin:
-    """One version of ``DRAPlugin`` over :class:`DraService`, for grpclib (``__mapping__``).
+    """One version of ``DRAPlugin`` over :class:`DraService`: its rpc methods by path
+    (:meth:`methods`, for :func:`~dracpu.adapters.grpc_server.open_unix_server`).
 
-    Not a subclass of the generated ``DraPluginBase``: that one decodes and encodes betterproto2
-    messages and sends the trailers only after its handler returns; ours does neither, so nothing
-    of it would be used, and a method not overridden would silently answer UNIMPLEMENTED. The
-    tests check that the method paths are the generated ones.
+    Not the generated ``DraPluginBase``: that one is grpclib's and decodes and encodes
+    betterproto2 messages. The tests check that the method paths are the generated ones.
     """
 
     service_name: ClassVar[str]
@@ -620,35 +583,27 @@ class _DraPlugin:
     def __init__(self, service: DraService) -> None:
         self._service = service
 
-    def __mapping__(self) -> dict[str, Handler]:
+    def methods(self) -> dict[str, Handler]:
         prefix = f"/{self.service_name}/"
         return {
-            prefix + "NodePrepareResources": Handler(
-                self.node_prepare_resources, Cardinality.UNARY_UNARY, RawMessage, RawMessage
-            ),
-            prefix + "NodeUnprepareResources": Handler(
-                self.node_unprepare_resources, Cardinality.UNARY_UNARY, RawMessage, RawMessage
-            ),
+            prefix + "NodePrepareResources": self.node_prepare_resources,
+            prefix + "NodeUnprepareResources": self.node_unprepare_resources,
         }
 
-    async def node_prepare_resources(self, stream: CallStream) -> None:
-        """Receive, prepare, send the answer and its trailers, THEN start the status patches."""
-        refs = await _receive(stream, decode_prepare_request, "NodePrepareResources")
+    async def node_prepare_resources(self, call: Call) -> None:
+        """Prepare, answer (the whole answer is with the transport when ``reply`` returns),
+        THEN start the status patches."""
+        refs = _decode(call, decode_prepare_request)
         with self._service.deferred_patches() as deferred:
             outcomes = await self._service.prepare(refs, deferred=deferred)
-            reply = _reply(
-                "NodePrepareResources",
-                lambda: encode_prepare_response(outcomes, share_ids=self.share_ids),
+            call.reply(
+                _encode(call, lambda: encode_prepare_response(outcomes, share_ids=self.share_ids))
             )
-            await stream.send_message(reply)
-            await stream.send_trailing_metadata()  # after it grpclib sends nothing more
 
-    async def node_unprepare_resources(self, stream: CallStream) -> None:
-        refs = await _receive(stream, decode_unprepare_request, "NodeUnprepareResources")
+    async def node_unprepare_resources(self, call: Call) -> None:
+        refs = _decode(call, decode_unprepare_request)
         errors = await self._service.unprepare(refs)
-        reply = _reply("NodeUnprepareResources", lambda: encode_unprepare_response(errors))
-        await stream.send_message(reply)
-        await stream.send_trailing_metadata()
+        call.reply(_encode(call, lambda: encode_unprepare_response(errors)))
 
 
 class DraPluginV1(_DraPlugin):
@@ -700,7 +655,10 @@ async def run(
             driver=driver,
             max_pending_status_patches=max_pending_status_patches,
         )
-        handlers: list[Servable] = [DraPluginV1(service), DraPluginV1beta1(service)]
+        handlers: list[Service] = [
+            DraPluginV1(service).methods(),
+            DraPluginV1beta1(service).methods(),
+        ]
         # The patches' task group inside the server: when it ends, later answers patch nothing.
         async with (
             open_unix_server(handlers, socket_path, private_dir=True),

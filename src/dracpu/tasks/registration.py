@@ -27,7 +27,7 @@ from anyio.abc import TaskStatus
 
 from dracpu import DRIVER_NAME
 from dracpu._gen.pluginregistration import v1 as reg
-from dracpu.adapters.grpc_server import open_unix_server
+from dracpu.adapters.grpc_server import Call, Handler, decode_message, open_unix_server
 
 __all__ = [
     "PLUGIN_TYPE",
@@ -36,6 +36,7 @@ __all__ = [
     "ReadinessSink",
     "Registrar",
     "RegistrationState",
+    "SERVICE",
     "run",
 ]
 
@@ -89,8 +90,11 @@ class RegistrationState:
             await self._changed.wait()
 
 
-class Registrar(reg.RegistrationBase):
-    """The ``pluginregistration.Registration`` service."""
+SERVICE = "pluginregistration.Registration"
+
+
+class Registrar:
+    """The ``pluginregistration.Registration`` service (:meth:`methods` for the server)."""
 
     def __init__(
         self,
@@ -104,8 +108,22 @@ class Registrar(reg.RegistrationBase):
             endpoint=info.endpoint,
             supported_versions=list(info.supported_versions),
         )
+        self._info_message = bytes(self._info)  # the same answer every time
         self._readiness = readiness
         self.state = RegistrationState() if state is None else state
+
+    def methods(self) -> dict[str, Handler]:
+        return {
+            f"/{SERVICE}/GetInfo": self._get_info_call,
+            f"/{SERVICE}/NotifyRegistrationStatus": self._notify_call,
+        }
+
+    async def _get_info_call(self, call: Call) -> None:
+        call.reply(self._info_message)
+
+    async def _notify_call(self, call: Call) -> None:
+        status = decode_message(reg.RegistrationStatus, call.request)
+        call.reply(bytes(await self.notify_registration_status(status)))
 
     async def get_info(self, message: reg.InfoRequest) -> reg.PluginInfo:
         return self._info
@@ -162,7 +180,7 @@ async def run(
         readiness,
         state,
     )
-    async with open_unix_server([registrar], socket_path):
+    async with open_unix_server([registrar.methods()], socket_path):
         logger.info("registration socket %s is listening", socket_path)
         task_status.started(registrar.state)
         await anyio.sleep_forever()
