@@ -473,7 +473,11 @@ async def _run(cdi_base: Path, state_base: Path, n: int, parts: frozenset[str]) 
         )
         bare_ms = await _bare_floor(state_base, n, 0)
         bare_cold_ms = await _bare_floor(state_base, n, COLD_GAP)
-        _emit("floor.grpc_unary_unix", bare_ms, call="grpcio client -> our gRPC server (wire.h2), GetInfo")
+        _emit(
+            "floor.grpc_unary_unix",
+            bare_ms,
+            call="grpcio client -> our gRPC server (wire.h2), GetInfo",
+        )
         _emit("floor.grpc_unary_unix.cold", bare_cold_ms, gap_ms=COLD_GAP * 1000)
         _emit(
             "floor.atomic_write_fsync_2k.state_dir",

@@ -11,7 +11,9 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+from collections.abc import AsyncIterator, Collection
 from concurrent import futures
+from contextlib import asynccontextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -21,6 +23,7 @@ import anyio.to_thread
 import betterproto2
 import grpc
 import grpclib.client
+import grpclib.server
 import pytest
 from google.protobuf.message import Message
 from hypothesis import given, settings
@@ -31,7 +34,6 @@ from dracpu._gen.dra import v1beta1 as dra_v1beta1
 from dracpu._gen.nri import v1alpha1 as nri
 from dracpu._gen.pluginregistration import v1 as reg_v1
 from dracpu._gen.podresources import v1 as podres_v1
-from dracpu.adapters.grpc_server import open_unix_server
 from tests.peers import load_pb2, load_pb2_grpc, module_name, serialize, unix_target
 
 __all__: list[str] = []
@@ -1011,6 +1013,19 @@ class _DriverV1beta1(dra_v1beta1.DraPluginBase):
         )
 
 
+@asynccontextmanager
+async def _grpclib_server(handlers: Collection[Any], path: Path) -> AsyncIterator[None]:
+    """The generated services served by grpclib itself (the daemon's sockets use our own server,
+    :mod:`dracpu.adapters.grpc_server`; these tests are about the generated code)."""
+    server = grpclib.server.Server(list(handlers))
+    await server.start(path=str(path))
+    try:
+        yield
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 def _unary(channel: Any, path: str, request: Message, reply_type: Any) -> Any:
     """A grpcio call by literal method path, as grpc-go's kubelet sends it."""
     call = channel.unary_unary(
@@ -1045,8 +1060,7 @@ async def test_grpcio_kubelet_registers_through_grpclib_server(tmp_path: Path) -
             )
             return info, again
 
-    # open_unix_server also closes the connections grpclib's Server.close() leaves open.
-    async with open_unix_server([registrar], socket_path):
+    async with _grpclib_server([registrar], socket_path):
         info, again = await anyio.to_thread.run_sync(kubelet)
 
     assert info == again
@@ -1104,7 +1118,7 @@ async def test_grpcio_kubelet_prepares_through_grpclib_dra_server(tmp_path: Path
                     failures[path] = exc.code()
             return prepared, unprepared, beta, failures
 
-    async with open_unix_server([driver, _DriverV1beta1()], socket_path):
+    async with _grpclib_server([driver, _DriverV1beta1()], socket_path):
         prepared, unprepared, beta, failures = await anyio.to_thread.run_sync(kubelet)
 
     assert [(c.uid, c.name) for c in driver.prepared] == [("uid-1", "cpus"), ("uid-2", "more-cpus")]

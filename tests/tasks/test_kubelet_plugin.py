@@ -28,7 +28,6 @@ import anyio.to_thread
 import grpc
 import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-from grpclib.exceptions import StreamTerminatedError
 
 from dracpu._gen.dra import v1 as gen_v1
 from dracpu._gen.dra import v1beta1 as gen_v1beta1
@@ -50,7 +49,7 @@ from dracpu.errors import (
 )
 from dracpu.sim.topologies import FIXTURES, build_topology
 from dracpu.tasks import kubelet_plugin
-from dracpu.tasks.kubelet_plugin import DraPluginV1, DraPluginV1beta1, DraService, RawMessage
+from dracpu.tasks.kubelet_plugin import DraPluginV1, DraPluginV1beta1, DraService
 from dracpu.tasks.node_machine import NodeMachine
 from dracpu.tasks.state_owner import Request, StateOwner, create_request_stream
 from tests.peers import load_pb2, unix_target
@@ -108,6 +107,7 @@ class FakeClaims:
         self.patch_errors: list[DracpuError] = []  # raised by the next patch calls, in order
         self.after_get: Callable[[dict[str, Any]], None] | None = None  # a concurrent writer
         self.patch_gate: anyio.Event | None = None  # patch calls wait for it (a slow server)
+        self.get_gates: dict[str, anyio.Event] = {}  # GETs of a name wait for its event
         self.patching = 0  # patch calls in progress now
         self.most_patching = 0  # the most patch calls ever in progress at once
         self.cancelled_patches = 0  # patch calls cancelled while they waited
@@ -129,6 +129,9 @@ class FakeClaims:
 
     async def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]:
         await anyio.lowlevel.checkpoint()
+        gate = self.get_gates.get(name)
+        if gate is not None:
+            await gate.wait()
         self.gets += 1
         obj = self.objects.get((namespace, name))
         if obj is None:
@@ -853,47 +856,28 @@ async def test_a_service_patches_inline_before_its_patch_group_and_not_after_it(
 # --- answer first, then patch -------------------------------------------------------------------
 
 
-class FakeCallStream:
-    """The grpclib server stream as the rpc methods use it: one request, then what they send.
-
-    Every step first lets all other tasks run (``wait_all_tasks_blocked``), so a status patch
-    already started by then has reached the claim source before the step is recorded.
-    ``send_gate``: ``send_message`` waits for it (a slow or stuck transport); ``send_error``:
-    ``send_message`` raises it (the kubelet went away).
-    """
+class FakeCall:
+    """A call as the rpc methods use it (:class:`dracpu.adapters.grpc_server.Call`): the request,
+    then the answer ``reply`` gets. ``reply`` records how many PATCH calls had begun by then;
+    ``delivered=False``: the kubelet has gone (``reply`` says the answer was dropped)."""
 
     def __init__(
-        self,
-        request: bytes,
-        claims: FakeClaims,
-        *,
-        send_gate: anyio.Event | None = None,
-        send_error: Exception | None = None,
+        self, version: str, request: bytes, claims: FakeClaims, *, delivered: bool = True
     ) -> None:
+        self.path = PATHS[version]["prepare"]
         self.request = request
         self.claims = claims
-        self.send_gate = send_gate
-        self.send_error = send_error
-        self.sending = anyio.Event()  # send_message was called
+        self.delivered = delivered
+        self.replied = False
         self.sent = b""
-        self.steps: list[tuple[str, int]] = []  # (step, PATCH calls begun by then)
+        self.patches_at_reply = -1
 
-    async def recv_message(self) -> RawMessage | None:
-        return RawMessage(self.request)
-
-    async def send_message(self, message: RawMessage) -> None:
-        self.sending.set()
-        if self.send_gate is not None:
-            await self.send_gate.wait()
-        await anyio.wait_all_tasks_blocked()
-        if self.send_error is not None:
-            raise self.send_error
-        self.sent = message.SerializeToString()
-        self.steps.append(("message", len(self.claims.patches)))
-
-    async def send_trailing_metadata(self) -> None:
-        await anyio.wait_all_tasks_blocked()
-        self.steps.append(("trailers", len(self.claims.patches)))
+    def reply(self, message: bytes) -> bool:
+        assert not self.replied, "answered twice"
+        self.replied = True
+        self.sent = message
+        self.patches_at_reply = len(self.claims.patches)
+        return self.delivered
 
 
 async def _patches_settled(node: RunningNode) -> None:
@@ -908,139 +892,161 @@ def _prepare_request(version: str, *refs: tuple[str, str, str]) -> bytes:
     return data
 
 
-async def _serve_prepare(node: RunningNode, version: str, stream: FakeCallStream) -> None:
-    """Run the version's NodePrepareResources rpc method on ``stream``, as grpclib would."""
+async def _serve_prepare(node: RunningNode, version: str, call: FakeCall) -> None:
+    """Run the version's NodePrepareResources rpc method on ``call``, as the server would."""
     plugin = DraPluginV1(node.service) if version == "v1" else DraPluginV1beta1(node.service)
-    handler = plugin.__mapping__()[PATHS[version]["prepare"]]
-    await handler.func(stream)
+    handler = plugin.methods()[PATHS[version]["prepare"]]
+    await handler(call)  # type: ignore[arg-type]  # FakeCall has Call's interface
+
+
+def _fast_and_slow(claims: FakeClaims) -> tuple[dict[str, Any], dict[str, Any], anyio.Event]:
+    """Claim ``fast`` and claim ``slow``, whose GET waits for the returned gate: one call of
+    both holds ``fast``'s patch while ``slow`` is still being read."""
+    fast = claim_object("fast", [grouped_result("cpudevnuma000", "2", share_id="s-1")])
+    slow = claim_object("slow", [grouped_result("cpudevnuma001", "2")])
+    claims.add(fast)
+    claims.add(slow)
+    gate = anyio.Event()
+    claims.get_gates[_ref(slow)[2]] = gate
+    return fast, slow, gate
+
+
+async def _held(node: RunningNode, claim: Mapping[str, Any]) -> None:
+    """Wait until ``claim`` is prepared and everything else is blocked."""
+
+    def prepared() -> bool:
+        stored = checkpoint_file.read_newest(node.checkpoint)
+        return stored is not None and _ref(claim)[1] in stored.data.claims
+
+    with anyio.fail_after(10):
+        # The checkpoint is written on the node machine's file thread: no event to wait for.
+        while not prepared():  # noqa: ASYNC110
+            await anyio.sleep(0.005)
+    await anyio.wait_all_tasks_blocked()
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-async def test_the_patch_starts_only_after_the_trailers(tmp_path: Path, version: str) -> None:
+async def test_the_patches_start_only_after_the_answer(tmp_path: Path, version: str) -> None:
     claims = FakeClaims()
-    obj = claim_object("a", [grouped_result("cpudevnuma000", "2", share_id="s-1")])
-    claims.add(obj)
-    ns, uid, name = _ref(obj)
+    fast, slow, gate = _fast_and_slow(claims)
     async with running_node(tmp_path, claims) as node:
-        stream = FakeCallStream(_prepare_request(version, _ref(obj)), claims)
+        call = FakeCall(version, _prepare_request(version, _ref(fast), _ref(slow)), claims)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_serve_prepare, node, version, call)
+            await _held(node, fast)
+            assert claims.patches == []  # fast is prepared, its patch is held
+            gate.set()
 
-        await _serve_prepare(node, version, stream)
-
-        # no PATCH had begun while the message or the trailers were being sent
-        assert stream.steps == [("message", 0), ("trailers", 0)]
-        reply = PEERS[version].NodePrepareResourcesResponse.FromString(stream.sent)
+        assert call.patches_at_reply == 0  # no PATCH had begun when the answer went out
+        uid = _ref(fast)[1]
+        reply = PEERS[version].NodePrepareResourcesResponse.FromString(call.sent)
         assert _devices(reply.claims[uid]) == [
             (["cpu"], NODE, "cpudevnuma000", [f"dra.k8s.io/cpu=claim-{uid}"])
         ]
+        assert reply.claims[_ref(slow)[1]].error == ""
         # share_id (5) in v1 only: read as v1, the v1beta1 answer has none
-        [device] = G_V1.NodePrepareResourcesResponse.FromString(stream.sent).claims[uid].devices
+        [device] = G_V1.NodePrepareResourcesResponse.FromString(call.sent).claims[uid].devices
         assert (device.HasField("share_id"), device.share_id) == (
             (True, "s-1") if version == "v1" else (False, "")
         )
-        # ... and once the answer is out, the patch lands
+        # ... and once the answer is out, both patches land
         await _patches_settled(node)
-        assert _status_cpusets(claims, obj) == [str(node.checkpointed()[uid])]
-        assert (ns, name) in claims.objects
+        for obj in (fast, slow):
+            assert _status_cpusets(claims, obj) == [str(node.checkpointed()[_ref(obj)[1]])]
 
 
-async def test_a_patch_starts_even_when_the_answer_cannot_be_sent(tmp_path: Path) -> None:
+async def test_the_patches_start_even_when_the_answer_cannot_be_sent(tmp_path: Path) -> None:
     claims = FakeClaims()
     obj = claim_object("a", [grouped_result("cpudevnuma001", "3")])
     claims.add(obj)
     async with running_node(tmp_path, claims) as node:
-        stream = FakeCallStream(
-            _prepare_request("v1", _ref(obj)),
-            claims,
-            send_error=StreamTerminatedError("Connection lost"),
-        )
-        with pytest.raises(StreamTerminatedError):
-            await _serve_prepare(node, "v1", stream)
-        assert stream.steps == []
+        call = FakeCall("v1", _prepare_request("v1", _ref(obj)), claims, delivered=False)
+        await _serve_prepare(node, "v1", call)
+        assert call.replied
         # the claim IS prepared here: its cpuset is recorded all the same
         await _patches_settled(node)
         cpus = node.checkpointed()[_ref(obj)[1]]
         assert _status_cpusets(claims, obj) == [str(cpus)]
 
 
-async def test_a_call_cancelled_while_answering_still_starts_its_patch(tmp_path: Path) -> None:
+async def test_a_call_cancelled_midway_still_patches_the_claims_it_prepared(
+    tmp_path: Path,
+) -> None:
     claims = FakeClaims()
-    obj = claim_object("a", [grouped_result("cpudevnuma002", "2")])
-    claims.add(obj)
+    fast, slow, _ = _fast_and_slow(claims)
     async with running_node(tmp_path, claims) as node:
-        stream = FakeCallStream(_prepare_request("v1", _ref(obj)), claims, send_gate=anyio.Event())
+        call = FakeCall("v1", _prepare_request("v1", _ref(fast), _ref(slow)), claims)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_serve_prepare, node, "v1", stream)
-            await stream.sending.wait()
-            await anyio.wait_all_tasks_blocked()
-            assert claims.patches == []  # held while the answer is being sent
-            tg.cancel_scope.cancel()  # the deadline passed
+            tg.start_soon(_serve_prepare, node, "v1", call)
+            await _held(node, fast)
+            assert claims.patches == []
+            tg.cancel_scope.cancel()  # the deadline passed, the kubelet reset the stream
+        assert not call.replied
         await _patches_settled(node)
-        assert _status_cpusets(claims, obj) == [str(node.checkpointed()[_ref(obj)[1]])]
+        assert _status_cpusets(claims, fast) == [str(node.checkpointed()[_ref(fast)[1]])]
+        assert _ref(slow)[1] not in node.checkpointed()
+        assert _status_cpusets(claims, slow) == []
 
 
-async def test_unprepare_drops_a_patch_held_for_an_unsent_answer(tmp_path: Path) -> None:
+async def test_unprepare_drops_a_patch_held_for_an_unanswered_call(tmp_path: Path) -> None:
     claims = FakeClaims()
-    obj = claim_object("a", [grouped_result("cpudevnuma000", "2")])
-    claims.add(obj)
-    gate = anyio.Event()
+    fast, slow, gate = _fast_and_slow(claims)
     async with running_node(tmp_path, claims) as node:
-        stream = FakeCallStream(_prepare_request("v1", _ref(obj)), claims, send_gate=gate)
+        call = FakeCall("v1", _prepare_request("v1", _ref(fast), _ref(slow)), claims)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_serve_prepare, node, "v1", stream)
-            await stream.sending.wait()
+            tg.start_soon(_serve_prepare, node, "v1", call)
+            await _held(node, fast)
 
-            reply = await unprepare(node, "v1", _ref(obj))
+            reply = await unprepare(node, "v1", _ref(fast))
 
-            assert reply.claims[_ref(obj)[1]].error == ""
+            assert reply.claims[_ref(fast)[1]].error == ""
             gate.set()
-        assert stream.steps == [("message", 0), ("trailers", 0)]
+        assert call.patches_at_reply == 0
         await _patches_settled(node)
-        assert claims.patches == []  # never sent for the freed CPUs
-        assert node.checkpointed() == {}
+        assert [name for _, name, _ in claims.patches] == ["slow"]  # never for the freed CPUs
+        assert set(node.checkpointed()) == {_ref(slow)[1]}
 
 
 async def test_a_retried_prepare_waits_for_the_held_patch_and_wins(tmp_path: Path) -> None:
     claims = FakeClaims()
-    obj = claim_object("a", [grouped_result("cpudevnuma003", "2")])
-    claims.add(obj)
-    gate = anyio.Event()
+    fast, slow, gate = _fast_and_slow(claims)
     async with running_node(tmp_path, claims) as node:
-        stream = FakeCallStream(_prepare_request("v1", _ref(obj)), claims, send_gate=gate)
+        call = FakeCall("v1", _prepare_request("v1", _ref(fast), _ref(slow)), claims)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_serve_prepare, node, "v1", stream)
-            await stream.sending.wait()
+            tg.start_soon(_serve_prepare, node, "v1", call)
+            await _held(node, fast)
 
-            again = await prepare(node, "v1beta1", _ref(obj))  # the kubelet retries
+            again = await prepare(node, "v1beta1", _ref(fast))  # the kubelet retries
 
-            assert again.claims[_ref(obj)[1]].error == ""
+            assert again.claims[_ref(fast)[1]].error == ""
             await anyio.wait_all_tasks_blocked()
             assert claims.patches == []  # the retry's patch waits for the held one
             gate.set()
         await _patches_settled(node)
-        # the first call's patch was dropped unsent; the retry's landed
-        assert len(claims.patches) == 1
-        assert _status_cpusets(claims, obj) == [str(node.checkpointed()[_ref(obj)[1]])]
+        # the first call's patch of fast was dropped unsent; the retry's landed, and slow's
+        assert sorted(name for _, name, _ in claims.patches) == ["fast", "slow"]
+        assert _status_cpusets(claims, fast) == [str(node.checkpointed()[_ref(fast)[1]])]
 
 
 async def test_a_patch_held_when_the_task_stops_is_never_sent(tmp_path: Path) -> None:
     claims = FakeClaims()
-    obj = claim_object("a", [grouped_result("cpudevnuma000", "2")])
-    claims.add(obj)
-    gate = anyio.Event()
+    fast, slow, gate = _fast_and_slow(claims)
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             async with running_node(tmp_path, claims) as node:
-                stream = FakeCallStream(_prepare_request("v1", _ref(obj)), claims, send_gate=gate)
-                tg.start_soon(_serve_prepare, node, "v1", stream)
-                await stream.sending.wait()
-                await anyio.wait_all_tasks_blocked()
-                assert claims.patches == []  # held while the answer is being sent
-            # the kubelet-plugin task has stopped; the call still finishes its answer
+                call = FakeCall("v1", _prepare_request("v1", _ref(fast), _ref(slow)), claims)
+                tg.start_soon(_serve_prepare, node, "v1", call)
+                await _held(node, fast)
+                assert claims.patches == []  # held while slow is read
+            # the kubelet-plugin task has stopped; the call still finishes and answers
             gate.set()
-    assert stream.steps == [("message", 0), ("trailers", 0)]
+    assert call.replied
+    reply = G_V1.NodePrepareResourcesResponse.FromString(call.sent)
+    assert reply.claims[_ref(fast)[1]].error == ""
+    assert reply.claims[_ref(slow)[1]].error != ""  # the state owner is gone
     await _patches_settled(node)
     assert claims.patches == []
-    assert _status_cpusets(claims, obj) == []
+    assert _status_cpusets(claims, fast) == []
 
 
 # --- the socket ---------------------------------------------------------------------------------
@@ -1114,8 +1120,8 @@ def test_method_paths_are_the_generated_services() -> None:
     send, receive = _command_stream()
     with send, receive:
         service = DraService(send, FakeClaims(), NODE)
-        assert set(DraPluginV1(service).__mapping__()) == set(gen_v1.DraPluginBase().__mapping__())
-        assert set(DraPluginV1beta1(service).__mapping__()) == set(
+        assert set(DraPluginV1(service).methods()) == set(gen_v1.DraPluginBase().__mapping__())
+        assert set(DraPluginV1beta1(service).methods()) == set(
             gen_v1beta1.DraPluginBase().__mapping__()
         )
     assert set(PATHS["v1"].values()) == set(gen_v1.DraPluginBase().__mapping__())

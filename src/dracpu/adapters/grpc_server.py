@@ -20,14 +20,17 @@ socket path for the life of an ``async with`` block:
 The protocol is ours: HTTP/2 from :mod:`dracpu.wire.h2` and gRPC's framing from
 :mod:`dracpu.wire.grpc` (unary calls only; all the kubelet makes). Each connection is an asyncio
 protocol (the cheapest way to get bytes in and out: no reader task per connection); each call
-runs as a task of the server's anyio task group, in its own cancel scope: the caller resetting
-the stream or dropping the connection cancels it, ``grpc-timeout`` bounds it (then
-``DEADLINE_EXCEEDED``). A handler answers with :meth:`Call.reply`, which hands the whole answer
-(head, message, trailers) to the transport before it returns, so whatever the handler does after
-it never delays the answer. A peer that breaks HTTP/2 loses its connection (GOAWAY naming the
-error, a warning logged); a request that is not a valid gRPC call gets an error status; the
-server keeps serving both ways. One of the modules that use asyncio directly (design §3: anyio
-everywhere else), for the protocol callbacks.
+runs as an asyncio task of its own, in its own anyio cancel scope: the caller resetting the
+stream or dropping the connection cancels it, ``grpc-timeout`` bounds it (then
+``DEADLINE_EXCEEDED``), and stopping the server cancels it and waits for it at most
+:data:`STOP_TIMEOUT`. (Not an anyio task group: the group would have to enclose the ``async
+with`` body, whose exceptions it would wrap in an ``ExceptionGroup``.) A handler answers with
+:meth:`Call.reply`, which hands the whole answer (head, message, trailers) to the transport
+before it returns, so whatever the handler does after it never delays the answer. A peer that
+breaks HTTP/2 loses its connection (GOAWAY naming the error, a warning logged); a request that
+is not a valid gRPC call gets an error status; the server keeps serving both ways. One of the
+modules that use asyncio directly (design §3: anyio everywhere else), for the protocol
+callbacks and the call tasks.
 """
 
 from __future__ import annotations
@@ -39,14 +42,13 @@ import logging
 import os
 import socket
 import stat
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final, Protocol, Self, TypeVar
+from typing import Any, Final, Protocol, Self, TypeVar
 
 import anyio
-from anyio.abc import TaskGroup
 
 from dracpu.errors import DracpuError, GrpcError, LocalProtocolError
 from dracpu.wire.grpc import (
@@ -71,6 +73,7 @@ __all__ = [
     "DIR_MODE",
     "MAX_WRITE_BUFFER",
     "SOCKET_MODE",
+    "STOP_TIMEOUT",
     "UNIX_PATH_MAX",
     "Call",
     "Handler",
@@ -91,6 +94,10 @@ DIR_MODE = 0o700
 UNIX_PATH_MAX = 107
 # Pending connections the kernel queues for us; the kubelet keeps one connection per plugin.
 BACKLOG = 100
+# How long stopping waits for the handlers of cancelled calls to finish (seconds): they only
+# need to notice the cancellation. Bounded so a stuck handler cannot hold up the daemon's 5 s
+# stop.
+STOP_TIMEOUT = 1.0
 # Bytes of answers a client may leave unread before we drop it (its own windows bound the DATA
 # we send; this bounds what PING and SETTINGS acknowledgements could pile up).
 MAX_WRITE_BUFFER = 1 << 20
@@ -103,6 +110,7 @@ class _Message(Protocol):
 
 _M = TypeVar("_M", bound=_Message)
 _temp_counter = itertools.count()
+
 
 class Call:
     """One unary call as its handler sees it: the method path and the request message."""
@@ -235,12 +243,12 @@ class _Connection(asyncio.Protocol):
             self._start(event.stream_id, state)
 
     def _start(self, stream_id: int, state: _CallState) -> None:
-        state.scope = anyio.CancelScope()
-        try:
-            self._server.task_group.start_soon(self._run, stream_id, state, name=state.path)
-        except RuntimeError:  # the task group is closing: the server stops
+        if self._server.stopping:
             del self._calls[stream_id]
             self._refuse(stream_id, GrpcError(Status.UNAVAILABLE, "the server is stopping"))
+            return
+        state.scope = anyio.CancelScope()
+        self._server.start_call(self._run(stream_id, state), state.path)
 
     def _cancel(self, stream_id: int) -> None:
         state = self._calls.pop(stream_id, None)
@@ -322,9 +330,9 @@ _OK_TRAILERS: Final = tuple(trailers(Status.OK))
 
 
 class _Server:
-    """The handlers, the open connections and the task group of the calls."""
+    """The handlers, the open connections and the tasks of the calls in flight."""
 
-    def __init__(self, services: Collection[Service], path: Path, task_group: TaskGroup) -> None:
+    def __init__(self, services: Collection[Service], path: Path) -> None:
         self.handlers: dict[str, Handler] = {}
         for service in services:
             for method_path, handler in service.items():
@@ -332,8 +340,30 @@ class _Server:
                     raise DracpuError(f"two handlers for {method_path}")
                 self.handlers[method_path] = handler
         self.path = path
-        self.task_group = task_group
         self.connections: set[_Connection] = set()
+        self.calls: set[asyncio.Task[None]] = set()
+        self.stopping = False
+
+    def start_call(self, call: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.get_running_loop().create_task(call, name=name)
+        self.calls.add(task)
+        task.add_done_callback(self.calls.discard)
+
+    async def stop(self) -> None:
+        """GOAWAY and close every connection, cancel the calls, wait for them (bounded)."""
+        self.stopping = True
+        for connection in list(self.connections):
+            connection.stop()
+        if self.calls:
+            with anyio.move_on_after(STOP_TIMEOUT):
+                await asyncio.wait(set(self.calls))
+            if self.calls:
+                logger.warning(
+                    "%d gRPC call(s) on %s did not end within %.1f s of the stop",
+                    len(self.calls),
+                    self.path,
+                    STOP_TIMEOUT,
+                )
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,6 +376,7 @@ class UnixServer:
     @property
     def open_connections(self) -> int:
         return len(self._server.connections)
+
 
 def _check_path(path: Path) -> None:
     if len(os.fsencode(path)) > UNIX_PATH_MAX:
@@ -473,36 +504,32 @@ async def open_unix_server(
     temp = _temp_path(path)
     sock = _bind_private(temp)
     identity = _identity(temp)
+    server = _Server(services, path)
+    listener: asyncio.Server | None = None
     placed = False
     try:
-        async with anyio.create_task_group() as task_group:
-            server = _Server(services, path, task_group)
-            loop = asyncio.get_running_loop()
-            try:
-                listener = await loop.create_unix_server(
-                    lambda: _Connection(server), sock=sock, backlog=BACKLOG
-                )
-            except OSError as exc:
-                raise DracpuError(f"cannot serve on {str(path)!r}: {exc.strerror or exc}") from exc
-            try:
-                if remove_stale_socket(path):
-                    logger.info("removed a stale socket at %s", path)
-                try:
-                    os.rename(temp, path)
-                except OSError as exc:
-                    raise DracpuError(
-                        f"cannot move socket {str(temp)!r} to {str(path)!r}: "
-                        f"{exc.strerror or exc}"
-                    ) from exc
-                placed = True
-                logger.debug("serving gRPC on %s", path)
-                yield UnixServer(path, server)
-            finally:
-                listener.close()
-                for connection in list(server.connections):
-                    connection.stop()
-                task_group.cancel_scope.cancel()
+        try:
+            listener = await asyncio.get_running_loop().create_unix_server(
+                lambda: _Connection(server), sock=sock, backlog=BACKLOG
+            )
+        except OSError as exc:
+            raise DracpuError(f"cannot serve on {str(path)!r}: {exc.strerror or exc}") from exc
+        if remove_stale_socket(path):
+            logger.info("removed a stale socket at %s", path)
+        try:
+            os.rename(temp, path)
+        except OSError as exc:
+            raise DracpuError(
+                f"cannot move socket {str(temp)!r} to {str(path)!r}: {exc.strerror or exc}"
+            ) from exc
+        placed = True
+        logger.debug("serving gRPC on %s", path)
+        yield UnixServer(path, server)
     finally:
+        with anyio.CancelScope(shield=True):
+            if listener is not None:
+                listener.close()
+            await server.stop()
         sock.close()
         if placed:
             _remove_if_ours(path, identity)

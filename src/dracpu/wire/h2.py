@@ -349,9 +349,7 @@ class ServerConnection:
             )
         )
         self._out.append(_frame(SETTINGS, 0, 0, settings))
-        self._out.append(
-            _frame(WINDOW_UPDATE, 0, 0, _U32.pack(CONNECTION_WINDOW - DEFAULT_WINDOW))
-        )
+        self._out.append(_frame(WINDOW_UPDATE, 0, 0, _U32.pack(CONNECTION_WINDOW - DEFAULT_WINDOW)))
         return self.data_to_send()
 
     def send_headers(
@@ -465,9 +463,7 @@ class ServerConnection:
                 head = int.from_bytes(self._buffer[:4], "big")
                 length, kind = head >> 8, head & 0xFF
                 if length > MAX_FRAME_SIZE:
-                    raise _ConnectionError(
-                        ErrorCode.FRAME_SIZE_ERROR, f"a frame of {length} bytes"
-                    )
+                    raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, f"a frame of {length} bytes")
                 if len(self._buffer) < 9 + length:
                     break
                 flags = self._buffer[4]
