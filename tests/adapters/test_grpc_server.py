@@ -43,6 +43,7 @@ from dracpu._gen.pluginregistration.v1 import RegistrationStatus
 from dracpu.adapters.grpc_server import (
     MAX_WRITE_BUFFER,
     SOCKET_MODE,
+    STOP_TIMEOUT,
     Call,
     Service,
     UnixServer,
@@ -383,6 +384,44 @@ async def test_fifty_concurrent_calls_on_one_channel_overlap(socket_path: Path) 
     assert replies == [request[::-1] for request in requests]
     assert peak == count
     assert connections_at_barrier == [1]  # one channel, one connection, 50 streams
+
+
+@pytest.mark.anyio
+async def test_more_calls_than_max_concurrent_streams_all_complete(socket_path: Path) -> None:
+    """grpcio honours our SETTINGS_MAX_CONCURRENT_STREAMS (128) and queues the rest: the first
+    128 calls are held until all 128 are in, and no 129th ever runs beside them."""
+    count = 300
+    limit = 128  # dracpu.wire.h2.MAX_CONCURRENT_STREAMS, written out: what we announce
+    inside = 0
+    peak = 0
+    full = anyio.Event()
+
+    async def counted(call: Call) -> None:
+        nonlocal inside, peak
+        inside += 1
+        peak = max(peak, inside)
+        if inside == limit:
+            full.set()
+        try:
+            with anyio.fail_after(CALL_TIMEOUT):
+                await full.wait()
+        finally:
+            inside -= 1
+        call.reply(call.request[::-1])
+
+    requests = [i.to_bytes(2, "big") for i in range(count)]
+
+    def client() -> list[bytes]:
+        with grpc.insecure_channel(unix_target(socket_path)) as channel:
+            method = channel.unary_unary(ECHO)
+            futures = [method.future(request, timeout=CALL_TIMEOUT) for request in requests]
+            return [future.result() for future in futures]
+
+    async with open_unix_server([{ECHO: counted}], socket_path):
+        replies = await anyio.to_thread.run_sync(client)
+
+    assert replies == [request[::-1] for request in requests]
+    assert peak == limit
 
 
 # --------------------------------------------------------------------------------------------
@@ -971,6 +1010,50 @@ async def test_stop_with_a_call_in_flight(socket_path: Path) -> None:
     # The server sends GOAWAY and closes the connection with the call still open (no status):
     # grpcio ends such a call UNAVAILABLE, as it does for any transport lost mid-call.
     assert outcome[0][0] == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.anyio
+async def test_stop_waits_for_a_stuck_handler_only_stop_timeout(
+    socket_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A handler that ignores cancellation (shielded, as one waiting on a worker thread is)
+    holds the stop up for STOP_TIMEOUT at most; when it ends later, its answer goes nowhere and
+    nothing escapes (anyio's test runner fails the test on an unretrieved task exception)."""
+    started = anyio.Event()
+    go = anyio.Event()
+    finished = anyio.Event()
+    replied: list[bool] = []
+
+    async def stuck(call: Call) -> None:
+        try:
+            with anyio.CancelScope(shield=True):
+                started.set()
+                await go.wait()
+                replied.append(call.reply(b"after the stop"))
+        finally:
+            finished.set()
+
+    outcome: list[tuple[Any, str]] = []
+
+    async def client() -> None:
+        outcome.append(await _fail(socket_path, "/test.Echo/Stuck", b""))
+
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        async with anyio.create_task_group() as task_group:
+            async with open_unix_server([{"/test.Echo/Stuck": stuck}], socket_path):
+                task_group.start_soon(client)
+                await _wait(started)
+                stop_began = anyio.current_time()
+            stop_took = anyio.current_time() - stop_began
+            assert not finished.is_set()
+            assert not await anyio.Path(socket_path).exists()
+            go.set()
+            await _wait(finished)
+
+    assert STOP_TIMEOUT <= stop_took < STOP_TIMEOUT + 2
+    assert replied == [False]
+    assert [code for code, _ in outcome] == [grpc.StatusCode.UNAVAILABLE]
+    assert any("did not end" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.anyio
