@@ -31,6 +31,7 @@ import anyio.to_thread
 import grpc
 import pytest
 from anyio.abc import SocketStream
+from google.protobuf.message import DecodeError
 from h2.config import H2Configuration
 from h2.connection import H2Connection
 from h2.events import DataReceived as H2DataReceived
@@ -52,11 +53,13 @@ from dracpu.adapters.grpc_server import (
 )
 from dracpu.errors import DracpuError, GrpcError, LocalProtocolError
 from dracpu.wire.grpc import MAX_MESSAGE, Status
-from tests.peers import unix_target
+from tests.peers import load_pb2, unix_target
 
 __all__: list[str] = []
 
 LOGGER = "dracpu.adapters.grpc_server"
+
+G_REG = load_pb2("pluginregistration/v1/api.proto")
 
 # Upper bound of any one wait in these tests, seconds (generous: 2 cores shared by many).
 CALL_TIMEOUT = 10.0
@@ -1215,9 +1218,15 @@ def test_decode_message_parses_good_bytes() -> None:
     [
         b"\x08\xff",  # a varint cut short
         b"\x12\x02\xff\xfe",  # a string that is not UTF-8
+        b"\x12\x05ab",  # a string of 5 bytes with 2 present
+        b"\x17",  # field 2 with wire type 7, which does not exist
     ],
 )
 def test_decode_message_refuses_bad_bytes_as_invalid_argument(data: bytes) -> None:
+    # Google's protobuf runtime (as grpc-go's in the kubelet) rejects each of these.
+    with pytest.raises(DecodeError):
+        G_REG.RegistrationStatus.FromString(data)
+
     with pytest.raises(GrpcError) as caught:
         decode_message(RegistrationStatus, data)
 
