@@ -160,22 +160,20 @@ async def _reverse(call: Call) -> None:
 
 @dataclass
 class _Sleeper:
-    """A handler that waits (for ``release`` or ever) and records being cancelled."""
+    """A handler that never answers: it waits until cancelled, and records that it was."""
 
     started: anyio.Event = field(default_factory=anyio.Event)
     cancelled: anyio.Event = field(default_factory=anyio.Event)
-    release: anyio.Event = field(default_factory=anyio.Event)
     calls: int = 0
 
     async def __call__(self, call: Call) -> None:
         self.calls += 1
         self.started.set()
         try:
-            await self.release.wait()
+            await anyio.sleep_forever()
         except anyio.get_cancelled_exc_class():
             self.cancelled.set()
             raise
-        call.reply(b"released")
 
 
 async def _eventually(condition: Callable[[], bool]) -> None:
@@ -239,7 +237,6 @@ class _RawClient:
         headers: Sequence[tuple[str, str]] = (),
         method: str = "POST",
         content_type: str = "application/grpc",
-        end: bool = True,
     ) -> int:
         """Open a stream: the head, then ``body`` (raw bytes, the gRPC prefix included)."""
         stream_id = self.h2.get_next_available_stream_id()
@@ -252,9 +249,9 @@ class _RawClient:
             ("te", "trailers"),
             *headers,
         ]
-        self.h2.send_headers(stream_id, head, end_stream=body is None and end)
+        self.h2.send_headers(stream_id, head, end_stream=body is None)
         if body is not None:
-            self.h2.send_data(stream_id, body, end_stream=end)
+            self.h2.send_data(stream_id, body, end_stream=True)
         self.answers[stream_id] = _Answer()
         await self.flush()
         return stream_id
@@ -458,13 +455,12 @@ async def test_a_3_mib_request_arrives_whole(socket_path: Path) -> None:
 
 @pytest.mark.anyio
 async def test_a_5_mib_reply_arrives_whole(socket_path: Path) -> None:
-    reply = os.urandom(5 << 20)  # beyond grpcio's initial windows: needs its WINDOW_UPDATEs
+    reply = os.urandom(5 << 20)  # more than grpcio's windows take at once: needs its updates
 
     async def big(call: Call) -> None:
         call.reply(reply)
 
-    # grpcio refuses to receive more than 4 MiB unless told (the kubelet's DRA client allows
-    # 16 MiB).
+    # grpcio refuses to receive more than 4 MiB (its default) unless told.
     options = [("grpc.max_receive_message_length", 8 << 20)]
     async with open_unix_server([{ECHO: big}, {"/test.Echo/Reverse": _reverse}], socket_path):
         got = await _call(socket_path, ECHO, b"", options=options)
