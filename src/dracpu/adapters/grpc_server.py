@@ -22,15 +22,21 @@ The protocol is ours: HTTP/2 from :mod:`dracpu.wire.h2` and gRPC's framing from
 protocol (the cheapest way to get bytes in and out: no reader task per connection); each call
 runs as an asyncio task of its own, in its own anyio cancel scope: the caller resetting the
 stream or dropping the connection cancels it, ``grpc-timeout`` bounds it (then
-``DEADLINE_EXCEEDED``), and stopping the server cancels it and waits for it at most
-:data:`STOP_TIMEOUT`. (Not an anyio task group: the group would have to enclose the ``async
-with`` body, whose exceptions it would wrap in an ``ExceptionGroup``.) A handler answers with
-:meth:`Call.reply`, which hands the whole answer (head, message, trailers) to the transport
-before it returns, so whatever the handler does after it never delays the answer. A peer that
-breaks HTTP/2 loses its connection (GOAWAY naming the error, a warning logged); a request that
-is not a valid gRPC call gets an error status; the server keeps serving both ways. One of the
-modules that use asyncio directly (design §3: anyio everywhere else), for the protocol
-callbacks and the call tasks.
+``DEADLINE_EXCEEDED``; the clock starts with the request's head), and stopping the server
+cancels it and waits for it at most :data:`STOP_TIMEOUT`. (Not an anyio task group: the group
+would have to enclose the ``async with`` body, whose exceptions it would wrap in an
+``ExceptionGroup``.) A handler answers with :meth:`Call.reply`, which hands the whole answer
+(head, message, trailers) to the transport before it returns, so whatever the handler does
+after it never delays the answer.
+
+A peer that breaks HTTP/2 loses its connection (GOAWAY naming the error, a warning logged); a
+request that is not a valid gRPC call gets an error status; the server keeps serving both ways.
+A client that does not read its answers is not read either (back pressure), so it cannot make
+us buffer more than its own flow-control windows allow. Connections are accepted by our own
+reader on the listening socket, so none slips in after the stop.
+
+One of the modules that use asyncio directly (design §3: anyio everywhere else), for the
+protocol callbacks and the call tasks.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import os
 import socket
 import stat
@@ -50,7 +57,7 @@ from typing import Any, Final, Protocol, Self, TypeVar
 
 import anyio
 
-from dracpu.errors import DracpuError, GrpcError, LocalProtocolError
+from dracpu.errors import DracpuError, GrpcError, LocalProtocolError, RemoteProtocolError
 from dracpu.wire.grpc import (
     MAX_MESSAGE,
     RESPONSE_HEAD,
@@ -68,10 +75,11 @@ from dracpu.wire.h2 import (
     ServerConnection,
     StreamReset,
 )
+from dracpu.wire.protowire import scan_fields
 
 __all__ = [
+    "ACCEPT_RETRY_DELAY",
     "DIR_MODE",
-    "MAX_WRITE_BUFFER",
     "SOCKET_MODE",
     "STOP_TIMEOUT",
     "UNIX_PATH_MAX",
@@ -98,9 +106,9 @@ BACKLOG = 100
 # need to notice the cancellation. Bounded so a stuck handler cannot hold up the daemon's 5 s
 # stop.
 STOP_TIMEOUT = 1.0
-# Bytes of answers a client may leave unread before we drop it (its own windows bound the DATA
-# we send; this bounds what PING and SETTINGS acknowledgements could pile up).
-MAX_WRITE_BUFFER = 1 << 20
+# How long accepting pauses after accept() itself failed (EMFILE: out of file descriptors);
+# asyncio's own server waits the same second.
+ACCEPT_RETRY_DELAY = 1.0
 
 
 class _Message(Protocol):
@@ -153,7 +161,12 @@ def decode_message(message_type: type[_M], data: bytes) -> _M:
     """A betterproto2 request message; ``INVALID_ARGUMENT`` naming the type if it does not
     parse."""
     try:
+        scan_fields(data, 0, len(data))  # betterproto2 lets truncation and bad wire types by
         return message_type.parse(data)
+    except RemoteProtocolError as exc:
+        raise GrpcError(
+            Status.INVALID_ARGUMENT, f"cannot decode {message_type.__name__}: {exc}"
+        ) from exc
     except Exception as exc:  # betterproto2 raises whatever its decoding meets
         raise GrpcError(
             Status.INVALID_ARGUMENT, f"cannot decode {message_type.__name__}: {exc}"
@@ -164,9 +177,10 @@ def decode_message(message_type: type[_M], data: bytes) -> _M:
 class _CallState:
     handler: Handler
     path: str
-    timeout: float | None
+    deadline: float  # loop time; inf without grpc-timeout
     body: bytearray = field(default_factory=bytearray)
-    scope: anyio.CancelScope | None = None
+    scope: anyio.CancelScope | None = None  # set once the handler's task is started
+    expiry: asyncio.TimerHandle | None = None  # answers DEADLINE_EXCEEDED before the start
     cancelled: bool = False  # the caller went away; nothing is to be sent
 
 
@@ -187,6 +201,8 @@ class _Connection(asyncio.Protocol):
         self._transport = transport
         self._server.connections.add(self)
         transport.write(self._h2.initiate())
+        if self._server.stopping:  # accepted just before the listener closed
+            self.stop()
 
     def data_received(self, data: bytes) -> None:
         for event in self._h2.receive_data(data):
@@ -203,6 +219,18 @@ class _Connection(asyncio.Protocol):
                     event.reason,
                 )
         self._flush()
+
+    # Back pressure: while the transport's buffer is over its high-water mark (a client that
+    # does not read), we stop reading from it; its windows bound the DATA we queue, and the
+    # acknowledgements of its frames wait in the kernel instead of our memory.
+
+    def pause_writing(self) -> None:
+        if self._transport is not None:
+            self._transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.resume_reading()
 
     def eof_received(self) -> bool:
         return False  # close our side too
@@ -223,10 +251,20 @@ class _Connection(asyncio.Protocol):
         except GrpcError as exc:
             self._refuse(event.stream_id, exc)
             return
-        state = _CallState(handler, head.path, head.timeout)
+        loop = asyncio.get_running_loop()
+        deadline = math.inf if head.timeout is None else loop.time() + head.timeout
+        state = _CallState(handler, head.path, deadline)
         self._calls[event.stream_id] = state
         if event.end_stream:
             self._start(event.stream_id, state)
+        elif head.timeout is not None:  # the clock runs from the head, not the body's end
+            state.expiry = loop.call_at(deadline, self._expire, event.stream_id, state)
+
+    def _expire(self, stream_id: int, state: _CallState) -> None:
+        if self._calls.get(stream_id) is state and state.scope is None:
+            del self._calls[stream_id]
+            self._refuse(stream_id, GrpcError(Status.DEADLINE_EXCEEDED, "deadline exceeded"))
+            self._flush()
 
     def _data(self, event: DataReceived) -> None:
         state = self._calls.get(event.stream_id)
@@ -234,7 +272,7 @@ class _Connection(asyncio.Protocol):
             return  # refused already, or DATA after the end (the stream is reset by h2)
         state.body += event.data
         if len(state.body) > MAX_MESSAGE + 5:
-            del self._calls[event.stream_id]
+            self._cancel(event.stream_id)
             self._refuse(
                 event.stream_id,
                 GrpcError(Status.RESOURCE_EXHAUSTED, f"a request over {MAX_MESSAGE} bytes"),
@@ -243,6 +281,8 @@ class _Connection(asyncio.Protocol):
             self._start(event.stream_id, state)
 
     def _start(self, stream_id: int, state: _CallState) -> None:
+        if state.expiry is not None:
+            state.expiry.cancel()
         if self._server.stopping:
             del self._calls[stream_id]
             self._refuse(stream_id, GrpcError(Status.UNAVAILABLE, "the server is stopping"))
@@ -254,6 +294,8 @@ class _Connection(asyncio.Protocol):
         state = self._calls.pop(stream_id, None)
         if state is not None:
             state.cancelled = True
+            if state.expiry is not None:
+                state.expiry.cancel()
             if state.scope is not None:
                 state.scope.cancel()
 
@@ -262,8 +304,7 @@ class _Connection(asyncio.Protocol):
         error: GrpcError | None = None
         call: Call | None = None
         with state.scope as scope:
-            if state.timeout is not None:
-                scope.deadline = anyio.current_time() + state.timeout
+            scope.deadline = state.deadline
             try:
                 call = Call(self, stream_id, state.path, read_unary_message(bytes(state.body)))
                 state.body = bytearray()
@@ -298,7 +339,7 @@ class _Connection(asyncio.Protocol):
         return True
 
     def _refuse(self, stream_id: int, error: GrpcError) -> None:
-        if self._h2.is_open(stream_id):
+        if self._h2.is_open(stream_id) and not self._h2.failed:
             self._h2.send_headers(stream_id, trailers_only(error), end_stream=True)
 
     def _flush(self) -> None:
@@ -310,11 +351,6 @@ class _Connection(asyncio.Protocol):
             transport.write(out)
         if self._h2.failed:
             transport.close()
-        elif transport.get_write_buffer_size() > MAX_WRITE_BUFFER:
-            logger.warning(
-                "gRPC client on %s does not read its answers; dropping it", self._server.path
-            )
-            transport.abort()
 
     def stop(self) -> None:
         """Send GOAWAY, cancel the calls, close (after the queued bytes are written)."""
@@ -501,19 +537,43 @@ async def open_unix_server(
     """
     _check_path(path)
     _prepare_dir(path.parent, private=private_dir)
+    server = _Server(services, path)
     temp = _temp_path(path)
     sock = _bind_private(temp)
     identity = _identity(temp)
-    server = _Server(services, path)
-    listener: asyncio.Server | None = None
+    loop = asyncio.get_running_loop()
+    accepting: set[asyncio.Task[Any]] = set()
+
+    def accept() -> None:
+        # Our own accept (not loop.create_unix_server): asyncio 3.11's Server can accept a
+        # connection after close() and then neither serve nor close it.
+        try:
+            conn, _ = sock.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:  # EMFILE, ENOBUFS...: pause rather than spin (as asyncio does)
+            logger.error(
+                "cannot accept a connection on %s: %s; retrying in %.0f s",
+                path,
+                exc,
+                ACCEPT_RETRY_DELAY,
+            )
+            loop.remove_reader(sock.fileno())
+            loop.call_later(ACCEPT_RETRY_DELAY, resume_accepting)
+            return
+        task = loop.create_task(loop.connect_accepted_socket(lambda: _Connection(server), conn))
+        accepting.add(task)
+        task.add_done_callback(accepting.discard)
+
+    def resume_accepting() -> None:
+        if not server.stopping:
+            loop.add_reader(sock.fileno(), accept)
+
+    listening = False
     placed = False
     try:
-        try:
-            listener = await asyncio.get_running_loop().create_unix_server(
-                lambda: _Connection(server), sock=sock, backlog=BACKLOG
-            )
-        except OSError as exc:
-            raise DracpuError(f"cannot serve on {str(path)!r}: {exc.strerror or exc}") from exc
+        loop.add_reader(sock.fileno(), accept)
+        listening = True
         if remove_stale_socket(path):
             logger.info("removed a stale socket at %s", path)
         try:
@@ -527,8 +587,11 @@ async def open_unix_server(
         yield UnixServer(path, server)
     finally:
         with anyio.CancelScope(shield=True):
-            if listener is not None:
-                listener.close()
+            server.stopping = True
+            if listening:
+                loop.remove_reader(sock.fileno())
+            if accepting:
+                await asyncio.wait(set(accepting))
             await server.stop()
         sock.close()
         if placed:

@@ -324,8 +324,8 @@ class ServerConnection:
         return len(self._streams)
 
     def is_open(self, stream_id: int) -> bool:
-        """Whether ``stream_id`` may still be answered."""
-        return stream_id in self._streams
+        """Whether ``stream_id`` may still be answered (never after a connection error)."""
+        return stream_id in self._streams and not self._failed
 
     def data_to_send(self) -> bytes:
         """The bytes queued for the peer (and forget them)."""
