@@ -127,6 +127,7 @@ def assert_connection_error(
     assert goaways[0].code == code
     assert goaways[0].payload[8:] == failure.reason.encode()[:256]
     assert conn.failed
+    assert not conn.is_open(1)  # no stream may be answered any more (stream 1 may be open)
     # Everything after is ignored, even a valid request, and nothing more goes out.
     assert conn.receive_data(f.ping()) == []
     assert conn.receive_data(f.headers(1001, REQUEST, end_stream=True)) == []
