@@ -14,10 +14,8 @@ Modelled on h11 (``reference/model-codebases.md`` §3): no I/O, bytes in, events
 Why our own and not ``h2`` (python-hyper) under grpclib: a bare unary call from grpcio to
 grpclib costs 0.8 ms back to back and 1.8-2.3 ms "cold" on the target VM; a server that does only
 this module's work answers the same call in 0.35 / 0.8-1.0 ms (``bench_prepare``'s
-``floor.grpc_unary_unix`` figures, and ``docs/architecture.md``). Header blocks are decoded with
-the ``hpack`` package (Huffman and dynamic table included); the blocks we send are encoded here,
-as literals that never touch our dynamic table (we set its size to 0 in our first block), so
-there is no encoder state to keep.
+``floor.grpc_unary_unix`` figures, and ``docs/architecture.md``). Header blocks are decoded and
+encoded by :mod:`dracpu.wire.hpack`.
 
 What the peer may do, and what we do:
 
@@ -49,15 +47,14 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Final, cast
+from typing import Final
 
-from hpack import Decoder
-from hpack.exceptions import HPACKError
-
-from dracpu.errors import LocalProtocolError
+from dracpu.errors import LocalProtocolError, RemoteProtocolError
+from dracpu.wire.hpack import Decoder, encode_header_block
 
 __all__ = [
     "CONNECTION_WINDOW",
+    "MAX_CLOSED_EARLY",
     "MAX_CONCURRENT_STREAMS",
     "MAX_FRAME_SIZE",
     "MAX_HEADER_LIST_SIZE",
@@ -110,6 +107,9 @@ MAX_CONCURRENT_STREAMS: Final = 128
 """Streams a client may have open at once (the kubelet opens one per call)."""
 MAX_HEADER_LIST_SIZE: Final = 16_384
 """Largest decoded header list we accept (RFC 9113 §6.5.2 size: names + values + 32 each)."""
+MAX_CLOSED_EARLY: Final = 256
+"""Streams we closed before the client ended them that we remember (to ignore its frames in
+flight for them); twice the streams a client may have open."""
 STREAM_WINDOW: Final = 1 << 20
 """The flow-control window we grant each stream (a request of up to 1 MiB flows without a
 WINDOW_UPDATE)."""
@@ -203,59 +203,25 @@ def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes
     )
 
 
-def _integer(value: int, prefix_bits: int, first: int) -> bytes:
-    """An HPACK integer (RFC 7541 §5.1) whose first byte carries ``first`` above the prefix."""
-    limit = (1 << prefix_bits) - 1
-    if value < limit:
-        return bytes((first | value,))
-    out = bytearray((first | limit,))
-    value -= limit
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _string(text: str) -> bytes:
-    raw = text.encode("utf-8")
-    return _integer(len(raw), 7, 0) + raw
-
-
-# RFC 7541 Appendix A: the static-table indexes of the names we send, and the one full entry.
-_STATIC_NAMES: Final = {":status": 8, "content-type": 31, "content-length": 28, "date": 33}
-_STATIC_FULL: Final = {(":status", "200"): 8}
-
-
-def encode_header_block(headers: Iterable[tuple[str, str]], *, first: bool = False) -> bytes:
-    """An HPACK block of literals "without indexing" (no dynamic-table state on either side).
-
-    ``first``: the connection's first block we send; it starts with a dynamic table size update
-    to 0 (RFC 7541 §6.3), so no later SETTINGS_HEADER_TABLE_SIZE of the peer needs one.
-    """
-    out = bytearray(b"\x20" if first else b"")
-    for name, value in headers:
-        index = _STATIC_FULL.get((name, value))
-        if index is not None:
-            out += bytes((0x80 | index,))
-            continue
-        name_index = _STATIC_NAMES.get(name)
-        if name_index is not None:
-            out += _integer(name_index, 4, 0x00)
-        else:
-            out += b"\x00" + _string(name)
-        out += _string(value)
-    return bytes(out)
-
-
 def _check_request_headers(stream_id: int, headers: Sequence[tuple[str, str]]) -> None:
     """RFC 9113 §8.2-8.3 for a request: a stream error ``PROTOCOL_ERROR`` when malformed."""
     seen: set[str] = set()
     regular = False
     for name, value in headers:
-        if not name or name != name.lower():
+        if (
+            not name
+            or name != name.lower()
+            or any(c <= " " or c >= "\x7f" for c in name)
+            or ":" in name[1:]
+        ):
             raise _StreamError(stream_id, ErrorCode.PROTOCOL_ERROR, f"bad header name {name!r}")
-        if "\r" in value or "\n" in value or "\0" in value:
+        if (
+            "\r" in value
+            or "\n" in value
+            or "\0" in value
+            or value[:1] in (" ", "\t")
+            or value[-1:] in (" ", "\t")
+        ):
             raise _StreamError(stream_id, ErrorCode.PROTOCOL_ERROR, f"bad value of {name!r}")
         if name.startswith(":"):
             if regular or name not in _REQUEST_PSEUDO or name in seen:
@@ -300,9 +266,13 @@ class ServerConnection:
         self._settings_seen = False
         self._failed = False
         self._goaway_sent = False
-        self._decoder = Decoder(max_header_list_size=MAX_HEADER_LIST_SIZE)
+        self._decoder = Decoder(max_list_size=MAX_HEADER_LIST_SIZE)
         self._streams: dict[int, _Stream] = {}
+        # Streams we closed (answered, reset, refused, ignored) before the client ended them:
+        # frames it had in flight for them are ignored (RFC 9113 §5.1). Oldest first, bounded.
+        self._closed_early: dict[int, None] = {}
         self._last_stream_id = 0
+        self._goaway_last: int | None = None  # the last stream id of our first GOAWAY
         self._send_window = DEFAULT_WINDOW
         self._receive_window = CONNECTION_WINDOW
         self._unacknowledged = 0
@@ -370,7 +340,7 @@ class ServerConnection:
             return
         self._queue_block(stream_id, block, end_stream)
         if end_stream:
-            del self._streams[stream_id]
+            self._close(stream_id)
 
     def send_data(self, stream_id: int, data: bytes, *, end_stream: bool = False) -> None:
         """Queue body bytes; what the peer's windows do not allow yet waits for them."""
@@ -383,13 +353,22 @@ class ServerConnection:
 
     def reset_stream(self, stream_id: int, error_code: int = ErrorCode.CANCEL) -> None:
         """Reset an open stream (nothing happens if it is already closed)."""
-        if self._streams.pop(stream_id, None) is not None:
+        if stream_id in self._streams:
+            self._close(stream_id)
             self._out.append(_frame(RST_STREAM, 0, stream_id, _U32.pack(error_code)))
 
     def close(self, error_code: int = ErrorCode.NO_ERROR, reason: str = "") -> None:
         """Queue a GOAWAY: streams opened after it are ignored, open ones may finish."""
         if not self._goaway_sent and not self._failed:
             self._goaway(error_code, reason)
+
+    def _close(self, stream_id: int) -> None:
+        """Forget an open stream we end (remembering it if the client has not ended it)."""
+        stream = self._streams.pop(stream_id, None)
+        if stream is None or not stream.remote_closed:
+            self._closed_early[stream_id] = None
+            if len(self._closed_early) > MAX_CLOSED_EARLY:
+                del self._closed_early[next(iter(self._closed_early))]
 
     def _open_stream(self, stream_id: int) -> _Stream:
         stream = self._streams.get(stream_id)
@@ -422,14 +401,14 @@ class ServerConnection:
             last = not stream.pending and stream.end_after_pending
             self._out.append(_frame(DATA, END_STREAM if last else 0, stream_id, chunk))
             if last:
-                del self._streams[stream_id]
+                self._close(stream_id)
                 return
         if stream.end_after_pending:  # an empty DATA with END_STREAM
             self._out.append(_frame(DATA, END_STREAM, stream_id))
-            del self._streams[stream_id]
+            self._close(stream_id)
         elif stream.trailers_after_pending is not None:
             self._queue_block(stream_id, stream.trailers_after_pending, True)
-            del self._streams[stream_id]
+            self._close(stream_id)
 
     def _flush_all(self) -> None:
         for stream_id, stream in list(self._streams.items()):
@@ -438,7 +417,9 @@ class ServerConnection:
 
     def _goaway(self, code: int, reason: str) -> None:
         self._goaway_sent = True
-        payload = _U32.pack(self._last_stream_id) + _U32.pack(code) + reason.encode()[:256]
+        if self._goaway_last is None:  # a later GOAWAY never raises it (RFC 9113 §6.8)
+            self._goaway_last = self._last_stream_id
+        payload = _U32.pack(self._goaway_last) + _U32.pack(code) + reason.encode()[:256]
         self._out.append(_frame(GOAWAY, 0, 0, payload))
 
     # --- receiving ---
@@ -473,7 +454,7 @@ class ServerConnection:
                 try:
                     self._frame_received(kind, flags, stream_id, payload, events)
                 except _StreamError as exc:
-                    self._streams.pop(exc.stream_id, None)
+                    self._close(exc.stream_id)
                     self._out.append(_frame(RST_STREAM, 0, exc.stream_id, _U32.pack(exc.code)))
                     events.append(StreamReset(exc.stream_id, exc.code, by_peer=False))
         except _ConnectionError as exc:
@@ -522,6 +503,8 @@ class ServerConnection:
             if not stream_id:
                 raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "PRIORITY on stream 0")
             if len(payload) != 5:
+                if stream_id > self._last_stream_id:  # no RST_STREAM on an idle stream
+                    raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "PRIORITY size")
                 raise _StreamError(stream_id, ErrorCode.FRAME_SIZE_ERROR, "PRIORITY size")
         elif kind == PUSH_PROMISE:
             raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a client sent PUSH_PROMISE")
@@ -552,7 +535,11 @@ class ServerConnection:
         if stream is None:
             if stream_id > self._last_stream_id:
                 raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "DATA on an idle stream")
-            return  # a stream we closed or reset: ignore (RFC 9113 §5.1, "closed")
+            if stream_id not in self._closed_early:  # the client itself had ended it
+                raise _ConnectionError(ErrorCode.STREAM_CLOSED, "DATA after END_STREAM")
+            if flags & END_STREAM:
+                del self._closed_early[stream_id]
+            return  # sent before it saw our end of the stream: ignore (RFC 9113 §5.1)
         if stream.remote_closed:
             raise _StreamError(stream_id, ErrorCode.STREAM_CLOSED, "DATA after END_STREAM")
         if len(payload) > stream.receive_window:
@@ -605,13 +592,9 @@ class ServerConnection:
     ) -> None:
         # Decode first, whatever becomes of the stream: the HPACK state is the connection's.
         try:
-            # ``raw=False``: names and values come decoded as str (the stubs say bytes).
-            headers = cast(
-                tuple[tuple[str, str], ...],
-                tuple((name, value) for name, value in self._decoder.decode(block)),
-            )
-        except (HPACKError, UnicodeDecodeError) as exc:
-            raise _ConnectionError(ErrorCode.COMPRESSION_ERROR, f"bad header block: {exc}") from exc
+            headers = tuple(self._decoder.decode(block))
+        except RemoteProtocolError as exc:
+            raise _ConnectionError(ErrorCode.COMPRESSION_ERROR, str(exc)) from exc
         stream = self._streams.get(stream_id)
         if stream is not None:  # trailers of a request
             if stream.remote_closed:
@@ -622,12 +605,17 @@ class ServerConnection:
             events.append(DataReceived(stream_id, b"", True))
             return
         if stream_id <= self._last_stream_id:
-            raise _StreamError(stream_id, ErrorCode.STREAM_CLOSED, "HEADERS on a closed stream")
+            if stream_id not in self._closed_early:  # RFC 9113 §5.1.1: stream ids only grow
+                raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "HEADERS on a closed stream")
+            if end_stream:  # the client's trailers, sent before it saw our end: ignore
+                del self._closed_early[stream_id]
+            return
         if stream_id % 2 == 0:
             raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "a client opened an even stream")
         self._last_stream_id = stream_id
         if self._goaway_sent:
-            return  # after our GOAWAY new streams are ignored (RFC 9113 §6.8)
+            self._close(stream_id)  # after our GOAWAY new streams are ignored (RFC 9113 §6.8)
+            return
         if len(self._streams) >= MAX_CONCURRENT_STREAMS:
             raise _StreamError(stream_id, ErrorCode.REFUSED_STREAM, "too many streams")
         _check_request_headers(stream_id, headers)
@@ -699,5 +687,7 @@ class ServerConnection:
             raise _ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "RST_STREAM is not 4 bytes")
         if stream_id > self._last_stream_id:
             raise _ConnectionError(ErrorCode.PROTOCOL_ERROR, "RST_STREAM on an idle stream")
-        if self._streams.pop(stream_id, None) is not None:
+        if stream_id in self._streams:
+            self._streams[stream_id].remote_closed = False  # remembered: its late frames ignored
+            self._close(stream_id)
             events.append(StreamReset(stream_id, _U32.unpack(payload)[0], by_peer=True))
