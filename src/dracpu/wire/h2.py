@@ -44,6 +44,7 @@ anything the peer sends; our own misuse (sending on a stream that is closed) rai
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -123,6 +124,10 @@ _CONNECTION_SPECIFIC = frozenset(
     {"connection", "proxy-connection", "keep-alive", "transfer-encoding", "upgrade"}
 )
 _REQUIRED_PSEUDO = frozenset({":method", ":scheme", ":path"})
+# RFC 9113 §8.2.1: a name is visible ASCII without upper case (a colon only to start a
+# pseudo-header); a value has no NUL, CR or LF and neither starts nor ends with space or tab.
+_FIELD_NAME = re.compile(r":?[!-9;-@\[-~]+")
+_BAD_VALUE = re.compile(r"[\0\r\n]|^[ \t]|[ \t]\Z")
 _REQUEST_PSEUDO = _REQUIRED_PSEUDO | {":authority"}
 
 
@@ -208,20 +213,9 @@ def _check_request_headers(stream_id: int, headers: Sequence[tuple[str, str]]) -
     seen: set[str] = set()
     regular = False
     for name, value in headers:
-        if (
-            not name
-            or name != name.lower()
-            or any(c <= " " or c >= "\x7f" for c in name)
-            or ":" in name[1:]
-        ):
+        if _FIELD_NAME.fullmatch(name) is None:
             raise _StreamError(stream_id, ErrorCode.PROTOCOL_ERROR, f"bad header name {name!r}")
-        if (
-            "\r" in value
-            or "\n" in value
-            or "\0" in value
-            or value[:1] in (" ", "\t")
-            or value[-1:] in (" ", "\t")
-        ):
+        if _BAD_VALUE.search(value) is not None:
             raise _StreamError(stream_id, ErrorCode.PROTOCOL_ERROR, f"bad value of {name!r}")
         if name.startswith(":"):
             if regular or name not in _REQUEST_PSEUDO or name in seen:
