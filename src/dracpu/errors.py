@@ -2,7 +2,7 @@
 
 Every error we raise on purpose is a :class:`DracpuError`. Library exceptions are translated at
 the adapter that calls the library (``raise SomeDracpuError(...) from exc``), so nothing above the
-adapters ever sees a ``grpclib``, ``kubernetes`` or ``OSError`` exception it has to interpret.
+adapters ever sees a ``hpack``, ``kubernetes`` or ``OSError`` exception it has to interpret.
 
 Errors that involve a peer say whose fault they are (:class:`LocalProtocolError` versus
 :class:`RemoteProtocolError`), as h11 does.

@@ -6,7 +6,7 @@ Code logs with ``logging.getLogger(__name__)``, ``%s`` arguments, and context th
 
 Verbosity follows klog's ``-v=N`` (upstream's flag): 0 logs INFO and above; 1 and more add our
 DEBUG messages (upstream's manifests run with ``--v=4``, klog's debug level); from 6 on the
-libraries' DEBUG messages (grpclib, kubernetes, asyncio, ...) are shown too.
+libraries' DEBUG messages (kubernetes, asyncio, watchfiles, ...) are shown too.
 """
 
 from __future__ import annotations

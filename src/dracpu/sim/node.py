@@ -756,7 +756,7 @@ async def open_node_sim(
     ``start=False``: the peers run but no daemon is launched yet (call
     :meth:`NodeSim.start_daemon`). ``root``: where to put the node's files (default: a fresh
     temporary directory, removed at the end unless ``keep``). Asyncio backend only (aiohttp,
-    grpclib).
+    the gRPC server).
     """
     spec = fixture(topology)
     device_mode, grouping = CpuDeviceMode(mode), GroupBy(group_by)

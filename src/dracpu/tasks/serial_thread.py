@@ -18,7 +18,7 @@ starts a new one), as anyio's own worker threads do, or never (``None``: startin
 :meth:`SerialThread.close`, once the calls made before it are done. It is a daemon thread, so a
 process that exits never waits for it. This module is the one place besides
 :mod:`dracpu.adapters.grpc_server` that uses asyncio directly (the daemon runs anyio on the
-asyncio backend, which grpclib needs): a future of the running loop is what the thread
+asyncio backend): a future of the running loop is what the thread
 completes.
 """
 
