@@ -57,7 +57,7 @@ from typing import Any, Final, Protocol, Self, TypeVar
 
 import anyio
 
-from dracpu.errors import DracpuError, GrpcError, LocalProtocolError, RemoteProtocolError
+from dracpu.errors import DracpuError, GrpcError, LocalProtocolError
 from dracpu.wire.grpc import (
     MAX_MESSAGE,
     RESPONSE_HEAD,
@@ -163,11 +163,7 @@ def decode_message(message_type: type[_M], data: bytes) -> _M:
     try:
         scan_fields(data, 0, len(data))  # betterproto2 lets truncation and bad wire types by
         return message_type.parse(data)
-    except RemoteProtocolError as exc:
-        raise GrpcError(
-            Status.INVALID_ARGUMENT, f"cannot decode {message_type.__name__}: {exc}"
-        ) from exc
-    except Exception as exc:  # betterproto2 raises whatever its decoding meets
+    except Exception as exc:  # ours is a RemoteProtocolError; betterproto2 raises anything
         raise GrpcError(
             Status.INVALID_ARGUMENT, f"cannot decode {message_type.__name__}: {exc}"
         ) from exc
@@ -185,8 +181,8 @@ class _CallState:
 
 
 class _Connection(asyncio.Protocol):
-    """One client connection: HTTP/2 by :mod:`dracpu.wire.h2`, each call a task of the server's
-    task group."""
+    """One client connection: HTTP/2 by :mod:`dracpu.wire.h2`, each call an asyncio task of its
+    own (:meth:`_Server.start_call`)."""
 
     def __init__(self, server: _Server) -> None:
         self._server = server
@@ -339,7 +335,7 @@ class _Connection(asyncio.Protocol):
         return True
 
     def _refuse(self, stream_id: int, error: GrpcError) -> None:
-        if self._h2.is_open(stream_id) and not self._h2.failed:
+        if self._h2.is_open(stream_id):  # never after a connection error
             self._h2.send_headers(stream_id, trailers_only(error), end_stream=True)
 
     def _flush(self) -> None:
@@ -561,9 +557,16 @@ async def open_unix_server(
             loop.remove_reader(sock.fileno())
             loop.call_later(ACCEPT_RETRY_DELAY, resume_accepting)
             return
-        task = loop.create_task(loop.connect_accepted_socket(lambda: _Connection(server), conn))
+        task = loop.create_task(serve(conn))
         accepting.add(task)
         task.add_done_callback(accepting.discard)
+
+    async def serve(conn: socket.socket) -> None:
+        try:
+            await loop.connect_accepted_socket(lambda: _Connection(server), conn)
+        except OSError as exc:  # the peer went away at once, or no memory for the transport
+            logger.warning("cannot serve a connection on %s: %s", path, exc)
+            conn.close()
 
     def resume_accepting() -> None:
         if not server.stopping:
