@@ -32,7 +32,8 @@ What the peer may do, and what we do:
   connection error, except frames the client sent before it saw our end of a stream (those are
   ignored: the last :data:`MAX_CLOSED_EARLY` such streams are remembered);
 - DATA is delivered as it comes and the flow-control windows we grant are topped up whenever
-  half has been used (connection and stream); a peer exceeding them fails the connection;
+  half has been used (connection and stream), so a request never waits for them (its size is
+  bounded above this layer: :data:`dracpu.wire.grpc.MAX_MESSAGE`);
 - our DATA waits for the peer's windows: what does not fit stays queued per stream (trailers
   after it) and goes out when WINDOW_UPDATE or SETTINGS open the window;
 - RST_STREAM and GOAWAY are reported as events; our GOAWAY's last stream id never grows.
