@@ -176,6 +176,22 @@ class _Sleeper:
             raise
 
 
+@dataclass
+class _Shielded:
+    """A handler that ignores cancellation until ``go`` is set, then replies; ``replied``
+    records what ``reply`` returned."""
+
+    started: anyio.Event = field(default_factory=anyio.Event)
+    go: anyio.Event = field(default_factory=anyio.Event)
+    replied: list[bool] = field(default_factory=list)
+
+    async def __call__(self, call: Call) -> None:
+        with anyio.CancelScope(shield=True):
+            self.started.set()
+            await self.go.wait()
+            self.replied.append(call.reply(b"nobody listens"))
+
+
 async def _eventually(condition: Callable[[], bool]) -> None:
     """Let the event loop run until ``condition`` holds (bounded by CALL_TIMEOUT)."""
     with anyio.fail_after(CALL_TIMEOUT):
@@ -770,47 +786,29 @@ async def test_connection_loss_cancels_the_handler_and_reply_reports_it(socket_p
     """A peer that just goes away (no RST_STREAM, no GOAWAY): the handler is cancelled; one that
     shields itself finds ``reply`` returning False."""
     sleeper = _Sleeper()
-    replied: list[bool] = []
-    go = anyio.Event()
-    shielded_started = anyio.Event()
-
-    async def shielded(call: Call) -> None:
-        with anyio.CancelScope(shield=True):
-            shielded_started.set()
-            await go.wait()
-            replied.append(call.reply(b"nobody listens"))
-
+    shielded = _Shielded()
     service: Service = {SLEEP: sleeper, "/test.Echo/Shielded": shielded, ECHO: _reverse}
     async with open_unix_server([service], socket_path) as server:
         async with _raw_client(socket_path) as client:
             await client.request(SLEEP, _grpc_frame(b""))
             await client.request("/test.Echo/Shielded", _grpc_frame(b""))
             await _wait(sleeper.started)
-            await _wait(shielded_started)
+            await _wait(shielded.started)
             assert server.open_connections == 1
         await _wait(sleeper.cancelled)
         await _eventually(lambda: server.open_connections == 0)
-        go.set()
-        await _eventually(lambda: bool(replied))
+        shielded.go.set()
+        await _eventually(lambda: bool(shielded.replied))
         after = await _call(socket_path, ECHO, b"abc")
 
-    assert replied == [False]
+    assert shielded.replied == [False]
     assert after == b"cba"
 
 
 @pytest.mark.anyio
 async def test_reset_stream_cancels_the_call_and_reply_reports_it(socket_path: Path) -> None:
     sleeper = _Sleeper()
-    replied: list[bool] = []
-    go = anyio.Event()
-    shielded_started = anyio.Event()
-
-    async def shielded(call: Call) -> None:
-        with anyio.CancelScope(shield=True):
-            shielded_started.set()
-            await go.wait()
-            replied.append(call.reply(b"nobody listens"))
-
+    shielded = _Shielded()
     service: Service = {SLEEP: sleeper, "/test.Echo/Shielded": shielded, ECHO: _reverse}
     async with (
         open_unix_server([service], socket_path),
@@ -819,20 +817,20 @@ async def test_reset_stream_cancels_the_call_and_reply_reports_it(socket_path: P
         sleeping = await client.request(SLEEP, _grpc_frame(b""))
         waiting = await client.request("/test.Echo/Shielded", _grpc_frame(b""))
         await _wait(sleeper.started)
-        await _wait(shielded_started)
+        await _wait(shielded.started)
         client.h2.reset_stream(sleeping)
         client.h2.reset_stream(waiting)
         await client.flush()
         await client.round_trip()  # the server has read both RST_STREAMs
         await _wait(sleeper.cancelled)
-        go.set()
-        await _eventually(lambda: bool(replied))
+        shielded.go.set()
+        await _eventually(lambda: bool(shielded.replied))
         # The connection lives on: a new stream on it is answered.
         echo = await client.request(ECHO, _grpc_frame(b"same connection"))
         answer = await client.answer(echo)
         await client.round_trip()  # nothing was sent on the reset streams in the meantime
 
-    assert replied == [False]
+    assert shielded.replied == [False]
     assert answer.grpc_status == Status.OK
     assert bytes(answer.body) == _grpc_frame(b"noitcennoc emas")
     assert not client.answers[sleeping].headers

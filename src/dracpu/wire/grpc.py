@@ -13,11 +13,11 @@ malformed is ``INTERNAL`` (what grpc-go answers for broken framing). Each refusa
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Final
 
 from dracpu.errors import GrpcError
+from dracpu.wire.status import Code as Status  # gRPC calls them status codes
 
 __all__ = [
     "MAX_MESSAGE",
@@ -39,28 +39,6 @@ MAX_MESSAGE: Final = 4 * 1024 * 1024
 RESPONSE_HEAD: Final = ((":status", "200"), ("content-type", "application/grpc"))
 
 _UNITS: Final = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
-
-
-class Status(enum.IntEnum):
-    """gRPC status codes (grpc/doc/statuscodes.md)."""
-
-    OK = 0
-    CANCELLED = 1
-    UNKNOWN = 2
-    INVALID_ARGUMENT = 3
-    DEADLINE_EXCEEDED = 4
-    NOT_FOUND = 5
-    ALREADY_EXISTS = 6
-    PERMISSION_DENIED = 7
-    RESOURCE_EXHAUSTED = 8
-    FAILED_PRECONDITION = 9
-    ABORTED = 10
-    OUT_OF_RANGE = 11
-    UNIMPLEMENTED = 12
-    INTERNAL = 13
-    UNAVAILABLE = 14
-    DATA_LOSS = 15
-    UNAUTHENTICATED = 16
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,6 +46,7 @@ from dracpu.wire.events import (
     TtrpcResponse,
 )
 from dracpu.wire.protowire import decode_request, decode_response, encode_request, encode_response
+from dracpu.wire.status import Code
 
 __all__ = [
     "FLAG_NO_DATA",
@@ -78,28 +79,6 @@ class MessageType(enum.IntEnum):
     REQUEST = 1
     RESPONSE = 2
     DATA = 3
-
-
-class Code(enum.IntEnum):
-    """google.rpc status codes (googleapis ``google/rpc/code.proto``)."""
-
-    OK = 0
-    CANCELLED = 1
-    UNKNOWN = 2
-    INVALID_ARGUMENT = 3
-    DEADLINE_EXCEEDED = 4
-    NOT_FOUND = 5
-    ALREADY_EXISTS = 6
-    PERMISSION_DENIED = 7
-    RESOURCE_EXHAUSTED = 8
-    FAILED_PRECONDITION = 9
-    ABORTED = 10
-    OUT_OF_RANGE = 11
-    UNIMPLEMENTED = 12
-    INTERNAL = 13
-    UNAVAILABLE = 14
-    DATA_LOSS = 15
-    UNAUTHENTICATED = 16
 
 
 class Role(enum.Enum):

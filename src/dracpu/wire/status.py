@@ -1,0 +1,30 @@
+"""The status codes of a call, shared by gRPC (``grpc-status``) and ttrpc (``Status.code``):
+``google.rpc.Code`` (googleapis ``google/rpc/code.proto``; grpc ``doc/statuscodes.md``)."""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["Code"]
+
+
+class Code(enum.IntEnum):
+    """google.rpc status codes."""
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    OUT_OF_RANGE = 11
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    DATA_LOSS = 15
+    UNAUTHENTICATED = 16
