@@ -1,7 +1,8 @@
 """The supervisor of ``dracpu run``: one task group, start order, readiness, graceful stop.
 
-:func:`main` sets up logging and runs :func:`serve` on anyio's asyncio backend (the gRPC server's
-protocols and the file thread use asyncio directly, design §3) with the daemon's tasks, in this order (design §3):
+:func:`main` sets up logging and runs :func:`serve` on anyio's asyncio backend (the gRPC
+server's protocols and the file thread use asyncio directly, design §3) with the daemon's tasks,
+in this order (design §3):
 
 1. ``signals``: first, so that SIGTERM during a slow start already stops gracefully (a SIGHUP
    that arrives before the owner runs waits in the owner's queue);

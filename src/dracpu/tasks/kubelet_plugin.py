@@ -26,9 +26,9 @@ a time over all calls):
    :meth:`~dracpu.adapters.grpc_server.Call.reply` (which returns once head, message and
    trailers are written), and only then starts the call's patches (held until then in a
    :class:`DeferredPatches`), and then waits :data:`STATUS_PATCH_DELAY` more, so building and
-   sending the PATCH never competes with the answer nor with the kubelet taking it. If the call ends without an answer (the kubelet went away, the deadline passed) the
-   patches start all the same: the claims ARE prepared here, so recording their cpusets is
-   still right.
+   sending the PATCH never competes with the answer nor with the kubelet taking it. If the
+   call ends without an answer (the kubelet went away, the deadline passed) the patches start
+   all the same: the claims ARE prepared here, so recording their cpusets is still right.
    The patches run in tasks of the kubelet-plugin task's own task group (cancelled when the
    task stops): the kubelet never waits for the API server's write. At most one patch per claim
    runs at a time, in order: a new Prepare of the claim cancels its pending patch (started or
