@@ -13,6 +13,11 @@ default:
 test *ARGS:
     scripts/test {{ARGS}}
 
+# the optional external peers some tests use, from Debian (they skip, saying why, without them):
+# podman (a real CDI consumer) and grpc-go (the kubelet's gRPC stack, built in GOPATH mode)
+peers:
+    apt-get install -y podman runc busybox-static golang-go golang-google-grpc-dev
+
 # ruff lint and format check
 lint:
     {{venv}}/ruff check src tests bench scripts
