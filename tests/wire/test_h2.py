@@ -1,7 +1,8 @@
 """Sans-IO HTTP/2 server connection: against an independent client (python-hyper ``h2``, which
-our code no longer uses; only the ``hpack`` decoder is shared, so request header blocks are also
-built by hand and taken from RFC 7541 Appendix C), byte-exact frames, flow control both ways,
-every connection and stream error, fragmentation invariance and robustness to any input."""
+our code no longer uses; our HPACK decoder borrows only the ``hpack`` package's Huffman table
+decoder, and request header blocks are also built by hand and taken from RFC 7541 Appendix C),
+byte-exact frames, flow control both ways, every connection and stream error, fragmentation
+invariance and robustness to any input."""
 
 from __future__ import annotations
 
