@@ -164,7 +164,10 @@ async def request(
     with pending._receive:
         delivered = False
         try:
-            await send.send(Request(command, pending._send))
+            try:  # queued at once when there is room: no event-loop round before it
+                send.send_nowait(Request(command, pending._send))
+            except WouldBlock:
+                await send.send(Request(command, pending._send))
             delivered = True
         except (BrokenResourceError, ClosedResourceError) as exc:
             raise DracpuError(
