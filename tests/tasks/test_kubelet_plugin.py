@@ -269,6 +269,7 @@ async def running_node(
     *,
     owner_running: bool = True,
     max_pending_status_patches: int = kubelet_plugin.MAX_PENDING_STATUS_PATCHES,
+    status_patch_delay: float = kubelet_plugin.STATUS_PATCH_DELAY,
 ) -> AsyncIterator[RunningNode]:
     config = node_config()
     cdi_dir = tmp_path / "cdi"
@@ -293,6 +294,7 @@ async def running_node(
                     claims,
                     NODE,
                     max_pending_status_patches=max_pending_status_patches,
+                    status_patch_delay=status_patch_delay,
                 )
             )
             yield RunningNode(sock, cdi_dir, checkpoint, claims, machine, owner, service, config)
@@ -953,6 +955,23 @@ async def test_the_patches_start_only_after_the_answer(tmp_path: Path, version: 
         await _patches_settled(node)
         for obj in (fast, slow):
             assert _status_cpusets(claims, obj) == [str(node.checkpointed()[_ref(obj)[1]])]
+
+
+async def test_a_status_patch_waits_its_delay_after_the_answer(tmp_path: Path) -> None:
+    claims = FakeClaims()
+    obj = claim_object("a", [grouped_result("cpudevnuma002", "2")])
+    claims.add(obj)
+    delay = 0.3
+    async with running_node(tmp_path, claims, status_patch_delay=delay) as node:
+        call = FakeCall("v1", _prepare_request("v1", _ref(obj)), claims)
+        await _serve_prepare(node, "v1", call)
+        answered = anyio.current_time()
+        assert call.patches_at_reply == 0
+        await anyio.sleep(delay / 3)
+        assert claims.patches == []  # still waiting: the kubelet has the CPU to itself
+        await _patches_settled(node)
+        assert anyio.current_time() - answered >= delay
+        assert _status_cpusets(claims, obj) == [str(node.checkpointed()[_ref(obj)[1]])]
 
 
 async def test_the_patches_start_even_when_the_answer_cannot_be_sent(tmp_path: Path) -> None:

@@ -643,6 +643,7 @@ async def run(
     *,
     driver: str = DRIVER_NAME,
     max_pending_status_patches: int = MAX_PENDING_STATUS_PATCHES,
+    status_patch_delay: float = STATUS_PATCH_DELAY,
     task_status: TaskStatus[DraService] = TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the DRA socket at ``socket_path`` (v1 and v1beta1) until cancelled.
@@ -665,6 +666,7 @@ async def run(
             node_name,
             driver=driver,
             max_pending_status_patches=max_pending_status_patches,
+            status_patch_delay=status_patch_delay,
         )
         handlers: list[Service] = [
             DraPluginV1(service).methods(),
