@@ -1,0 +1,175 @@
+// Command grpc_client is a tiny grpc-go client for dracpu's tests: the kubelet's own gRPC stack
+// playing the kubelet against our server (tests/adapters/test_grpc_server_grpcgo.py).
+//
+// Usage: grpc_client unix:///path/to/socket
+//
+// Each line of stdin is a batch: a JSON list of calls.
+//
+//	[{"method": "/pkg.Service/Method", "request": "<hex>", "timeout_ms": 10000, "copies": 1,
+//	  "max_recv": 0, "wait_for_ready": false, "metadata": {"key": "value"}}, ...]
+//
+// The calls of a batch start together, each as "copies" concurrent invocations of the same
+// request; the next batch is read once the batch has ended. Every call of every batch goes over
+// ONE ClientConn, dialled insecure as the kubelet dials its plugins, so batches are sequential
+// calls on one kept connection (which grpc-go re-dials on its own if the server goes away).
+// "max_recv" raises grpc-go's receive limit (0: its default, 4 MiB); "wait_for_ready" makes a
+// call wait for a connection instead of failing fast; "metadata" adds request headers. Messages
+// are raw bytes: the codec passes them through untouched and the content-type stays
+// "application/grpc".
+//
+// When a batch has ended, stdout gets one JSON line per invocation, in input order (copies in
+// order within a call), with the grpc-go status of the call (0 and "" on success):
+//
+//	{"call": 0, "copy": 0, "reply": "<hex>", "code": 0, "message": "", "elapsed_ms": 1.2}
+//
+// The client exits at the end of stdin.
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+)
+
+type call struct {
+	Method       string            `json:"method"`
+	Request      string            `json:"request"`
+	TimeoutMs    int               `json:"timeout_ms"`
+	Copies       int               `json:"copies"`
+	MaxRecv      int               `json:"max_recv"`
+	WaitForReady bool              `json:"wait_for_ready"`
+	Metadata     map[string]string `json:"metadata"`
+}
+
+type result struct {
+	Call      int     `json:"call"`
+	Copy      int     `json:"copy"`
+	Reply     string  `json:"reply"`
+	Code      uint32  `json:"code"`
+	Message   string  `json:"message"`
+	ElapsedMs float64 `json:"elapsed_ms"`
+}
+
+// rawCodec sends and receives messages as they are: []byte in, *[]byte out.
+type rawCodec struct{}
+
+func (rawCodec) Marshal(v interface{}) ([]byte, error) {
+	b, ok := v.([]byte)
+	if !ok {
+		return nil, fmt.Errorf("rawCodec: cannot marshal %T", v)
+	}
+	return b, nil
+}
+
+func (rawCodec) Unmarshal(data []byte, v interface{}) error {
+	p, ok := v.(*[]byte)
+	if !ok {
+		return fmt.Errorf("rawCodec: cannot unmarshal into %T", v)
+	}
+	*p = append([]byte(nil), data...)
+	return nil
+}
+
+func (rawCodec) Name() string { return "raw" }
+
+func invoke(conn *grpc.ClientConn, c call, request []byte) (reply []byte, err error) {
+	timeout := time.Duration(c.TimeoutMs) * time.Millisecond
+	if c.TimeoutMs <= 0 {
+		timeout = 10 * time.Second
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	for key, value := range c.Metadata {
+		ctx = metadata.AppendToOutgoingContext(ctx, key, value)
+	}
+	options := []grpc.CallOption{grpc.ForceCodec(rawCodec{}), grpc.WaitForReady(c.WaitForReady)}
+	if c.MaxRecv > 0 {
+		options = append(options, grpc.MaxCallRecvMsgSize(c.MaxRecv))
+	}
+	err = conn.Invoke(ctx, c.Method, request, &reply, options...)
+	return reply, err
+}
+
+func copies(c call) int {
+	if c.Copies < 1 {
+		return 1
+	}
+	return c.Copies
+}
+
+// runBatch makes the calls of one batch, all at once; their results in input order.
+func runBatch(conn *grpc.ClientConn, calls []call) []result {
+	total := 0
+	for _, c := range calls {
+		total += copies(c)
+	}
+	results := make([]result, 0, total) // never grows: each invocation fills its own entry
+	var running sync.WaitGroup
+	for i, c := range calls {
+		request, err := hex.DecodeString(c.Request)
+		if err != nil {
+			fail("call %d: request is not hex: %v", i, err)
+		}
+		for k := 0; k < copies(c); k++ {
+			results = append(results, result{Call: i, Copy: k})
+			running.Add(1)
+			go func(r *result, c call) {
+				defer running.Done()
+				start := time.Now()
+				reply, err := invoke(conn, c, request)
+				r.ElapsedMs = float64(time.Since(start).Microseconds()) / 1000
+				s := status.Convert(err)
+				r.Reply, r.Code, r.Message = hex.EncodeToString(reply), uint32(s.Code()), s.Message()
+			}(&results[len(results)-1], c)
+		}
+	}
+	running.Wait()
+	return results
+}
+
+func fail(format string, args ...interface{}) {
+	fmt.Fprintf(os.Stderr, "grpc_client: "+format+"\n", args...)
+	os.Exit(2)
+}
+
+func main() {
+	if len(os.Args) != 2 {
+		fail("usage: grpc_client unix:///path/to/socket")
+	}
+	// The kubelet dials its plugins the same way: insecure, by a unix:// target.
+	conn, err := grpc.Dial(os.Args[1], grpc.WithInsecure())
+	if err != nil {
+		fail("cannot dial %s: %v", os.Args[1], err)
+	}
+	defer conn.Close()
+
+	in := bufio.NewReader(os.Stdin)
+	out := json.NewEncoder(os.Stdout)
+	for {
+		line, err := in.ReadBytes('\n')
+		if err == io.EOF && len(line) == 0 {
+			return
+		} else if err != nil && err != io.EOF {
+			fail("cannot read stdin: %v", err)
+		}
+		var calls []call
+		if err := json.Unmarshal(line, &calls); err != nil {
+			fail("a batch is not a JSON list of calls: %v", err)
+		}
+		for _, r := range runBatch(conn, calls) {
+			if err := out.Encode(r); err != nil {
+				fail("cannot write a result: %v", err)
+			}
+		}
+	}
+}
