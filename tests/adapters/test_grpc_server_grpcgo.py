@@ -77,6 +77,10 @@ GO_UNAVAILABLE = 14
 # Upper bound of any one wait in these tests, seconds (generous: 2 cores shared by many).
 CALL_TIMEOUT = 10.0
 MIB = 1 << 20
+# How the client dials (main.go): the kubelet's newer DRA client dials a "unix://" target; its
+# plugin watcher (the registration socket) and its older DRA client a bare path, own dialer.
+DIAL_URL = "unix-url"
+DIAL_PATH = "bare-path"
 # The longest result line the client prints: a 5 MiB reply in hex and some.
 MAX_LINE = 16 * MIB
 
@@ -196,15 +200,17 @@ class GoClient:
 
 
 @asynccontextmanager
-async def grpc_go_client(binary: Path, socket_path: Path) -> AsyncIterator[GoClient]:
-    """The client dialled to ``socket_path``; on exit its stdin ends and it must exit 0. Its
-    stderr (GODEBUG=http2debug=2 frames, or its complaint) is printed into the test's output."""
-    assert socket_path.is_absolute(), socket_path  # unix://<absolute path>
+async def grpc_go_client(
+    binary: Path, socket_path: Path, *, dial: str = DIAL_URL
+) -> AsyncIterator[GoClient]:
+    """The client dialled to ``socket_path`` (``dial``: :data:`DIAL_URL` or :data:`DIAL_PATH`);
+    on exit its stdin ends and it must exit 0. Its stderr (GODEBUG=http2debug=2 frames, or its
+    complaint) is printed into the test's output."""
+    assert socket_path.is_absolute(), socket_path
+    target = f"unix://{socket_path}" if dial == DIAL_URL else str(socket_path)
     with tempfile.TemporaryFile() as stderr:
         try:
-            async with await anyio.open_process(
-                [str(binary), f"unix://{socket_path}"], stderr=stderr
-            ) as process:
+            async with await anyio.open_process([str(binary), target], stderr=stderr) as process:
                 yield GoClient(process)
                 assert process.stdin is not None
                 await process.stdin.aclose()
@@ -219,11 +225,11 @@ async def grpc_go_client(binary: Path, socket_path: Path) -> AsyncIterator[GoCli
 
 
 async def run_go(
-    binary: Path, socket_path: Path, *batches: Sequence[dict[str, Any]]
+    binary: Path, socket_path: Path, *batches: Sequence[dict[str, Any]], dial: str = DIAL_URL
 ) -> list[GoResult]:
     """Each batch through one grpc-go ClientConn, one after another; all results in order."""
     results = []
-    async with grpc_go_client(binary, socket_path) as client:
+    async with grpc_go_client(binary, socket_path, dial=dial) as client:
         for batch in batches:
             results += await client.run(*batch)
     return results
@@ -523,14 +529,16 @@ async def test_a_stop_fails_the_call_in_flight_and_grpc_go_redials_the_new_serve
 # 5. The real sockets: DRA and registration
 
 
+@pytest.mark.parametrize("dial", [DIAL_URL, DIAL_PATH])
 @pytest.mark.parametrize(
     ("service", "pb"), [(DRA_V1, G_V1), (DRA_V1BETA1, G_V1BETA1)], ids=["v1", "v1beta1"]
 )
 async def test_dra_prepare_and_unprepare_through_grpc_go(
-    grpc_go: Path, tmp_path: Path, service: str, pb: Any
+    grpc_go: Path, tmp_path: Path, service: str, pb: Any, dial: str
 ) -> None:
     """The kubelet plugin's socket (real state owner, CDI specs, checkpoint) driven through one
-    grpc-go connection: Prepare, then Unprepare of the same claim."""
+    grpc-go connection, dialled either way the kubelet does: Prepare, then Unprepare of the same
+    claim."""
     claims = FakeClaims()
     obj = claim_object("pod-cpus", [grouped_result("cpudevnuma001", "4")])
     claims.add(obj)
@@ -542,7 +550,7 @@ async def test_dra_prepare_and_unprepare_through_grpc_go(
 
     async with (
         running_node(tmp_path, claims) as node,
-        grpc_go_client(grpc_go, node.socket) as client,
+        grpc_go_client(grpc_go, node.socket, dial=dial) as client,
     ):
         [prepared] = await client.run(
             go_call(f"{service}/NodePrepareResources", prepare, metadata=TRACE)
@@ -601,6 +609,7 @@ async def test_registration_get_info_and_notify_through_grpc_go(
             reg_socket,
             [go_call(GET_INFO, serialize(G_REG.InfoRequest()), timeout=1.0)],  # kubelet: 1 s
             [go_call(NOTIFY, notify)],
+            dial=DIAL_PATH,  # as the kubelet's plugin watcher dials
         )
         registered, reported = state.registered, state.error
 

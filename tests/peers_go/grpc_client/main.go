@@ -3,6 +3,12 @@
 //
 // Usage: grpc_client unix:///path/to/socket
 //
+//	or: grpc_client /path/to/socket
+//
+// Both are ways the kubelet dials its plugins (insecure): a "unix://" target (its newer DRA
+// client), or a bare path with a unix dialer of its own (its plugin watcher, which calls the
+// registration socket, and its older DRA client).
+//
 // Each line of stdin is a batch: a JSON list of calls.
 //
 //	[{"method": "/pkg.Service/Method", "request": "<hex>", "timeout_ms": 10000, "copies": 1,
@@ -10,8 +16,8 @@
 //
 // The calls of a batch start together, each as "copies" concurrent invocations of the same
 // request; the next batch is read once the batch has ended. Every call of every batch goes over
-// ONE ClientConn, dialled insecure as the kubelet dials its plugins, so batches are sequential
-// calls on one kept connection (which grpc-go re-dials on its own if the server goes away).
+// ONE ClientConn, so batches are sequential calls on one kept connection (which grpc-go dials
+// again by itself if the server goes away, as the kubelet's does).
 // "max_recv" raises grpc-go's receive limit (0: its default, 4 MiB); "wait_for_ready" makes a
 // call wait for a connection instead of failing fast; "metadata" adds request headers. Messages
 // are raw bytes: the codec passes them through untouched and the content-type stays
@@ -32,7 +38,9 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"os"
+	"strings"
 	"sync"
 	"time"
 
@@ -144,10 +152,16 @@ func fail(format string, args ...interface{}) {
 
 func main() {
 	if len(os.Args) != 2 {
-		fail("usage: grpc_client unix:///path/to/socket")
+		fail("usage: grpc_client unix:///path/to/socket | /path/to/socket")
 	}
-	// The kubelet dials its plugins the same way: insecure, by a unix:// target.
-	conn, err := grpc.Dial(os.Args[1], grpc.WithInsecure())
+	options := []grpc.DialOption{grpc.WithInsecure()}
+	if !strings.HasPrefix(os.Args[1], "unix:") {
+		options = append(options, grpc.WithContextDialer(
+			func(ctx context.Context, path string) (net.Conn, error) {
+				return (&net.Dialer{}).DialContext(ctx, "unix", path)
+			}))
+	}
+	conn, err := grpc.Dial(os.Args[1], options...)
 	if err != nil {
 		fail("cannot dial %s: %v", os.Args[1], err)
 	}
