@@ -453,14 +453,27 @@ async def test_statuses_reach_grpc_go_exactly(grpc_go: Path, socket_path: Path) 
     async def missing(call: Call) -> None:
         raise GrpcError(Status.NOT_FOUND, f"claim {call.request.decode()} not found")
 
-    service = {"/test.Echo/Refuse": refuse, "/test.Echo/Missing": missing, ECHO: _reverse}
+    # 33 600 characters, 65 600 bytes once percent-encoded: four times grpc-go's frame size
+    # (16 KiB), so the trailers take a HEADERS frame and CONTINUATION frames.
+    long_message = "".join(f"claim-{i:04d} «€» 100%; " for i in range(1600))
+
+    async def refuse_long(call: Call) -> None:
+        raise GrpcError(Status.FAILED_PRECONDITION, long_message)
+
+    service = {
+        "/test.Echo/Refuse": refuse,
+        "/test.Echo/Missing": missing,
+        "/test.Echo/Long": refuse_long,
+        ECHO: _reverse,
+    }
     async with open_unix_server([service], socket_path):
-        refused, not_found, nope, other, after = await run_go(
+        refused, not_found, long, nope, other, after = await run_go(
             grpc_go,
             socket_path,
             [
                 go_call("/test.Echo/Refuse"),
                 go_call("/test.Echo/Missing", b"uid-1"),
+                go_call("/test.Echo/Long"),
                 go_call("/test.Echo/Nope"),
                 go_call("/test.Other/Echo"),
             ],
@@ -468,6 +481,7 @@ async def test_statuses_reach_grpc_go_exactly(grpc_go: Path, socket_path: Path) 
         )
 
     assert (refused.code, refused.message) == (GO_FAILED_PRECONDITION, message)
+    assert (long.code, long.message) == (GO_FAILED_PRECONDITION, long_message)
     assert (not_found.code, not_found.message) == (GO_NOT_FOUND, "claim uid-1 not found")
     assert nope.code == GO_UNIMPLEMENTED
     assert "/test.Echo/Nope" in nope.message
