@@ -1,15 +1,17 @@
 """dracpu's own gRPC server against grpc-go, the kubelet's own gRPC stack.
 
 The peer is ``tests/peers_go/grpc_client/main.go``: a tiny grpc-go client (raw-bytes codec,
-content-type ``application/grpc``, one ``ClientConn`` per run, dialled ``unix:///<socket>``
-insecure as the kubelet dials its plugins) built once per session from Debian's grpc-go sources
-in GOPATH mode. It reads the calls as JSON on stdin and prints one JSON result per call; it runs
-as a subprocess while our server runs on the test's event loop.
+content-type ``application/grpc``) that dials one insecure ``ClientConn`` either way the kubelet
+dials its plugins (a ``unix://`` target, or a bare path with its own unix dialer), reads batches
+of calls as JSON lines on stdin and prints one JSON result per call. It is built once per
+session from Debian's grpc-go sources in GOPATH mode (about 10 s) and runs as a subprocess
+while our server runs on the test's event loop; successive batches are successive calls on the
+one kept connection, as the kubelet's.
 
 Without ``go`` or the grpc-go sources the tests are skipped (``apt-get install golang-go
 golang-google-grpc-dev``); with both present, a build failure fails them. To see the frames
 grpc-go sends and receives, run with ``GODEBUG=http2debug=2`` in the environment: the client's
-stderr is printed into the test's captured output.
+stderr is printed into the test's captured output (``-s`` to see it on success).
 """
 
 from __future__ import annotations
@@ -618,22 +620,25 @@ async def test_registration_get_info_and_notify_through_grpc_go(
     error = f"plugin {uuid.uuid4()} refused: 100% wrong «endpoint»"
     notify = serialize(G_REG.RegistrationStatus(plugin_registered=False, error=error))
     async with _registration(tmp_path) as (reg_socket, endpoint, state):
-        got_info, notified = await run_go(
+        *got_info, notified = await run_go(
             grpc_go,
             reg_socket,
-            [go_call(GET_INFO, serialize(G_REG.InfoRequest()), timeout=1.0)],  # kubelet: 1 s
+            # 10 at once, each with the kubelet's 1 s deadline
+            [go_call(GET_INFO, serialize(G_REG.InfoRequest()), timeout=1.0, copies=10)],
             [go_call(NOTIFY, notify)],
             dial=DIAL_PATH,  # as the kubelet's plugin watcher dials
         )
         registered, reported = state.registered, state.error
 
-    info = G_REG.PluginInfo.FromString(ok(got_info))
-    assert info == G_REG.PluginInfo(
-        type="DRAPlugin",
-        name="dra.cpu",
-        endpoint=str(endpoint),
-        supported_versions=["v1.DRAPlugin", "v1beta1.DRAPlugin"],
-    )
+    assert len(got_info) == 10
+    for answer in got_info:
+        info = G_REG.PluginInfo.FromString(ok(answer))
+        assert info == G_REG.PluginInfo(
+            type="DRAPlugin",
+            name="dra.cpu",
+            endpoint=str(endpoint),
+            supported_versions=["v1.DRAPlugin", "v1beta1.DRAPlugin"],
+        )
     assert G_REG.RegistrationStatusResponse.FromString(ok(notified)) == (
         G_REG.RegistrationStatusResponse()
     )
