@@ -52,6 +52,7 @@ from dracpu.adapters.grpc_server import (
 )
 from dracpu.errors import DracpuError, GrpcError, LocalProtocolError
 from dracpu.wire.grpc import MAX_MESSAGE, Status
+from tests.adapters.grpc_handlers import ECHO, SLEEP, Shielded, Sleeper, reverse
 from tests.peers import load_pb2, unix_target
 
 __all__: list[str] = []
@@ -64,8 +65,6 @@ G_REG = load_pb2("pluginregistration/v1/api.proto")
 CALL_TIMEOUT = 10.0
 MIB = 1 << 20
 
-ECHO = "/test.Echo/Echo"
-SLEEP = "/test.Echo/Sleep"
 
 # HTTP/2 (RFC 9113 §6, §7): frame types and error codes the raw peers look at, written out here
 # rather than taken from dracpu.wire.h2 so the peers share nothing with the code under test.
@@ -151,45 +150,6 @@ async def _fail(socket_path: Path, method: str, request: bytes, **kwargs: Any) -
 
 # --------------------------------------------------------------------------------------------
 # Handlers
-
-
-async def _reverse(call: Call) -> None:
-    """Echo service: the request reversed (so an answer cannot be the request passed through)."""
-    call.reply(call.request[::-1])
-
-
-@dataclass
-class _Sleeper:
-    """A handler that never answers: it waits until cancelled, and records that it was."""
-
-    started: anyio.Event = field(default_factory=anyio.Event)
-    cancelled: anyio.Event = field(default_factory=anyio.Event)
-    calls: int = 0
-
-    async def __call__(self, call: Call) -> None:
-        self.calls += 1
-        self.started.set()
-        try:
-            await anyio.sleep_forever()
-        except anyio.get_cancelled_exc_class():
-            self.cancelled.set()
-            raise
-
-
-@dataclass
-class _Shielded:
-    """A handler that ignores cancellation until ``go`` is set, then replies; ``replied``
-    records what ``reply`` returned."""
-
-    started: anyio.Event = field(default_factory=anyio.Event)
-    go: anyio.Event = field(default_factory=anyio.Event)
-    replied: list[bool] = field(default_factory=list)
-
-    async def __call__(self, call: Call) -> None:
-        with anyio.CancelScope(shield=True):
-            self.started.set()
-            await self.go.wait()
-            self.replied.append(call.reply(b"nobody listens"))
 
 
 async def _eventually(condition: Callable[[], bool]) -> None:
@@ -478,7 +438,7 @@ async def test_a_5_mib_reply_arrives_whole(socket_path: Path) -> None:
 
     # grpcio refuses to receive more than 4 MiB (its default) unless told.
     options = [("grpc.max_receive_message_length", 8 << 20)]
-    async with open_unix_server([{ECHO: big}, {"/test.Echo/Reverse": _reverse}], socket_path):
+    async with open_unix_server([{ECHO: big}, {"/test.Echo/Reverse": reverse}], socket_path):
         got = await _call(socket_path, ECHO, b"", options=options)
         after = await _call(socket_path, "/test.Echo/Reverse", b"ok")
 
@@ -571,7 +531,7 @@ async def test_unexpected_exception_is_unknown_logged_and_the_server_keeps_servi
         raise ValueError("a bug in the handler")
 
     with caplog.at_level(logging.ERROR, logger=LOGGER):
-        async with open_unix_server([{"/test.Echo/Broken": broken, ECHO: _reverse}], socket_path):
+        async with open_unix_server([{"/test.Echo/Broken": broken, ECHO: reverse}], socket_path):
             code, details = await _fail(socket_path, "/test.Echo/Broken", b"x")
             after = await _call(socket_path, ECHO, b"still here")
 
@@ -600,7 +560,7 @@ async def test_handler_without_reply_is_internal(
 
 @pytest.mark.anyio
 async def test_unknown_method_is_unimplemented(socket_path: Path) -> None:
-    async with open_unix_server([{ECHO: _reverse}], socket_path):
+    async with open_unix_server([{ECHO: reverse}], socket_path):
         code, details = await _fail(socket_path, "/test.Echo/Nope", b"x")
         other_service = await _fail(socket_path, "/test.Other/Echo", b"x")
         after = await _call(socket_path, ECHO, b"ok")
@@ -649,7 +609,7 @@ async def test_second_reply_raises_and_the_first_answer_stands(
 async def test_client_timeout_is_deadline_exceeded_and_cancels_the_handler(
     socket_path: Path,
 ) -> None:
-    sleeper = _Sleeper()
+    sleeper = Sleeper()
     async with open_unix_server([{SLEEP: sleeper}], socket_path):
         code, _ = await _fail(socket_path, SLEEP, b"", timeout=0.2)
         await _wait(sleeper.cancelled)
@@ -664,7 +624,7 @@ async def test_server_enforces_grpc_timeout_itself(socket_path: Path) -> None:
         await anyio.sleep(5)
         call.reply(b"too late")
 
-    sleeper = _Sleeper()
+    sleeper = Sleeper()
     async with (
         open_unix_server([{SLEEP: sleeper, "/test.Echo/Slow": slow}], socket_path),
         _raw_client(socket_path) as client,
@@ -738,7 +698,7 @@ async def test_the_deadline_runs_from_the_head_even_if_the_body_never_ends(
 
 @pytest.mark.anyio
 async def test_client_cancel_cancels_the_handler(socket_path: Path) -> None:
-    sleeper = _Sleeper()
+    sleeper = Sleeper()
     connections: list[int] = []
 
     def client() -> tuple[bool, bool]:
@@ -751,7 +711,7 @@ async def test_client_cancel_cancels_the_handler(socket_path: Path) -> None:
             connections.append(anyio.from_thread.run_sync(lambda: server.open_connections))
             return cancelled, future.cancelled()
 
-    async with open_unix_server([{SLEEP: sleeper, ECHO: _reverse}], socket_path) as server:
+    async with open_unix_server([{SLEEP: sleeper, ECHO: reverse}], socket_path) as server:
         assert await anyio.to_thread.run_sync(client) == (True, True)
         after = await _call(socket_path, ECHO, b"next")
 
@@ -762,7 +722,7 @@ async def test_client_cancel_cancels_the_handler(socket_path: Path) -> None:
 
 @pytest.mark.anyio
 async def test_closing_the_channel_mid_call_cancels_the_handler(socket_path: Path) -> None:
-    sleeper = _Sleeper()
+    sleeper = Sleeper()
 
     def client() -> Any:
         channel = grpc.insecure_channel(unix_target(socket_path))
@@ -771,7 +731,7 @@ async def test_closing_the_channel_mid_call_cancels_the_handler(socket_path: Pat
         channel.close()
         return future.exception(timeout=CALL_TIMEOUT)
 
-    async with open_unix_server([{SLEEP: sleeper, ECHO: _reverse}], socket_path) as server:
+    async with open_unix_server([{SLEEP: sleeper, ECHO: reverse}], socket_path) as server:
         error = await anyio.to_thread.run_sync(client)
         await _wait(sleeper.cancelled)
         await _eventually(lambda: server.open_connections == 0)
@@ -785,9 +745,9 @@ async def test_closing_the_channel_mid_call_cancels_the_handler(socket_path: Pat
 async def test_connection_loss_cancels_the_handler_and_reply_reports_it(socket_path: Path) -> None:
     """A peer that just goes away (no RST_STREAM, no GOAWAY): the handler is cancelled; one that
     shields itself finds ``reply`` returning False."""
-    sleeper = _Sleeper()
-    shielded = _Shielded()
-    service: Service = {SLEEP: sleeper, "/test.Echo/Shielded": shielded, ECHO: _reverse}
+    sleeper = Sleeper()
+    shielded = Shielded()
+    service: Service = {SLEEP: sleeper, "/test.Echo/Shielded": shielded, ECHO: reverse}
     async with open_unix_server([service], socket_path) as server:
         async with _raw_client(socket_path) as client:
             await client.request(SLEEP, _grpc_frame(b""))
@@ -807,9 +767,9 @@ async def test_connection_loss_cancels_the_handler_and_reply_reports_it(socket_p
 
 @pytest.mark.anyio
 async def test_reset_stream_cancels_the_call_and_reply_reports_it(socket_path: Path) -> None:
-    sleeper = _Sleeper()
-    shielded = _Shielded()
-    service: Service = {SLEEP: sleeper, "/test.Echo/Shielded": shielded, ECHO: _reverse}
+    sleeper = Sleeper()
+    shielded = Shielded()
+    service: Service = {SLEEP: sleeper, "/test.Echo/Shielded": shielded, ECHO: reverse}
     async with (
         open_unix_server([service], socket_path),
         _raw_client(socket_path) as client,
@@ -909,7 +869,7 @@ async def test_a_peer_breaking_http2_loses_its_connection_only(
 ) -> None:
     opening, error_code = BAD_OPENINGS[name]
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        async with open_unix_server([{ECHO: _reverse}], socket_path) as server:
+        async with open_unix_server([{ECHO: reverse}], socket_path) as server:
             async with await anyio.connect_unix(socket_path) as stream:
                 await stream.send(opening)
                 received = await _read_to_eof(stream)
@@ -949,7 +909,7 @@ async def test_a_handler_ending_after_its_peer_broke_http2_ends_quietly(
 
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         async with open_unix_server(
-            [{"/test.Echo/Later": refuse_later, ECHO: _reverse}], socket_path
+            [{"/test.Echo/Later": refuse_later, ECHO: reverse}], socket_path
         ) as server:
             async with _raw_client(socket_path) as client:
                 await client.request("/test.Echo/Later", _grpc_frame(b""))
@@ -982,7 +942,7 @@ async def test_a_client_stalling_on_a_big_answer_never_stalls_the_server(
 
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         async with (
-            open_unix_server([{"/test.Echo/Big": big, ECHO: _reverse}], socket_path),
+            open_unix_server([{"/test.Echo/Big": big, ECHO: reverse}], socket_path),
             _raw_client(socket_path, huge_windows=True) as client,
         ):
             big_id = await client.request("/test.Echo/Big", _grpc_frame(b""))
@@ -1028,7 +988,7 @@ async def test_a_client_flooding_pings_without_reading_cannot_grow_the_server(
         return sent, None
 
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        async with open_unix_server([{ECHO: _reverse}], socket_path) as server:
+        async with open_unix_server([{ECHO: reverse}], socket_path) as server:
             sent, error = await anyio.to_thread.run_sync(flood)
             await _eventually(lambda: server.open_connections == 0)
             after = await _call(socket_path, ECHO, b"next")
@@ -1045,7 +1005,7 @@ async def test_a_client_flooding_pings_without_reading_cannot_grow_the_server(
 
 @pytest.mark.anyio
 async def test_stop_with_a_call_in_flight(socket_path: Path) -> None:
-    sleeper = _Sleeper()
+    sleeper = Sleeper()
     outcome: list[tuple[Any, str]] = []
 
     async def client() -> None:
@@ -1113,7 +1073,7 @@ async def test_stop_closes_idle_connections_with_goaway(socket_path: Path) -> No
     channel = grpc.insecure_channel(unix_target(socket_path))
     try:
         method = channel.unary_unary(ECHO)
-        async with open_unix_server([{ECHO: _reverse}], socket_path) as server:
+        async with open_unix_server([{ECHO: reverse}], socket_path) as server:
             first = await anyio.to_thread.run_sync(
                 functools.partial(method, b"one", timeout=CALL_TIMEOUT)
             )
@@ -1153,7 +1113,7 @@ async def test_a_connection_arriving_during_the_stop_is_closed_too(
     turns after the connect sweeps those windows), the peer is never left connected to a server
     that is gone."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as peer:
-        async with open_unix_server([{ECHO: _reverse}], socket_path) as server:
+        async with open_unix_server([{ECHO: reverse}], socket_path) as server:
             peer.connect(str(socket_path))  # completes in the kernel's backlog, loop uninvolved
             peer.setblocking(False)
             for _ in range(turns):
@@ -1181,7 +1141,7 @@ def _next_call_failure(method: Any) -> tuple[Any, str]:
 @pytest.mark.anyio
 async def test_socket_file_is_0600_in_a_created_0700_directory(tmp_path: Path) -> None:
     socket_path = tmp_path / "new" / "dir" / "grpc.sock"
-    async with open_unix_server([{ECHO: _reverse}], socket_path):
+    async with open_unix_server([{ECHO: reverse}], socket_path):
         mode = socket_path.lstat().st_mode
         dir_mode = stat.S_IMODE(socket_path.parent.stat().st_mode)
         parent_mode = stat.S_IMODE(socket_path.parent.parent.stat().st_mode)
@@ -1199,13 +1159,13 @@ async def test_socket_file_is_0600_in_a_created_0700_directory(tmp_path: Path) -
 async def test_a_stale_socket_is_replaced_and_a_regular_file_refused(socket_path: Path) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as crashed:
         crashed.bind(str(socket_path))  # a dead instance's socket file: nobody listens
-    async with open_unix_server([{ECHO: _reverse}], socket_path):
+    async with open_unix_server([{ECHO: reverse}], socket_path):
         after = await _call(socket_path, ECHO, b"fresh")
     assert after == b"hserf"
 
     await anyio.Path(socket_path).write_bytes(b"not a socket")
     with pytest.raises(DracpuError, match="not a socket"):
-        async with open_unix_server([{ECHO: _reverse}], socket_path):
+        async with open_unix_server([{ECHO: reverse}], socket_path):
             raise AssertionError("served over a regular file")
 
     assert await anyio.Path(socket_path).read_bytes() == b"not a socket"
@@ -1218,7 +1178,7 @@ async def test_two_services_with_the_same_path_are_refused(socket_path: Path) ->
         call.reply(b"other")
 
     with pytest.raises(DracpuError, match=re.escape(ECHO)):
-        async with open_unix_server([{ECHO: _reverse}, {ECHO: other}], socket_path):
+        async with open_unix_server([{ECHO: reverse}, {ECHO: other}], socket_path):
             raise AssertionError("served with two handlers for one path")
 
     assert list(socket_path.parent.iterdir()) == []  # no socket, no temporary left behind

@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ from dracpu.errors import GrpcError
 from dracpu.tasks import registration
 from dracpu.tasks.registration import RegistrationState
 from dracpu.wire.grpc import Status
+from tests.adapters.grpc_handlers import ECHO, SLEEP, Sleeper, reverse
 from tests.peers import load_pb2, serialize
 from tests.tasks.test_kubelet_plugin import (
     NODE,
@@ -86,8 +87,6 @@ DIAL_PATH = "bare-path"
 # The longest result line the client prints: a 5 MiB reply in hex and some.
 MAX_LINE = 16 * MIB
 
-ECHO = "/test.Echo/Echo"
-SLEEP = "/test.Echo/Sleep"
 DRA_V1 = "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin"
 DRA_V1BETA1 = "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin"
 # What the kubelet's OpenTelemetry interceptor adds to its calls when tracing is on (the example
@@ -248,29 +247,6 @@ def ok(result: GoResult) -> bytes:
 # Handlers
 
 
-async def _reverse(call: Call) -> None:
-    """The request reversed (so an answer cannot be the request passed through)."""
-    call.reply(call.request[::-1])
-
-
-@dataclass
-class _Sleeper:
-    """A handler that never answers: it waits until cancelled, and records that it was."""
-
-    started: anyio.Event = field(default_factory=anyio.Event)
-    cancelled: anyio.Event = field(default_factory=anyio.Event)
-    calls: int = 0
-
-    async def __call__(self, call: Call) -> None:
-        self.calls += 1
-        self.started.set()
-        try:
-            await anyio.sleep_forever()
-        except anyio.get_cancelled_exc_class():
-            self.cancelled.set()
-            raise
-
-
 @pytest.fixture
 def socket_path(tmp_path: Path) -> Path:
     return tmp_path / "grpc.sock"
@@ -397,7 +373,7 @@ async def test_a_3_mib_request_and_a_5_mib_reply_cross_whole(
     async def give(call: Call) -> None:
         call.reply(big_reply)
 
-    service = {"/test.Big/Take": take, "/test.Big/Give": give, ECHO: _reverse}
+    service = {"/test.Big/Take": take, "/test.Big/Give": give, ECHO: reverse}
     async with open_unix_server([service], socket_path):
         took, gave, after = await run_go(
             grpc_go,
@@ -427,7 +403,7 @@ async def test_a_reply_over_grpc_gos_limit_fails_that_call_only(
     async def give(call: Call) -> None:
         call.reply(big_reply)
 
-    service = {"/test.Big/Give": give, ECHO: _reverse}
+    service = {"/test.Big/Give": give, ECHO: reverse}
     async with (
         open_unix_server([service], socket_path) as server,
         grpc_go_client(grpc_go, socket_path) as client,
@@ -467,7 +443,7 @@ async def test_statuses_reach_grpc_go_exactly(grpc_go: Path, socket_path: Path) 
         "/test.Echo/Refuse": refuse,
         "/test.Echo/Missing": missing,
         "/test.Echo/Long": refuse_long,
-        ECHO: _reverse,
+        ECHO: reverse,
     }
     async with open_unix_server([service], socket_path):
         refused, not_found, long, nope, other, after = await run_go(
@@ -495,8 +471,8 @@ async def test_statuses_reach_grpc_go_exactly(grpc_go: Path, socket_path: Path) 
 async def test_grpc_go_deadline_is_deadline_exceeded_and_cancels_the_handler(
     grpc_go: Path, socket_path: Path
 ) -> None:
-    sleeper = _Sleeper()
-    async with open_unix_server([{SLEEP: sleeper, ECHO: _reverse}], socket_path):
+    sleeper = Sleeper()
+    async with open_unix_server([{SLEEP: sleeper, ECHO: reverse}], socket_path):
         timed_out, after = await run_go(
             grpc_go, socket_path, [go_call(SLEEP, timeout=0.2)], [go_call(ECHO, b"next")]
         )
@@ -516,7 +492,7 @@ async def test_a_stop_fails_the_call_in_flight_and_grpc_go_redials_the_new_serve
     the server stops fails UNAVAILABLE (its handler cancelled), and once a new server listens
     at the same path the same ClientConn dials it again by itself (a call waiting for it is
     answered by the new server)."""
-    sleeper = _Sleeper()
+    sleeper = Sleeper()
 
     async def second(call: Call) -> None:
         call.reply(b"second " + call.request)
