@@ -6,12 +6,13 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from dracpu.adapters.grpc_server import Call
+from dracpu.adapters.grpc_server import Call, UnixServer
 
-__all__ = ["ECHO", "SLEEP", "Shielded", "Sleeper", "reverse"]
+__all__ = ["CALL_TIMEOUT", "ECHO", "SLEEP", "Barrier", "Shielded", "Sleeper", "reverse"]
 
 ECHO = "/test.Echo/Echo"
 SLEEP = "/test.Echo/Sleep"
+CALL_TIMEOUT = 10.0  # generous: 2 shared cores
 
 
 async def reverse(call: Call) -> None:
@@ -51,3 +52,29 @@ class Shielded:
             self.started.set()
             await self.go.wait()
             self.replied.append(call.reply(b"nobody listens"))
+
+
+@dataclass
+class Barrier:
+    """Echo (reversed) that answers no call before ``count`` are inside at once: calls the server
+    ran one after another would time out here. ``peak``: the most inside at once;
+    ``connections_when_full``: the open connections of ``server`` (set it once serving) when
+    the last one came in."""
+
+    count: int
+    server: UnixServer | None = None
+    inside: int = 0
+    peak: int = 0
+    connections_when_full: list[int] = field(default_factory=list)
+    full: anyio.Event = field(default_factory=anyio.Event)
+
+    async def __call__(self, call: Call) -> None:
+        self.inside += 1
+        self.peak = max(self.peak, self.inside)
+        if self.inside == self.count:
+            assert self.server is not None
+            self.connections_when_full.append(self.server.open_connections)
+            self.full.set()
+        with anyio.fail_after(CALL_TIMEOUT):
+            await self.full.wait()
+        call.reply(call.request[::-1])

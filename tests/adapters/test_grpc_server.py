@@ -46,13 +46,12 @@ from dracpu.adapters.grpc_server import (
     STOP_TIMEOUT,
     Call,
     Service,
-    UnixServer,
     decode_message,
     open_unix_server,
 )
 from dracpu.errors import DracpuError, GrpcError, LocalProtocolError
 from dracpu.wire.grpc import MAX_MESSAGE, Status
-from tests.adapters.grpc_handlers import ECHO, SLEEP, Shielded, Sleeper, reverse
+from tests.adapters.grpc_handlers import ECHO, SLEEP, Barrier, Shielded, Sleeper, reverse
 from tests.peers import load_pb2, unix_target
 
 __all__: list[str] = []
@@ -335,23 +334,7 @@ async def test_empty_request_and_empty_reply(socket_path: Path) -> None:
 @pytest.mark.anyio
 async def test_fifty_concurrent_calls_on_one_channel_overlap(socket_path: Path) -> None:
     count = 50
-    inside = 0
-    peak = 0
-    connections_at_barrier: list[int] = []
-    all_in = anyio.Event()
-    servers: list[UnixServer] = []
-
-    async def barrier(call: Call) -> None:
-        nonlocal inside, peak
-        inside += 1
-        peak = max(peak, inside)
-        if inside == count:
-            connections_at_barrier.append(servers[0].open_connections)
-            all_in.set()
-        # No handler answers before all 50 are in: serialized handlers would time out here.
-        with anyio.fail_after(CALL_TIMEOUT):
-            await all_in.wait()
-        call.reply(call.request[::-1])
+    barrier = Barrier(count)
 
     requests = [f"call {i:02d}".encode() * (i + 1) for i in range(count)]
 
@@ -362,12 +345,12 @@ async def test_fifty_concurrent_calls_on_one_channel_overlap(socket_path: Path) 
             return [future.result() for future in futures]
 
     async with open_unix_server([{ECHO: barrier}], socket_path) as server:
-        servers.append(server)
+        barrier.server = server
         replies = await anyio.to_thread.run_sync(client)
 
     assert replies == [request[::-1] for request in requests]
-    assert peak == count
-    assert connections_at_barrier == [1]  # one channel, one connection, 50 streams
+    assert barrier.peak == count
+    assert barrier.connections_when_full == [1]  # one channel, one connection, 50 streams
 
 
 @pytest.mark.anyio

@@ -35,12 +35,12 @@ import pytest
 from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from dracpu.adapters.grpc_server import Call, UnixServer, open_unix_server
+from dracpu.adapters.grpc_server import Call, open_unix_server
 from dracpu.errors import GrpcError
 from dracpu.tasks import registration
 from dracpu.tasks.registration import RegistrationState
 from dracpu.wire.grpc import Status
-from tests.adapters.grpc_handlers import ECHO, SLEEP, Sleeper, reverse
+from tests.adapters.grpc_handlers import ECHO, SLEEP, Barrier, Sleeper, reverse
 from tests.peers import load_pb2, serialize
 from tests.tasks.test_kubelet_plugin import (
     NODE,
@@ -295,32 +295,16 @@ async def test_fifty_concurrent_calls_on_one_client_conn_overlap(
     grpc_go: Path, socket_path: Path
 ) -> None:
     count = 50
-    inside = 0
-    peak = 0
-    connections_at_barrier: list[int] = []
-    all_in = anyio.Event()
-    servers: list[UnixServer] = []
-
-    async def barrier(call: Call) -> None:
-        nonlocal inside, peak
-        inside += 1
-        peak = max(peak, inside)
-        if inside == count:
-            connections_at_barrier.append(servers[0].open_connections)
-            all_in.set()
-        # No handler answers before all 50 are in: serialized handlers would time out here.
-        with anyio.fail_after(CALL_TIMEOUT):
-            await all_in.wait()
-        call.reply(call.request[::-1])
+    barrier = Barrier(count)
 
     requests = [f"call {i:02d}".encode() * (i + 1) for i in range(count)]
     async with open_unix_server([{ECHO: barrier}], socket_path) as server:
-        servers.append(server)
+        barrier.server = server
         results = await run_go(grpc_go, socket_path, [go_call(ECHO, r) for r in requests])
 
     assert [ok(r) for r in results] == [r[::-1] for r in requests]
-    assert peak == count
-    assert connections_at_barrier == [1]  # one ClientConn, one connection, 50 streams
+    assert barrier.peak == count
+    assert barrier.connections_when_full == [1]  # one ClientConn, one connection, 50 streams
 
 
 async def test_calls_beyond_max_concurrent_streams_wait_for_a_free_stream(
