@@ -23,6 +23,7 @@ import anyio.to_thread
 import grpc
 import pytest
 
+from dracpu._gen.pluginregistration import v1 as gen_reg
 from dracpu.errors import DracpuError
 from dracpu.tasks import registration
 from dracpu.tasks.http import Readiness, ReadinessFlag
@@ -258,3 +259,8 @@ async def test_start_refuses_a_path_too_long_for_a_unix_socket(tmp_path: Path) -
         with pytest.raises(DracpuError, match="unix sockets allow at most 107"):
             await tg.start(partial(registration.run, deep, deep, None))
     assert not deep.parent.exists()
+
+
+def test_method_paths_are_the_generated_service() -> None:
+    registrar = registration.Registrar(registration.PluginInfo(name="dra.cpu", endpoint="/x"))
+    assert set(registrar.methods()) == set(gen_reg.RegistrationBase().__mapping__())
