@@ -35,7 +35,8 @@ Figures (ms, p50/p99):
 * ``prepare.unprepare.v1``: NodeUnprepareResources of the same claims;
 * ``prepare.grouped_claim.v1.memory_claims`` / ``prepare.unprepare.v1.memory_claims``: the same
   with an in-memory claim source instead of the API server (what the daemon itself costs);
-* floors measured in the same run: ``floor.grpc_unary_unix`` (a bare grpclib unary call,
+* floors measured in the same run: ``floor.grpc_unary_unix`` (a bare unary call to our gRPC
+  server, :mod:`dracpu.adapters.grpc_server`,
   GetInfo, from the same grpcio client on the same kind of socket),
   ``floor.atomic_write_fsync_2k.state_dir`` / ``.cdi_dir`` (one atomic replace of a 2 KB file:
   temp file, write, fsync, rename, fsync the directory — what a CDI spec write is, and what the
