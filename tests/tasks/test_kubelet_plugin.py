@@ -914,17 +914,17 @@ def _fast_and_slow(claims: FakeClaims) -> tuple[dict[str, Any], dict[str, Any], 
 
 
 async def _held(node: RunningNode, claim: Mapping[str, Any]) -> None:
-    """Wait until ``claim`` is prepared and everything else is blocked."""
-
-    def prepared() -> bool:
-        stored = checkpoint_file.read_newest(node.checkpoint)
-        return stored is not None and _ref(claim)[1] in stored.data.claims
-
+    """Wait until ``claim`` (the node's first command) is prepared and its requester has the
+    owner's answer, so that its status patch is held, and everything else is blocked."""
     with anyio.fail_after(10):
-        # The checkpoint is written on the node machine's file thread: no event to wait for.
-        while not prepared():  # noqa: ASYNC110
+        # The owner commits after the node machine's file thread wrote the checkpoint: no event
+        # to wait for. Once committed, the answer is in the requester's stream.
+        while node.owner.statistics().commands_applied < 1:  # noqa: ASYNC110
             await anyio.sleep(0.005)
-    await anyio.wait_all_tasks_blocked()
+    await anyio.wait_all_tasks_blocked()  # the requester takes the answer and holds the patch
+    stored = checkpoint_file.read_newest(node.checkpoint)
+    assert stored is not None
+    assert _ref(claim)[1] in stored.data.claims
 
 
 @pytest.mark.parametrize("version", VERSIONS)
