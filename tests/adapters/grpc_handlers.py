@@ -56,10 +56,10 @@ class Shielded:
 
 @dataclass
 class Barrier:
-    """Echo (reversed) that answers no call before ``count`` are inside at once: calls the server
-    ran one after another would time out here. ``peak``: the most inside at once;
-    ``connections_when_full``: the open connections of ``server`` (set it once serving) when
-    the last one came in."""
+    """Echo (reversed) that answers no call before ``count`` are inside at once (calls the server
+    ran one after another would time out here); once they were, calls pass. ``peak``: the most
+    inside at once; ``connections_when_full``: the open connections of ``server`` (if set once
+    serving) when the ``count``-th came in."""
 
     count: int
     server: UnixServer | None = None
@@ -71,10 +71,13 @@ class Barrier:
     async def __call__(self, call: Call) -> None:
         self.inside += 1
         self.peak = max(self.peak, self.inside)
-        if self.inside == self.count:
-            assert self.server is not None
-            self.connections_when_full.append(self.server.open_connections)
+        if self.inside == self.count and not self.full.is_set():
+            if self.server is not None:
+                self.connections_when_full.append(self.server.open_connections)
             self.full.set()
-        with anyio.fail_after(CALL_TIMEOUT):
-            await self.full.wait()
+        try:
+            with anyio.fail_after(CALL_TIMEOUT):
+                await self.full.wait()
+        finally:
+            self.inside -= 1
         call.reply(call.request[::-1])

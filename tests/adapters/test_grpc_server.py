@@ -359,22 +359,7 @@ async def test_more_calls_than_max_concurrent_streams_all_complete(socket_path: 
     128 calls are held until all 128 are in, and no 129th ever runs beside them."""
     count = 300
     limit = 128  # dracpu.wire.h2.MAX_CONCURRENT_STREAMS, written out: what we announce
-    inside = 0
-    peak = 0
-    full = anyio.Event()
-
-    async def counted(call: Call) -> None:
-        nonlocal inside, peak
-        inside += 1
-        peak = max(peak, inside)
-        if inside == limit:
-            full.set()
-        try:
-            with anyio.fail_after(CALL_TIMEOUT):
-                await full.wait()
-        finally:
-            inside -= 1
-        call.reply(call.request[::-1])
+    counted = Barrier(limit)
 
     requests = [i.to_bytes(2, "big") for i in range(count)]
 
@@ -388,7 +373,7 @@ async def test_more_calls_than_max_concurrent_streams_all_complete(socket_path: 
         replies = await anyio.to_thread.run_sync(client)
 
     assert replies == [request[::-1] for request in requests]
-    assert peak == limit
+    assert counted.peak == limit
 
 
 # --------------------------------------------------------------------------------------------

@@ -314,29 +314,14 @@ async def test_calls_beyond_max_concurrent_streams_wait_for_a_free_stream(
     held until all 128 are in, no 129th runs beside them, and every call is answered."""
     count = 200
     limit = 128  # dracpu.wire.h2.MAX_CONCURRENT_STREAMS, written out: what we announce
-    inside = 0
-    peak = 0
-    full = anyio.Event()
-
-    async def counted(call: Call) -> None:
-        nonlocal inside, peak
-        inside += 1
-        peak = max(peak, inside)
-        if inside == limit:
-            full.set()
-        try:
-            with anyio.fail_after(CALL_TIMEOUT):
-                await full.wait()
-        finally:
-            inside -= 1
-        call.reply(call.request[::-1])
+    counted = Barrier(limit)
 
     requests = [i.to_bytes(2, "big") for i in range(count)]
     async with open_unix_server([{ECHO: counted}], socket_path):
         results = await run_go(grpc_go, socket_path, [go_call(ECHO, r) for r in requests])
 
     assert [ok(r) for r in results] == [r[::-1] for r in requests]
-    assert peak == limit
+    assert counted.peak == limit
 
 
 # --------------------------------------------------------------------------------------------
@@ -486,7 +471,9 @@ async def test_a_stop_fails_the_call_in_flight_and_grpc_go_redials_the_new_serve
             in_flight: list[GoResult] = []
 
             async def sleep_call() -> None:
-                in_flight.extend(await client.run(go_call(SLEEP)))
+                # wait_for_ready: the ClientConn may have dialled (and be backing off) before
+                # this first server listened; the call must reach it, not fail fast.
+                in_flight.extend(await client.run(go_call(SLEEP, wait_for_ready=True)))
 
             async with open_unix_server([{SLEEP: sleeper}], socket_path):
                 tg.start_soon(sleep_call)
