@@ -174,9 +174,8 @@ class DeferredPatches:
     """The status patches of one call, held until its answer is out.
 
     Made by :meth:`DraService.deferred_patches` and given to :meth:`DraService.prepare`;
-    :meth:`start` starts the held patches, and so does leaving the ``with`` block, however it is
-    left (an answer that could not be sent included). A patch scheduled after :meth:`start`
-    starts at once.
+    leaving its ``with`` block starts the held patches, however it is left (an answer that could
+    not be sent included). A patch scheduled after that starts at once.
     """
 
     __slots__ = ("_held", "_start_patch", "_started")
@@ -192,13 +191,6 @@ class DeferredPatches:
         else:
             self._held.append(patch)
 
-    def start(self) -> None:
-        """Start the held patches (once; later calls do nothing)."""
-        self._started = True
-        held, self._held = self._held, []
-        for patch in held:
-            self._start_patch(patch)
-
     def __enter__(self) -> DeferredPatches:
         return self
 
@@ -208,7 +200,10 @@ class DeferredPatches:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self.start()
+        self._started = True
+        held, self._held = self._held, []
+        for patch in held:
+            self._start_patch(patch)
 
 
 def _unique(refs: Iterable[ClaimRef]) -> list[ClaimRef]:

@@ -123,22 +123,22 @@ def _claims(data: bytes) -> tuple[ClaimRef, ...]:
     return tuple(claims)
 
 
+def _request_claims(data: bytes, message: str) -> tuple[ClaimRef, ...]:
+    try:
+        return _claims(bytes(data))
+    except RemoteProtocolError as exc:
+        raise RemoteProtocolError(f"malformed {message}: {exc}") from exc
+
+
 def decode_prepare_request(data: bytes) -> tuple[ClaimRef, ...]:
     """The claims of a ``NodePrepareResourcesRequest``, in wire order (duplicates kept)."""
-    data = bytes(data)
-    try:
-        return _claims(data)
-    except RemoteProtocolError as exc:
-        raise RemoteProtocolError(f"malformed NodePrepareResourcesRequest: {exc}") from exc
+    return _request_claims(data, "NodePrepareResourcesRequest")
 
 
 def decode_unprepare_request(data: bytes) -> tuple[ClaimRef, ...]:
-    """The claims of a ``NodeUnprepareResourcesRequest``, in wire order (duplicates kept)."""
-    data = bytes(data)
-    try:
-        return _claims(data)
-    except RemoteProtocolError as exc:
-        raise RemoteProtocolError(f"malformed NodeUnprepareResourcesRequest: {exc}") from exc
+    """The claims of a ``NodeUnprepareResourcesRequest`` (the same shape: ``claims = 1``), in
+    wire order (duplicates kept)."""
+    return _request_claims(data, "NodeUnprepareResourcesRequest")
 
 
 # --- encoding -------------------------------------------------------------------------------------
