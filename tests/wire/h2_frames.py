@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 __all__ = [
     "ACK",
+    "GRPC_HEAD",
+    "GRPC_PATH",
     "CONTINUATION",
     "DATA",
     "END_HEADERS",
@@ -212,8 +214,21 @@ def literal(name: str | int, value: str, *, incremental: bool = False) -> bytes:
     return bytes((first,)) + _hpack_string(name) + _hpack_string(value)
 
 
+GRPC_PATH = "/v1beta1.DRAPlugin/NodePrepareResources"
+GRPC_HEAD = (
+    (":method", "POST"),
+    (":scheme", "http"),
+    (":path", GRPC_PATH),
+    (":authority", "localhost"),
+    ("content-type", "application/grpc"),
+    ("user-agent", "grpc-go/1.72.0"),
+    ("te", "trailers"),
+)
+"""A gRPC request head as grpc-go sends it, as decoded fields."""
+
+
 def grpc_request_block(
-    path: str = "/v1beta1.DRAPlugin/NodePrepareResources",
+    path: str = GRPC_PATH,
     *,
     extra: tuple[tuple[str, str], ...] = (),
 ) -> bytes:

@@ -25,18 +25,7 @@ from dracpu.wire.grpc import (
     trailers,
     trailers_only,
 )
-
-PATH = "/v1beta1.DRAPlugin/NodePrepareResources"
-HEAD = (
-    (":method", "POST"),
-    (":scheme", "http"),
-    (":path", PATH),
-    (":authority", "localhost"),
-    ("content-type", "application/grpc"),
-    ("user-agent", "grpc-go/1.72.0"),
-    ("te", "trailers"),
-)
-
+from tests.wire.h2_frames import GRPC_HEAD, GRPC_PATH
 
 # --- status codes -------------------------------------------------------------------------------
 
@@ -101,21 +90,23 @@ def test_a_malformed_timeout_is_internal(value: str) -> None:
 
 
 def test_a_grpc_request_head_gives_the_path_and_the_deadline() -> None:
-    assert read_call_head(HEAD) == CallHead(PATH, None)
-    assert read_call_head((*HEAD, ("grpc-timeout", "250m"))) == CallHead(PATH, 0.25)
+    assert read_call_head(GRPC_HEAD) == CallHead(GRPC_PATH, None)
+    assert read_call_head((*GRPC_HEAD, ("grpc-timeout", "250m"))) == CallHead(GRPC_PATH, 0.25)
     # A codec suffix is gRPC too.
     proto = tuple(
         (name, "application/grpc+proto" if name == "content-type" else value)
-        for name, value in HEAD
+        for name, value in GRPC_HEAD
     )
-    assert read_call_head(proto) == CallHead(PATH, None)
+    assert read_call_head(proto) == CallHead(GRPC_PATH, None)
 
 
 @pytest.mark.parametrize(
     "content_type", ["application/json", "application/grpc-web", "text/plain", "application/grp"]
 )
 def test_a_body_that_is_not_grpc_is_refused_with_415(content_type: str) -> None:
-    head = tuple((name, content_type if name == "content-type" else value) for name, value in HEAD)
+    head = tuple(
+        (name, content_type if name == "content-type" else value) for name, value in GRPC_HEAD
+    )
     with pytest.raises(GrpcError) as caught:
         read_call_head(head)
     assert (caught.value.http_status, caught.value.status) == (415, Status.INTERNAL)
@@ -123,7 +114,7 @@ def test_a_body_that_is_not_grpc_is_refused_with_415(content_type: str) -> None:
 
 
 def test_a_request_without_content_type_is_refused_with_415() -> None:
-    head = tuple((name, value) for name, value in HEAD if name != "content-type")
+    head = tuple((name, value) for name, value in GRPC_HEAD if name != "content-type")
     with pytest.raises(GrpcError) as caught:
         read_call_head(head)
     assert caught.value.http_status == 415
@@ -131,7 +122,7 @@ def test_a_request_without_content_type_is_refused_with_415() -> None:
 
 @pytest.mark.parametrize("method", ["GET", "PUT", "post", None])
 def test_a_method_other_than_post_is_refused_with_405(method: str | None) -> None:
-    head = tuple((name, value) for name, value in HEAD if name != ":method")
+    head = tuple((name, value) for name, value in GRPC_HEAD if name != ":method")
     if method is not None:
         head = ((":method", method), *head)
     with pytest.raises(GrpcError) as caught:
@@ -146,7 +137,7 @@ def test_a_method_other_than_post_is_refused_with_405(method: str | None) -> Non
 
 def test_a_bad_timeout_in_the_head_is_internal_not_an_http_refusal() -> None:
     with pytest.raises(GrpcError) as caught:
-        read_call_head((*HEAD, ("grpc-timeout", "soon")))
+        read_call_head((*GRPC_HEAD, ("grpc-timeout", "soon")))
     assert (caught.value.http_status, caught.value.status) == (200, Status.INTERNAL)
 
 

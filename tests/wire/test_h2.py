@@ -44,7 +44,7 @@ from tests.wire.mutation import mutated
 # Settings identifiers (RFC 9113 §6.5.2).
 HEADER_TABLE_SIZE, ENABLE_PUSH, MAX_CONCURRENT, INITIAL_WINDOW, MAX_FRAME, MAX_LIST = range(1, 7)
 
-PATH = "/v1beta1.DRAPlugin/NodePrepareResources"
+PATH = f.GRPC_PATH
 REQUEST = f.grpc_request_block(PATH)
 REQUEST_HEADERS = (
     (":method", "POST"),
@@ -203,16 +203,7 @@ def header_list(headers: Sequence[tuple[object, object]]) -> list[tuple[object, 
     return [(name, value) for name, value in headers]
 
 
-GRPC_REQUEST = [
-    (":method", "POST"),
-    (":scheme", "http"),
-    (":path", PATH),
-    (":authority", "localhost"),
-    ("content-type", "application/grpc"),
-    ("user-agent", "grpc-go/1.72.0"),
-    ("te", "trailers"),
-    ("grpc-timeout", "1999982u"),
-]
+GRPC_REQUEST = [*f.GRPC_HEAD, ("grpc-timeout", "1999982u")]
 
 
 def test_h2_takes_our_settings_and_connection_window() -> None:
