@@ -10,8 +10,10 @@ asks a real state owner (``NodeState`` of the ``big-1024`` machine; file effects
   runtime's own bookkeeping (applying 200 updates to its table);
 * ``nri.synchronize.500``: the Synchronize call after a reconnect, 500 containers in 100 pods
   (realistic env, labels, annotations, mounts), 40 of them with a claim;
-* ``nri.codec.*``: the pure codec alone (encode the 200-update reply, decode the 500-container
-  Synchronize), and betterproto2 encoding the same reply for comparison.
+* ``nri.codec.*``: the messages alone, through Google protobuf (upb): build and encode the
+  200-update reply; decode the 500-container Synchronize and read the fields we use
+  (``sync_decode``), and the same plus its translation to owner commands, each container's
+  ``DRA_CPUSET_*`` env parsed (``sync_read``).
 
 Plugin, state owner and fake runtime share one process and one event loop, so every figure
 includes the other side's CPU time (Google protobuf, the state machine). Run:
@@ -36,18 +38,17 @@ from anyio.streams.memory import MemoryObjectSendStream
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._harness import emit, measure, percentiles
-from dracpu._gen.nri import v1alpha1 as gen
+from dracpu.adapters import nri_messages as messages
 from dracpu.config import Config
 from dracpu.core.commands import Command, DeviceResult, PrepareClaim
 from dracpu.core.cpuset import CpuSet
-from dracpu.core.effects import ClaimPrepared, Effect, UpdateContainers
+from dracpu.core.effects import ClaimPrepared, ContainerUpdate, Effect, UpdateContainers
 from dracpu.core.state import NodeConfig, NodeState, apply, rollback
 from dracpu.sim._pb2.nri.v1alpha1 import api_pb2 as pb
 from dracpu.sim.fake_runtime import FakePod, FakeRuntime, claim_env, open_fake_runtime
 from dracpu.sim.topologies import FIXTURES, build_topology
 from dracpu.tasks import nri_plugin
 from dracpu.tasks.state_owner import Request, StateOwner, create_request_stream, request
-from dracpu.wire import nri
 
 __all__ = ["main"]
 
@@ -226,33 +227,14 @@ async def _synchronize(socket: Path) -> None:
 
 
 def _codec_figures() -> None:
-    updates = [nri.CpusetUpdate(f"{i:064x}", "1-511,513-1023") for i in range(SHARED)]
+    pool = CpuSet.parse("1-511,513-1023")
+    updates = [ContainerUpdate(f"{i:064x}", pool) for i in range(SHARED)]
+    cpus, mems = CpuSet.parse("2-3"), CpuSet.parse("0")
     measure(
         f"nri.codec.create_reply.{SHARED}",
-        lambda: nri.encode_create_container_response("2-3", "0", updates),
+        lambda: messages.create_container_response("new", cpus, mems, updates),
         n=300,
     )
-
-    def betterproto2() -> bytes:
-        cpu = gen.LinuxCpu(cpus="2-3", mems="0")
-        reply = gen.CreateContainerResponse(
-            adjust=gen.ContainerAdjustment(
-                linux=gen.LinuxContainerAdjustment(resources=gen.LinuxResources(cpu=cpu))
-            ),
-            update=[
-                gen.ContainerUpdate(
-                    container_id=u.container_id,
-                    linux=gen.LinuxContainerUpdate(
-                        resources=gen.LinuxResources(cpu=gen.LinuxCpu(cpus=u.cpus))
-                    ),
-                )
-                for u in updates
-            ],
-        )
-        return bytes(reply)
-
-    assert betterproto2() == nri.encode_create_container_response("2-3", "0", updates)
-    measure(f"nri.codec.betterproto2.create_reply.{SHARED}", betterproto2, n=30)
 
     request_pb = pb.SynchronizeRequest()
     for p in range(SYNC_PODS):
@@ -276,12 +258,19 @@ def _codec_figures() -> None:
         for m in range(8):
             container.mounts.add(destination=f"/m{m}", type="bind", source=f"/src/{m}")
     data = request_pb.SerializeToString()
-    measure(
-        f"nri.codec.sync_decode.{SYNC_CONTAINERS}",
-        lambda: nri.decode_synchronize_request(data),
-        n=30,
-        bytes=len(data),
-    )
+
+    def decode() -> int:
+        part = messages.read_synchronize(data)
+        fields = [(c.id, c.pod_sandbox_id, c.name, c.state, list(c.env)) for c in part.containers]
+        pods = [(p.id, p.name, p.uid, p.namespace) for p in part.pods]
+        return len(fields) + len(pods)
+
+    def read() -> int:
+        part = messages.read_synchronize(data)
+        return len(messages.synchronized_containers(part.pods, part.containers))
+
+    measure(f"nri.codec.sync_decode.{SYNC_CONTAINERS}", decode, n=30, bytes=len(data))
+    measure(f"nri.codec.sync_read.{SYNC_CONTAINERS}", read, n=30, bytes=len(data))
 
 
 async def _all(tmp: Path) -> None:

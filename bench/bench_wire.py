@@ -1,8 +1,11 @@
-"""Throughput of the sans-IO NRI stack (mux + ttrpc + envelope codec), the plugin's hot path.
+"""Throughput of the NRI stack (mux + ttrpc framing + envelopes), the plugin's hot path.
 
 * ``wire.decode.<size>``: socket bytes of runtime -> plugin requests, read in 64 KiB pieces, through
-  ``MuxConnection`` and a server ``TtrpcConnection`` into ``TtrpcRequest`` events;
-* ``wire.encode.<size>``: the plugin's answers, ``send_response`` then ``MuxConnection.send``.
+  ``MuxConnection`` and a server ``TtrpcConnection`` into ``TtrpcRequest`` events, each
+  envelope decoded (:func:`dracpu.adapters.ttrpc_envelopes.read_request`);
+* ``wire.encode.<size>``: the plugin's answers: the response envelope
+  (:func:`~dracpu.adapters.ttrpc_envelopes.response_data`), ``send_response`` then
+  ``MuxConnection.send``.
 
 ``<size>`` is the inner payload (200 B, 4 KiB, 64 KiB). Each figure times batches of messages:
 p50/p99 are microseconds per message over the batches; ``mb_per_s`` and ``msgs_per_s`` come
@@ -48,10 +51,11 @@ import h2.events
 
 from bench._harness import emit, percentiles
 from dracpu._gen.dra import v1 as dra_v1
+from dracpu.adapters.ttrpc_envelopes import read_request, request_data, response_data
 from dracpu.wire import dra
 from dracpu.wire import grpc as grpc_wire
 from dracpu.wire import h2 as ours
-from dracpu.wire.events import NEED_DATA, MuxFrame
+from dracpu.wire.events import NEED_DATA, MuxFrame, TtrpcRequest
 from dracpu.wire.mux import PLUGIN_SERVICE_CONN, MuxConnection
 from dracpu.wire.ttrpc import Role, TtrpcConnection
 
@@ -76,7 +80,8 @@ def _requests_on_the_socket(payload: bytes, n: int) -> bytes:
     runtime_client, runtime_mux = TtrpcConnection(Role.CLIENT), MuxConnection()
     out = bytearray()
     for _ in range(n):
-        _, message = runtime_client.send_request(SERVICE, "CreateContainer", payload, 2 * 10**9)
+        data = request_data(SERVICE, "CreateContainer", payload, 2 * 10**9)
+        _, message = runtime_client.send_request(data)
         out += runtime_mux.send(PLUGIN_SERVICE_CONN, message)
     return bytes(out)
 
@@ -92,7 +97,9 @@ def _decode_batch(data: bytes, n: int) -> Callable[[], float]:
             mux.receive_data(data[offset : offset + READ_SIZE])
             while isinstance(frame := mux.next_event(), MuxFrame):
                 server.receive_data(frame.payload)
-                while server.next_event() is not NEED_DATA:
+                while (event := server.next_event()) is not NEED_DATA:
+                    assert isinstance(event, TtrpcRequest)
+                    read_request(event)
                     seen += 1
         elapsed = time.perf_counter() - start
         assert seen == n
@@ -104,7 +111,8 @@ def _decode_batch(data: bytes, n: int) -> Callable[[], float]:
 def _encode_batch(payload: bytes, n: int) -> Callable[[], float]:
     """Seconds to answer ``n`` received requests with ``payload`` as socket bytes."""
     client = TtrpcConnection(Role.CLIENT)
-    requests = b"".join(client.send_request(SERVICE, "M", b"")[1] for _ in range(n))
+    request = request_data(SERVICE, "M", b"")
+    requests = b"".join(client.send_request(request)[1] for _ in range(n))
 
     def run() -> float:
         server, mux = TtrpcConnection(Role.SERVER), MuxConnection()
@@ -113,7 +121,7 @@ def _encode_batch(payload: bytes, n: int) -> Callable[[], float]:
             pass
         start = time.perf_counter()
         for stream_id in range(1, 2 * n, 2):
-            mux.send(PLUGIN_SERVICE_CONN, server.send_response(stream_id, payload))
+            mux.send(PLUGIN_SERVICE_CONN, server.send_response(stream_id, response_data(payload)))
         return time.perf_counter() - start
 
     return run

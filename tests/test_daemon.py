@@ -310,6 +310,9 @@ def _restore_logging() -> Iterator[None]:
     root.handlers[:] = handlers
     root.setLevel(level)
     ours.setLevel(our_level)
+    # main() leaves the heap frozen (for a fast exit): give this process's later tests a
+    # collector that sees every object again (gc.get_referrers, as hypothesis uses, included).
+    gc.unfreeze()
 
 
 @pytest.mark.usefixtures("_restore_logging")

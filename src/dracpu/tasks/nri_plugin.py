@@ -68,8 +68,11 @@ from anyio import TASK_STATUS_IGNORED, BrokenResourceError, ClosedResourceError,
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
+from dracpu._gen.pb2.nri.v1alpha1 import api_pb2 as api
 from dracpu.adapters import nri_messages as messages
+from dracpu.adapters import ttrpc_envelopes as envelopes
 from dracpu.adapters.backoff import backoff_delays
+from dracpu.adapters.ttrpc_envelopes import Answer, Call
 from dracpu.config import Config
 from dracpu.core.commands import (
     Command,
@@ -85,18 +88,18 @@ from dracpu.core.cpuset import CpuSet
 from dracpu.core.effects import (
     ContainerForgotten,
     ContainerPinned,
+    ContainerUpdate,
     Synchronized,
     UpdateContainers,
 )
 from dracpu.errors import DracpuError, LocalProtocolError, RemoteProtocolError
 from dracpu.tasks.state_owner import PendingReply, Request, request
-from dracpu.wire import nri
 from dracpu.wire.events import (
     NEED_DATA,
     ConnectionClosed,
-    TtrpcBadRequest,
     TtrpcRequest,
     TtrpcResponse,
+    TtrpcStreamError,
 )
 from dracpu.wire.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN, MuxConnection
 from dracpu.wire.ttrpc import Code, Role, TtrpcConnection
@@ -194,8 +197,8 @@ class _Pin:
     mems: CpuSet | None
 
 
-def _wire(pins: Mapping[str, _Pin]) -> list[nri.CpusetUpdate]:
-    return messages.wire_pins((cid, pin.cpus, pin.mems) for cid, pin in pins.items())
+def _wire(pins: Mapping[str, _Pin]) -> list[ContainerUpdate]:
+    return [ContainerUpdate(cid, pin.cpus, pin.mems) for cid, pin in pins.items()]
 
 
 class _Ask:
@@ -229,7 +232,7 @@ class NriLink:
         self._live = False
         self._connected = False
         self._synchronized = False
-        self._runtime = nri.ConfigureRequest()
+        self._runtime = ("", "", "")  # name, version, NRI version (ConfigureRequest)
         self._unsolicited = False
         self._connections = 0
         self._sent = 0
@@ -268,9 +271,9 @@ class NriLink:
         return NriStatus(
             connected=self._connected,
             synchronized=self._synchronized,
-            runtime_name=self._runtime.runtime_name,
-            runtime_version=self._runtime.runtime_version,
-            nri_version=self._runtime.nri_version,
+            runtime_name=self._runtime[0],
+            runtime_version=self._runtime[1],
+            nri_version=self._runtime[2],
             unsolicited_updates=self._unsolicited,
             connections=self._connections,
             unsolicited_sent=self._sent,
@@ -370,10 +373,10 @@ class _Call:
 
     def __init__(self) -> None:
         self.done = anyio.Event()
-        self.response: TtrpcResponse | None = None
+        self.response: Answer | None = None
 
 
-Handler = Callable[[TtrpcRequest], Awaitable[bytes]]
+Handler = Callable[[Call], Awaitable[bytes]]
 
 
 class _Connection:
@@ -401,8 +404,8 @@ class _Connection:
         self._end_reason = ""
         self._request_timeout = DEFAULT_REQUEST_TIMEOUT
         self._unsolicited = False
-        self._sync_pods: list[nri.Pod] = []
-        self._sync_containers: list[nri.Container] = []
+        self._sync_pods: list[api.PodSandbox] = []
+        self._sync_containers: list[api.Container] = []
         self._synchronized = anyio.Event()
         self._handlers: dict[str, Handler] = {
             "Configure": self._configure,
@@ -465,20 +468,31 @@ class _Connection:
         assert self._tg is not None
         while (event := self._server.next_event()) is not NEED_DATA:
             if isinstance(event, TtrpcRequest):
-                self._tg.start_soon(self._handle, event)
-            elif isinstance(event, TtrpcBadRequest):
+                try:
+                    call = envelopes.read_request(event)
+                except RemoteProtocolError as exc:  # ttrpc server.go: answered, conn kept
+                    logger.warning("NRI: bad request from the runtime: %s", exc)
+                    await self._answer_error(event.stream_id, Code.INVALID_ARGUMENT, str(exc))
+                    continue
+                self._tg.start_soon(self._handle, call)
+            elif isinstance(event, TtrpcStreamError):
                 logger.warning("NRI: bad request from the runtime: %s", event.status_message)
                 await self._answer_error(event.stream_id, event.status_code, event.status_message)
 
     def _drain_client(self) -> None:
         while (event := self._client.next_event()) is not NEED_DATA:
             if isinstance(event, TtrpcResponse):
-                call = self._calls.pop(event.stream_id, None)
-                if call is None:
-                    logger.debug("NRI: late response on stream %d dropped", event.stream_id)
-                    continue
-                call.response = event
-                call.done.set()
+                answer = envelopes.read_response(event)  # malformed: the connection ends
+            elif isinstance(event, TtrpcStreamError):
+                answer = Answer(event.stream_id, event.status_code, event.status_message, b"")
+            else:
+                continue
+            call = self._calls.pop(answer.stream_id, None)
+            if call is None:
+                logger.debug("NRI: late response on stream %d dropped", answer.stream_id)
+                continue
+            call.response = answer
+            call.done.set()
 
     # --- writing ------------------------------------------------------------------------------
 
@@ -492,7 +506,7 @@ class _Connection:
 
     async def _answer(self, stream_id: int, payload: bytes) -> None:
         try:
-            message = self._server.send_response(stream_id, payload)
+            message = self._server.send_response(stream_id, envelopes.response_data(payload))
         except LocalProtocolError as exc:  # a reply over the 4 MiB ttrpc limit
             logger.error("NRI: cannot send the reply on stream %d: %s", stream_id, exc)
             await self._answer_error(stream_id, Code.RESOURCE_EXHAUSTED, f"dra.cpu: {exc}")
@@ -500,16 +514,18 @@ class _Connection:
         await self._write(PLUGIN_SERVICE_CONN, message)
 
     async def _answer_error(self, stream_id: int, code: int, text: str) -> None:
-        await self._write(PLUGIN_SERVICE_CONN, self._server.send_error(stream_id, code, text))
+        data = envelopes.response_data(b"", code, text)
+        await self._write(PLUGIN_SERVICE_CONN, self._server.send_response(stream_id, data))
 
-    async def _call(self, method: str, payload: bytes, within: float) -> TtrpcResponse | None:
+    async def _call(self, method: str, payload: bytes, within: float) -> Answer | None:
         """Call the runtime on conn 2; ``None`` when it did not answer ``within`` seconds."""
         call = _Call()
+        data = envelopes.request_data(
+            messages.RUNTIME_SERVICE, method, payload, round(within * 1e9)
+        )
         async with self._write_lock:
             # Stream ids must reach the wire in increasing order: take one under the lock.
-            stream_id, message = self._client.send_request(
-                nri.RUNTIME_SERVICE, method, payload, round(within * 1e9)
-            )
+            stream_id, message = self._client.send_request(data)
             self._calls[stream_id] = call
             try:
                 await self._stream.send(self._mux.send(RUNTIME_SERVICE_CONN, message))
@@ -524,7 +540,7 @@ class _Connection:
 
     async def _handshake(self) -> None:
         name, index = self._config.nri_plugin_name, self._config.nri_plugin_index
-        payload = nri.encode_register_plugin_request(name, index)
+        payload = messages.register_plugin_request(name, index)
         response = await self._call("RegisterPlugin", payload, REGISTRATION_REPLY_TIMEOUT)
         if response is None:
             self._end(
@@ -551,7 +567,7 @@ class _Connection:
         link = self._link
         while True:
             batch = await link._next_batch()
-            updates = messages.wire_pins((cid, pin.cpus, pin.mems) for cid, pin in batch)
+            updates = [ContainerUpdate(cid, pin.cpus, pin.mems) for cid, pin in batch if pin.cpus]
             if not updates:
                 continue
             failed, reason = await self._update_containers(updates)
@@ -570,12 +586,12 @@ class _Connection:
             link._batch_done(batch, frozenset(failed))
 
     async def _update_containers(
-        self, updates: list[nri.CpusetUpdate]
+        self, updates: list[ContainerUpdate]
     ) -> tuple[tuple[str, ...], str]:
         """Send one UpdateContainers: the containers that failed (or may have), and why."""
         everything = tuple(u.container_id for u in updates)
         try:
-            payload = nri.encode_update_containers_request(updates)
+            payload = messages.update_containers_request(updates)
             response = await self._call("UpdateContainers", payload, UPDATE_CONTAINERS_TIMEOUT)
         except LocalProtocolError as exc:  # e.g. over the 4 MiB ttrpc limit: never sent
             return everything, f"cannot send it: {exc}"
@@ -586,7 +602,7 @@ class _Connection:
             # any container of the call may have failed (reference §3.4).
             return everything, f"code {response.status_code}: {response.status_message}"
         try:
-            failed = nri.decode_update_containers_response(response.payload)
+            failed = messages.read_update_containers_failed(response.payload)
         except RemoteProtocolError as exc:
             return everything, f"unreadable answer: {exc}"
         return failed, "the runtime reported them failed"
@@ -599,16 +615,16 @@ class _Connection:
 
     # --- serving the Plugin service ---------------------------------------------------------------
 
-    def _budget(self, request_: TtrpcRequest) -> float:
+    def _budget(self, request_: Call) -> float:
         """How long a handler may wait for the owner: the runtime's deadline minus a margin."""
         deadline = request_.timeout_nano / 1e9 if request_.timeout_nano > 0 else 0.0
         if deadline <= 0 or deadline > self._request_timeout:
             deadline = self._request_timeout
         return max(MIN_HANDLER_BUDGET, deadline - HANDLER_MARGIN)
 
-    async def _handle(self, request_: TtrpcRequest) -> None:
+    async def _handle(self, request_: Call) -> None:
         method = request_.method
-        if request_.service != nri.PLUGIN_SERVICE:
+        if request_.service != messages.PLUGIN_SERVICE:
             await self._answer_error(
                 request_.stream_id, Code.UNIMPLEMENTED, f"service {request_.service}"
             )
@@ -635,9 +651,7 @@ class _Connection:
             return
         await self._answer(request_.stream_id, payload)
 
-    async def _ask(
-        self, request_: TtrpcRequest, command: Command
-    ) -> tuple[object, dict[str, _Pin]]:
+    async def _ask(self, request_: Call, command: Command) -> tuple[object, dict[str, _Pin]]:
         """The owner's answer to ``command``, within the handler's budget; raises
         :class:`_Refused` with the status that fails the runtime's operation."""
         budget = self._budget(request_)
@@ -652,34 +666,33 @@ class _Connection:
         code, message = messages.error_status(error)
         raise _Refused(code, message)
 
-    async def _configure(self, request_: TtrpcRequest) -> bytes:
-        runtime = nri.decode_configure_request(request_.payload)
-        if runtime.request_timeout_ms > 0:
-            self._request_timeout = runtime.request_timeout_ms / 1000
+    async def _configure(self, request_: Call) -> bytes:
+        runtime = messages.read_configure(request_.payload)
+        if runtime.request_timeout > 0:
+            self._request_timeout = runtime.request_timeout / 1000
         self._unsolicited = messages.unsolicited_updates_supported(runtime)
         link = self._link
-        link._runtime = runtime
+        link._runtime = (runtime.runtime_name, runtime.runtime_version, runtime.NRI_version)
         link._unsolicited = self._unsolicited
         link._connected = True
         logger.info(
             "NRI: configured by %s %s (NRI %s) as %s-%s; events %#x; unsolicited updates %s",
             runtime.runtime_name or "an unnamed runtime",
             runtime.runtime_version or "?",
-            runtime.nri_version or "< v0.12",
+            runtime.NRI_version or "< v0.12",
             self._config.nri_plugin_index,
             self._config.nri_plugin_name,
-            nri.SUBSCRIBED_EVENT_MASK,
+            messages.SUBSCRIBED_EVENT_MASK,
             "on" if self._unsolicited else "off (shared containers widen at the next event)",
         )
-        return nri.encode_configure_response(nri.SUBSCRIBED_EVENT_MASK)
+        return messages.configure_response()
 
-    async def _synchronize(self, request_: TtrpcRequest) -> bytes:
-        part = nri.decode_synchronize_request(request_.payload)
+    async def _synchronize(self, request_: Call) -> bytes:
+        part = messages.read_synchronize(request_.payload)
         self._sync_pods.extend(part.pods)
         self._sync_containers.extend(part.containers)
         if part.more:
-            # Each part but the last is answered with more=true and no updates (reference §3.2).
-            return nri.encode_synchronize_response(more=True)
+            return messages.synchronize_response(more=True)
         pods, self._sync_pods = self._sync_pods, []
         containers, self._sync_containers = self._sync_containers, []
         command = Synchronize(
@@ -713,17 +726,17 @@ class _Connection:
             len(value.rejected),
         )
         self._synchronized.set()
-        return nri.encode_synchronize_response(updates)
+        return messages.synchronize_response(updates)
 
-    def _event_container(self, request_: TtrpcRequest) -> tuple[nri.Pod | None, nri.Container]:
-        event = nri.decode_container_event(request_.payload)
-        if event.container is None or not event.container.id:
+    def _event_container(self, request_: Call) -> tuple[api.PodSandbox | None, api.Container]:
+        pod, container = messages.read_container_event(request_.method, request_.payload)
+        if container is None or not container.id:
             raise _Refused(Code.INVALID_ARGUMENT, f"dra.cpu: {request_.method} names no container")
-        return event.pod, event.container
+        return pod, container
 
     async def _pin(
-        self, request_: TtrpcRequest, command: Command, container_id: str
-    ) -> tuple[_Pin, list[nri.CpusetUpdate]]:
+        self, request_: Call, command: Command, container_id: str
+    ) -> tuple[_Pin, list[ContainerUpdate]]:
         """Ask the owner to pin a container; its pin and the other containers' updates."""
         value, newer = await self._ask(request_, command)
         if not isinstance(value, ContainerPinned):
@@ -741,7 +754,7 @@ class _Connection:
         updates = _wire(effective)
         return own, updates
 
-    async def _create_container(self, request_: TtrpcRequest) -> bytes:
+    async def _create_container(self, request_: Call) -> bytes:
         pod, container = self._event_container(request_)
         command = CreateContainer(messages.container_command(pod, container))
         try:
@@ -762,18 +775,16 @@ class _Connection:
             len(updates),
             extra={"container": container.id},
         )
-        return nri.encode_create_container_response(
-            str(own.cpus), str(own.mems) if own.mems else "", updates, what=container.id
-        )
+        return messages.create_container_response(container.id, own.cpus, own.mems, updates)
 
-    async def _update_container(self, request_: TtrpcRequest) -> bytes:
+    async def _update_container(self, request_: Call) -> bytes:
         pod, container = self._event_container(request_)
         command = UpdateContainer(messages.container_command(pod, container))
         own, updates = await self._pin(request_, command, container.id)
-        mine = nri.CpusetUpdate(container.id, str(own.cpus), str(own.mems) if own.mems else "")
-        return nri.encode_update_container_response([mine, *updates])
+        mine = ContainerUpdate(container.id, own.cpus, own.mems)
+        return messages.update_container_response([mine, *updates])
 
-    async def _stop_container(self, request_: TtrpcRequest) -> bytes:
+    async def _stop_container(self, request_: Call) -> bytes:
         _, container = self._event_container(request_)
         try:
             value, newer = await self._ask(request_, StopContainer(container.id))
@@ -788,27 +799,27 @@ class _Connection:
         pins = {u.container_id: _Pin(u.cpus, u.mems) for u in value.updates}
         effective = self._link._record(pins, newer)
         updates = _wire(effective)
-        return nri.encode_stop_container_response(updates)
+        return messages.stop_container_response(updates)
 
-    async def _forget(self, request_: TtrpcRequest, container_id: str) -> None:
+    async def _forget(self, request_: Call, container_id: str) -> None:
         try:
             await self._ask(request_, RemoveContainer(container_id))
         except _Refused as refused:
             logger.warning("NRI: RemoveContainer %s: %s", container_id, refused.message)
         self._link._forget(container_id)
 
-    async def _remove_container(self, request_: TtrpcRequest) -> bytes:
+    async def _remove_container(self, request_: Call) -> bytes:
         _, container = self._event_container(request_)
         await self._forget(request_, container.id)
         return b""  # RemoveContainerResponse is empty
 
-    async def _state_change(self, request_: TtrpcRequest) -> bytes:
-        event = nri.decode_state_change_event(request_.payload)
-        if event.event == nri.Event.REMOVE_CONTAINER and event.container and event.container.id:
+    async def _state_change(self, request_: Call) -> bytes:
+        event = messages.read_state_change(request_.payload)
+        if event.event == api.REMOVE_CONTAINER and event.container.id:
             await self._forget(request_, event.container.id)
         return b""  # Empty
 
-    async def _shutdown(self, request_: TtrpcRequest) -> bytes:
+    async def _shutdown(self, request_: Call) -> bytes:
         logger.info("NRI: the runtime asked us to shut down; waiting for it to go away")
         return b""
 

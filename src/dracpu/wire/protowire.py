@@ -1,29 +1,17 @@
-"""The protobuf wire format, just enough for ttrpc's own envelopes (no generated code).
+"""The protobuf wire format's field scanner, for the kubelet's DRA codec (no generated code).
 
-ttrpc wraps every call in ``ttrpc.Request`` and every answer in ``ttrpc.Response``
-(containerd/ttrpc ``request.proto``; ``reference/nri-ttrpc-cdi.md`` §1.4)::
+What is left of the hand-written protobuf code once the NRI messages and the ttrpc envelopes
+moved to Google's protobuf runtime (:mod:`dracpu.adapters.nri_messages`,
+:mod:`dracpu.adapters.ttrpc_envelopes`): the pieces :mod:`dracpu.wire.dra` and
+:mod:`dracpu.adapters.grpc_server` read and write their few fields with. It goes when they do.
 
-    message Request  { string service = 1; string method = 2; bytes payload = 3;
-                       int64 timeout_nano = 4; repeated KeyValue metadata = 5; }
-    message KeyValue { string key = 1; string value = 2; }
-    message Response { google.rpc.Status status = 1; bytes payload = 2; }
-    // googleapis google/rpc/status.proto
-    message Status   { int32 code = 1; string message = 2;
-                       repeated google.protobuf.Any details = 3; }
-
-The encoder writes what Go's ``proto.Marshal`` writes: fields in ascending number, proto3
-defaults omitted, so a successful empty reply is a 0-byte ``Response``. The decoder accepts what
-Go's ``proto.Unmarshal`` accepts: unknown fields (and known fields of another wire type) are
-skipped, the last value of a scalar wins, repeated ``status`` occurrences merge; truncated data,
-bad varints and invalid UTF-8 in a string are errors. Decoding errors are the peer's fault
-(:class:`RemoteProtocolError`); values that cannot be encoded are ours
-(:class:`LocalProtocolError`).
+The scanner accepts what Go's ``proto.Unmarshal`` accepts: unknown fields (and known fields of
+another wire type) are returned or skipped, groups are skipped; truncated data and bad varints
+are errors. Decoding errors are the peer's fault (:class:`RemoteProtocolError`); values that
+cannot be encoded are ours (:class:`LocalProtocolError`).
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 from dracpu.errors import LocalProtocolError, RemoteProtocolError
 
@@ -37,20 +25,12 @@ __all__ = [
     "WIRE_SGROUP",
     "WIRE_VARINT",
     "Field",
-    "RequestEnvelope",
-    "ResponseEnvelope",
-    "decode_request",
-    "decode_response",
     "decode_varint",
-    "encode_request",
-    "encode_response",
     "encode_text",
     "encode_varint",
     "len_field",
     "scan_fields",
     "skip_group",
-    "to_int32",
-    "to_int64",
 ]
 
 # Wire types (protobuf encoding spec, "Message Structure").
@@ -65,40 +45,6 @@ MAX_VARINT_LEN = 10  # a uint64 needs at most 10 groups of 7 bits (protobuf enco
 MAX_FIELD_NUMBER = (1 << 29) - 1  # protobuf language spec: field numbers are 1 .. 2^29-1
 MAX_GROUP_DEPTH = 100  # ours: nested unknown groups skipped before we call the data hostile
 _MASK64 = (1 << 64) - 1
-_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
-_INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
-
-# Field numbers: containerd/ttrpc request.proto and googleapis google/rpc/status.proto.
-REQUEST_SERVICE = 1
-REQUEST_METHOD = 2
-REQUEST_PAYLOAD = 3
-REQUEST_TIMEOUT_NANO = 4
-REQUEST_METADATA = 5
-KEY_VALUE_KEY, KEY_VALUE_VALUE = 1, 2
-RESPONSE_STATUS, RESPONSE_PAYLOAD = 1, 2
-STATUS_CODE, STATUS_MESSAGE, STATUS_DETAILS = 1, 2, 3
-ANY_TYPE_URL, ANY_VALUE = 1, 2  # google/protobuf/any.proto
-
-
-@dataclass(frozen=True, slots=True)
-class RequestEnvelope:
-    """A decoded ``ttrpc.Request``."""
-
-    service: str = ""
-    method: str = ""
-    payload: bytes = b""
-    timeout_nano: int = 0
-    metadata: tuple[tuple[str, str], ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class ResponseEnvelope:
-    """A decoded ``ttrpc.Response``; an absent status reads as code 0 with no message."""
-
-    status_code: int = 0
-    status_message: str = ""
-    payload: bytes = b""
-
 
 # --- encoding -------------------------------------------------------------------------------
 
@@ -120,10 +66,6 @@ def encode_varint(value: int) -> bytes:
     return bytes(out)
 
 
-def _tag(field: int, wire_type: int) -> bytes:
-    return encode_varint((field << 3) | wire_type)
-
-
 def encode_text(text: str, what: str) -> bytes:
     """``text`` as UTF-8 (a protobuf ``string``); :class:`LocalProtocolError` naming ``what``
     when it cannot be (a lone surrogate)."""
@@ -137,63 +79,6 @@ def len_field(tag: int, data: bytes) -> bytes:
     """A length-delimited field whose tag, ``(number << 3) | WIRE_LEN``, is one byte (fields
     1-15), always written (a proto3 default is the caller's to omit)."""
     return bytes((tag,)) + encode_varint(len(data)) + data
-
-
-def _put_len(out: bytearray, field: int, data: bytes) -> None:
-    """Append a length-delimited field, omitted when empty (proto3 default)."""
-    if data:
-        out += _tag(field, WIRE_LEN)
-        out += encode_varint(len(data))
-        out += data
-
-
-def _put_int(out: bytearray, field: int, value: int) -> None:
-    """Append an int32/int64 varint field, omitted when 0; negatives take 10 bytes."""
-    if value:
-        out += _tag(field, WIRE_VARINT)
-        out += encode_varint(value & _MASK64)
-
-
-def encode_request(
-    service: str,
-    method: str,
-    payload: bytes,
-    timeout_nano: int = 0,
-    metadata: Sequence[tuple[str, str]] = (),
-) -> bytes:
-    """Serialize a ``ttrpc.Request`` exactly as Go does."""
-    if not _INT64_MIN <= timeout_nano <= _INT64_MAX:
-        raise LocalProtocolError(f"timeout_nano {timeout_nano} does not fit in an int64")
-    out = bytearray()
-    _put_len(out, REQUEST_SERVICE, encode_text(service, "service"))
-    _put_len(out, REQUEST_METHOD, encode_text(method, "method"))
-    _put_len(out, REQUEST_PAYLOAD, bytes(payload))
-    _put_int(out, REQUEST_TIMEOUT_NANO, timeout_nano)
-    for key, value in metadata:
-        entry = bytearray()
-        _put_len(entry, KEY_VALUE_KEY, encode_text(key, "metadata key"))
-        _put_len(entry, KEY_VALUE_VALUE, encode_text(value, "metadata value"))
-        # A repeated message element is always written, even when empty.
-        out += _tag(REQUEST_METADATA, WIRE_LEN)
-        out += encode_varint(len(entry))
-        out += entry
-    return bytes(out)
-
-
-def encode_response(payload: bytes = b"", status_code: int = 0, status_message: str = "") -> bytes:
-    """Serialize a ``ttrpc.Response``; code 0 without a message omits the status (Go's OK)."""
-    if not _INT32_MIN <= status_code <= _INT32_MAX:
-        raise LocalProtocolError(f"status code {status_code} does not fit in an int32")
-    out = bytearray()
-    status = bytearray()
-    _put_int(status, STATUS_CODE, status_code)
-    _put_len(status, STATUS_MESSAGE, encode_text(status_message, "status message"))
-    if status:
-        out += _tag(RESPONSE_STATUS, WIRE_LEN)
-        out += encode_varint(len(status))
-        out += status
-    _put_len(out, RESPONSE_PAYLOAD, bytes(payload))
-    return bytes(out)
 
 
 # --- decoding -------------------------------------------------------------------------------
@@ -292,81 +177,3 @@ def skip_group(data: bytes, pos: int, end: int, number: int) -> int:
         if pos > end:
             raise RemoteProtocolError(f"protobuf: field {inner} in group {number} overruns it")
     return pos
-
-
-def _text(data: bytes, start: int, end: int, what: str) -> str:
-    try:
-        return data[start:end].decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise RemoteProtocolError(f"protobuf: {what} is not valid UTF-8") from exc
-
-
-def to_int64(value: int) -> int:
-    """An ``int64`` field's value from its varint (two's complement, as Go reads it)."""
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def to_int32(value: int) -> int:
-    """An ``int32`` field's value from its varint."""
-    value &= 0xFFFFFFFF  # Go's int32(uint64) conversion keeps the low 32 bits
-    return value - (1 << 32) if value >= 1 << 31 else value
-
-
-def decode_request(data: bytes) -> RequestEnvelope:
-    """Parse a ``ttrpc.Request``."""
-    service = method = ""
-    payload = b""
-    timeout_nano = 0
-    metadata: list[tuple[str, str]] = []
-    for number, wire_type, a, b in scan_fields(data, 0, len(data)):
-        if wire_type == WIRE_LEN:
-            if number == REQUEST_SERVICE:
-                service = _text(data, a, b, "Request.service")
-            elif number == REQUEST_METHOD:
-                method = _text(data, a, b, "Request.method")
-            elif number == REQUEST_PAYLOAD:
-                payload = data[a:b]
-            elif number == REQUEST_METADATA:
-                metadata.append(_decode_key_value(data, a, b))
-        elif number == REQUEST_TIMEOUT_NANO:
-            timeout_nano = to_int64(a)
-    return RequestEnvelope(service, method, payload, timeout_nano, tuple(metadata))
-
-
-def _decode_key_value(data: bytes, start: int, end: int) -> tuple[str, str]:
-    key = value = ""
-    for number, wire_type, a, b in scan_fields(data, start, end):
-        if wire_type == WIRE_LEN:
-            if number == KEY_VALUE_KEY:
-                key = _text(data, a, b, "KeyValue.key")
-            elif number == KEY_VALUE_VALUE:
-                value = _text(data, a, b, "KeyValue.value")
-    return key, value
-
-
-def decode_response(data: bytes) -> ResponseEnvelope:
-    """Parse a ``ttrpc.Response``; several ``status`` fields merge as in any protobuf runtime."""
-    code, message = 0, ""
-    payload = b""
-    for number, wire_type, a, b in scan_fields(data, 0, len(data)):
-        if wire_type != WIRE_LEN:
-            continue
-        if number == RESPONSE_PAYLOAD:
-            payload = data[a:b]
-        elif number == RESPONSE_STATUS:
-            for inner, inner_type, x, y in scan_fields(data, a, b):
-                if inner_type == WIRE_VARINT:
-                    if inner == STATUS_CODE:
-                        code = to_int32(x)
-                elif inner == STATUS_MESSAGE:
-                    message = _text(data, x, y, "Status.message")
-                elif inner == STATUS_DETAILS:
-                    _check_any(data, x, y)
-    return ResponseEnvelope(code, message, payload)
-
-
-def _check_any(data: bytes, start: int, end: int) -> None:
-    """Validate (and drop) a ``google.protobuf.Any`` detail as Go's unmarshal would."""
-    for number, wire_type, a, b in scan_fields(data, start, end):
-        if number == ANY_TYPE_URL and wire_type == WIRE_LEN:
-            _text(data, a, b, "Any.type_url")
