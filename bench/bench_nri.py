@@ -1,5 +1,6 @@
 """NRI plugin latency, as the runtime sees it: the fake runtime calls the real plugin task, which
-asks a real state owner (``NodeState`` of the ``big-1024`` machine; file effects are no-ops).
+asks the real state owner (restored from the sysfs tree of the ``big-1024`` machine; its CDI specs
+and checkpoint on tmpfs; container events have no file effects).
 
 * ``nri.create.shared.200``: the CreateContainer call (request sent -> reply decoded by the
   runtime: what the runtime's 2 s deadline applies to) for a container without claims, with
@@ -23,6 +24,7 @@ includes the other side's CPU time (Google protobuf, the state machine). Run:
 from __future__ import annotations
 
 import logging
+import shutil
 import sys
 import tempfile
 import time
@@ -42,11 +44,11 @@ from dracpu.adapters import nri_messages as messages
 from dracpu.config import Config
 from dracpu.core.commands import Command, DeviceResult, PrepareClaim
 from dracpu.core.cpuset import CpuSet
-from dracpu.core.effects import ClaimPrepared, ContainerUpdate, Effect, UpdateContainers
-from dracpu.core.state import NodeConfig, NodeState, apply, rollback
+from dracpu.core.effects import ClaimPrepared, ContainerUpdate
+from dracpu.core.node_config import NodeConfig
 from dracpu.sim._pb2.nri.v1alpha1 import api_pb2 as pb
 from dracpu.sim.fake_runtime import FakePod, FakeRuntime, claim_env, open_fake_runtime
-from dracpu.sim.topologies import FIXTURES, build_topology
+from dracpu.sim.topologies import FIXTURES, write_sysfs
 from dracpu.tasks import nri_plugin
 from dracpu.tasks.state_owner import Request, StateOwner, create_request_stream, request
 
@@ -105,34 +107,38 @@ async def _prepare(send: OwnerSend, uid: str, device: str) -> CpuSet:
 
 @asynccontextmanager
 async def _node(
-    socket: Path,
+    base: Path,
 ) -> AsyncIterator[tuple[FakeRuntime, OwnerSend, NodeConfig, TaskGroup]]:
     """A fake runtime, a state owner over big-1024 and the plugin task (started by the caller)."""
-    topology = build_topology(FIXTURES["big-1024"])
-    config = NodeConfig.build(NODE, topology, reserved=CpuSet.parse("0,512"), pin_memory=True)
+    host_root = base / "host"
+    if not host_root.exists():
+        write_sysfs(FIXTURES["big-1024"], host_root)
+    socket = base / "nri.sock"
+    config = Config(
+        node_name=NODE,
+        host_root=host_root,
+        reserved_cpus=CpuSet.parse("0,512"),
+        memory_pinning=True,
+        nri_socket=socket,
+        cdi_dir=base / "cdi",
+        state_dir=base / "state",
+    )
     link = nri_plugin.NriLink()
-
-    async def execute(effect: Effect) -> None:
-        if isinstance(effect, UpdateContainers):
-            link.submit(effect)
-
     send: OwnerSend
     send, receive = create_request_stream()
-    owner: StateOwner[NodeState, Command, Effect] = StateOwner(
-        receive, NodeState.initial(config), apply, execute, rollback=rollback
-    )
+    owner = StateOwner(config, receive, container_updates=link.submit)
     async with send, open_fake_runtime(socket) as runtime, anyio.create_task_group() as tg:
         await tg.start(owner.run)
-        run = partial(
-            nri_plugin.run, Config(node_name=NODE, nri_socket=socket), send.clone(), link=link
-        )
+        run = partial(nri_plugin.run, config, send.clone(), link=link)
         tg.start_soon(run)  # connects once the caller has filled the runtime's table
-        yield runtime, send, config, tg
+        yield runtime, send, owner.state.config, tg
         tg.cancel_scope.cancel()
+    shutil.rmtree(base / "cdi", ignore_errors=True)
+    shutil.rmtree(base / "state", ignore_errors=True)
 
 
-async def _round_trips(socket: Path) -> None:
-    async with _node(socket) as (runtime, send, config, _):
+async def _round_trips(base: Path) -> None:
+    async with _node(base) as (runtime, send, config, _):
         shared_pod = runtime.add_pod("shared")
         for i in range(SHARED):
             runtime.add_container(shared_pod, f"s{i}", env=_env(i), cpus="0-1023")
@@ -195,8 +201,8 @@ def _emit_calls(runtime: FakeRuntime, name: str, n: int, **extra: object) -> Non
     emit(name, "ms", p50=round(p50, 3), p99=round(p99, 3), n=n, **extra)
 
 
-async def _synchronize(socket: Path) -> None:
-    async with _node(socket) as (runtime, send, config, _):
+async def _synchronize(base: Path) -> None:
+    async with _node(base) as (runtime, send, config, _):
         pods = _add_realistic(runtime, SYNC_PODS, SYNC_CONTAINERS - SYNC_CLAIMS)
         groups = sorted(config.devices)
         for i in range(SYNC_CLAIMS):
@@ -274,8 +280,8 @@ def _codec_figures() -> None:
 
 
 async def _all(tmp: Path) -> None:
-    await _round_trips(tmp / "create.sock")
-    await _synchronize(tmp / "sync.sock")
+    await _round_trips(tmp)
+    await _synchronize(tmp)
 
 
 def main() -> None:

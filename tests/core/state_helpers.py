@@ -22,8 +22,9 @@ from dracpu.core.effects import (
     WriteCdiSpec,
     WriteCheckpoint,
 )
+from dracpu.core.node_config import NodeConfig
 from dracpu.core.slices import CpuDeviceMode, GroupBy
-from dracpu.core.state import NodeConfig, NodeState, PreparedClaim, apply, commit_phase, rollback
+from dracpu.core.state import NodeState, PreparedClaim, apply, commit_phase, rollback
 from dracpu.core.topology import CpuInfo, Topology
 from dracpu.errors import CdiError, DracpuError
 

@@ -53,12 +53,12 @@ from dracpu.core.effects import (
     WriteCdiSpec,
     WriteCheckpoint,
 )
+from dracpu.core.node_config import NodeConfig
 from dracpu.core.slices import CpuDeviceMode, GroupBy
 from dracpu.core.state import (
     ClaimOwner,
     ContainerRecord,
     InvariantError,
-    NodeConfig,
     NodeState,
     PreparedClaim,
     apply,

@@ -37,9 +37,9 @@ from dracpu.core.commands import (
 )
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.effects import ClaimPrepared, ContainerPinned, Reply, WriteCdiSpec
+from dracpu.core.node_config import NodeConfig
 from dracpu.core.slices import CpuDeviceMode, GroupBy
 from dracpu.core.state import (
-    NodeConfig,
     NodeState,
     apply,
     check_invariants,

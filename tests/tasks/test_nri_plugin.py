@@ -1,5 +1,5 @@
-"""The NRI plugin task against the fake runtime (an independent peer encoding with Google protobuf)
-and a real state owner over a real ``NodeState`` of the ``dual-socket-smt2`` machine.
+"""The NRI plugin task against the fake runtime (an independent peer with its own framing) and a
+real state owner restored from the sysfs tree of the ``dual-socket-smt2`` machine.
 
 Each test asserts what the runtime ends up with: the cpusets in its container table, the calls
 and the bytes it saw, and whether the plugin stayed connected.
@@ -8,6 +8,7 @@ and the bytes it saw, and whether the plugin stayed connected.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import asynccontextmanager
@@ -33,11 +34,9 @@ from dracpu.core.cpuset import CpuSet
 from dracpu.core.effects import (
     ClaimPrepared,
     ContainerUpdate,
-    Effect,
     UpdateContainers,
-    WriteCdiSpec,
 )
-from dracpu.core.state import NodeConfig, NodeState, apply, rollback
+from dracpu.core.state import NodeState
 from dracpu.sim import _nri_framing as framing
 from dracpu.sim._pb2.nri.v1alpha1 import api_pb2 as pb
 from dracpu.sim.fake_runtime import (
@@ -54,12 +53,15 @@ from dracpu.tasks.nri_plugin import NriLink
 from dracpu.tasks.state_owner import Request, StateOwner, create_request_stream, request
 from dracpu.wire.ttrpc import Code
 from tests.fixtures import scratch_dir
+from tests.tasks.owner_files import Files, host_root
 
 pytestmark = pytest.mark.anyio
 
 NODE = "node-a"
 RESERVED = CpuSet.parse("0,32")
 TOPOLOGY = build_topology(FIXTURES["dual-socket-smt2"])  # 64 CPUs, NUMA n = cpus 8n..8n+7 (+32)
+
+
 ALLOCATABLE = "1-31,33-63"
 UID_A = "aaaaaaaa-0000-4000-8000-000000000001"
 UID_B = "bbbbbbbb-0000-4000-8000-000000000002"
@@ -81,43 +83,13 @@ async def until(predicate: Callable[[], bool], what: str, timeout: float = 10.0)
     raise AssertionError(f"timed out waiting for {what}")
 
 
-class Executor:
-    """The owner's effect executor: files are only recorded; UpdateContainers goes to the link.
-
-    ``gates`` hold a claim's CDI write until the test opens them (to queue commands behind it).
-    """
-
-    def __init__(self, link: NriLink) -> None:
-        self.link = link
-        self.done: list[Effect] = []
-        self.gates: dict[str, anyio.Event] = {}
-        self.waiting: set[str] = set()
-
-    async def __call__(self, effect: Effect) -> None:
-        if isinstance(effect, UpdateContainers):
-            self.link.submit(effect)
-            return
-        if isinstance(effect, WriteCdiSpec) and effect.claim_uid in self.gates:
-            self.waiting.add(effect.claim_uid)
-            await self.gates[effect.claim_uid].wait()
-            self.waiting.discard(effect.claim_uid)
-        self.done.append(effect)
-
-    async def hold(self, node: Node, uid: str, device: str) -> anyio.Event:
-        """Start preparing ``uid`` and keep the owner busy in its CDI write until released."""
-        self.gates[uid] = gate = anyio.Event()
-        node.tg.start_soon(partial(node.prepare, uid, device))
-        await until(lambda: uid in self.waiting, f"the owner held on claim {uid}")
-        return gate
-
-
 @dataclass
 class Node:
     runtime: FakeRuntime
-    owner: StateOwner[NodeState, Command, Effect]
+    owner: StateOwner
     send: MemoryObjectSendStream[Request[Command]]
     link: NriLink
-    executor: Executor
+    files: Files
     socket: Path
     tg: anyio.abc.TaskGroup
     claims: dict[str, CpuSet] = field(default_factory=dict)
@@ -146,6 +118,14 @@ class Node:
 
     async def unprepare(self, uid: str) -> None:
         await request(self.send, UnprepareClaim(uid))
+
+    async def hold(self, uid: str, device: str) -> threading.Event:
+        """Start preparing ``uid`` and keep the owner busy in its CDI write (in its worker
+        thread) until the returned event is set (at the latest when the node closes)."""
+        gate = self.files.claim_gates[uid] = threading.Event()
+        self.tg.start_soon(partial(self.prepare, uid, device))
+        await until(lambda: uid in self.files.held_claims, f"the owner held on claim {uid}")
+        return gate
 
     def plugin(
         self, socket: Path | None = None, *, start_timeout: float = 5.0
@@ -187,15 +167,20 @@ async def open_node(
     pin_memory: bool = True,
     **runtime_options: object,
 ) -> AsyncIterator[Node]:
-    config = NodeConfig.build(NODE, TOPOLOGY, reserved=RESERVED, pin_memory=pin_memory)
     link = NriLink()
-    executor = Executor(link)
     send: MemoryObjectSendStream[Request[Command]]
     send, receive = create_request_stream()
-    owner: StateOwner[NodeState, Command, Effect] = StateOwner(
-        receive, NodeState.initial(config), apply, executor, rollback=rollback
-    )
     with scratch_dir("dracpu-nri-") as tmp:
+        config = Config(
+            node_name=NODE,
+            host_root=host_root("dual-socket-smt2"),
+            reserved_cpus=RESERVED,
+            memory_pinning=pin_memory,
+            cdi_dir=tmp / "cdi",
+            state_dir=tmp / "state",
+        )
+        files = Files(config)
+        owner = StateOwner(config, receive, container_updates=link.submit, files=files)
         socket = tmp / "nri.sock"
         async with (
             send,
@@ -203,7 +188,7 @@ async def open_node(
             anyio.create_task_group() as tg,
         ):
             await tg.start(owner.run)
-            node = Node(runtime, owner, send, link, executor, socket, tg)
+            node = Node(runtime, owner, send, link, files, socket, tg)
             if setup is not None:
                 setup(runtime)
             for uid, cpuset in prepared:
@@ -211,7 +196,11 @@ async def open_node(
             if start:
                 await node.start_plugin()
                 await runtime.wait_plugin(10)
-            yield node
+            try:
+                yield node
+            finally:
+                for gate in files.claim_gates.values():
+                    gate.set()  # no worker thread left waiting
             tg.cancel_scope.cancel()
 
 
@@ -493,7 +482,7 @@ async def test_event_reply_racing_a_queued_unsolicited_update() -> None:
         assert CpuSet.parse(node.pool) == CpuSet.parse(ALLOCATABLE) - held
 
 
-async def _claim_c_released_by_its_pod_and_the_owner_held(node: Node) -> anyio.Event:
+async def _claim_c_released_by_its_pod_and_the_owner_held(node: Node) -> threading.Event:
     """Claim C prepared, its container created and removed (an Unprepare C widens the shared
     containers), then the owner held in Prepare D's CDI write: the gate releases it."""
     await node.prepare(UID_C, "cpudevnuma002")
@@ -501,7 +490,7 @@ async def _claim_c_released_by_its_pod_and_the_owner_held(node: Node) -> anyio.E
     ctr_c = node.exclusive(pod_c, "app", UID_C)
     await node.runtime.create_container(pod_c, ctr_c)
     await node.runtime.remove_container(ctr_c.id)
-    return await node.executor.hold(node, UID_D, "cpudevnuma003")
+    return await node.hold(UID_D, "cpudevnuma003")
 
 
 async def _settled(node: Node) -> None:
@@ -597,7 +586,7 @@ def test_effects_without_a_synchronized_runtime_are_dropped() -> None:
 
 async def test_a_slow_owner_fails_creation_before_the_runtime_gives_up() -> None:
     async with open_node(plugin_timeout=0.8) as node:
-        gate = await node.executor.hold(node, UID_A, "cpudevnuma000")
+        gate = await node.hold(UID_A, "cpudevnuma000")
         pod = node.runtime.add_pod("p")
         ctr = node.runtime.new_container(pod, "app")
         with pytest.raises(PluginFailedError) as failed:

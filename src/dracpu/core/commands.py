@@ -21,15 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from dracpu.core.allocator import AllocationPolicy
 from dracpu.core.cdi_spec import parse_env
 from dracpu.core.cpuset import CpuSet
+from dracpu.core.node_config import NodeConfig
 from dracpu.errors import CdiError
-
-if TYPE_CHECKING:
-    from dracpu.core.allocator import AllocationPolicy
-    from dracpu.core.state import NodeConfig
 
 __all__ = [
     "AdoptClaims",

@@ -93,7 +93,8 @@ from dracpu.core.effects import (
     WriteCdiSpec,
     WriteCheckpoint,
 )
-from dracpu.core.slices import CpuDeviceMode, Device, GroupBy, published_devices
+from dracpu.core.node_config import NodeConfig
+from dracpu.core.slices import Device
 from dracpu.core.topology import Topology
 from dracpu.errors import (
     AllocationError,
@@ -107,7 +108,6 @@ __all__ = [
     "ClaimOwner",
     "ContainerRecord",
     "InvariantError",
-    "NodeConfig",
     "NodeState",
     "PreparedClaim",
     "apply",
@@ -152,54 +152,6 @@ class InvariantError(DracpuError, AssertionError):
 
 
 # --- values ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class NodeConfig:
-    """What the state machine needs to know about the node; fixed until a topology Resync.
-
-    ``devices``: the published devices by name (:func:`dracpu.core.slices.published_devices`).
-    ``policy``: the default allocation policy of grouped claims; ``pin_memory``: pin the
-    containers of a claim to the NUMA nodes of its CPUs unless the claim says otherwise.
-    """
-
-    node_name: str
-    topology: Topology
-    devices: Mapping[str, Device]
-    reserved: CpuSet = EMPTY
-    policy: AllocationPolicy = field(default_factory=AllocationPolicy)
-    pin_memory: bool = False
-    allocatable: CpuSet = field(init=False)
-    shareable: CpuSet = field(init=False)
-
-    def __post_init__(self) -> None:
-        allocatable = self.topology.online - self.reserved
-        object.__setattr__(self, "devices", MappingProxyType(dict(self.devices)))
-        object.__setattr__(self, "allocatable", allocatable)
-        object.__setattr__(self, "shareable", allocatable - self.topology.isolated)
-
-    @classmethod
-    def build(
-        cls,
-        node_name: str,
-        topology: Topology,
-        *,
-        reserved: CpuSet = EMPTY,
-        mode: CpuDeviceMode = CpuDeviceMode.GROUPED,
-        group_by: GroupBy = GroupBy.NUMANODE,
-        policy: AllocationPolicy | None = None,
-        pin_memory: bool = False,
-    ) -> NodeConfig:
-        """The config with the devices this node publishes in ``mode``/``group_by``."""
-        devices = published_devices(topology, reserved=reserved, mode=mode, group_by=group_by)
-        return cls(
-            node_name=node_name,
-            topology=topology,
-            devices={d.name: d for d in devices},
-            reserved=reserved,
-            policy=AllocationPolicy() if policy is None else policy,
-            pin_memory=pin_memory,
-        )
 
 
 @dataclass(frozen=True, slots=True)
