@@ -50,6 +50,7 @@ from dracpu.sim._pb2.nri.v1alpha1 import api_pb2 as pb
 from dracpu.sim.fake_runtime import FakePod, FakeRuntime, claim_env, open_fake_runtime
 from dracpu.sim.topologies import FIXTURES, write_sysfs
 from dracpu.tasks import nri_plugin
+from dracpu.tasks.nri_link import NriLink
 from dracpu.tasks.state_owner import Request, StateOwner, create_request_stream, request
 
 __all__ = ["main"]
@@ -123,13 +124,13 @@ async def _node(
         cdi_dir=base / "cdi",
         state_dir=base / "state",
     )
-    link = nri_plugin.NriLink()
+    link = NriLink()
     send: OwnerSend
     send, receive = create_request_stream()
     owner = StateOwner(config, receive, container_updates=link.submit)
     async with send, open_fake_runtime(socket) as runtime, anyio.create_task_group() as tg:
         await tg.start(owner.run)
-        run = partial(nri_plugin.run, config, send.clone(), link=link)
+        run = partial(nri_plugin.run, config, send.clone(), lambda: owner.state, link=link)
         tg.start_soon(run)  # connects once the caller has filled the runtime's table
         yield runtime, send, owner.state.config, tg
         tg.cancel_scope.cancel()

@@ -83,7 +83,7 @@ from dracpu.tasks import (
     state_owner,
 )
 from dracpu.tasks.http import Readiness
-from dracpu.tasks.nri_plugin import NriLink
+from dracpu.tasks.nri_link import NriLink
 from dracpu.tasks.state_owner import Request, StateOwner
 
 __all__ = [
@@ -403,7 +403,11 @@ class _Node:
 
     async def run_nri_plugin(self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
         await nri_plugin.run(
-            self.config, self.send.clone(), link=self.link, task_status=task_status
+            self.config,
+            self.send.clone(),
+            lambda: self.owner.state,
+            link=self.link,
+            task_status=task_status,
         )
 
     async def run_slice_publisher(

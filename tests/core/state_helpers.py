@@ -156,9 +156,9 @@ def run(state: NodeState, command: Command, disk: FakeDisk) -> tuple[NodeState, 
         try:
             disk.execute(effect)
         except DracpuError:
-            if isinstance(effect, UpdateContainers):
-                ids = tuple(u.container_id for u in effect.updates)
-                new, _ = apply(new, InvalidateContainers(ids))
+            if isinstance(effect, UpdateContainers):  # the runtime failed them: the NRI task
+                failed = tuple((u.container_id, u.seq) for u in effect.updates)  # tells us so
+                new, _ = apply(new, InvalidateContainers(failed))
     return new, reply.value
 
 

@@ -21,20 +21,19 @@ import anyio
 import anyio.abc
 import pytest
 from anyio.streams.memory import MemoryObjectSendStream
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dracpu.config import Config
 from dracpu.core.commands import (
     Command,
     DeviceResult,
     PrepareClaim,
-    StopContainer,
     UnprepareClaim,
 )
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.effects import (
     ClaimPrepared,
-    ContainerUpdate,
-    UpdateContainers,
 )
 from dracpu.core.state import NodeState
 from dracpu.sim import _nri_framing as framing
@@ -49,7 +48,7 @@ from dracpu.sim.fake_runtime import (
 )
 from dracpu.sim.topologies import FIXTURES, build_topology
 from dracpu.tasks import nri_plugin
-from dracpu.tasks.nri_plugin import NriLink
+from dracpu.tasks.nri_link import NriLink
 from dracpu.tasks.state_owner import Request, StateOwner, create_request_stream, request
 from dracpu.wire.ttrpc import Code
 from tests.fixtures import scratch_dir
@@ -137,6 +136,7 @@ class Node:
             nri_plugin.run,
             config,
             self.send.clone(),
+            lambda: self.owner.state,
             link=self.link,
             delays=fast_delays,
             start_timeout=start_timeout,
@@ -503,82 +503,107 @@ async def _settled(node: Node) -> None:
     node.assert_shared_at(node.pool)
 
 
-# --- the ordering rules of the link, with a hand-driven owner -------------------------------------
+# --- the ordering property, over random interleavings -------------------------------------------
 
-POOL_OLD = CpuSet.parse("1-9")
-POOL_NEW = CpuSet.parse("1-20")
-
-
-async def _answer_one(
-    link: NriLink, *, submit_before_answer: bool
-) -> tuple[object, dict[str, object]]:
-    send: MemoryObjectSendStream[Request[Command]]
-    send, receive = create_request_stream()
-    result: list[tuple[object, dict[str, object]]] = []
-    effect = UpdateContainers((ContainerUpdate("shared-1", POOL_NEW),))
-
-    async def ask() -> None:
-        value, newer = await link._ask(send, StopContainer("x"))
-        result.append((value, dict(newer)))
-
-    async with send, receive, anyio.create_task_group() as tg:
-        tg.start_soon(ask)
-        req = await receive.receive()
-        if submit_before_answer:
-            link.submit(effect)  # the owner executed the effect of an earlier command
-        with req.reply:
-            req.reply.send_nowait("answered")
-        if not submit_before_answer:
-            link.submit(effect)  # the effect of a command the owner handled after ours
-    return result[0]
+# A step: (what, which claim, run it beside the next steps instead of awaiting it). A prepare run
+# beside holds the owner in its CDI write for a while, so the steps after it queue up behind it
+# and their answers, replies and unsolicited updates interleave.
+_STEPS = st.lists(
+    st.tuples(
+        st.sampled_from(["prepare", "create", "remove", "unprepare", "shared"]),
+        st.integers(0, 2),
+        st.booleans(),
+    ),
+    min_size=4,
+    max_size=12,
+)
+_DEVICES = ("cpudevnuma000", "cpudevnuma001", "cpudevnuma002")
+_CLAIMS = (UID_A, UID_B, UID_C)
 
 
-async def test_an_effect_executed_after_our_answer_supersedes_it() -> None:
-    link = NriLink()
-    link._go_live()
-    value, newer = await _answer_one(link, submit_before_answer=False)
-    assert value == "answered"
-    assert set(newer) == {"shared-1"}
-    pins = link._record(
-        {"shared-1": nri_plugin._Pin(POOL_OLD, None), "other": nri_plugin._Pin(POOL_OLD, None)},
-        newer,  # type: ignore[arg-type]
-    )
-    assert pins["shared-1"].cpus == POOL_NEW  # the reply carries the newer decision
-    assert link._pins["shared-1"].cpus == POOL_NEW
-    assert link._pins["other"].cpus == POOL_OLD
+async def _release_after(gate: threading.Event, seconds: float) -> None:
+    await anyio.sleep(seconds)
+    gate.set()
 
 
-async def test_an_effect_executed_before_our_answer_is_superseded_by_it() -> None:
-    link = NriLink()
-    link._go_live()
-    _, newer = await _answer_one(link, submit_before_answer=True)
-    assert newer == {}
-    pins = link._record({"shared-1": nri_plugin._Pin(POOL_OLD, None)}, {})
-    assert pins["shared-1"].cpus == POOL_OLD
-    assert link._pins["shared-1"].cpus == POOL_OLD
-    # The queued UpdateContainers is built from the newest decision when it is sent.
-    batch = await link._next_batch()
-    assert batch == [("shared-1", nri_plugin._Pin(POOL_OLD, None))]
+async def _play(steps: list[tuple[str, int, bool]], policy: str) -> None:
+    """Run ``steps`` against a fixed runtime (unsolicited updates on) whose UpdateContainers
+    waits for the event lock (``wait``, containerd) or does not (``serve``); at the end every
+    container must run on the owner's last decision for it."""
+    async with open_node(
+        setup=lambda rt: add_shared(rt, 3), nri_version="v0.12.1", updates_while_busy=policy
+    ) as node:
+        prepared: set[int] = set()
+        running: dict[int, FakeContainer] = {}
+        busy: set[int] = set()
+
+        async def one(what: str, k: int, beside: bool) -> None:
+            try:
+                if what == "prepare":
+                    if beside:
+                        gate = node.files.claim_gates[_CLAIMS[k]] = threading.Event()
+                        tg.start_soon(_release_after, gate, 0.05)
+                    await node.prepare(_CLAIMS[k], _DEVICES[k], count=2)
+                elif what == "create":
+                    pod = node.runtime.add_pod(f"claim-{k}")
+                    running[k] = node.exclusive(pod, "app", _CLAIMS[k])
+                    await node.runtime.create_container(pod, running[k])
+                elif what == "remove":
+                    await node.runtime.remove_container(running.pop(k).id)
+                else:
+                    await node.unprepare(_CLAIMS[k])
+            finally:
+                busy.discard(k)
+
+        async with anyio.create_task_group() as tg:
+            for what, k, beside in steps:
+                if what == "shared":
+                    pod = node.runtime.add_pod("more")
+                    ctr = node.runtime.new_container(pod, "s")
+                    tg.start_soon(partial(node.runtime.create_container, pod, ctr))
+                    continue
+                if k in busy:
+                    continue
+                ready = {
+                    "prepare": k not in prepared,
+                    "create": k in prepared and k not in running,
+                    "remove": k in running,
+                    "unprepare": k in prepared and k not in running,
+                }[what]
+                if not ready:
+                    continue
+                if what == "prepare":
+                    prepared.add(k)
+                elif what == "unprepare":
+                    prepared.discard(k)
+                busy.add(k)
+                if beside:
+                    tg.start_soon(one, what, k, beside)
+                else:
+                    await one(what, k, beside)
+
+        # Every container ends on the owner's last decision for it (prepares alone move no one:
+        # the shared containers follow the pool at the next event).
+        def decided() -> dict[str, str]:
+            return {c: str(r.cpus) for c, r in node.state.containers.items() if r.cpus}
+
+        def applied() -> dict[str, str]:
+            return {c: node.table()[c][0] for c in decided()}
+
+        await until(lambda: applied() == decided(), "every container on its last decision")
+        await anyio.sleep(0.2)  # a late UpdateContainers must not undo it
+        assert applied() == decided()
+        for k, container in running.items():
+            assert decided()[container.id] == str(node.claims[_CLAIMS[k]])
 
 
-async def test_a_pin_changed_in_flight_is_queued_again() -> None:
-    link = NriLink()
-    link._go_live()
-    link.submit(UpdateContainers((ContainerUpdate("a", POOL_NEW), ContainerUpdate("b", POOL_NEW))))
-    batch = await link._next_batch()
-    link._record({"a": nri_plugin._Pin(POOL_OLD, None)}, {})  # an event reply while in flight
-    link._batch_done(batch, frozenset())
-    assert list(link._queued) == ["a"]
-    link._batch_done([("b", nri_plugin._Pin(POOL_OLD, None))], frozenset({"b"}))
-    assert list(link._queued) == ["a"]  # failed ones are the owner's (InvalidateContainers)
-
-
-def test_effects_without_a_synchronized_runtime_are_dropped() -> None:
-    link = NriLink()
-    link.submit(UpdateContainers((ContainerUpdate("a", POOL_NEW),)))
-    assert link.status().unsolicited_dropped == 1
-    assert not link._queued
-    assert not link.status().connected
+@pytest.mark.parametrize("policy", ["wait", "serve"])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=_STEPS)
+def test_the_last_write_to_each_container_is_the_owners_last_decision(
+    policy: str, steps: list[tuple[str, int, bool]]
+) -> None:
+    anyio.run(_play, steps, policy)
 
 
 # --- failures: the owner, the runtime, the socket -------------------------------------------------

@@ -275,7 +275,9 @@ async def test_unsolicited_updates_go_to_the_nri_task_after_the_answer(
         assert node.updates == []
         await node.ask(UnprepareClaim(UID_A))
         [update] = node.updates
-        assert update.updates == (ContainerUpdate("shared", node.owner.state.shared_pool, None),)
+        state = node.owner.state
+        assert update.updates == (ContainerUpdate("shared", state.shared_pool, None, 3),)
+        assert state.containers["shared"].seq == state.pin_seq == 3
 
 
 async def test_a_cancelled_requester_never_disturbs_the_owner(

@@ -9,7 +9,7 @@ Who sends what:
 - the kubelet plugin: :class:`PrepareClaim`, :class:`UnprepareClaim`;
 - the NRI plugin: :class:`CreateContainer`, :class:`UpdateContainer`, :class:`StopContainer`,
   :class:`RemoveContainer`, :class:`Synchronize`, :class:`RuntimeDisconnected`,
-  :class:`InvalidateContainers` (an unsolicited ``UpdateContainers`` failed);
+  :class:`InvalidateContainers` (the runtime failed an unsolicited ``UpdateContainers``);
 - the pod-resources sync: :class:`PodsListed`;
 - the state owner itself at start and on SIGHUP: :class:`AdoptClaims`, :class:`Resync`.
 
@@ -267,10 +267,12 @@ class RuntimeDisconnected:
 
 @dataclass(frozen=True, slots=True)
 class InvalidateContainers:
-    """An ``UpdateContainers`` call for these containers failed: their cpusets are unknown, so
-    the next reply that can carry updates sends them again."""
+    """The runtime failed an ``UpdateContainers`` of these ``(container id, seq)`` pins: each
+    such container's cpuset is unknown, unless the owner decided a newer pin for it meanwhile
+    (a higher seq, sent on its own way), so the next reply that can carry updates sends it
+    again."""
 
-    container_ids: tuple[str, ...]
+    failed: tuple[tuple[str, int], ...]
 
 
 Command = (

@@ -114,7 +114,6 @@ __all__ = [
     "FILE_THREAD_NAME",
     "ContainerUpdates",
     "OwnerStatistics",
-    "PendingReply",
     "Request",
     "StateOwner",
     "create_request_stream",
@@ -143,7 +142,7 @@ C = TypeVar("C")
 
 ContainerUpdates = Callable[[UpdateContainers], None]
 """Takes the owner's unsolicited container updates without blocking and without failing (the
-NRI task's :meth:`~dracpu.tasks.nri_plugin.NriLink.submit`)."""
+NRI task's :meth:`~dracpu.tasks.nri_link.NriLink.submit`)."""
 
 
 # --- the requesters' side -------------------------------------------------------------------------
@@ -165,48 +164,21 @@ def create_request_stream(
     return anyio.create_memory_object_stream[Request[C]](max_buffer_size)
 
 
-class PendingReply:
-    """A requester's end of one request's one-shot reply stream; use it for one :func:`request`.
-
-    :func:`request` makes its own; a requester that must order the owner's effects against its
-    request passes one it made and watches :attr:`handled` (the NRI plugin does).
-    """
-
-    __slots__ = ("_receive", "_send")
-
-    def __init__(self) -> None:
-        self._send, self._receive = anyio.create_memory_object_stream[object](1)
-
-    @property
-    def handled(self) -> bool:
-        """The owner is done with the request: it answered and closed the reply stream.
-
-        The owner closes a request's reply stream right after the request's last effect, before
-        it takes the next request, so an effect the owner executes while this is true was decided
-        after the request's answer; one it executes while this is false was decided before the
-        answer or with it. True also once the request could not be sent.
-        """
-        return self._receive.statistics().open_send_streams == 0
-
-
-async def request(
-    send: MemoryObjectSendStream[Request[C]], command: C, *, reply: PendingReply | None = None
-) -> object:
+async def request(send: MemoryObjectSendStream[Request[C]], command: C) -> object:
     """Send ``command`` to the owner and wait for its answer.
 
     Returns the answer's value; raises it when it is a :class:`~dracpu.errors.DracpuError`.
     Raises DracpuError when the owner is not running or stops before answering. Cancelling the
-    caller is safe at any point: the owner still applies a command it received. ``reply``: the
-    reply end to use (default: a new one); it is closed on return.
+    caller is safe at any point: the owner still applies a command it received.
     """
-    pending = PendingReply() if reply is None else reply
-    with pending._receive:
+    reply_send, reply_receive = anyio.create_memory_object_stream[object](1)
+    with reply_receive:
         delivered = False
         try:
             try:  # queued at once when there is room: no event-loop round before it
-                send.send_nowait(Request(command, pending._send))
+                send.send_nowait(Request(command, reply_send))
             except WouldBlock:
-                await send.send(Request(command, pending._send))
+                await send.send(Request(command, reply_send))
             delivered = True
         except (BrokenResourceError, ClosedResourceError) as exc:
             raise DracpuError(
@@ -214,9 +186,9 @@ async def request(
             ) from exc
         finally:
             if not delivered:
-                pending._send.close()
+                reply_send.close()
         try:
-            value = await pending._receive.receive()
+            value = await reply_receive.receive()
         except EndOfStream:
             raise DracpuError(
                 f"the state owner stopped before answering {type(command).__name__}"
@@ -361,9 +333,7 @@ class StateOwner:
     async def _handle(self, req: Request[Command]) -> None:
         command = req.command
         name = type(command).__name__
-        # The reply stream is closed after the last effect, before the next request:
-        # PendingReply.handled.
-        with req.reply:
+        with req.reply:  # closed once the owner is done with the request
             old = self.state
             try:
                 new, effects = self._apply(old, command)
