@@ -1,7 +1,7 @@
 """The generated code in ``dracpu._gen`` is fresh and speaks exactly the upstream wire.
 
 Every message is checked against an independent implementation: Google's protobuf runtime
-(``tests.peers``), plus golden bytes from ``reference/nri-ttrpc-cdi.md`` §4. The gRPC services
+(``tests.peers``), plus golden bytes of the Go implementations. The gRPC services
 are checked against grpcio (an independent gRPC stack, as grpc-go's kubelet is) over real unix
 sockets, with the method paths written out literally as the kubelet sends them.
 """

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
@@ -59,12 +59,6 @@ import anyio
 from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-from prometheus_client.metrics_core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    InfoMetricFamily,
-    Metric,
-)
 
 from dracpu import __version__
 from dracpu.adapters.kube import KubeClient, open_kube_client
@@ -76,6 +70,7 @@ from dracpu.tasks import (
     cdi_watcher,
     http,
     kubelet_plugin,
+    metrics,
     nri_plugin,
     registration,
     signals,
@@ -105,7 +100,7 @@ EXIT_OK = 0
 EXIT_FAILURE = 1  # a task failed: the DaemonSet restarts the pod
 EXIT_INTERRUPTED = 130  # Ctrl-C before the signal handlers were installed (128 + SIGINT)
 
-# A stop must end within the 5 s the daemon promises (design §3, issue 2); 4.5 s for the tasks
+# A stop must end within the 5 s the daemon promises; 4.5 s for the tasks
 # leaves half a second to close the event loop and exit. The kubelet waits 30 s by default
 # (terminationGracePeriodSeconds) before it kills the container.
 STOP_TIMEOUT = 4.5
@@ -299,51 +294,6 @@ async def _stop(running: Sequence[_Running], shutdown: Shutdown, stop_timeout: f
 # --- the real node ------------------------------------------------------------------------------
 
 
-class _NriCollector:
-    """``/metrics`` of the NRI side, read from :meth:`NriLink.status` at scrape time."""
-
-    def __init__(self, link: NriLink) -> None:
-        self._link = link
-
-    def collect(self) -> Iterable[Metric]:
-        status = self._link.status()
-        yield GaugeMetricFamily(
-            "dracpu_nri_connected",
-            "1 while a runtime has accepted our NRI registration.",
-            value=float(status.connected),
-        )
-        yield GaugeMetricFamily(
-            "dracpu_nri_synchronized",
-            "1 once the connected runtime's Synchronize was answered (every container pinned).",
-            value=float(status.synchronized),
-        )
-        yield CounterMetricFamily(
-            "dracpu_nri_connections",
-            "Synchronized NRI connections since the start (1 + reconnects).",
-            value=float(status.connections),
-        )
-        updates = CounterMetricFamily(
-            "dracpu_nri_unsolicited_updates",
-            "Unsolicited UpdateContainers (widening after Unprepare), by outcome.",
-            labels=["outcome"],
-        )
-        updates.add_metric(["sent"], float(status.unsolicited_sent))
-        updates.add_metric(["failed"], float(status.unsolicited_failed))
-        updates.add_metric(["dropped"], float(status.unsolicited_dropped))
-        yield updates
-        runtime = InfoMetricFamily("dracpu_nri_runtime", "The runtime on the NRI socket.")
-        runtime.add_metric(
-            [],
-            {
-                "name": status.runtime_name,
-                "version": status.runtime_version,
-                "nri_version": status.nri_version,
-                "unsolicited_updates": str(status.unsolicited_updates).lower(),
-            },
-        )
-        yield runtime
-
-
 class _Node:
     """Everything the node's tasks share: config, streams, the state owner, the NRI link, the
     republish channel, the Kubernetes client. :meth:`tasks` lists them in start order."""
@@ -422,8 +372,7 @@ class _Node:
         )
 
     def tasks(self) -> list[TaskSpec]:
-        registry = http.build_registry(self.readiness, self.owner.statistics)
-        registry.register(_NriCollector(self.link))
+        registry = metrics.build_registry(self.readiness, self.owner.statistics, self.link.status)
         return [
             TaskSpec("signals", self.run_signals),
             TaskSpec("state-owner", self.owner.run),

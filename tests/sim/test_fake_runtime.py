@@ -54,7 +54,7 @@ from dracpu.wire.ttrpc import Role, TtrpcConnection
 __all__: list[str] = []
 
 RUNTIME = "nri.pkg.api.v1alpha1.Runtime"
-# CREATE_CONTAINER | UPDATE_CONTAINER | STOP_CONTAINER | REMOVE_CONTAINER (reference §3.3)
+# CREATE_CONTAINER | UPDATE_CONTAINER | STOP_CONTAINER | REMOVE_CONTAINER (nri event.go bits)
 PINNING_EVENTS = 0x688
 STEP = 10.0  # seconds any single step of a test may take (2 shared cores)
 
@@ -63,7 +63,7 @@ def _hex(text: str) -> bytes:
     return bytes.fromhex(text)
 
 
-# reference/nri-ttrpc-cdi.md §4.2 (derived vectors) and §4.1 (ttrpc-rust).
+# Golden frames: the bytes containerd/nri's Go code writes, and ttrpc-rust's vectors.
 GOLDEN_REGISTER_SOCKET = _hex(
     "00 00 00 02 00 00 00 4d  00 00 00 43 00 00 00 01 01 00"
     "0a 1c 6e 72 69 2e 70 6b 67 2e 61 70 69 2e 76 31 61 6c 70 68 61 31 2e 52 75 6e 74 69 6d 65"

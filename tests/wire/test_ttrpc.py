@@ -151,7 +151,7 @@ def test_server_writes_response(event: TtrpcResponse, data: bytes) -> None:
 
 
 def test_message_header_golden_vectors_from_ttrpc_rust() -> None:
-    # containerd/ttrpc-rust src/proto.rs MESSAGE_HEADER and PROTOBUF_MESSAGE_HEADER (§4.1).
+    # containerd/ttrpc-rust src/proto.rs MESSAGE_HEADER and PROTOBUF_MESSAGE_HEADER.
     vectors = [
         (bytes([0x10, 0, 0, 0, 0, 0, 0, 0x03, 0x2, 0xEF]), MessageHeader(0x1000_0000, 3, 2, 0xEF)),
         (

@@ -1,4 +1,4 @@
-"""Commands: what the tasks ask the state owner to do (design §3).
+"""Commands: what the tasks ask the state owner to do.
 
 Every command is a frozen, slotted value. :func:`dracpu.core.state.apply` turns ``(state,
 command)`` into ``(new state, effects)``; exactly one of the effects is a

@@ -1,4 +1,4 @@
-"""Effects: the I/O the state owner performs after a command was applied (design §3).
+"""Effects: the I/O the state owner performs after a command was applied.
 
 ``apply(state, command) -> (state, effects)`` is pure; the state owner executes the effects in
 order. :class:`Reply` is special: its value goes back to the requester's one-shot reply stream.

@@ -1,4 +1,4 @@
-"""A whole simulated node around the REAL ``dracpu run`` process (design §7).
+"""A whole simulated node around the REAL ``dracpu run`` process.
 
 :func:`open_node_sim` starts, in this order:
 
@@ -74,23 +74,23 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TOPOLOGY = "dual-socket-smt2"  # design §7 / the brief: the README demo's machine
+DEFAULT_TOPOLOGY = "dual-socket-smt2"  # the README demo's machine
 DEFAULT_NODE_NAME = "sim-node"
-CAPACITY_CPU = "dra.cpu/cpu"  # the capacity grouped devices publish (design §2)
+CAPACITY_CPU = "dra.cpu/cpu"  # the capacity grouped devices publish (dra-driver-cpu's name)
 # containerd 2.4 embeds NRI v0.12.2, which takes unsolicited UpdateContainers (containerd/nri#301):
-# Unprepare then widens the shared containers at once (design §6).
+# Unprepare then widens the shared containers at once.
 DEFAULT_RUNTIME_VERSION = "2.4.0"
 # How long the daemon may take from launch to /readyz 200 on a loaded 2-core machine (it imports
 # kubernetes, grpclib and prometheus; ~1 s when idle).
 READY_TIMEOUT = 60.0
-# The daemon promises to stop within 5 s of SIGTERM (design §3); more than this is a failure.
+# The daemon promises to stop within 5 s of SIGTERM (dracpu.daemon); more than this fails.
 STOP_TIMEOUT = 10.0
 # Polling period of wait_until (log file, /readyz, files, container table).
 POLL_INTERVAL = 0.02
 # The line the HTTP task logs once it listens (tasks/http.py): how we learn the port of a daemon
 # started with --bind-address=127.0.0.1:0 (no race for a free port with other processes).
 _LISTENING = "serving /healthz, /readyz and /metrics on "
-# CDI spec files of our kind (design §2): <cdi-dir>/dra.k8s.io-cpu_claim-<uid>.json.
+# CDI spec files of our kind: <cdi-dir>/dra.k8s.io-cpu_claim-<uid>.json.
 _CDI_PREFIX = "dra.k8s.io-cpu_claim-"
 _CDI_KIND = "dra.k8s.io/cpu"
 
