@@ -1,5 +1,9 @@
 """The state owner: the one task that holds and changes the node's state.
 
+One module on purpose (longer than most): restoring the node, serving the commands and running
+their effects are one concept, kept in one place; what a command does to the state is
+:mod:`dracpu.core.state`, the file I/O :mod:`dracpu.adapters.node_files`.
+
 :class:`StateOwner` restores the node at start, before it reports ready:
 
 1. read the topology under ``<host-root>/sys`` (in a worker thread) and build the
