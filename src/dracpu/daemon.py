@@ -1,8 +1,8 @@
 """The supervisor of ``dracpu run``: one task group, start order, readiness, graceful stop.
 
-:func:`main` sets up logging and runs :func:`serve` on anyio's asyncio backend (the gRPC
-server's protocols and the file thread use asyncio directly) with the daemon's tasks, in this
-order:
+:func:`main` sets up logging and runs :func:`serve` on anyio's asyncio backend (grpclib and the
+gRPC server's protocols need asyncio; every other task needs only anyio) with the daemon's
+tasks, in this order:
 
 1. ``signals``: first, so that SIGTERM during a slow start already stops gracefully (a SIGHUP
    that arrives before the owner runs waits in the owner's queue);

@@ -43,12 +43,13 @@ class Files(NodeFiles):
     """The real files, and faults: ``failing`` effects raise (once each) before they touch
     anything; ``bugs`` raise a non-DracpuError; ``gates`` hold an effect of that type (and
     ``claim_gates`` a CDI write or delete of that claim) in the worker thread until the test sets
-    the event. ``ran`` lists every effect begun, in order, and the thread each ran in."""
+    the event. ``ran`` lists every effect begun, in order; ``on_loop`` whether each ran in the
+    event loop's thread (it never should)."""
 
     def __init__(self, config: Config) -> None:
         super().__init__(config.cdi_dir, config.checkpoint_path)
         self.ran: list[Effect] = []
-        self.threads: list[str] = []
+        self.on_loop: list[bool] = []
         self.failing: list[type[Effect]] = []
         self.bugs: list[type[Effect]] = []
         self.gates: dict[type[Effect], threading.Event] = {}
@@ -58,7 +59,7 @@ class Files(NodeFiles):
 
     def run(self, effect: Effect) -> None:
         self.ran.append(effect)
-        self.threads.append(threading.current_thread().name)
+        self.on_loop.append(threading.current_thread() is threading.main_thread())
         kind = type(effect)
         gate = self.gates.get(kind) or self.claim_gates.get(_claim_of(effect))
         if gate is not None:

@@ -150,7 +150,7 @@ async def running(
     async with send, anyio.create_task_group() as tg:
         await tg.start(owner.run)
         files.ran.clear()
-        files.threads.clear()
+        files.on_loop.clear()
         yield Node(config, owner, send, files, updates, tg)
         tg.cancel_scope.cancel()
 
@@ -172,7 +172,7 @@ async def test_a_prepare_writes_its_spec_then_the_checkpoint_then_commits_and_an
         prepared = await node.ask(_grouped(UID_A, 2))
         assert isinstance(prepared, ClaimPrepared)
         assert node.ran() == [WriteCdiSpec, WriteCheckpoint]
-        assert node.files.threads == [state_owner.FILE_THREAD_NAME] * 2  # off the event loop
+        assert node.files.on_loop == [False, False]  # in a worker thread, both in one hop
         assert node.owner.state.claims[UID_A].cpus == prepared.cpus
         assert _specs(node.config) == {UID_A: prepared.cpus}
         assert _saved(node.config) == {UID_A: prepared.cpus}

@@ -29,7 +29,8 @@ order (:func:`dracpu.core.state.commit_phase` splits them):
 - the **commit phase**, in crash-safe order (Prepare: the CPUs are reserved in the new state,
   then ``WriteCdiSpec`` -> ``WriteCheckpoint``; Unprepare: ``DeleteCdiSpec`` -> the CPUs are
   freed in the new state -> ``WriteCheckpoint``). Each run of consecutive file effects goes to a
-  worker thread in one hop (they fsync), in order;
+  worker thread in one hop (``anyio.to_thread.run_sync`` with a ``CapacityLimiter(1)``: they
+  fsync, so never on the event loop), in order;
 - the **reply**: the new state becomes the owner's state, then the requester gets the value;
 - the **post-commit** effects (NRI ``UpdateContainers`` widening the shared containers after an
   Unprepare): their failure is logged and counted, the new state stays (the requester was told,
@@ -68,7 +69,6 @@ from __future__ import annotations
 
 import logging
 import math
-import weakref
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -109,13 +109,11 @@ from dracpu.core.slices import Device, published_devices
 from dracpu.core.state import NodeState, apply, commit_phase, restore_state, rollback
 from dracpu.core.topology import Topology
 from dracpu.errors import CdiError, DracpuError
-from dracpu.tasks.serial_thread import SerialThread
 from dracpu.tasks.slice_publisher import request_republish
 
 __all__ = [
     "COMMAND_DEADLINE",
     "COMMAND_QUEUE_SIZE",
-    "FILE_THREAD_NAME",
     "ContainerUpdates",
     "OwnerStatistics",
     "Request",
@@ -135,9 +133,6 @@ COMMAND_QUEUE_SIZE = 64
 # fsync) and hand-offs to other tasks; 4 s leaves room for a slow fsync and keeps a graceful
 # stop within the daemon's 5 s.
 COMMAND_DEADLINE = 4.0
-
-# The name of the file effects' thread (thread listings, py-spy dumps).
-FILE_THREAD_NAME = "dracpu-files"
 
 # A claim's CDI change before a batch marked it: none (the key was absent).
 _UNMARKED = object()
@@ -258,10 +253,9 @@ class StateOwner:
         self._container_updates = container_updates
         self._files = NodeFiles(config.cdi_dir, config.checkpoint_path) if files is None else files
         self._command_deadline = command_deadline
-        # The file effects' own thread: one at a time, in order (a CDI spec, then the
-        # checkpoint). It lives as long as this owner (the daemon's life).
-        self._thread = SerialThread(FILE_THREAD_NAME, idle_seconds=None)
-        weakref.finalize(self, self._thread.close)
+        # The file effects run in anyio's worker threads, one hop at a time and in order: the
+        # owner awaits each hop, and this limiter keeps any other caller out of the way.
+        self._files_limiter = anyio.CapacityLimiter(1)
         self._state: NodeState | None = None
         self._devices: tuple[Device, ...] = ()
         # CDI writes (cpus) and deletes (None) of the command being applied, by claim UID.
@@ -380,8 +374,8 @@ class StateOwner:
         return DracpuError(f"{what} did not finish within {self._command_deadline:g} s")
 
     async def _commit(self, effects: Sequence[Effect]) -> None:
-        """The commit phase, in order, each run of consecutive file effects in one hop to the
-        file thread; raises :class:`_CommitFailed` naming the effects that began (the failed
+        """The commit phase, in order, each run of consecutive file effects in one hop to a
+        worker thread; raises :class:`_CommitFailed` naming the effects that began (the failed
         one last; the ones after it never began and left no trace, not even in
         :meth:`desired_specs`). A hop that has begun is waited for; past the deadline, the next
         effect does not begin."""
@@ -412,12 +406,15 @@ class StateOwner:
             raise
 
     async def _run_files(self, batch: Sequence[Effect], started: list[Effect]) -> None:
-        """File effects in one hop to the file thread; their CDI changes are marked before they
-        begin, and taken back for the ones that never began."""
+        """File effects in one hop to a worker thread; their CDI changes are marked before they
+        begin, and taken back for the ones that never began. A caller cancelled while the hop
+        runs still waits for it (anyio's default: the thread is not abandoned)."""
         marks = [self._mark(effect) for effect in batch]
         before = len(started)
         try:
-            await self._thread.call(self._files.run_batch, batch, started)
+            await anyio.to_thread.run_sync(
+                self._files.run_batch, batch, started, limiter=self._files_limiter
+            )
         except BaseException:
             for mark in reversed(marks[len(started) - before :]):  # newest first
                 if mark is not None:
