@@ -25,6 +25,15 @@ from dracpu.errors import CdiError
 from dracpu.tasks import cdi_watcher
 from dracpu.tasks.cdi_watcher import ReconcileReport, reconcile
 
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """This task needs only anyio: its tests run on both backends (the daemon runs asyncio,
+    for grpclib)."""
+    backend: str = request.param
+    return backend
+
+
 A = "8ec6fd12-bb08-4936-a857-866f50153c21"
 B = "0b7e3a52-4c1f-4d7e-9a31-2f9a4c1d5e60"
 C = "5d0c1b7e-6a2f-4e3b-8c9d-1a2b3c4d5e6f"

@@ -37,6 +37,15 @@ from dracpu.tasks.nri_link import NriLink
 
 pytestmark = pytest.mark.anyio
 
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """This task needs only anyio: its tests run on both backends (the daemon runs asyncio,
+    for grpclib)."""
+    backend: str = request.param
+    return backend
+
+
 NODE = "node-a"
 TOPOLOGY = build_topology(FIXTURES["dual-socket-smt2"])
 CONFIG = NodeConfig.build(NODE, TOPOLOGY, reserved=CpuSet.parse("0,32"))

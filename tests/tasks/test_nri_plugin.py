@@ -56,6 +56,15 @@ from tests.tasks.owner_files import Files, host_root
 
 pytestmark = pytest.mark.anyio
 
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """This task needs only anyio: its tests run on both backends (the daemon runs asyncio,
+    for grpclib)."""
+    backend: str = request.param
+    return backend
+
+
 NODE = "node-a"
 RESERVED = CpuSet.parse("0,32")
 TOPOLOGY = build_topology(FIXTURES["dual-socket-smt2"])  # 64 CPUs, NUMA n = cpus 8n..8n+7 (+32)
@@ -535,6 +544,7 @@ async def _play(steps: list[tuple[str, int, bool]], policy: str) -> None:
     ) as node:
         prepared: set[int] = set()
         running: dict[int, FakeContainer] = {}
+        pods: dict[int, FakePod] = {}
         busy: set[int] = set()
 
         async def one(what: str, k: int, beside: bool) -> None:
@@ -544,14 +554,17 @@ async def _play(steps: list[tuple[str, int, bool]], policy: str) -> None:
                         gate = node.files.claim_gates[_CLAIMS[k]] = threading.Event()
                         tg.start_soon(_release_after, gate, 0.05)
                     await node.prepare(_CLAIMS[k], _DEVICES[k], count=2)
-                elif what == "create":
-                    pod = node.runtime.add_pod(f"claim-{k}")
+                elif what == "create":  # a claim is its pod's until Unprepare: one pod each
+                    if k not in pods:
+                        pods[k] = node.runtime.add_pod(f"claim-{k}")
+                    pod = pods[k]
                     running[k] = node.exclusive(pod, "app", _CLAIMS[k])
                     await node.runtime.create_container(pod, running[k])
                 elif what == "remove":
                     await node.runtime.remove_container(running.pop(k).id)
                 else:
                     await node.unprepare(_CLAIMS[k])
+                    pods.pop(k, None)
             finally:
                 busy.discard(k)
 
@@ -597,13 +610,14 @@ async def _play(steps: list[tuple[str, int, bool]], policy: str) -> None:
             assert decided()[container.id] == str(node.claims[_CLAIMS[k]])
 
 
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
 @pytest.mark.parametrize("policy", ["wait", "serve"])
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(steps=_STEPS)
 def test_the_last_write_to_each_container_is_the_owners_last_decision(
-    policy: str, steps: list[tuple[str, int, bool]]
+    backend: str, policy: str, steps: list[tuple[str, int, bool]]
 ) -> None:
-    anyio.run(_play, steps, policy)
+    anyio.run(_play, steps, policy, backend=backend)
 
 
 # --- failures: the owner, the runtime, the socket -------------------------------------------------

@@ -59,6 +59,15 @@ from tests.tasks.owner_files import Files
 
 pytestmark = pytest.mark.anyio
 
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """This task needs only anyio: its tests run on both backends (the daemon runs asyncio,
+    for grpclib)."""
+    backend: str = request.param
+    return backend
+
+
 UID_A = "aaaaaaaa-0000-4000-8000-000000000001"
 UID_B = "bbbbbbbb-0000-4000-8000-000000000002"
 FOREIGN = "vendor.example-gpu.json"
@@ -373,46 +382,57 @@ async def test_a_stopping_owner_finishes_the_command_in_flight(
     assert _saved(config) == {UID_A: prepared.cpus}
 
 
+async def _crash(
+    trees: SysfsTrees, scratch: Path, command: Command, bug: Callable[[Files], None]
+) -> tuple[pytest.ExceptionInfo[ExceptionGroup], object]:
+    """Restore an owner, plant ``bug``, send ``command`` with a reply stream of the test's own:
+    the group the owner's failure ends, and the answer the owner left in that stream."""
+    config = _config(trees, scratch)
+    files = Files(config)
+    send: Send
+    receive: Receive
+    send, receive = create_request_stream()
+    owner = StateOwner(config, receive, files=files)
+    reply_send, reply_receive = anyio.create_memory_object_stream[object](1)
+
+    async def serve_one() -> None:
+        async with anyio.create_task_group() as tg:
+            await tg.start(owner.run)
+            bug(files)
+            send.send_nowait(Request(command, reply_send))
+            await anyio.sleep_forever()  # the owner's failure ends the group
+
+    with reply_receive, reply_send, send:
+        with pytest.raises(ExceptionGroup) as info:
+            await serve_one()
+        answer = reply_receive.receive_nowait()
+    return info, answer
+
+
 async def test_a_bug_in_apply_is_answered_then_ends_the_owner(
     trees: SysfsTrees, scratch: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def broken(state: object, command: object) -> Any:
         raise ValueError("boom")
 
-    answers: list[object] = []
-
-    async def ask_and_wait(node: Node) -> None:
+    def plant(files: Files) -> None:
         monkeypatch.setattr(state_owner, "apply", broken)
-        try:
-            await node.ask(UnprepareClaim(UID_A))
-        except DracpuError as error:
-            answers.append(error)
-        await anyio.sleep_forever()  # the owner's failure ends the group
 
-    with pytest.raises(ExceptionGroup) as info:
-        await _with_node(trees, scratch, ask_and_wait)
+    info, answer = await _crash(trees, scratch, UnprepareClaim(UID_A), plant)
     assert info.group_contains(ValueError, match="^boom$")
-    assert [str(a) for a in answers] == ["UnprepareClaim: internal error: ValueError('boom')"]
+    assert isinstance(answer, DracpuError)
+    assert str(answer) == "UnprepareClaim: internal error: ValueError('boom')"
 
 
 async def test_a_bug_in_an_effect_is_answered_then_ends_the_owner(
     trees: SysfsTrees, scratch: Path
 ) -> None:
-    answers: list[object] = []
-
-    async def ask_and_wait(node: Node) -> None:
-        node.files.bugs.append(WriteCheckpoint)
-        try:
-            await node.ask(_grouped(UID_A, 2))
-        except DracpuError as error:
-            answers.append(error)
-        await anyio.sleep_forever()
-
-    with pytest.raises(ExceptionGroup) as info:
-        await _with_node(trees, scratch, ask_and_wait)
+    info, answer = await _crash(
+        trees, scratch, _grouped(UID_A, 2), lambda files: files.bugs.append(WriteCheckpoint)
+    )
     assert info.group_contains(RuntimeError, match="^bug in WriteCheckpoint$")
-    message = "PrepareClaim: internal error: RuntimeError('bug in WriteCheckpoint')"
-    assert [str(a) for a in answers] == [message]
+    assert isinstance(answer, DracpuError)
+    assert str(answer) == "PrepareClaim: internal error: RuntimeError('bug in WriteCheckpoint')"
 
 
 async def test_requests_still_queued_when_the_owner_stops_are_refused(
