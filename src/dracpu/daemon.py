@@ -22,9 +22,9 @@ shared by the kubelet plugin (claims) and the slice publisher.
 
 Memory: the cyclic garbage collector is off during the start-up; once every task runs, the
 objects of the start-up (modules, the restored state, the clients) are frozen out of it
-(``gc.freeze``) and it is turned back on, so a full collection never walks them (no ~50 ms pause
-in a Prepare), and the heap is frozen again before :func:`main` returns, so the exit after
-SIGTERM skips the interpreter's collections over it (~0.2 s). (``podresources-sync`` has no task
+(``gc.freeze``) and it is turned back on, so a full collection never walks them (it would pause
+a Prepare; docs/performance.md), and the heap is frozen again before :func:`main` returns, so the
+exit after SIGTERM skips the interpreter's collections over it. (``podresources-sync`` has no task
 yet.)
 
 Each task is started with ``await tg.start(...)``; once it calls ``task_status.started()`` its
@@ -405,8 +405,8 @@ async def _serve_node(config: Config) -> int:
 def _settle_heap() -> None:
     """Every task runs: the objects that exist now (modules, classes, the restored state, the
     clients) live as long as the process. Move them out of the collector's generations
-    (``gc.freeze``), so that no later full collection walks them (a pause of ~50 ms in a
-    Prepare otherwise), and turn the collector back on (:func:`main` turned it off for the
+    (``gc.freeze``), so that no later full collection walks them (a pause in a Prepare
+    otherwise), and turn the collector back on (:func:`main` turned it off for the
     start-up, which allocates for good: collections there find next to nothing)."""
     gc.freeze()
     gc.enable()
@@ -419,7 +419,7 @@ def main(config: Config) -> int:
     try:
         return _main(config)
     finally:
-        # The interpreter's collections at exit would walk the whole heap again: ~0.2 s of the
+        # The interpreter's collections at exit would walk the whole heap again: a slow part of the
         # stop after SIGTERM. Frozen objects are left to the OS with the process.
         gc.freeze()
         if collecting:

@@ -23,7 +23,7 @@ from dracpu.errors import DracpuError
 __all__ = ["READY_TIMEOUT", "STOP_TIMEOUT", "DaemonProcess", "SimError", "http_get", "wait_until"]
 
 # How long the daemon may take from launch to /readyz 200 on a loaded 2-core machine (it imports
-# kubernetes, grpclib and prometheus; ~1 s when idle).
+# kubernetes, grpclib and prometheus).
 READY_TIMEOUT = 60.0
 # The daemon promises to stop within 5 s of SIGTERM (dracpu.daemon); more than this fails.
 STOP_TIMEOUT = 10.0
