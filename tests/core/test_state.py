@@ -7,7 +7,7 @@ The 16-CPU topology, the configs and the reference effect executor over a fake d
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import FrozenInstanceError, fields, replace
 
 import pytest
 
@@ -432,6 +432,45 @@ def test_exclusive_container_gets_its_claim_and_shrinks_the_shared_ones() -> Non
     new, value, _ = ok(state, CreateContainer(shared_container(3)))
     assert value == ContainerPinned(ContainerUpdate("shared-3", pool, None, 4), ())
     assert new.containers["shared-1"].seq == 3  # not moved: its decision stands
+
+
+def test_moved_shared_containers_get_the_values_the_constructors_build() -> None:
+    """The records and updates of a pool move are built through the slot descriptors (faster):
+    they must be the very values the dataclass constructors build, with every field set."""
+    assert [f.name for f in fields(ContainerRecord)] == [
+        "container",
+        "claims",
+        "cpus",
+        "mems",
+        "seq",
+    ]
+    assert [f.name for f in fields(ContainerUpdate)] == ["container_id", "cpus", "mems", "seq"]
+    assert not hasattr(ContainerRecord, "__post_init__")
+    assert not hasattr(ContainerUpdate, "__post_init__")
+    state = NodeState.initial(INDIVIDUAL)
+    for n in (1, 2, 3):
+        state, _, _ = ok(state, CreateContainer(shared_container(n)))
+    state, _, _ = ok(state, InvalidateContainers((("shared-2", 2),)))  # cpus unknown: EMPTY
+    state, _, _ = ok(state, individual(INDIVIDUAL, 1, [4, 12]))
+    new, value, _ = ok(state, CreateContainer(claim_container(state, 1, 1)))
+    pool = cpus("1-3,5-7,9-11,13-15")
+    assert isinstance(value, ContainerPinned)
+    assert [u.container_id for u in value.updates] == ["shared-1", "shared-2", "shared-3"]
+    for update in value.updates:
+        built = ContainerUpdate(update.container_id, pool, None, new.pin_seq)
+        assert type(update) is ContainerUpdate
+        assert (update, hash(update), repr(update)) == (built, hash(built), repr(built))
+        record = new.containers[update.container_id]
+        old = state.containers[update.container_id].container
+        expected = ContainerRecord(old, (), pool, None, new.pin_seq)
+        assert type(record) is ContainerRecord
+        assert (record, hash(record), repr(record)) == (expected, hash(expected), repr(expected))
+        with pytest.raises(FrozenInstanceError):
+            setattr(record, "cpus", pool)  # noqa: B010 (mypy: the field is read-only)
+        with pytest.raises(FrozenInstanceError):
+            setattr(update, "mems", pool)  # noqa: B010
+    assert state.containers["shared-1"].cpus == cpus("1-7,9-15")  # the old state is untouched
+    assert state.containers["shared-2"].cpus == cpus("")
 
 
 def test_container_with_two_claims_gets_their_union() -> None:

@@ -24,15 +24,7 @@ from dracpu.core.cpuset import CpuSet
 from dracpu.errors import CdiError
 from dracpu.tasks import cdi_watcher
 from dracpu.tasks.cdi_watcher import ReconcileReport, reconcile
-
-
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    """This task needs only anyio: its tests run on both backends (the daemon runs asyncio,
-    for grpclib)."""
-    backend: str = request.param
-    return backend
-
+from tests.tasks.both_backends import anyio_backend  # noqa: F401 (a fixture)
 
 A = "8ec6fd12-bb08-4936-a857-866f50153c21"
 B = "0b7e3a52-4c1f-4d7e-9a31-2f9a4c1d5e60"

@@ -34,16 +34,9 @@ from dracpu.core.node_config import NodeConfig
 from dracpu.core.state import NodeState, apply, commit_phase
 from dracpu.sim.topologies import FIXTURES, build_topology
 from dracpu.tasks.nri_link import NriLink
+from tests.tasks.both_backends import anyio_backend  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    """This task needs only anyio: its tests run on both backends (the daemon runs asyncio,
-    for grpclib)."""
-    backend: str = request.param
-    return backend
 
 
 NODE = "node-a"

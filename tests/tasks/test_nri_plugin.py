@@ -52,17 +52,10 @@ from dracpu.tasks.nri_link import NriLink
 from dracpu.tasks.state_owner import Request, StateOwner, create_request_stream, request
 from dracpu.wire.ttrpc import Code
 from tests.fixtures import scratch_dir
+from tests.tasks.both_backends import anyio_backend  # noqa: F401 (a fixture)
 from tests.tasks.owner_files import Files, host_root
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    """This task needs only anyio: its tests run on both backends (the daemon runs asyncio,
-    for grpclib)."""
-    backend: str = request.param
-    return backend
 
 
 NODE = "node-a"

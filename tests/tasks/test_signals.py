@@ -15,16 +15,9 @@ from dracpu.core.commands import Command, Resync
 from dracpu.core.effects import Resynced
 from dracpu.tasks import signals
 from dracpu.tasks.state_owner import Request, create_request_stream
+from tests.tasks.both_backends import anyio_backend  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    """This task needs only anyio: its tests run on both backends (the daemon runs asyncio,
-    for grpclib)."""
-    backend: str = request.param
-    return backend
 
 
 Streams = tuple[

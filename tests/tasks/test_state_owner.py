@@ -55,17 +55,10 @@ from dracpu.tasks import state_owner
 from dracpu.tasks.slice_publisher import republish_channel
 from dracpu.tasks.state_owner import Request, StateOwner, create_request_stream, request
 from tests.fixtures import SysfsTrees
+from tests.tasks.both_backends import anyio_backend  # noqa: F401 (a fixture)
 from tests.tasks.owner_files import Files
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    """This task needs only anyio: its tests run on both backends (the daemon runs asyncio,
-    for grpclib)."""
-    backend: str = request.param
-    return backend
 
 
 UID_A = "aaaaaaaa-0000-4000-8000-000000000001"

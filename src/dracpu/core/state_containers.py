@@ -10,9 +10,10 @@ order the runtime applies an event reply and an unsolicited update in
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from types import MappingProxyType
+from typing import Any
 
 from dracpu.core.commands import Container, Synchronize
 from dracpu.core.cpuset import EMPTY, CpuSet
@@ -81,7 +82,12 @@ def _shared_updates(
 ) -> list[ContainerUpdate]:
     """Move every shared container (but ``skip``) whose cpuset is not ``pool`` to it, in
     decision ``seq``, updating the records in ``containers`` in place; the updates to send.
-    Nothing when the pool is empty. Records already at the pool are kept (compared by mask)."""
+    Nothing when the pool is empty.
+
+    The loop of a CreateContainer that moves hundreds of containers: records already at the
+    pool are kept (compared by mask, no ``CpuSet.__eq__`` call) and the new values are built by
+    :func:`_moved_record` and :func:`_pool_update`, not by the dataclass constructors.
+    """
     updates: list[ContainerUpdate] = []
     if not pool:
         return updates
@@ -89,9 +95,55 @@ def _shared_updates(
     for cid in sorted(shared):
         record = containers[cid]
         if record.cpus.mask != mask and cid != skip:
-            containers[cid] = ContainerRecord(record.container, record.claims, pool, None, seq)
-            updates.append(ContainerUpdate(cid, pool, None, seq))
+            containers[cid] = _moved_record(record, pool, seq)
+            updates.append(_pool_update(cid, pool, seq))
     return updates
+
+
+# A frozen dataclass's constructor sets each field through object.__setattr__; setting the slots
+# through their descriptors builds the same value faster. Guarded by bench/bench_state.py
+# (state.create_container: 200 shared containers moved; the figures are in
+# docs/performance.md). Only for these two classes, which have no __post_init__;
+# tests/core/test_state.py checks their fields and that the values equal the constructors'.
+_new = object.__new__
+_SetSlot = Callable[[object, Any], None]
+
+
+def _slot_setter(cls: type[ContainerRecord] | type[ContainerUpdate], name: str) -> _SetSlot:
+    setter: _SetSlot = vars(cls)[name].__set__
+    return setter
+
+
+_set_record_container = _slot_setter(ContainerRecord, "container")
+_set_record_claims = _slot_setter(ContainerRecord, "claims")
+_set_record_cpus = _slot_setter(ContainerRecord, "cpus")
+_set_record_mems = _slot_setter(ContainerRecord, "mems")
+_set_record_seq = _slot_setter(ContainerRecord, "seq")
+_set_update_id = _slot_setter(ContainerUpdate, "container_id")
+_set_update_cpus = _slot_setter(ContainerUpdate, "cpus")
+_set_update_mems = _slot_setter(ContainerUpdate, "mems")
+_set_update_seq = _slot_setter(ContainerUpdate, "seq")
+
+
+def _moved_record(record: ContainerRecord, cpus: CpuSet, seq: int) -> ContainerRecord:
+    """``ContainerRecord(record.container, record.claims, cpus, record.mems, seq)``."""
+    moved: ContainerRecord = _new(ContainerRecord)
+    _set_record_container(moved, record.container)
+    _set_record_claims(moved, record.claims)
+    _set_record_cpus(moved, cpus)
+    _set_record_mems(moved, record.mems)
+    _set_record_seq(moved, seq)
+    return moved
+
+
+def _pool_update(container_id: str, pool: CpuSet, seq: int) -> ContainerUpdate:
+    """``ContainerUpdate(container_id, pool, None, seq)``."""
+    update: ContainerUpdate = _new(ContainerUpdate)
+    _set_update_id(update, container_id)
+    _set_update_cpus(update, pool)
+    _set_update_mems(update, None)
+    _set_update_seq(update, seq)
+    return update
 
 
 def create_container(state: NodeState, container: Container) -> tuple[NodeState, list[Effect]]:
