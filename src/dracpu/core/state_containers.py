@@ -5,7 +5,7 @@ Each command that pins containers is one decision with the next number, ``state.
 stamped on every record it changes and every update it answers with: the NRI task uses the
 numbers to keep the last write that reaches each container the owner's last decision, whatever
 order the runtime applies an event reply and an unsolicited update in
-(:mod:`dracpu.tasks.nri_updates`).
+(:mod:`dracpu.tasks.nri_link`).
 """
 
 from __future__ import annotations
