@@ -60,6 +60,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any, Final
+from urllib.parse import quote, urlsplit
 
 import aiohttp
 import anyio
@@ -67,7 +68,6 @@ from aiohttp.helpers import basicauth_from_netrc, netrc_from_env
 from aiohttp.http_exceptions import HttpProcessingError
 from kubernetes.aio import client as kube_client
 from kubernetes.aio import config as kube_config
-from yarl import URL
 
 from dracpu import __version__
 from dracpu.errors import (
@@ -684,38 +684,39 @@ async def _load_configuration(kubeconfig: Path | None) -> Any:
 def _proxy(configuration: Any) -> str | None:
     """The proxy URL for the API server (credentials in it), decided now: the kubeconfig
     ``proxy-url``, else ``<scheme>_proxy`` unless ``no_proxy`` names the server."""
-    host = URL(str(configuration.host))
+    server = urlsplit(str(configuration.host))
     if configuration.proxy:
         text, source = str(configuration.proxy), "the kubeconfig proxy-url"
     else:
-        text = urllib.request.getproxies_environment().get(host.scheme, "")
-        source = f"{host.scheme}_proxy"
-        if not text or urllib.request.proxy_bypass(host.host or ""):
+        text = urllib.request.getproxies_environment().get(server.scheme, "")
+        source = f"{server.scheme}_proxy"
+        if not text or urllib.request.proxy_bypass(server.hostname or ""):
             return None
+    proxy = urlsplit(text if "://" in text else "http://" + text)  # "proxy:3128", as curl has it
     try:
-        proxy = URL(text if "://" in text else "http://" + text)  # "proxy:3128", as curl reads it
-        proxy_host = proxy.host
-        proxy.explicit_port  # noqa: B018 (yarl checks the port when it is read)
+        proxy.port  # noqa: B018 (urllib checks the port when it is read)
     except ValueError as exc:
-        raise ConfigError(f"{source} {text!r} is not a URL: {exc}") from exc
-    if proxy.scheme != "http" or not proxy_host:
+        raise ConfigError(f"{source} {text!r} has a bad port: {exc}") from exc
+    if proxy.scheme.lower() != "http" or not proxy.hostname:
         # aiohttp tunnels through plain HTTP proxies only (it ignores https:// ones too).
         if configuration.proxy:
             raise ConfigError(f"{source} {text!r}: only http:// proxies are supported")
         logger.warning("%s %s: only http:// proxies are supported, ignoring it", source, text)
         return None
-    if proxy.user is None and not configuration.proxy:
+    address = proxy.netloc.rpartition("@")[2]
+    if proxy.username is None and not configuration.proxy:
         # aiohttp's rule for a proxy from the environment: credentials from ~/.netrc.
         with suppress(LookupError):
-            auth = basicauth_from_netrc(netrc_from_env(), proxy_host)
-            proxy = proxy.with_user(auth.login).with_password(auth.password)
+            auth = basicauth_from_netrc(netrc_from_env(), proxy.hostname)
+            user, password = quote(auth.login, safe=""), quote(auth.password, safe="")
+            proxy = proxy._replace(netloc=f"{user}:{password}@{address}")
     logger.info(
-        "the API server %s is reached through proxy %s (%s)",
+        "the API server %s is reached through proxy http://%s (%s)",
         configuration.host,
-        proxy.with_user(None),
+        address,
         source,
     )
-    return str(proxy)
+    return proxy.geturl()
 
 
 @asynccontextmanager
