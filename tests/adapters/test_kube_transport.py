@@ -13,6 +13,7 @@ import itertools
 import json
 import socket
 import struct
+import sys
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -247,6 +248,48 @@ async def test_basic_auth_from_the_kubeconfig(tmp_path: Path) -> None:
             await kube.get_node(NODE)
     [request] = seen
     assert request.header("Authorization") == "Basic " + base64.b64encode(b"ad min:p:w").decode()
+
+
+@pytest.mark.parametrize("expires", [False, True], ids=["no-expiry", "expired"])
+async def test_an_exec_plugin_token_is_renewed_when_it_expires(
+    tmp_path: Path, expires: bool
+) -> None:
+    """A kubeconfig exec plugin (client.authentication.k8s.io/v1 ExecCredential): the library
+    runs it at load; its token is renewed before a request once its expirationTimestamp has
+    passed, and kept when it has none."""
+    runs = tmp_path / "runs"
+    plugin = tmp_path / "plugin.py"
+    expiry = '"2000-01-01T00:00:00Z"' if expires else "None"
+    plugin.write_text(
+        "import json, pathlib\n"
+        f"runs = pathlib.Path({str(runs)!r})\n"
+        "n = int(runs.read_text()) + 1 if runs.exists() else 1\n"
+        "runs.write_text(str(n))\n"
+        f"status = {{'token': f'exec-{{n}}', 'expirationTimestamp': {expiry}}}\n"
+        "status = {k: v for k, v in status.items() if v is not None}\n"
+        "print(json.dumps({'apiVersion': 'client.authentication.k8s.io/v1',\n"
+        "                  'kind': 'ExecCredential', 'status': status}))\n"
+    )
+    seen: list[RawRequest] = []
+    async with raw_server(answering(seen=seen)) as (port, _):
+        config = write_kubeconfig(
+            tmp_path / "kubeconfig",
+            f"http://127.0.0.1:{port}",
+            user=(
+                "{exec: {apiVersion: client.authentication.k8s.io/v1, interactiveMode: Never, "
+                f"command: '{sys.executable}', args: ['{plugin}']}}}}"
+            ),
+        )
+        async with open_kube_client(config, request_timeout=10) as kube:
+            await kube.get_node(NODE)
+            await kube.get_node(NODE)
+    tokens = [r.header("Authorization") for r in seen]
+    if expires:
+        assert tokens == ["Bearer exec-2", "Bearer exec-3"]
+        assert runs.read_text() == "3"
+    else:
+        assert tokens == ["Bearer exec-1", "Bearer exec-1"]
+        assert runs.read_text() == "1"
 
 
 async def test_in_cluster_token_is_refreshed_between_requests(

@@ -15,6 +15,7 @@ re-validate every one of a 128-device slice's fields on each call.
 
 What we set on the library's ``Configuration`` (:func:`_load_configuration`):
 
+- **Exec plugin tokens are renewed** when they expire (:func:`_refresh_exec_token`).
 - **No hidden retries.** ``retries = None`` keeps ``aiohttp_retry`` out. aiohttp itself sends a
   request once more when its connection drops before the answer (RFC 9112 §9.3.1; aiohttp
   ``client.py`` ``IDEMPOTENT_METHODS``, which include PUT and DELETE). A client middleware
@@ -663,11 +664,12 @@ async def _load_configuration(kubeconfig: Path | None) -> Any:
                 client_configuration=configuration
             )
         else:
-            await kube_config.load_kube_config(  # type: ignore[no-untyped-call]
+            loader = await kube_config.load_kube_config(  # type: ignore[no-untyped-call]
                 config_file=str(kubeconfig),
                 client_configuration=configuration,
                 persist_config=False,
             )
+            _refresh_exec_token(loader, configuration)
     except (kube_config.ConfigException, OSError, ValueError, TypeError, KeyError) as exc:
         where = f"kubeconfig {kubeconfig}" if kubeconfig else "in-cluster service account"
         raise ConfigError(f"cannot load the {where}: {exc}") from exc
@@ -679,6 +681,26 @@ async def _load_configuration(kubeconfig: Path | None) -> Any:
     configuration.client_session_kwargs = kwargs
     configuration.proxy = _proxy(configuration)
     return configuration
+
+
+def _refresh_exec_token(loader: Any, configuration: Any) -> None:
+    """Renew an exec plugin's token when it expires, before the request that needs it.
+
+    ``kubernetes.aio`` runs a kubeconfig's exec plugin once at load; renewing is left to a
+    ``kube_config.refresh_token`` loop the caller runs. We hook the library's own renewal
+    (``KubeConfigLoader.load_from_exec_plugin``, which runs the plugin again only once the token's
+    ``expirationTimestamp`` has passed) into the configuration's ``refresh_api_key_hook``, which
+    ``ApiClient`` awaits before each request, as the in-cluster loader's token refresh is. A
+    token without an expiry is kept for good (client-go does the same).
+    """
+    if getattr(loader, "exec_plugin_expiry", None) is None:
+        return
+
+    async def refresh(config: Any) -> None:
+        await loader.load_from_exec_plugin()
+        config.api_key["BearerToken"] = loader.token
+
+    configuration.refresh_api_key_hook = refresh
 
 
 def _proxy(configuration: Any) -> str | None:
