@@ -19,18 +19,20 @@ What we set on the library's ``Configuration`` (:func:`_load_configuration`):
 - **No hidden retries.** ``retries = None`` keeps ``aiohttp_retry`` out. aiohttp itself sends a
   request once more when its connection drops before the answer (RFC 9112 §9.3.1; aiohttp
   ``client.py`` ``IDEMPOTENT_METHODS``, which include PUT and DELETE). A client middleware
-  (:func:`_send_once`) lets it do that for GET only: a POST, PUT, PATCH or DELETE may have been
-  applied before the connection dropped and is never sent a second time behind our back (a
-  conditional PUT or DELETE would come back as a 409 for a change that was ours). The task
-  that called retries with its own backoff (:mod:`dracpu.adapters.backoff`).
+  (:func:`~dracpu.adapters.kube_transport.send_once`) lets it do that for GET only: a POST,
+  PUT, PATCH or DELETE may have been applied before the connection dropped and is never sent a
+  second time behind our back (a conditional PUT or DELETE would come back as a 409 for a
+  change that was ours). The task that called retries with its own backoff
+  (:mod:`dracpu.adapters.backoff`).
 - **The proxy is decided once, at open**: the kubeconfig ``proxy-url`` first, else
   ``<scheme>_proxy`` / ``no_proxy`` for the server's URL (credentials from the proxy URL, else
   from ``~/.netrc`` as aiohttp's ``proxies_from_env`` takes them), as client-go reads
   ``http.ProxyFromEnvironment`` once. Only ``http://`` proxies: aiohttp tunnels through no
-  other kind. The library opens its session with
-  ``trust_env=True``, which makes aiohttp look the environment and ``~/.netrc`` up again in a
-  worker thread on every request; we turn that off. Credentials go into the proxy URL, where
-  aiohttp sends them both on a CONNECT tunnel (https servers) and on plain http requests.
+  other kind. The library opens its session with ``trust_env=True``, which makes aiohttp look
+  the environment and ``~/.netrc`` up again in a worker thread on every request; we turn that
+  off. Credentials go into the proxy URL, where aiohttp sends them both on a CONNECT tunnel
+  (https servers) and on plain http requests
+  (:func:`~dracpu.adapters.kube_transport.proxy_url`).
 - **Connections**: at most :data:`MAX_CONNECTIONS` to the API server (the library's
   ``connection_pool_maxsize``; its default of 100 is meant for controllers).
 
@@ -39,8 +41,8 @@ reason and the server's message: 404 :class:`KubeNotFoundError`, 409 :class:`Kub
 other 4xx :class:`KubeClientError`, 5xx and 429 (too many requests: transient)
 :class:`KubeServerError`. Every failure to get an answer is a :class:`KubeServerError` with
 ``status`` ``None`` whose message names the operation, the server's URL and the cause in words
-(:func:`_cause`: connection refused or reset, TLS failure and which, timeout, DNS failure,
-proxy refusal, ...).
+(connection refused or reset, TLS failure and which, timeout, DNS failure, proxy refusal, ...:
+:func:`~dracpu.adapters.kube_transport.describe_failure`).
 
 Watches (:meth:`KubeClient.watch_resource_slices`) list first, then stream events from the
 list's resourceVersion (the response body read line by line through aiohttp's stream reader),
@@ -51,34 +53,29 @@ version was compacted away) makes them list again. A list is reported as one
 
 from __future__ import annotations
 
-import errno
-import json
 import logging
 import random
-import ssl
-import urllib.request
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Final
-from urllib.parse import quote, urlsplit
 
 import aiohttp
 import anyio
-from aiohttp.helpers import basicauth_from_netrc, netrc_from_env
-from aiohttp.http_exceptions import HttpProcessingError
 from kubernetes.aio import client as kube_client
 from kubernetes.aio import config as kube_config
 
 from dracpu import __version__
-from dracpu.errors import (
-    ConfigError,
-    KubeAPIError,
-    KubeClientError,
-    KubeConflictError,
-    KubeNotFoundError,
-    KubeServerError,
+from dracpu.adapters.kube_transport import (
+    BODY_EXCERPT,
+    REQUEST_ERRORS,
+    describe_failure,
+    json_object,
+    proxy_url,
+    send_once,
+    status_error,
 )
+from dracpu.errors import ConfigError, KubeClientError, KubeServerError
 
 __all__ = [
     "DEFAULT_REQUEST_TIMEOUT",
@@ -122,14 +119,9 @@ _WATCH_CLIENT_MARGIN = 30.0
 # (apiserver's maxRequestBodyBytes) and etcd stores at most 1.5 MiB per value by default; a
 # line holds one object plus the event's envelope.
 _MAX_EVENT_LINE = 4 * 1024 * 1024
-# How much of a non-JSON error body goes into an error message.
-_BODY_EXCERPT = 200
 # The security scheme every generated kubernetes API method names (``auth_settings``): the
 # bearer token, or the basic-auth header the kubeconfig loader puts in the same place.
 _AUTH_SETTINGS: Final = ["BearerToken"]
-# Methods aiohttp may send a second time on a connection that dropped before any answer: GET
-# alone (safe, RFC 9110 §9.2.1). Every other method we use changes state.
-_RESENDABLE: Final = frozenset({"GET"})
 
 _RESOURCE_V1 = "/apis/resource.k8s.io/v1"
 _SLICES = _RESOURCE_V1 + "/resourceslices"
@@ -141,28 +133,6 @@ _NODE = "/api/v1/nodes/{name}"
 # (k8s.io/api/resource/v1 types.go): the field selectors the API server supports for slices.
 _FIELD_DRIVER = "spec.driver"
 _FIELD_NODE_NAME = "spec.nodeName"
-
-# OpenSSL verification results (x509_vfy.h X509_V_ERR_*) and what they mean to an operator.
-_UNKNOWN_CA_CODES: Final = frozenset({2, 18, 19, 20, 21})  # no path to a trusted CA
-_NAME_MISMATCH_CODES: Final = frozenset({62, 63, 64})  # hostname, e-mail, IP address mismatch
-_EXPIRED_CODE: Final = 10
-_NOT_YET_VALID_CODE: Final = 9
-# OpenSSL handshake failures (ssl.SSLError.reason) in words.
-_TLS_REASONS: Final = {
-    "WRONG_VERSION_NUMBER": "the server does not speak TLS",
-    "TLSV13_ALERT_CERTIFICATE_REQUIRED": "the server wants a client certificate",
-    "SSLV3_ALERT_BAD_CERTIFICATE": "the server refused the client certificate",
-    "TLSV1_ALERT_UNKNOWN_CA": "the server does not trust the client certificate's CA",
-}
-# Socket errors in words (the kernel's strerror text is terse: "Connection reset by peer").
-_OS_CAUSES: Final = {
-    errno.ECONNREFUSED: "connection refused",
-    errno.ECONNRESET: "connection reset by the server",
-    errno.EPIPE: "connection closed by the server while sending",
-    errno.ETIMEDOUT: "connection timed out",
-    errno.EHOSTUNREACH: "no route to host",
-    errno.ENETUNREACH: "network unreachable",
-}
 
 _USER_AGENT: Final = f"dracpu/{__version__}"
 
@@ -209,134 +179,6 @@ def consumable_capacity_dropped(sent: Mapping[str, Any], stored: Mapping[str, An
     return False
 
 
-# --- errors ---------------------------------------------------------------------------------------
-
-
-class _SentOnceError(aiohttp.ClientConnectionError):
-    """A request that is not resent lost its connection (the cause is ``__cause__``). Not one of
-    the two exception types aiohttp's resend loop catches, so it passes through."""
-
-
-async def _send_once(
-    request: aiohttp.ClientRequest, handler: aiohttp.ClientHandlerType
-) -> aiohttp.ClientResponse:
-    """aiohttp client middleware: a dropped connection ends a request other than GET at once
-    (aiohttp would send PUT and DELETE again)."""
-    try:
-        return await handler(request)
-    except aiohttp.ClientConnectorError:
-        raise  # nothing was sent: aiohttp never resends these either
-    except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
-        if request.method in _RESENDABLE:
-            raise
-        raise _SentOnceError(str(exc)) from exc
-
-
-def _os_cause(error: BaseException | None) -> str:
-    if isinstance(error, OSError) and error.errno in _OS_CAUSES:
-        return _OS_CAUSES[error.errno]
-    if isinstance(error, OSError) and error.strerror:
-        return error.strerror
-    return str(error) or type(error).__name__
-
-
-def _certificate_cause(error: BaseException) -> str:
-    """Which check refused the server's certificate (``ssl.SSLCertVerificationError``)."""
-    code = getattr(error, "verify_code", None)
-    detail = getattr(error, "verify_message", None) or str(error)
-    if code in _UNKNOWN_CA_CODES:
-        kind = "unknown CA (the certificate is not signed by a CA the client trusts)"
-    elif code in _NAME_MISMATCH_CODES:
-        kind = "name mismatch (the certificate is for another name; see tls-server-name)"
-    elif code == _EXPIRED_CODE:
-        kind = "the certificate has expired"
-    elif code == _NOT_YET_VALID_CODE:
-        kind = "the certificate is not valid yet"
-    else:
-        kind = "the certificate was refused"
-    return f"TLS failure: {kind}: {detail}"
-
-
-def _cause(exc: BaseException, timeout: float) -> str:
-    """Why no answer came, in words (aiohttp's ``client_exceptions`` tree, most specific
-    first)."""
-    if isinstance(exc, _SentOnceError) and exc.__cause__ is not None:
-        return f"{_cause(exc.__cause__, timeout)} (not sent again: it may have been applied)"
-    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
-        return _certificate_cause(exc.certificate_error)
-    if isinstance(exc, aiohttp.ClientConnectorSSLError):
-        error = exc.os_error
-        reason = getattr(error, "reason", None) or _os_cause(error)
-        words = _TLS_REASONS.get(reason)
-        return f"TLS failure: handshake failed: {f'{words} ({reason})' if words else reason}"
-    if isinstance(exc, aiohttp.ClientConnectorDNSError):
-        return f"DNS failure: cannot resolve {exc.host}: {_os_cause(exc.os_error)}"
-    if isinstance(exc, aiohttp.ClientProxyConnectionError):
-        return f"cannot connect to the proxy {exc.host}:{exc.port}: {_os_cause(exc.os_error)}"
-    if isinstance(exc, aiohttp.ClientHttpProxyError):
-        answer = f"{exc.status} {exc.message}"
-        return f"proxy refusal: the proxy answered the tunnel request with {answer}"
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return _os_cause(exc.os_error)
-    if isinstance(exc, TimeoutError):  # aiohttp's ServerTimeoutError and its kin are too
-        return f"timeout: no answer within {timeout:g} s"
-    if isinstance(exc, aiohttp.ServerDisconnectedError):
-        return "connection closed by the server before the answer was complete"
-    if isinstance(exc, aiohttp.ClientPayloadError):
-        # aiohttp names the connection's error only in the text (client_proto.connection_lost);
-        # the cause is the parser's complaint (content length / chunked framing not complete).
-        how = "reset" if "ConnectionResetError" in str(exc) else "closed"
-        detail = getattr(exc.__cause__, "message", None) or str(exc)
-        return f"connection {how} by the server in the middle of the answer: {_one_line(detail)}"
-    if isinstance(exc, aiohttp.ClientResponseError | HttpProcessingError):
-        return f"the answer is not valid HTTP: {_one_line(str(exc.message))}"
-    if isinstance(exc, ssl.SSLError):
-        return f"TLS failure: {exc.reason or exc}"
-    if isinstance(exc, OSError):
-        return _os_cause(exc)
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _one_line(text: str) -> str:
-    """``text`` with its line breaks and runs of spaces made single spaces."""
-    return " ".join(text.split())
-
-
-def _server_message(body: bytes) -> str:
-    """The ``message`` of a Status body, else the start of the body."""
-    text = body.decode("utf-8", "replace")
-    try:
-        status = json.loads(text)
-    except ValueError:
-        status = None
-    if isinstance(status, dict) and isinstance(status.get("message"), str):
-        return str(status["message"])
-    return text[:_BODY_EXCERPT].strip() or "(empty body)"
-
-
-def _status_error(what: str, server: str, status: int, reason: str, body: bytes) -> KubeAPIError:
-    message = f"{what}: the API server {server} answered {status} {reason}: {_server_message(body)}"
-    if status == 404:
-        return KubeNotFoundError(message, status=status)
-    if status == 409:
-        return KubeConflictError(message, status=status)
-    if status == 429 or status >= 500:
-        return KubeServerError(message, status=status)
-    return KubeClientError(message, status=status)
-
-
-def _json_object(what: str, server: str, body: bytes) -> dict[str, Any]:
-    try:
-        obj = json.loads(body)
-    except ValueError as exc:
-        raise KubeServerError(f"{what}: the API server {server} sent invalid JSON: {exc}") from exc
-    if not isinstance(obj, dict):
-        raise KubeServerError(
-            f"{what}: the API server {server} sent {type(obj).__name__}, not an object"
-        )
-    return obj
-
-
 def _resource_version(obj: Mapping[str, Any]) -> str | None:
     metadata = obj.get("metadata")
     if isinstance(metadata, Mapping):
@@ -344,11 +186,6 @@ def _resource_version(obj: Mapping[str, Any]) -> str | None:
         if isinstance(value, str) and value:
             return value
     return None
-
-
-# What a request can raise below us: aiohttp's errors, socket errors (ssl.SSLError and
-# TimeoutError are OSErrors) and aiohttp's HTTP parser errors.
-_REQUEST_ERRORS: Final = (aiohttp.ClientError, OSError, HttpProcessingError)
 
 
 class KubeClient:
@@ -390,18 +227,21 @@ class KubeClient:
         request timeout)."""
         seconds = seconds or self._request_timeout
         try:
-            # Credentials are taken now: the in-cluster token may have been refreshed.
-            _, url, headers, _, _ = await self._api.param_serialize(
-                method=method,
-                resource_path=path,
-                path_params=dict(path_params or {}),
-                query_params=list(query),
-                header_params={"Accept": _JSON, "Content-Type": content_type},
-                auth_settings=_AUTH_SETTINGS,
-            )
+            # Credentials are taken now (the in-cluster token or an exec plugin's may have been
+            # renewed); a plugin that hangs is given up on like a silent server.
+            with anyio.fail_after(seconds):
+                _, url, headers, _, _ = await self._api.param_serialize(
+                    method=method,
+                    resource_path=path,
+                    path_params=dict(path_params or {}),
+                    query_params=list(query),
+                    header_params={"Accept": _JSON, "Content-Type": content_type},
+                    auth_settings=_AUTH_SETTINGS,
+                )
         except Exception as exc:  # a refresh hook or exec plugin is third-party code
+            cause = f"none within {seconds:g} s" if isinstance(exc, TimeoutError) else exc
             raise KubeServerError(
-                f"{what}: cannot get the credentials for the API server {self._server}: {exc}"
+                f"{what}: cannot get the credentials for the API server {self._server}: {cause}"
             ) from exc
         try:
             answer = await self._api.call_api(
@@ -411,7 +251,7 @@ class KubeClient:
                 body=body,  # json.dumps'ed by the library's REST layer
                 _request_timeout=seconds,
             )
-        except _REQUEST_ERRORS as exc:
+        except REQUEST_ERRORS as exc:
             raise self._unreachable(what, exc, seconds) from exc
         except kube_client.ApiException as exc:  # the REST layer refused the arguments
             raise KubeClientError(f"{what}: cannot send the request: {exc.reason}") from exc
@@ -420,13 +260,13 @@ class KubeClient:
 
     def _unreachable(self, what: str, exc: BaseException, seconds: float) -> KubeServerError:
         return KubeServerError(
-            f"{what}: cannot reach the API server {self._server}: {_cause(exc, seconds)}"
+            f"{what}: cannot reach the API server {self._server}: {describe_failure(exc, seconds)}"
         )
 
     def _broken(self, what: str, exc: BaseException, seconds: float) -> KubeServerError:
         return KubeServerError(
             f"{what}: reading the answer of the API server {self._server} failed: "
-            f"{_cause(exc, seconds)}"
+            f"{describe_failure(exc, seconds)}"
         )
 
     async def _request(
@@ -451,13 +291,13 @@ class KubeClient:
         )
         try:
             data = await response.read()
-        except _REQUEST_ERRORS as exc:
+        except REQUEST_ERRORS as exc:
             raise self._broken(what, exc, self._request_timeout) from exc
         finally:
             response.release()
         if response.status >= 400:
-            raise _status_error(what, self._server, response.status, response.reason or "", data)
-        return _json_object(what, self._server, data)
+            raise status_error(what, self._server, response.status, response.reason or "", data)
+        return json_object(what, self._server, data)
 
     # --- nodes and claims ------------------------------------------------------------------
 
@@ -601,10 +441,11 @@ class KubeClient:
                 if response.status >= 400:
                     try:
                         data = await response.read()
-                    except _REQUEST_ERRORS as exc:
+                    except REQUEST_ERRORS as exc:
                         # The status is known; only the server's message was lost.
-                        data = f"(reading the answer failed: {_cause(exc, deadline)})".encode()
-                    raise _status_error(
+                        cause = describe_failure(exc, deadline)
+                        data = f"(reading the answer failed: {cause})".encode()
+                    raise status_error(
                         what, self._server, response.status, response.reason or "", data
                     )
                 while True:
@@ -612,26 +453,26 @@ class KubeClient:
                         line = await response.content.readline(max_line_length=_MAX_EVENT_LINE)
                     except TimeoutError:
                         break  # the client-side deadline: renew the watch
-                    except _REQUEST_ERRORS as exc:
+                    except REQUEST_ERRORS as exc:
                         raise self._broken(what, exc, deadline) from exc
                     if not line:
                         break  # the server ended the stream (timeoutSeconds)
                     if not line.strip():
                         continue
-                    event = _json_object(what, self._server, line)
+                    event = json_object(what, self._server, line)
                     kind = event.get("type")
                     obj = event.get("object")
                     if not isinstance(obj, dict):
                         raise KubeServerError(
                             f"{what}: the API server {self._server} sent an event without an "
-                            f"object: {line[:_BODY_EXCERPT]!r}"
+                            f"object: {line[:BODY_EXCERPT]!r}"
                         )
                     if kind == "ERROR":
                         if obj.get("code") == 410:
                             logger.info("%s: watch expired (410 Gone), relisting", what)
                             version = None
                             break
-                        raise _status_error(
+                        raise status_error(
                             what,
                             self._server,
                             int(obj.get("code") or 500),
@@ -677,9 +518,9 @@ async def _load_configuration(kubeconfig: Path | None) -> Any:
     configuration.connection_pool_maxsize = MAX_CONNECTIONS
     kwargs = dict(configuration.client_session_kwargs or {})
     kwargs["trust_env"] = False
-    kwargs["middlewares"] = (_send_once,)
+    kwargs["middlewares"] = (send_once,)
     configuration.client_session_kwargs = kwargs
-    configuration.proxy = _proxy(configuration)
+    configuration.proxy = proxy_url(str(configuration.host), configuration.proxy or None)
     return configuration
 
 
@@ -701,44 +542,6 @@ def _refresh_exec_token(loader: Any, configuration: Any) -> None:
         config.api_key["BearerToken"] = loader.token
 
     configuration.refresh_api_key_hook = refresh
-
-
-def _proxy(configuration: Any) -> str | None:
-    """The proxy URL for the API server (credentials in it), decided now: the kubeconfig
-    ``proxy-url``, else ``<scheme>_proxy`` unless ``no_proxy`` names the server."""
-    server = urlsplit(str(configuration.host))
-    if configuration.proxy:
-        text, source = str(configuration.proxy), "the kubeconfig proxy-url"
-    else:
-        text = urllib.request.getproxies_environment().get(server.scheme, "")
-        source = f"{server.scheme}_proxy"
-        if not text or urllib.request.proxy_bypass(server.hostname or ""):
-            return None
-    proxy = urlsplit(text if "://" in text else "http://" + text)  # "proxy:3128", as curl has it
-    try:
-        proxy.port  # noqa: B018 (urllib checks the port when it is read)
-    except ValueError as exc:
-        raise ConfigError(f"{source} {text!r} has a bad port: {exc}") from exc
-    if proxy.scheme.lower() != "http" or not proxy.hostname:
-        # aiohttp tunnels through plain HTTP proxies only (it ignores https:// ones too).
-        if configuration.proxy:
-            raise ConfigError(f"{source} {text!r}: only http:// proxies are supported")
-        logger.warning("%s %s: only http:// proxies are supported, ignoring it", source, text)
-        return None
-    address = proxy.netloc.rpartition("@")[2]
-    if proxy.username is None and not configuration.proxy:
-        # aiohttp's rule for a proxy from the environment: credentials from ~/.netrc.
-        with suppress(LookupError):
-            auth = basicauth_from_netrc(netrc_from_env(), proxy.hostname)
-            user, password = quote(auth.login, safe=""), quote(auth.password, safe="")
-            proxy = proxy._replace(netloc=f"{user}:{password}@{address}")
-    logger.info(
-        "the API server %s is reached through proxy http://%s (%s)",
-        configuration.host,
-        address,
-        source,
-    )
-    return proxy.geturl()
 
 
 @asynccontextmanager
