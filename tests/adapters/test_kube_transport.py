@@ -34,6 +34,7 @@ from tests.kube_helpers import (
     NODE_JSON,
     NODE_UID,
     OPENSSL,
+    Handler,
     Pki,
     RawRequest,
     answering,
@@ -90,6 +91,17 @@ async def failure(config: Path, *, request_timeout: float = 10) -> KubeServerErr
     assert info.value.status is None
     assert isinstance(info.value.__cause__, Exception)  # the library's error, kept
     return info.value
+
+
+async def served_failure(
+    handler: Handler, tmp_path: Path, *, scheme: str = "http", request_timeout: float = 10
+) -> tuple[str, KubeServerError, list[int]]:
+    """The server's URL, the error of one ``get node`` from ``handler``'s raw server, and the
+    connections it accepted."""
+    async with raw_server(handler) as (port, accepted):
+        url = f"{scheme}://127.0.0.1:{port}"
+        config = write_kubeconfig(tmp_path / "kubeconfig", url)
+        return url, await failure(config, request_timeout=request_timeout), accepted
 
 
 CLAIM_JSON = json.dumps({"kind": "ResourceClaim", "metadata": {"name": "claim-1"}}).encode()
@@ -409,9 +421,7 @@ async def test_connection_reset(tmp_path: Path) -> None:
         await read_request(buffered, number)
         reset(stream)
 
-    async with raw_server(handler) as (port, accepted):
-        url = f"http://127.0.0.1:{port}"
-        error = await failure(write_kubeconfig(tmp_path / "kubeconfig", url))
+    url, error, accepted = await served_failure(handler, tmp_path)
     assert str(error) == (
         f"get node {NODE}: cannot reach the API server {url}: connection reset by the server"
     )
@@ -427,9 +437,7 @@ async def test_an_answer_cut_short(tmp_path: Path, how: str) -> None:
         if how == "reset":
             reset(stream)
 
-    async with raw_server(handler) as (port, _):
-        url = f"http://127.0.0.1:{port}"
-        error = await failure(write_kubeconfig(tmp_path / "kubeconfig", url))
+    url, error, _ = await served_failure(handler, tmp_path)
     assert str(error) == (
         f"get node {NODE}: reading the answer of the API server {url} failed: connection {how} "
         f"by the server in the middle of the answer: Not enough data to satisfy content length "
@@ -442,12 +450,8 @@ async def test_a_timeout(tmp_path: Path) -> None:
         await read_request(buffered, number)
         await anyio.sleep_forever()
 
-    async with raw_server(handler) as (port, _):
-        url = f"http://127.0.0.1:{port}"
-        with anyio.fail_after(10):
-            error = await failure(
-                write_kubeconfig(tmp_path / "kubeconfig", url), request_timeout=0.3
-            )
+    with anyio.fail_after(10):
+        url, error, _ = await served_failure(handler, tmp_path, request_timeout=0.3)
     assert str(error) == (
         f"get node {NODE}: cannot reach the API server {url}: timeout: no answer within 0.3 s"
     )
@@ -458,9 +462,7 @@ async def test_an_answer_that_is_not_http(tmp_path: Path) -> None:
         await read_request(buffered, number)
         await stream.send(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
 
-    async with raw_server(handler) as (port, _):
-        url = f"http://127.0.0.1:{port}"
-        error = await failure(write_kubeconfig(tmp_path / "kubeconfig", url))
+    url, error, _ = await served_failure(handler, tmp_path)
     assert str(error).startswith(
         f"get node {NODE}: cannot reach the API server {url}: the answer is not valid HTTP: "
     )
@@ -481,9 +483,7 @@ async def test_tls_to_a_server_that_does_not_speak_it(tmp_path: Path) -> None:
         await stream.receive()  # the ClientHello, answered as a plain HTTP server would
         await stream.send(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
 
-    async with raw_server(handler) as (port, _):
-        url = f"https://127.0.0.1:{port}"
-        error = await failure(write_kubeconfig(tmp_path / "kubeconfig", url))
+    url, error, _ = await served_failure(handler, tmp_path, scheme="https")
     assert str(error) == (
         f"get node {NODE}: cannot reach the API server {url}: TLS failure: handshake failed: the "
         "server does not speak TLS (WRONG_VERSION_NUMBER)"
