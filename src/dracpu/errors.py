@@ -105,7 +105,12 @@ class CheckpointError(DracpuError):
 
 
 class KubeAPIError(DracpuError):
-    """The Kubernetes API server answered with an error or could not be reached."""
+    """The Kubernetes API server answered with an error or could not be reached.
+
+    The message names the operation (``get resourceclaim ns/name``), the server's URL and the
+    cause: the status, reason and server's message of an answer, or in words why none came.
+    ``status`` is the HTTP status, ``None`` when there was no answer.
+    """
 
     def __init__(self, message: str, *, status: int | None = None) -> None:
         super().__init__(message)
@@ -125,7 +130,8 @@ class KubeConflictError(KubeClientError):
 
 
 class KubeServerError(KubeAPIError):
-    """A 5xx answer or a connection failure: transient, retried with backoff."""
+    """A 5xx or 429 answer, or no answer (connection refused or reset, TLS failure, timeout,
+    DNS failure, proxy refusal): transient, retried with backoff."""
 
 
 # --- added for dracpu.core.quantity -------------------------------------------------------------
