@@ -1,12 +1,13 @@
 """The DRA gRPC service the kubelet calls: ``NodePrepareResources`` / ``NodeUnprepareResources``.
 
 Served on ``<kubelet-root>/plugins/dra.cpu/dra.sock`` in both versions the kubelet speaks
-(reference kubelet-and-k8s-api.md §1): ``k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`` and
-``k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin``. Both go through one :class:`DraService`; the
-versions differ only in v1's ``Device.share_id``. Messages are read and written by the hand codec
-:mod:`dracpu.wire.dra` (a few microseconds instead of betterproto2's ~80 us per call); a request
-that does not decode fails the call with ``INVALID_ARGUMENT`` saying what is wrong, and the
-server keeps serving.
+(``k8s.io/kubelet`` ``pkg/apis/dra/v1`` and ``v1beta1``):
+``k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`` and ``k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin``,
+by grpclib
+(:func:`dracpu.adapters.grpc_unix.open_grpc_server`) with the betterproto2 messages of
+``dracpu._gen.dra``. Both go through one :class:`DraService`; the versions differ only in v1's
+``Device.share_id``. A request that does not decode fails the call with ``INVALID_ARGUMENT``
+saying what is wrong, and the server keeps serving.
 
 Prepare, for each claim of a call, concurrently (at most :data:`MAX_CONCURRENT_CLAIMS` claims at
 a time over all calls):
@@ -22,21 +23,20 @@ a time over all calls):
    pool, device and the claim's CDI id ``dra.k8s.io/cpu=claim-<uid>``;
 4. best effort, record the cpuset in the claim's ``status.devices[].data`` (a failure is logged;
    the claim stays prepared). This PATCH starts only once the WHOLE answer (message and
-   trailers) has been handed to the transport: each rpc method receives, prepares, answers with
-   :meth:`~dracpu.adapters.grpc_server.Call.reply` (which returns once head, message and
-   trailers are written), and only then starts the call's patches (held until then in a
-   :class:`DeferredPatches`), and then waits :data:`STATUS_PATCH_DELAY` more, so building and
-   sending the PATCH never competes with the answer nor with the kubelet taking it. If the
-   call ends without an answer (the kubelet went away, the deadline passed) the patches start
-   all the same: the claims ARE prepared here, so recording their cpusets is still right.
-   The patches run in tasks of the kubelet-plugin task's own task group (cancelled when the
-   task stops): the kubelet never waits for the API server's write. At most one patch per claim
-   runs at a time, in order: a new Prepare of the claim cancels its pending patch (started or
-   still held) and starts its own once that one has ended, and an Unprepare cancels it (the
-   claim no longer holds those CPUs here); the patch carries the claim's ``resourceVersion``,
-   so a write the API server still applies late can never overwrite a newer one. Beyond
-   :data:`MAX_PENDING_STATUS_PATCHES` pending patches (a slow API server) a Prepare waits for its
-   own patch before answering, as it did when patches were inline.
+   trailers) has been handed to the transport: the Prepare rpc method works on the call's
+   grpclib stream, sends the message and the trailers itself, and only then starts the call's
+   patches (held until then in a :class:`DeferredPatches`), each of which then waits
+   :data:`STATUS_PATCH_DELAY` more, so building and sending the PATCH never competes with the
+   answer nor with the kubelet taking it. If the call ends without an answer (the kubelet went
+   away, the deadline passed) the patches start all the same: the claims ARE prepared here, so
+   recording their cpusets is still right. The patches run in tasks of the kubelet-plugin
+   task's own task group (cancelled when the task stops): the kubelet never waits for the API
+   server's write. At most one patch per claim runs at a time, in order: a new Prepare of the
+   claim cancels its pending patch (started or still held) and starts its own once that one
+   has ended, and an Unprepare cancels it (the claim no longer holds those CPUs here); the
+   patch carries the claim's ``resourceVersion``, so a write the API server still applies late
+   can never overwrite a newer one. Beyond :data:`MAX_PENDING_STATUS_PATCHES` pending patches (a
+   slow API server) a Prepare waits for its own patch before answering.
 
 A claim that cannot be prepared gets its own ``error`` string; the other claims of the call are
 still prepared, and the call itself never fails at the gRPC level for a claim's problem (the
@@ -52,48 +52,40 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
+from types import ModuleType, TracebackType
 from typing import Any, ClassVar, Protocol, TypeVar
 
 import anyio
+import betterproto2
+import grpclib.const
+import grpclib.server
 from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
 
 from dracpu import DRIVER_NAME
-from dracpu.adapters.grpc_server import Call, Handler, Service, open_unix_server
+from dracpu._gen.dra import v1 as dra_v1
+from dracpu._gen.dra import v1beta1 as dra_v1beta1
+from dracpu.adapters.grpc_unix import (
+    Servable,
+    open_grpc_server,
+    receive_request,
+    with_stream_handlers,
+)
 from dracpu.core.cdi_spec import device_id
 from dracpu.core.claims import ClaimAllocation, device_status_patch, read_claim
 from dracpu.core.commands import Command, PrepareClaim, UnprepareClaim
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.effects import ClaimPrepared, ClaimUnprepared
-from dracpu.errors import (
-    DracpuError,
-    GrpcError,
-    KubeAPIError,
-    KubeConflictError,
-    KubeNotFoundError,
-    LocalProtocolError,
-    RemoteProtocolError,
-)
+from dracpu.errors import DracpuError, KubeAPIError, KubeConflictError, KubeNotFoundError
 from dracpu.tasks import state_owner
 from dracpu.tasks.state_owner import Request
-from dracpu.wire.dra import (
-    ClaimRef,
-    PreparedDevice,
-    PrepareOutcome,
-    decode_prepare_request,
-    decode_unprepare_request,
-    encode_prepare_response,
-    encode_unprepare_response,
-)
-from dracpu.wire.grpc import Status
 
 __all__ = [
     "MAX_CONCURRENT_CLAIMS",
     "MAX_PENDING_STATUS_PATCHES",
-    "SERVICE_V1",
-    "SERVICE_V1BETA1",
     "STATUS_PATCH_DELAY",
     "STATUS_PATCH_TIMEOUT",
     "ClaimRef",
@@ -110,8 +102,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # Claims handled at once over all calls: bounds the API GETs in flight. The kubelet sends one
-# call per pod admission with that pod's claims (reference §1.5), rarely more than a few; the
-# state owner serialises the rest anyway.
+# call per pod admission with that pod's claims of our driver (kubernetes
+# pkg/kubelet/cm/dra/manager.go PrepareResources), rarely more than a few; the state owner
+# serialises the rest anyway.
 MAX_CONCURRENT_CLAIMS = 16
 # Longest one best-effort status patch may take (seconds), a retry after a 409 included. It
 # also bounds how long a Prepare answered inline (too many pending patches) waits for it: the
@@ -124,17 +117,42 @@ STATUS_PATCH_TIMEOUT = 5.0
 MAX_PENDING_STATUS_PATCHES = 64
 # How long a background status patch waits after its call was answered (seconds). The kubelet
 # is woken by our answer on a unix socket, a "sync" wakeup that tends to put it on the CPU we
-# run on: work we start at once (the PATCH, ~1 ms of CPU with its JSON and HTTP) makes it wait
-# for that CPU. Measured with bench/bench_prepare.py: Prepare p50 5.3 ms with the PATCH at once,
-# 4.4 ms with this delay, 4.0 ms with no PATCH at all. Short enough that the status is recorded
-# long before the pod's containers are created.
+# run on: work we start at once (the PATCH, with its JSON and HTTP) makes it wait for that CPU
+# (bench/bench_prepare.py shows the difference; docs/performance.md). Short enough that the
+# status is recorded long before the pod's containers are created.
 STATUS_PATCH_DELAY = 0.001
-# The gRPC services the kubelet calls: proto package + service name of proto/dra/v1 and
-# proto/dra/v1beta1/api.proto (reference §1.1), as the generated DraPluginBase registers them.
-SERVICE_V1 = "k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin"
-SERVICE_V1BETA1 = "k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin"
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimRef:
+    """A ``Claim`` of a request: a ResourceClaim as the kubelet names it."""
+
+    namespace: str
+    uid: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedDevice:
+    """A ``Device`` of a ``NodePrepareResourceResponse``: one device of a prepared claim, as the
+    kubelet stores it. ``share_id`` ``None``: absent (v1beta1 never carries it)."""
+
+    request_names: tuple[str, ...]
+    pool_name: str
+    device_name: str
+    cdi_device_ids: tuple[str, ...]
+    share_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PrepareOutcome:
+    """A ``NodePrepareResourceResponse``: the answer for one claim, its devices or a non-empty
+    ``error``."""
+
+    devices: tuple[PreparedDevice, ...] = ()
+    error: str = ""
 
 
 class ClaimSource(Protocol):
@@ -557,73 +575,105 @@ class DraService:
 
 # --- the two gRPC versions ----------------------------------------------------------------------
 
-
-def _decode(call: Call, decode: Callable[[bytes], tuple[ClaimRef, ...]]) -> tuple[ClaimRef, ...]:
-    """The claims of the call's request; ``INVALID_ARGUMENT`` if it does not decode."""
-    try:
-        return decode(call.request)
-    except RemoteProtocolError as exc:
-        logger.warning("refusing a %s call: %s", call.path.rsplit("/", 1)[-1], exc)
-        raise GrpcError(Status.INVALID_ARGUMENT, str(exc)) from exc
+_CLAIM_FIELDS = ("namespace", "uid", "name")
 
 
-def _encode(call: Call, encode: Callable[[], bytes]) -> bytes:
-    try:
-        return encode()
-    except LocalProtocolError as exc:  # our bug: say so, keep serving
-        logger.error("cannot encode the %s answer: %s", call.path.rsplit("/", 1)[-1], exc)
-        raise GrpcError(Status.INTERNAL, f"cannot encode the answer: {exc}") from exc
+def _claim_refs(method: str, claims: Sequence[object]) -> list[ClaimRef]:
+    """The claims of a request. betterproto2 keeps a field sent with another wire type as a
+    value of another Python type (``claims=[1]``, ``uid=None``): such a claim is the kubelet's
+    error, ``INVALID_ARGUMENT``."""
+    refs = []
+    for index, claim in enumerate(claims):
+        values = [getattr(claim, name, None) for name in _CLAIM_FIELDS]
+        texts = [value for value in values if isinstance(value, str)]
+        if len(texts) != len(_CLAIM_FIELDS):
+            message = f"claims[{index}] is not a well-formed Claim: {claim!r}"
+            logger.warning("refusing a %s call: %s", method, message)
+            raise GRPCError(Status.INVALID_ARGUMENT, message)
+        refs.append(ClaimRef(*texts))
+    return refs
 
 
 class _DraPlugin:
-    """One version of ``DRAPlugin`` over :class:`DraService`: its rpc methods by path
-    (:meth:`methods`, for :func:`~dracpu.adapters.grpc_server.open_unix_server`).
+    """One version of ``DRAPlugin`` over :class:`DraService`: the generated service's rpc methods
+    (paths, message types) served by stream handlers of ours. Prepare needs the stream: it sends
+    the answer's message and trailers itself, then starts the status patches."""
 
-    Not the generated ``DraPluginBase``: that one is grpclib's and decodes and encodes
-    betterproto2 messages. The tests check that the method paths are the generated ones.
-    """
-
-    service_name: ClassVar[str]
+    api: ClassVar[ModuleType]  # the generated module: dracpu._gen.dra.v1 or .v1beta1
     share_ids: ClassVar[bool]  # the version's Device has share_id (field 5)
 
     def __init__(self, service: DraService) -> None:
         self._service = service
 
-    def methods(self) -> dict[str, Handler]:
-        prefix = f"/{self.service_name}/"
-        return {
-            prefix + "NodePrepareResources": self.node_prepare_resources,
-            prefix + "NodeUnprepareResources": self.node_unprepare_resources,
-        }
+    def __mapping__(self) -> dict[str, grpclib.const.Handler]:
+        generated: dict[str, grpclib.const.Handler] = self.api.DraPluginBase.__mapping__(self)
+        return with_stream_handlers(
+            generated,
+            {
+                "NodePrepareResources": self._node_prepare_resources,
+                "NodeUnprepareResources": self._node_unprepare_resources,
+            },
+        )
 
-    async def node_prepare_resources(self, call: Call) -> None:
-        """Prepare, answer (the whole answer is with the transport when ``reply`` returns),
-        THEN start the status patches."""
-        refs = _decode(call, decode_prepare_request)
+    async def _node_prepare_resources(self, stream: grpclib.server.Stream[Any, Any]) -> None:
+        """Prepare, answer (message and trailers are with the transport once
+        ``send_trailing_metadata`` returns), THEN start the status patches."""
+        request = await receive_request(stream)
+        refs = _claim_refs("NodePrepareResources", request.claims)
         with self._service.deferred_patches() as deferred:
             outcomes = await self._service.prepare(refs, deferred=deferred)
-            call.reply(
-                _encode(call, lambda: encode_prepare_response(outcomes, share_ids=self.share_ids))
+            await stream.send_message(self._prepare_response(outcomes))
+            await stream.send_trailing_metadata()
+
+    async def _node_unprepare_resources(self, stream: grpclib.server.Stream[Any, Any]) -> None:
+        request = await receive_request(stream)
+        errors = await self._service.unprepare(
+            _claim_refs("NodeUnprepareResources", request.claims)
+        )
+        api = self.api
+        response: betterproto2.Message = api.NodeUnprepareResourcesResponse(
+            claims={
+                uid: api.NodeUnprepareResourceResponse(error=error) for uid, error in errors.items()
+            }
+        )
+        await stream.send_message(response)
+
+    def _prepare_response(self, outcomes: Mapping[str, PrepareOutcome]) -> betterproto2.Message:
+        api = self.api
+
+        def device(prepared: PreparedDevice) -> Any:
+            share = {"share_id": prepared.share_id} if self.share_ids else {}
+            return api.Device(
+                request_names=list(prepared.request_names),
+                pool_name=prepared.pool_name,
+                device_name=prepared.device_name,
+                cdi_device_ids=list(prepared.cdi_device_ids),
+                **share,
             )
 
-    async def node_unprepare_resources(self, call: Call) -> None:
-        refs = _decode(call, decode_unprepare_request)
-        errors = await self._service.unprepare(refs)
-        call.reply(_encode(call, lambda: encode_unprepare_response(errors)))
+        response: betterproto2.Message = api.NodePrepareResourcesResponse(
+            claims={
+                uid: api.NodePrepareResourceResponse(
+                    devices=[device(d) for d in outcome.devices], error=outcome.error
+                )
+                for uid, outcome in outcomes.items()
+            }
+        )
+        return response
 
 
-class DraPluginV1(_DraPlugin):
+class DraPluginV1(_DraPlugin, dra_v1.DraPluginBase):
     """``k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`` over :class:`DraService`."""
 
-    service_name = SERVICE_V1
+    api: ClassVar[ModuleType] = dra_v1
     share_ids = True
 
 
-class DraPluginV1beta1(_DraPlugin):
+class DraPluginV1beta1(_DraPlugin, dra_v1beta1.DraPluginBase):
     """``k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin`` over :class:`DraService` (no
     ``share_id``: the v1beta1 Device has no field 5)."""
 
-    service_name = SERVICE_V1BETA1
+    api: ClassVar[ModuleType] = dra_v1beta1
     share_ids = False
 
 
@@ -663,13 +713,10 @@ async def run(
             max_pending_status_patches=max_pending_status_patches,
             status_patch_delay=status_patch_delay,
         )
-        handlers: list[Service] = [
-            DraPluginV1(service).methods(),
-            DraPluginV1beta1(service).methods(),
-        ]
+        plugins: list[Servable] = [DraPluginV1(service), DraPluginV1beta1(service)]
         # The patches' task group inside the server: when it ends, later answers patch nothing.
         async with (
-            open_unix_server(handlers, socket_path, private_dir=True),
+            open_grpc_server(plugins, socket_path, private_dir=True),
             service.status_patches(),
         ):
             logger.info("DRA socket %s is listening (v1, v1beta1)", socket_path)
