@@ -108,7 +108,7 @@ class MessageCodec(ProtoCodec):
         try:
             return super().encode(message, message_type)
         except Exception as exc:
-            logger.error("cannot encode the answer %r: %s", message, exc)
+            logger.error("cannot encode a %s answer: %s", type(message).__name__, exc)
             raise GRPCError(Status.INTERNAL, f"cannot encode the answer: {exc}") from exc
 
 
@@ -173,11 +173,12 @@ class _Server(grpclib.server.Server):
         return any(not hasattr(p, "connection") for p in list(self._protocols))
 
     def open_connections(self) -> int:
-        return sum(1 for connection in self._connections() if not connection.is_closing())
-
-    def _connections(self) -> list[grpclib.protocol.Connection]:
         # H2Protocol.connection exists once connection_made has run.
-        return [p.connection for p in list(self._protocols) if hasattr(p, "connection")]
+        return sum(
+            1
+            for p in list(self._protocols)
+            if hasattr(p, "connection") and not p.connection.is_closing()
+        )
 
     def close_connections(self) -> None:
         for protocol in list(self._protocols):

@@ -3,11 +3,10 @@
 Served on ``<kubelet-root>/plugins/dra.cpu/dra.sock`` in both versions the kubelet speaks
 (``k8s.io/kubelet`` ``pkg/apis/dra/v1`` and ``v1beta1``):
 ``k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`` and ``k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin``,
-by grpclib
-(:func:`dracpu.adapters.grpc_unix.open_grpc_server`) with the betterproto2 messages of
-``dracpu._gen.dra``. Both go through one :class:`DraService`; the versions differ only in v1's
-``Device.share_id``. A request that does not decode fails the call with ``INVALID_ARGUMENT``
-saying what is wrong, and the server keeps serving.
+by grpclib (:func:`dracpu.adapters.grpc_unix.open_grpc_server`) with the betterproto2 messages
+and service bases of ``dracpu._gen.dra``. Both go through one :class:`DraService`; the versions
+differ only in v1's ``Device.share_id``. A request that does not decode fails the call with
+``INVALID_ARGUMENT`` saying what is wrong, and the server keeps serving.
 
 Prepare, for each claim of a call, concurrently (at most :data:`MAX_CONCURRENT_CLAIMS` claims at
 a time over all calls):
