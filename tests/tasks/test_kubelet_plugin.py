@@ -1005,6 +1005,43 @@ async def test_the_patches_start_even_when_the_answer_cannot_be_sent(tmp_path: P
         assert _status_cpusets(claims, obj) == [str(cpus)]
 
 
+async def test_the_kubelets_deadline_cancels_a_prepare_still_reading_its_claims(
+    tmp_path: Path,
+) -> None:
+    """The kubelet's deadline (grpc-timeout) passes while the claim GET hangs: the call ends
+    DEADLINE_EXCEEDED, the handler is cancelled (the claim never reaches the state owner, even
+    once the GET would answer) and the socket serves the next call."""
+    claims = FakeClaims()
+    fast, slow, gate = _fast_and_slow(claims)
+    async with running_node(tmp_path, claims) as node:
+
+        def prepare_slow() -> grpc.StatusCode:
+            ns, uid, name = _ref(slow)
+            request = G_V1.NodePrepareResourcesRequest(
+                claims=[G_V1.Claim(namespace=ns, uid=uid, name=name)]
+            )
+            with grpc.insecure_channel(unix_target(node.socket)) as channel:
+                call = channel.unary_unary(
+                    PATHS["v1"]["prepare"],
+                    request_serializer=G_V1.NodePrepareResourcesRequest.SerializeToString,
+                )
+                with pytest.raises(grpc.RpcError) as info:
+                    call(request, timeout=0.3)
+                code: grpc.StatusCode = info.value.code()
+                return code
+
+        assert await anyio.to_thread.run_sync(prepare_slow) == grpc.StatusCode.DEADLINE_EXCEEDED
+        gate.set()  # the GET would answer now: nobody is waiting for it any more
+        reply = await prepare(node, "v1", _ref(fast))
+        await _patches_settled(node)
+        prepared = node.checkpointed()
+        gets = claims.gets
+
+    assert reply.claims[_ref(fast)[1]].error == ""
+    assert set(prepared) == {_ref(fast)[1]}
+    assert gets == 1  # fast's; slow's GET was cancelled while it waited
+
+
 async def test_a_call_cancelled_midway_still_patches_the_claims_it_prepared(
     tmp_path: Path,
 ) -> None:

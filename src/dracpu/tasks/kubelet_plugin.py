@@ -586,7 +586,7 @@ def _claim_refs(method: str, claims: Sequence[object]) -> list[ClaimRef]:
         values = [getattr(claim, name, None) for name in _CLAIM_FIELDS]
         texts = [value for value in values if isinstance(value, str)]
         if len(texts) != len(_CLAIM_FIELDS):
-            message = f"claims[{index}] is not a well-formed Claim: {claim!r}"
+            message = f"claims[{index}] is not a well-formed Claim: {repr(claim)[:200]}"
             logger.warning("refusing a %s call: %s", method, message)
             raise GRPCError(Status.INVALID_ARGUMENT, message)
         refs.append(ClaimRef(*texts))
