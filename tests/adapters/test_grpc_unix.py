@@ -36,6 +36,7 @@ from h2.config import H2Configuration
 from h2.connection import H2Connection
 from h2.events import DataReceived, ResponseReceived, StreamEnded, TrailersReceived
 from h2.events import StreamReset as H2StreamReset
+from h2.settings import SettingCodes
 
 from dracpu.adapters.grpc_unix import (
     STOP_TIMEOUT,
@@ -66,7 +67,8 @@ pytestmark = pytest.mark.anyio
 CALL_TIMEOUT = 10.0
 MIB = 1 << 20
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"  # RFC 9113 §3.4
-FRAME_SETTINGS = 0x4  # RFC 9113 §6.5
+FRAME_SETTINGS, FRAME_PING = 0x4, 0x6  # RFC 9113 §6.5, §6.7
+MAX_WINDOW = 2**31 - 1  # RFC 9113 §6.9.1
 
 
 def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
@@ -226,10 +228,15 @@ class _RawClient:
 
 
 @asynccontextmanager
-async def _raw_client(socket_path: Path) -> AsyncIterator[_RawClient]:
+async def _raw_client(
+    socket_path: Path, *, huge_windows: bool = False
+) -> AsyncIterator[_RawClient]:
     async with await anyio.connect_unix(socket_path) as stream:
         client = _RawClient(stream)
         client.h2.initiate_connection()
+        if huge_windows:  # the server may send all it has at once (RFC 9113 §6.9)
+            client.h2.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: MAX_WINDOW})
+            client.h2.increment_flow_control_window(MAX_WINDOW - 65_535)
         await client.flush()
         yield client
 
@@ -493,6 +500,72 @@ async def test_a_peer_breaking_http2_loses_its_connection_only(
         after = await _call(socket_path, ECHO, b"still serving")
 
     assert after == b"gnivres llits"
+
+
+async def test_a_client_stalling_on_a_big_answer_gets_it_whole_once_it_reads(
+    socket_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A raw client with huge windows that reads nothing while a 4 MiB answer is sent to it: the
+    server keeps it (back pressure, no drop, no deadlock) and serves another client meanwhile;
+    the stalled one gets the whole answer once it reads."""
+    reply = os.urandom(4 * MIB)
+    answering = anyio.Event()
+
+    async def big(request: bytes) -> bytes:
+        answering.set()
+        return reply
+
+    with caplog.at_level(logging.WARNING):
+        async with (
+            serving({"/test.Echo/Big": big, ECHO: reverse}, socket_path),
+            _raw_client(socket_path, huge_windows=True) as client,
+        ):
+            big_id = await client.request("/test.Echo/Big", _grpc_frame(blob(b"")))
+            await _wait(answering)
+            after = await _call(socket_path, ECHO, b"next")  # while the big one waits
+            answer = await client.answer(big_id)
+
+    assert after == b"txen"
+    assert answer.grpc_status == Status.OK.value
+    assert bytes(answer.body) == _grpc_frame(blob(reply))
+    assert [r.getMessage() for r in caplog.records] == []
+
+
+async def test_a_peer_flooding_pings_without_reading_cannot_grow_the_server(
+    socket_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each PING is answered; a peer that never reads the answers cannot make the server buffer
+    them without end: once the answers waiting pass the transport's high-water mark the server
+    stops reading from it (back pressure), so its sends block (here: time out) far below
+    ``limit`` bytes accepted, and the server serves others meanwhile and after."""
+    limit = 8 * MIB  # accepted whole, the server would buffer all their answers
+    pings = _frame(FRAME_PING, 0, 0, b"pingping") * 4096
+    stalled = 1.0  # seconds a blocked send waits before we call it back pressure
+
+    def flood() -> tuple[int, OSError | None]:
+        sent = 0
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(stalled)
+            sock.connect(str(socket_path))
+            sock.sendall(PREFACE + _frame(FRAME_SETTINGS, 0, 0))
+            try:
+                while sent < limit:
+                    sock.sendall(pings)
+                    sent += len(pings)
+            except OSError as exc:
+                return sent, exc
+        return sent, None
+
+    with caplog.at_level(logging.WARNING):
+        async with serving({ECHO: reverse}, socket_path) as server:
+            sent, error = await anyio.to_thread.run_sync(flood)
+            await _eventually(lambda: server.open_connections == 0)
+            after = await _call(socket_path, ECHO, b"next")
+
+    assert sent < limit, sent
+    assert isinstance(error, TimeoutError), error  # the server stopped reading this peer
+    assert after == b"txen"
+    assert [r.getMessage() for r in caplog.records] == []
 
 
 # --------------------------------------------------------------------------------------------

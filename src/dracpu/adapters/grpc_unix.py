@@ -25,7 +25,8 @@ betterproto2 parses leniently where Google's runtime refuses (a length-delimited
 past the end is cut short, wire types 6 and 7 and a field of the wrong wire type are accepted,
 the latter keeping a value of the wrong Python type): handlers check the Python types of the
 fields they use, see ``docs/architecture.md``. grpclib puts no limit on the size of a request
-message; the sockets are mode 0600 in root's directories, so only root can send one.
+message; the sockets are mode 0600 in root's directories, so only root can send one. A peer
+that does not read its answers is not read either (:class:`_Protocol`).
 
 grpclib runs on asyncio only: the tasks that serve with it run on anyio's asyncio backend, and
 this module uses asyncio directly to stop accepting connections. grpclib cancels a call's task
@@ -43,7 +44,7 @@ from collections.abc import AsyncIterator, Callable, Collection, Coroutine, Mapp
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import anyio
 import anyio.lowlevel
@@ -154,9 +155,35 @@ class _MethodTable(dict[str, grpclib.const.Handler]):
         return _unimplemented(path) if handler is None else handler
 
 
+class _Protocol(H2Protocol):
+    """grpclib's connection, reading no more from a peer that does not read its answers.
+
+    grpclib only stops writing when the transport's buffer is full; reading on, it would buffer
+    without end what h2 answers by itself (a PING's acknowledgement, SETTINGS acks) for a peer
+    that sends and never reads. Pausing reading too lets the kernel's socket buffers hold the
+    peer back (asyncio's write buffer limits: ``Transport.set_write_buffer_limits``).
+    """
+
+    _peer: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._peer = cast(asyncio.Transport, transport)
+        super().connection_made(transport)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._peer is not None:
+            self._peer.pause_reading()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._peer is not None and not self._peer.is_closing():
+            self._peer.resume_reading()
+
+
 class _Server(grpclib.server.Server):
-    """grpclib's server, remembering its connections so that stopping can close them, and
-    answering unknown methods as grpc-go expects (:class:`_MethodTable`)."""
+    """grpclib's server with :class:`_Protocol` connections, remembered so that stopping can
+    close them, and answering unknown methods as grpc-go expects (:class:`_MethodTable`)."""
 
     def __init__(self, services: Collection[Servable]) -> None:
         super().__init__(list(services), codec=MessageCodec())
@@ -164,7 +191,8 @@ class _Server(grpclib.server.Server):
         self._protocols: weakref.WeakSet[H2Protocol] = weakref.WeakSet()
 
     def _protocol_factory(self) -> H2Protocol:
-        protocol = super()._protocol_factory()
+        made = super()._protocol_factory()  # registers the connection's call handler
+        protocol = _Protocol(made.handler, made.config, made.h2_config)
         self._protocols.add(protocol)
         return protocol
 
