@@ -391,7 +391,7 @@ async def test_prepare_answers_devices_writes_cdi_checkpoint_and_status(
         assert node.checkpointed() == {uid: cpus}
         assert os.stat(node.checkpoint).st_mode & 0o777 == 0o600
         # status.devices records the cpuset on our device (best effort, after the answer)
-        await node.service.wait_status_patches()
+        await node.service.patches.wait()
         stored = claims.objects[(ns, name)]["status"]["devices"]
         assert stored == [
             {
@@ -444,7 +444,7 @@ async def test_repeated_prepare_is_idempotent_and_rewrites_a_lost_cdi_spec(tmp_p
     async with running_node(tmp_path, claims) as node:
         first = await prepare(node, "v1", (ns, uid, name))
         cpus = _env_cpus(node.spec_env(uid), uid)
-        await node.service.wait_status_patches()
+        await node.service.patches.wait()
         assert len(claims.patches) == 1
         (node.cdi_dir / f"dra.k8s.io-cpu_claim-{uid}.json").unlink()  # a reboot empties the dir
 
@@ -454,7 +454,7 @@ async def test_repeated_prepare_is_idempotent_and_rewrites_a_lost_cdi_spec(tmp_p
         assert again.claims[uid].error == ""
         assert _env_cpus(node.spec_env(uid), uid) == cpus
         assert node.checkpointed() == {uid: cpus}
-        await node.service.wait_status_patches()
+        await node.service.patches.wait()
         assert len(claims.patches) == 1  # the status already says so: no second patch
 
 
@@ -467,7 +467,7 @@ async def test_claim_without_our_devices_is_prepared_with_no_devices(tmp_path: P
         entry = reply.claims[_ref(obj)[1]]
         assert (entry.error, _devices(entry)) == ("", [])
         assert node.spec_env(_ref(obj)[1]) is None
-        await node.service.wait_status_patches()
+        await node.service.patches.wait()
         assert claims.patches == []
 
 
@@ -665,7 +665,7 @@ async def test_status_patch_failure_does_not_fail_prepare(
         reply = await prepare(node, "v1", _ref(obj))
         assert reply.claims[_ref(obj)[1]].error == ""
         assert node.spec_env(_ref(obj)[1]) is not None
-        await node.service.wait_status_patches()
+        await node.service.patches.wait()
     assert len(claims.patches) == 1
     assert "status.devices could not be updated: connection refused" in caplog.text
     assert "devices" not in claims.objects[("default", "a")]["status"]
@@ -694,7 +694,7 @@ async def test_status_patch_conflict_reads_the_claim_again(tmp_path: Path) -> No
         reply = await prepare(node, "v1", _ref(obj))
         assert reply.claims[_ref(obj)[1]].error == ""
         cpus = _env_cpus(node.spec_env(_ref(obj)[1]), _ref(obj)[1])
-        await node.service.wait_status_patches()
+        await node.service.patches.wait()
     assert len(claims.patches) == 2  # the 409, then the retry on the fresh object
     assert claims.objects[("default", "a")]["status"]["devices"] == [
         {"driver": "gpu.example.com", "pool": NODE, "device": "gpu-0", "data": {"x": 1}},
@@ -725,7 +725,7 @@ async def test_the_answer_does_not_wait_for_the_status_patch(tmp_path: Path) -> 
         assert _status_cpusets(claims, obj) == []
 
         claims.patch_gate.set()
-        await node.service.wait_status_patches()
+        await node.service.patches.wait()
         assert _status_cpusets(claims, obj) == [str(cpus)]
 
 
@@ -747,7 +747,7 @@ async def test_unprepare_cancels_the_claims_pending_status_patch(tmp_path: Path)
         await claims.wait_until(lambda: claims.cancelled_patches == 1)
         assert claims.patching == 1  # the other claim's patch still waits for the server
         claims.patch_gate.set()
-        await node.service.wait_status_patches()
+        await node.service.patches.wait()
         assert claims.cancelled_patches == 1
         assert _status_cpusets(claims, obj) == []  # never recorded for the freed CPUs
         other_cpus = node.checkpointed()[_ref(other)[1]]
@@ -769,7 +769,7 @@ async def test_a_new_prepare_of_the_claim_replaces_its_pending_patch_in_order(
         again = await prepare(node, "v1", _ref(obj))  # the kubelet retries
 
         assert again.claims[_ref(obj)[1]].error == ""
-        await node.service.wait_status_patches()
+        await node.service.patches.wait()
         assert claims.cancelled_patches == 1  # the first patch was cancelled ...
         assert claims.most_patching == 1  # ... and had ended before the second one began
         assert len(claims.patches) == 2
@@ -816,7 +816,7 @@ async def test_beyond_the_pending_patch_limit_a_prepare_answers_after_its_patch(
             gate.set()
         assert answers == [""]
         assert _status_cpusets(claims, second) == [str(node.checkpointed()[_ref(second)[1]])]
-        await node.service.wait_status_patches()
+        await node.service.patches.wait()
         assert _status_cpusets(claims, first) == [str(node.checkpointed()[_ref(first)[1]])]
 
 
@@ -846,11 +846,11 @@ async def test_a_service_patches_inline_before_its_patch_group_and_not_after_it(
             assert outcome[_ref(before)[1]].error == ""
             assert _status_cpusets(claims, before) == ["2-3"]  # patched before the answer
 
-            async with service.status_patches():
+            async with service.patches.running():
                 pass  # the server has stopped: answers still in flight record nothing
             outcome = await service.prepare([kubelet_plugin.ClaimRef(*_ref(after))])
             assert outcome[_ref(after)[1]].error == ""
-            await service.wait_status_patches()
+            await service.patches.wait()
             assert len(claims.patches) == 1
             assert _status_cpusets(claims, after) == []
             tg.cancel_scope.cancel()
@@ -897,7 +897,7 @@ class FakeStream:
 
 async def _patches_settled(node: RunningNode) -> None:
     with anyio.fail_after(10):  # a patch that never ends fails the test, not the timeout
-        await node.service.wait_status_patches()
+        await node.service.patches.wait()
 
 
 def _prepare_request(version: str, *refs: tuple[str, str, str]) -> bytes:

@@ -20,22 +20,11 @@ a time over all calls):
 3. answer one entry per claim: a device per result of ours, with the main request name (the
    Go helper strips ``/<subrequest>``; the kubelet matches containers by main request names),
    pool, device and the claim's CDI id ``dra.k8s.io/cpu=claim-<uid>``;
-4. best effort, record the cpuset in the claim's ``status.devices[].data`` (a failure is logged;
-   the claim stays prepared). This PATCH starts only once the WHOLE answer (message and
-   trailers) has been handed to the transport: the Prepare rpc method works on the call's
-   grpclib stream, sends the message and the trailers itself, and only then starts the call's
-   patches (held until then in a :class:`DeferredPatches`), each of which then waits
-   :data:`STATUS_PATCH_DELAY` more, so building and sending the PATCH never competes with the
-   answer nor with the kubelet taking it. If the call ends without an answer (the kubelet went
-   away, the deadline passed) the patches start all the same: the claims ARE prepared here, so
-   recording their cpusets is still right. The patches run in tasks of the kubelet-plugin
-   task's own task group (cancelled when the task stops): the kubelet never waits for the API
-   server's write. At most one patch per claim runs at a time, in order: a new Prepare of the
-   claim cancels its pending patch (started or still held) and starts its own once that one
-   has ended, and an Unprepare cancels it (the claim no longer holds those CPUs here); the
-   patch carries the claim's ``resourceVersion``, so a write the API server still applies late
-   can never overwrite a newer one. Beyond :data:`MAX_PENDING_STATUS_PATCHES` pending patches (a
-   slow API server) a Prepare waits for its own patch before answering.
+4. best effort, record the cpuset in the claim's ``status.devices[].data``
+   (:mod:`dracpu.tasks.status_patches`), only once the WHOLE answer (message and trailers) has
+   been handed to the transport: the Prepare rpc method works on the call's grpclib stream,
+   sends the message and the trailers itself, and only then leaves the block of the call's
+   :class:`~dracpu.tasks.status_patches.DeferredPatches`, which starts the patches.
 
 A claim that cannot be prepared gets its own ``error`` string; the other claims of the call are
 still prepared, and the call itself never fails at the gRPC level for a claim's problem (the
@@ -47,19 +36,18 @@ be gone) and an unknown claim succeeds.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType, TracebackType
-from typing import Any, ClassVar, Protocol, TypeVar
+from types import ModuleType
+from typing import Any, ClassVar, TypeVar
 
 import anyio
 import betterproto2
 import grpclib.const
 import grpclib.server
 from anyio import TASK_STATUS_IGNORED
-from anyio.abc import TaskGroup, TaskStatus
+from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
@@ -74,13 +62,22 @@ from dracpu.adapters.grpc_unix import (
     with_stream_handlers,
 )
 from dracpu.core.cdi_spec import device_id
-from dracpu.core.claims import ClaimAllocation, device_status_patch, read_claim
+from dracpu.core.claims import ClaimAllocation, read_claim
 from dracpu.core.commands import Command, PrepareClaim, UnprepareClaim
-from dracpu.core.cpuset import CpuSet
 from dracpu.core.effects import ClaimPrepared, ClaimUnprepared
-from dracpu.errors import DracpuError, KubeAPIError, KubeConflictError, KubeNotFoundError
+from dracpu.errors import DracpuError, KubeAPIError, KubeNotFoundError
 from dracpu.tasks import state_owner
 from dracpu.tasks.state_owner import Request
+from dracpu.tasks.status_patches import (
+    MAX_PENDING_STATUS_PATCHES,
+    STATUS_PATCH_DELAY,
+    STATUS_PATCH_TIMEOUT,
+    ClaimRef,
+    ClaimSource,
+    DeferredPatches,
+    StatusPatches,
+    log_context,
+)
 
 __all__ = [
     "MAX_CONCURRENT_CLAIMS",
@@ -89,7 +86,6 @@ __all__ = [
     "STATUS_PATCH_TIMEOUT",
     "ClaimRef",
     "ClaimSource",
-    "DeferredPatches",
     "DraPluginV1",
     "DraPluginV1beta1",
     "DraService",
@@ -105,32 +101,8 @@ logger = logging.getLogger(__name__)
 # pkg/kubelet/cm/dra/manager.go PrepareResources), rarely more than a few; the state owner
 # serialises the rest anyway.
 MAX_CONCURRENT_CLAIMS = 16
-# Longest one best-effort status patch may take (seconds), a retry after a 409 included. It
-# also bounds how long a Prepare answered inline (too many pending patches) waits for it: the
-# kubelet gives the whole call 45 s (dra_plugin.go defaultClientCallTimeout).
-STATUS_PATCH_TIMEOUT = 5.0
-# Status patches pending after their Prepare was answered, at most; beyond, a Prepare waits for
-# its patch before answering (back pressure instead of an unbounded backlog). Far above what a
-# healthy API server leaves pending: the kubelet prepares one pod's claims per call and at most
-# MAX_CONCURRENT_CLAIMS claims are handled at once.
-MAX_PENDING_STATUS_PATCHES = 64
-# How long a background status patch waits after its call was answered (seconds). The kubelet
-# is woken by our answer on a unix socket, a "sync" wakeup that tends to put it on the CPU we
-# run on: work we start at once (the PATCH, with its JSON and HTTP) makes it wait for that CPU
-# (bench/bench_prepare.py shows the difference; docs/performance.md). Short enough that the
-# status is recorded long before the pod's containers are created.
-STATUS_PATCH_DELAY = 0.001
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class ClaimRef:
-    """A ``Claim`` of a request: a ResourceClaim as the kubelet names it."""
-
-    namespace: str
-    uid: str
-    name: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,75 +124,6 @@ class PrepareOutcome:
 
     devices: tuple[PreparedDevice, ...] = ()
     error: str = ""
-
-
-class ClaimSource(Protocol):
-    """Where ResourceClaims come from (:class:`dracpu.adapters.kube.KubeClient` is one).
-
-    Errors are :class:`~dracpu.errors.KubeAPIError` subclasses (404: KubeNotFoundError)."""
-
-    async def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]: ...
-
-    async def patch_resource_claim_status(
-        self, namespace: str, name: str, patch: Mapping[str, Any]
-    ) -> dict[str, Any]: ...
-
-
-def _log_context(ref: ClaimRef) -> dict[str, str]:
-    return {"claim": f"{ref.namespace}/{ref.name}", "claim_uid": ref.uid}
-
-
-@dataclass(eq=False, slots=True)
-class _StatusPatch:
-    """A claim's status patch running after the answer. ``previous``: the claim's patch before
-    this one (this one starts once it has ended); ``scope`` cancels it; ``done`` is set once it
-    has ended, whatever the outcome (dropped unstarted included); ``started``: handed to the
-    task group (or dropped), never to be started again."""
-
-    ref: ClaimRef
-    obj: Mapping[str, Any]
-    allocation: ClaimAllocation
-    cpus: CpuSet
-    previous: _StatusPatch | None
-    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
-    done: anyio.Event = field(default_factory=anyio.Event)
-    started: bool = False
-
-
-class DeferredPatches:
-    """The status patches of one call, held until its answer is out.
-
-    Made by :meth:`DraService.deferred_patches` and given to :meth:`DraService.prepare`;
-    leaving its ``with`` block starts the held patches, however it is left (an answer that could
-    not be sent included). A patch scheduled after that starts at once.
-    """
-
-    __slots__ = ("_held", "_start_patch", "_started")
-
-    def __init__(self, start_patch: Callable[[_StatusPatch], None]) -> None:
-        self._start_patch = start_patch
-        self._held: list[_StatusPatch] = []
-        self._started = False
-
-    def _hold(self, patch: _StatusPatch) -> None:
-        if self._started:
-            self._start_patch(patch)
-        else:
-            self._held.append(patch)
-
-    def __enter__(self) -> DeferredPatches:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self._started = True
-        held, self._held = self._held, []
-        for patch in held:
-            self._start_patch(patch)
 
 
 def _unique(refs: Iterable[ClaimRef]) -> list[ClaimRef]:
@@ -254,10 +157,9 @@ async def _each_claim(
 class DraService:
     """Prepare and Unprepare, independent of the gRPC version.
 
-    Inside :meth:`status_patches`, status patches run in the background (at most
-    ``max_pending_status_patches`` pending): started once the call's answer is out when
-    :meth:`prepare` is given a :class:`DeferredPatches`, else as soon as they are scheduled.
-    Outside it they run inline, before :meth:`prepare` returns.
+    :attr:`patches` records the prepared claims' cpusets in their status
+    (:class:`~dracpu.tasks.status_patches.StatusPatches`); a Prepare given a
+    :class:`~dracpu.tasks.status_patches.DeferredPatches` holds its claims' patches in it.
     """
 
     def __init__(
@@ -277,40 +179,15 @@ class DraService:
         self._node_name = node_name
         self._driver = driver
         self._max_concurrent = max_concurrent
-        self._status_patch_timeout = status_patch_timeout
-        self._status_patch_delay = status_patch_delay
         self._limiter: anyio.CapacityLimiter | None = None
-        self._background: TaskGroup | None = None  # runs the patches (inside status_patches)
-        self._stopped = False  # status_patches has ended: no more patches
-        self._max_pending = max_pending_status_patches
-        self._pending: dict[str, _StatusPatch] = {}  # the latest patch by claim UID
-
-    @asynccontextmanager
-    async def status_patches(self) -> AsyncIterator[None]:
-        """While the block runs, status patches run in the background, in a task group of the
-        caller's task. When it ends they are cancelled, those still held are dropped, and a
-        Prepare still answered afterwards (the server is stopping) records nothing."""
-        async with anyio.create_task_group() as background:
-            self._background = background
-            try:
-                yield
-            finally:
-                self._background = None
-                self._stopped = True
-                background.cancel_scope.cancel()
-                for patch in list(self._pending.values()):
-                    if not patch.started:  # held by a call still answering: never started
-                        patch.started = True
-                        self._finish(patch)
-
-    async def wait_status_patches(self) -> None:
-        """Wait until no status patch is pending (held, waiting or running)."""
-        while self._pending:
-            await next(iter(self._pending.values())).done.wait()
-
-    def deferred_patches(self) -> DeferredPatches:
-        """A holder for one call's status patches, to start once its answer is out."""
-        return DeferredPatches(self._start_patch)
+        self.patches = StatusPatches(
+            claims,
+            node_name,
+            driver=driver,
+            timeout=status_patch_timeout,
+            delay=status_patch_delay,
+            max_pending=max_pending_status_patches,
+        )
 
     def _slots(self) -> anyio.CapacityLimiter:
         # Created on first use: an anyio primitive needs the running event loop.
@@ -328,7 +205,7 @@ class DraService:
         return await _each_claim(refs, lambda ref: self._prepare_one(ref, deferred))
 
     async def _prepare_one(self, ref: ClaimRef, deferred: DeferredPatches | None) -> PrepareOutcome:
-        context = _log_context(ref)
+        context = log_context(ref)
         async with self._slots():
             try:
                 obj, allocation = await self._read(ref)
@@ -377,7 +254,7 @@ class DraService:
                 result.cpus,
                 extra={**context, "cpus": str(result.cpus)},
             )
-            await self._status_patch(ref, obj, allocation, result.cpus, deferred)
+            await self.patches.record(ref, obj, allocation, result.cpus, deferred)
         cdi_ids = (device_id(ref.uid),)
         return PrepareOutcome(
             devices=tuple(
@@ -407,128 +284,6 @@ class DraService:
         allocation = read_claim(obj, uid=ref.uid, pool=self._node_name, driver=self._driver)
         return obj, allocation
 
-    async def _status_patch(
-        self,
-        ref: ClaimRef,
-        obj: Mapping[str, Any],
-        allocation: ClaimAllocation,
-        cpus: CpuSet,
-        deferred: DeferredPatches | None,
-    ) -> None:
-        """Record the cpuset in the claim's status: in the background when a task group runs
-        the patches and fewer than the limit are pending (held in ``deferred`` until the answer
-        is out), else now (see the module docstring)."""
-        if self._stopped:
-            logger.debug(
-                "not recording the cpuset of claim %s/%s: stopping",
-                ref.namespace,
-                ref.name,
-                extra=_log_context(ref),
-            )
-            return
-        previous = self._pending.get(ref.uid)
-        if previous is not None:
-            previous.scope.cancel()  # this Prepare read the claim later: its patch wins
-        if self._background is None or (
-            previous is None and len(self._pending) >= self._max_pending
-        ):
-            await self._record_status(ref, obj, allocation, cpus)
-            return
-        patch = _StatusPatch(ref, obj, allocation, cpus, previous)
-        self._pending[ref.uid] = patch
-        if deferred is None:
-            self._start_patch(patch)
-        else:
-            deferred._hold(patch)
-
-    def _start_patch(self, patch: _StatusPatch) -> None:
-        """Hand a patch to the task group (drop it if the patches have ended meanwhile)."""
-        if patch.started:
-            return
-        patch.started = True
-        background = self._background
-        if background is None:  # stopping: record nothing
-            self._finish(patch)
-            return
-        background.start_soon(self._run_patch, patch)
-
-    def _finish(self, patch: _StatusPatch) -> None:
-        patch.done.set()
-        if self._pending.get(patch.ref.uid) is patch:
-            del self._pending[patch.ref.uid]
-
-    async def _run_patch(self, patch: _StatusPatch) -> None:
-        ref = patch.ref
-        try:
-            previous, patch.previous = patch.previous, None  # no chain of ended patches
-            if previous is not None:
-                await previous.done.wait()  # one patch of a claim at a time, in order
-            if patch.scope.cancel_called:  # cancelled before it could start
-                dropped = True
-            else:
-                with patch.scope:
-                    await anyio.sleep(self._status_patch_delay)  # the kubelet takes its answer
-                    await self._record_status(ref, patch.obj, patch.allocation, patch.cpus)
-                dropped = patch.scope.cancelled_caught
-            if dropped:
-                logger.debug(
-                    "status patch of claim %s/%s dropped: the claim was unprepared or prepared "
-                    "again",
-                    ref.namespace,
-                    ref.name,
-                    extra=_log_context(ref),
-                )
-        finally:
-            self._finish(patch)
-
-    async def _record_status(
-        self, ref: ClaimRef, obj: Mapping[str, Any], allocation: ClaimAllocation, cpus: CpuSet
-    ) -> None:
-        """Best effort: write ``data: {"cpuset": ...}`` into the claim's ``status.devices``."""
-        context = _log_context(ref)
-        with anyio.move_on_after(self._status_patch_timeout) as scope:
-            try:
-                if await self._patch_status(ref, obj, allocation, cpus):
-                    return
-                # 409: the claim changed since we read it (the kubelet or the scheduler wrote
-                # it); read it again and retry once.
-                obj = await self._claims.get_resource_claim(ref.namespace, ref.name)
-                allocation = read_claim(obj, uid=ref.uid, pool=self._node_name, driver=self._driver)
-                if not await self._patch_status(ref, obj, allocation, cpus):
-                    raise DracpuError("the claim keeps changing (409 conflict twice)")
-            except DracpuError as exc:
-                logger.warning(
-                    "claim %s/%s is prepared, but its status.devices could not be updated: %s",
-                    ref.namespace,
-                    ref.name,
-                    exc,
-                    extra=context,
-                )
-        if scope.cancelled_caught:
-            logger.warning(
-                "claim %s/%s is prepared, but updating its status.devices took over %g s",
-                ref.namespace,
-                ref.name,
-                self._status_patch_timeout,
-                extra=context,
-            )
-
-    async def _patch_status(
-        self, ref: ClaimRef, obj: Mapping[str, Any], allocation: ClaimAllocation, cpus: CpuSet
-    ) -> bool:
-        """Send the patch unless the status already says so; ``False`` on a 409 conflict."""
-        patch = device_status_patch(obj, allocation, cpus, driver=self._driver)
-        if patch is None:
-            return True
-        status = obj.get("status")
-        if isinstance(status, Mapping) and status.get("devices") == patch["status"]["devices"]:
-            return True  # a repeated Prepare: already recorded
-        try:
-            await self._claims.patch_resource_claim_status(ref.namespace, ref.name, patch)
-        except KubeConflictError:
-            return False
-        return True
-
     # --- unprepare -------------------------------------------------------------------------
 
     async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str]:
@@ -536,10 +291,8 @@ class DraService:
         return await _each_claim(refs, self._unprepare_one)
 
     async def _unprepare_one(self, ref: ClaimRef) -> str:
-        context = _log_context(ref)
-        pending = self._pending.get(ref.uid)
-        if pending is not None:
-            pending.scope.cancel()  # its cpuset is about to be freed: do not record it now
+        context = log_context(ref)
+        self.patches.drop(ref.uid)  # its cpuset is about to be freed: do not record it now
         try:
             result = await state_owner.request(self._owner, UnprepareClaim(ref.uid))
             if not isinstance(result, ClaimUnprepared):
@@ -619,7 +372,7 @@ class _DraPlugin:
         ``send_trailing_metadata`` returns), THEN start the status patches."""
         request = await receive_request(stream)
         refs = _claim_refs("NodePrepareResources", request.claims)
-        with self._service.deferred_patches() as deferred:
+        with self._service.patches.deferred() as deferred:
             outcomes = await self._service.prepare(refs, deferred=deferred)
             await stream.send_message(self._prepare_response(outcomes))
             await stream.send_trailing_metadata()
@@ -716,7 +469,7 @@ async def run(
         # The patches' task group inside the server: when it ends, later answers patch nothing.
         async with (
             open_grpc_server(plugins, socket_path, private_dir=True),
-            service.status_patches(),
+            service.patches.running(),
         ):
             logger.info("DRA socket %s is listening (v1, v1beta1)", socket_path)
             task_status.started(service)
