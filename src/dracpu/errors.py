@@ -2,7 +2,7 @@
 
 Every error we raise on purpose is a :class:`DracpuError`. Library exceptions are translated at
 the adapter that calls the library (``raise SomeDracpuError(...) from exc``), so nothing above the
-adapters ever sees a ``hpack``, ``kubernetes`` or ``OSError`` exception it has to interpret.
+adapters ever sees a ``kubernetes`` or ``OSError`` exception it has to interpret.
 
 Errors that involve a peer say whose fault they are (:class:`LocalProtocolError` versus
 :class:`RemoteProtocolError`), as h11 does.
@@ -21,7 +21,6 @@ __all__ = [
     "ConfigError",
     "CpuSetParseError",
     "DracpuError",
-    "GrpcError",
     "InsufficientCpusError",
     "KubeAPIError",
     "KubeClientError",
@@ -63,21 +62,6 @@ class LocalProtocolError(ProtocolError):
 
 class RemoteProtocolError(ProtocolError):
     """The peer sent something the protocol forbids: drop the connection, keep serving."""
-
-
-class GrpcError(DracpuError):
-    """A gRPC call ends with this status (:class:`dracpu.wire.grpc.Status`) and message.
-
-    A handler raises it to answer its call with an error; the server also uses it for requests
-    it refuses itself (``http_status``: 415 for a body that is not gRPC, 405 for a method that is
-    not POST, 200 otherwise).
-    """
-
-    def __init__(self, status: int, message: str, *, http_status: int = 200) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.http_status = http_status
 
 
 class AllocationError(DracpuError):

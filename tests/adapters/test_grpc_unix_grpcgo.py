@@ -1,9 +1,11 @@
-"""dracpu's own gRPC server against grpc-go, the kubelet's own gRPC stack.
+"""The kubelet sockets' gRPC server (grpclib, ``dracpu.adapters.grpc_unix``) against grpc-go, the
+kubelet's own gRPC stack.
 
 The peer is ``tests/peers_go/grpc_client/main.go``: a tiny grpc-go client (raw-bytes codec,
-content-type ``application/grpc``) that dials one insecure ``ClientConn`` either way the kubelet
-dials its plugins (a ``unix://`` target, or a bare path with its own unix dialer), reads batches
-of calls as JSON lines on stdin and prints one JSON result per call. It is built once per
+content-type ``application/grpc``; the test services' messages are Google ``BytesValue``
+bytes, ``tests.adapters.grpc_handlers``) that dials one insecure ``ClientConn`` either way the
+kubelet dials its plugins (a ``unix://`` target, or a bare path with its own unix dialer), reads
+batches of calls as JSON lines on stdin and prints one JSON result per call. It is built once per
 session from Debian's grpc-go sources in GOPATH mode (about 10 s) and runs as a subprocess
 while our server runs on the test's event loop; successive batches are successive calls on the
 one kept connection, as the kubelet's.
@@ -23,7 +25,7 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -34,13 +36,23 @@ import anyio
 import pytest
 from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+from h2.config import H2Configuration
+from h2.connection import H2Connection
 
-from dracpu.adapters.grpc_server import Call, open_unix_server
-from dracpu.errors import GrpcError
 from dracpu.tasks import registration
 from dracpu.tasks.registration import RegistrationState
-from dracpu.wire.grpc import Status
-from tests.adapters.grpc_handlers import ECHO, SLEEP, Barrier, Sleeper, reverse
+from tests.adapters.grpc_handlers import (
+    ECHO,
+    SLEEP,
+    Barrier,
+    Sleeper,
+    blob,
+    reverse,
+    serving,
+    unblob,
+)
 from tests.peers import load_pb2, serialize
 from tests.tasks.test_kubelet_plugin import (
     NODE,
@@ -70,6 +82,7 @@ BUILD_TIMEOUT = 300.0
 # grpc-go's status codes (google.golang.org/grpc/codes), written out so that the numbers are
 # checked against ours rather than taken from them.
 GO_OK = 0
+GO_INVALID_ARGUMENT = 3
 GO_DEADLINE_EXCEEDED = 4
 GO_NOT_FOUND = 5
 GO_RESOURCE_EXHAUSTED = 8
@@ -243,6 +256,16 @@ def ok(result: GoResult) -> bytes:
     return result.reply
 
 
+def service_call(method: str, data: bytes = b"", **kwargs: Any) -> dict[str, Any]:
+    """A call of a test service: ``data`` in a ``BytesValue``."""
+    return go_call(method, blob(data), **kwargs)
+
+
+def answer(result: GoResult) -> bytes:
+    """The bytes a test service answered, for a call that must have succeeded."""
+    return unblob(ok(result))
+
+
 # --------------------------------------------------------------------------------------------
 # Handlers
 
@@ -256,34 +279,37 @@ def socket_path(tmp_path: Path) -> Path:
 # 1. Bytes and paths
 
 
-async def test_bytes_cross_exactly_and_the_handler_sees_the_path_sent(
+async def test_bytes_cross_exactly_and_each_path_reaches_its_method(
     grpc_go: Path, socket_path: Path
 ) -> None:
     seen: dict[str, bytes] = {}
 
-    async def record(call: Call) -> None:
-        seen[call.path] = call.request
-        call.reply(call.request[::-1])
+    def recording(path: str, reply: Callable[[bytes], bytes]) -> Any:
+        async def method(request: bytes) -> bytes:
+            seen[path] = request
+            return reply(request)
 
-    async def empty(call: Call) -> None:
-        seen[call.path] = call.request
-        call.reply(b"")
+        return method
 
     request = bytes(range(256)) * 40 + b"\x00\xff"  # every byte value, NULs and 0xFF included
     prepare = f"{DRA_V1}/NodePrepareResources"  # a real path: dots, a long package
-    service = {ECHO: record, prepare: record, "/test.Echo/Empty": empty}
-    async with open_unix_server([service], socket_path):
+    methods = {
+        ECHO: recording(ECHO, lambda r: r[::-1]),
+        prepare: recording(prepare, lambda r: r[::-1]),
+        "/test.Echo/Empty": recording("/test.Echo/Empty", lambda r: b""),
+    }
+    async with serving(methods, socket_path):
         results = await run_go(
             grpc_go,
             socket_path,
             [
-                go_call(ECHO, request),
-                go_call(prepare, bytes(range(255, -1, -1))),
-                go_call("/test.Echo/Empty", b""),
+                service_call(ECHO, request),
+                service_call(prepare, bytes(range(255, -1, -1))),
+                service_call("/test.Echo/Empty", b""),
             ],
         )
 
-    assert [ok(r) for r in results] == [request[::-1], bytes(range(256)), b""]
+    assert [answer(r) for r in results] == [request[::-1], bytes(range(256)), b""]
     assert seen == {ECHO: request, prepare: bytes(range(255, -1, -1)), "/test.Echo/Empty": b""}
 
 
@@ -298,11 +324,11 @@ async def test_fifty_concurrent_calls_on_one_client_conn_overlap(
     barrier = Barrier(count)
 
     requests = [f"call {i:02d}".encode() * (i + 1) for i in range(count)]
-    async with open_unix_server([{ECHO: barrier}], socket_path) as server:
+    async with serving({ECHO: barrier}, socket_path) as server:
         barrier.server = server
-        results = await run_go(grpc_go, socket_path, [go_call(ECHO, r) for r in requests])
+        results = await run_go(grpc_go, socket_path, [service_call(ECHO, r) for r in requests])
 
-    assert [ok(r) for r in results] == [r[::-1] for r in requests]
+    assert [answer(r) for r in results] == [r[::-1] for r in requests]
     assert barrier.peak == count
     assert barrier.connections_when_full == [1]  # one ClientConn, one connection, 50 streams
 
@@ -310,17 +336,18 @@ async def test_fifty_concurrent_calls_on_one_client_conn_overlap(
 async def test_calls_beyond_max_concurrent_streams_wait_for_a_free_stream(
     grpc_go: Path, socket_path: Path
 ) -> None:
-    """grpc-go honours our SETTINGS_MAX_CONCURRENT_STREAMS (128): of 200 calls the first 128 are
-    held until all 128 are in, no 129th runs beside them, and every call is answered."""
+    """grpc-go honours the SETTINGS_MAX_CONCURRENT_STREAMS the server announces (h2's default,
+    100): of 200 calls the first 100 are held until all 100 are in, no 101st runs beside them,
+    and every call is answered."""
     count = 200
-    limit = 128  # dracpu.wire.h2.MAX_CONCURRENT_STREAMS, written out: what we announce
+    limit = H2Connection(H2Configuration(client_side=False)).local_settings.max_concurrent_streams
     counted = Barrier(limit)
 
     requests = [i.to_bytes(2, "big") for i in range(count)]
-    async with open_unix_server([{ECHO: counted}], socket_path):
-        results = await run_go(grpc_go, socket_path, [go_call(ECHO, r) for r in requests])
+    async with serving({ECHO: counted}, socket_path):
+        results = await run_go(grpc_go, socket_path, [service_call(ECHO, r) for r in requests])
 
-    assert [ok(r) for r in results] == [r[::-1] for r in requests]
+    assert [answer(r) for r in results] == [r[::-1] for r in requests]
     assert counted.peak == limit
 
 
@@ -331,34 +358,34 @@ async def test_calls_beyond_max_concurrent_streams_wait_for_a_free_stream(
 async def test_a_3_mib_request_and_a_5_mib_reply_cross_whole(
     grpc_go: Path, socket_path: Path
 ) -> None:
-    big_request = os.urandom(3 * MIB)  # 3x our stream window: needs our WINDOW_UPDATEs
+    big_request = os.urandom(3 * MIB)
     big_reply = os.urandom(5 * MIB)  # beyond grpc-go's windows: needs its WINDOW_UPDATEs
     seen: list[bytes] = []
 
-    async def take(call: Call) -> None:
-        seen.append(call.request)
-        call.reply(len(call.request).to_bytes(4, "big"))
+    async def take(request: bytes) -> bytes:
+        seen.append(request)
+        return len(request).to_bytes(4, "big")
 
-    async def give(call: Call) -> None:
-        call.reply(big_reply)
+    async def give(request: bytes) -> bytes:
+        return big_reply
 
-    service = {"/test.Big/Take": take, "/test.Big/Give": give, ECHO: reverse}
-    async with open_unix_server([service], socket_path):
+    methods = {"/test.Big/Take": take, "/test.Big/Give": give, ECHO: reverse}
+    async with serving(methods, socket_path):
         took, gave, after = await run_go(
             grpc_go,
             socket_path,
             [
-                go_call("/test.Big/Take", big_request),
+                service_call("/test.Big/Take", big_request),
                 # grpc-go refuses to receive more than 4 MiB (its default) unless told.
-                go_call("/test.Big/Give", max_recv=8 * MIB),
+                service_call("/test.Big/Give", max_recv=8 * MIB),
             ],
-            [go_call(ECHO, b"after")],
+            [service_call(ECHO, b"after")],
         )
 
-    assert ok(took) == (3 * MIB).to_bytes(4, "big")
+    assert answer(took) == (3 * MIB).to_bytes(4, "big")
     assert seen == [big_request]
-    assert ok(gave) == big_reply
-    assert ok(after) == b"retfa"
+    assert answer(gave) == big_reply
+    assert answer(after) == b"retfa"
 
 
 async def test_a_reply_over_grpc_gos_limit_fails_that_call_only(
@@ -369,22 +396,21 @@ async def test_a_reply_over_grpc_gos_limit_fails_that_call_only(
     serves the next calls, a 5 MiB reply included."""
     big_reply = os.urandom(5 * MIB)
 
-    async def give(call: Call) -> None:
-        call.reply(big_reply)
+    async def give(request: bytes) -> bytes:
+        return big_reply
 
-    service = {"/test.Big/Give": give, ECHO: reverse}
     async with (
-        open_unix_server([service], socket_path) as server,
+        serving({"/test.Big/Give": give, ECHO: reverse}, socket_path) as server,
         grpc_go_client(grpc_go, socket_path) as client,
     ):
-        [refused] = await client.run(go_call("/test.Big/Give"))
-        [after] = await client.run(go_call(ECHO, b"after"))
-        [taken] = await client.run(go_call("/test.Big/Give", max_recv=8 * MIB))
+        [refused] = await client.run(service_call("/test.Big/Give"))
+        [after] = await client.run(service_call(ECHO, b"after"))
+        [taken] = await client.run(service_call("/test.Big/Give", max_recv=8 * MIB))
         connections = server.open_connections
 
     assert refused.code == GO_RESOURCE_EXHAUSTED, refused
-    assert ok(after) == b"retfa"
-    assert ok(taken) == big_reply
+    assert answer(after) == b"retfa"
+    assert answer(taken) == big_reply
     assert connections == 1  # all on the one connection
 
 
@@ -395,55 +421,57 @@ async def test_a_reply_over_grpc_gos_limit_fails_that_call_only(
 async def test_statuses_reach_grpc_go_exactly(grpc_go: Path, socket_path: Path) -> None:
     message = "CPU 3 gehört schon 100% dem Pod «web-0» ☃\nzweite Zeile %41 %"
 
-    async def refuse(call: Call) -> None:
-        raise GrpcError(Status.FAILED_PRECONDITION, message)
+    async def refuse(request: bytes) -> bytes:
+        raise GRPCError(Status.FAILED_PRECONDITION, message)
 
-    async def missing(call: Call) -> None:
-        raise GrpcError(Status.NOT_FOUND, f"claim {call.request.decode()} not found")
+    async def missing(request: bytes) -> bytes:
+        raise GRPCError(Status.NOT_FOUND, f"claim {request.decode()} not found")
 
     # 33 600 characters, 65 600 bytes once percent-encoded: four times grpc-go's frame size
     # (16 KiB), so the trailers take a HEADERS frame and CONTINUATION frames.
     long_message = "".join(f"claim-{i:04d} «€» 100%; " for i in range(1600))
 
-    async def refuse_long(call: Call) -> None:
-        raise GrpcError(Status.FAILED_PRECONDITION, long_message)
+    async def refuse_long(request: bytes) -> bytes:
+        raise GRPCError(Status.FAILED_PRECONDITION, long_message)
 
-    service = {
+    methods = {
         "/test.Echo/Refuse": refuse,
         "/test.Echo/Missing": missing,
         "/test.Echo/Long": refuse_long,
         ECHO: reverse,
     }
-    async with open_unix_server([service], socket_path):
-        refused, not_found, long, nope, other, after = await run_go(
+    async with serving(methods, socket_path):
+        refused, not_found, long, nope, other, garbled, after = await run_go(
             grpc_go,
             socket_path,
             [
-                go_call("/test.Echo/Refuse"),
-                go_call("/test.Echo/Missing", b"uid-1"),
-                go_call("/test.Echo/Long"),
-                go_call("/test.Echo/Nope"),
-                go_call("/test.Other/Echo"),
+                service_call("/test.Echo/Refuse"),
+                service_call("/test.Echo/Missing", b"uid-1"),
+                service_call("/test.Echo/Long"),
+                service_call("/test.Echo/Nope"),
+                service_call("/test.Other/Echo"),
+                go_call(ECHO, b"\x0a\xff"),  # not a BytesValue: a length cut short
             ],
-            [go_call(ECHO, b"still here")],
+            [service_call(ECHO, b"still here")],
         )
 
     assert (refused.code, refused.message) == (GO_FAILED_PRECONDITION, message)
     assert (long.code, long.message) == (GO_FAILED_PRECONDITION, long_message)
     assert (not_found.code, not_found.message) == (GO_NOT_FOUND, "claim uid-1 not found")
-    assert nope.code == GO_UNIMPLEMENTED
-    assert "/test.Echo/Nope" in nope.message
+    assert (nope.code, nope.message) == (GO_UNIMPLEMENTED, "unknown method /test.Echo/Nope")
     assert other.code == GO_UNIMPLEMENTED
-    assert ok(after) == b"ereh llits"
+    assert garbled.code == GO_INVALID_ARGUMENT
+    assert garbled.message.startswith("cannot decode Blob: "), garbled
+    assert answer(after) == b"ereh llits"
 
 
 async def test_grpc_go_deadline_is_deadline_exceeded_and_cancels_the_handler(
     grpc_go: Path, socket_path: Path
 ) -> None:
     sleeper = Sleeper()
-    async with open_unix_server([{SLEEP: sleeper, ECHO: reverse}], socket_path):
+    async with serving({SLEEP: sleeper, ECHO: reverse}, socket_path):
         timed_out, after = await run_go(
-            grpc_go, socket_path, [go_call(SLEEP, timeout=0.2)], [go_call(ECHO, b"next")]
+            grpc_go, socket_path, [service_call(SLEEP, timeout=0.2)], [service_call(ECHO, b"next")]
         )
         cancelled = sleeper.cancelled.is_set()
 
@@ -451,7 +479,7 @@ async def test_grpc_go_deadline_is_deadline_exceeded_and_cancels_the_handler(
     assert 200 <= timed_out.elapsed_ms < 5000
     assert sleeper.calls == 1
     assert cancelled  # before the next call was answered
-    assert ok(after) == b"txen"  # the same connection serves on
+    assert answer(after) == b"txen"  # the same connection serves on
 
 
 async def test_a_stop_fails_the_call_in_flight_and_grpc_go_redials_the_new_server(
@@ -463,8 +491,8 @@ async def test_a_stop_fails_the_call_in_flight_and_grpc_go_redials_the_new_serve
     answered by the new server)."""
     sleeper = Sleeper()
 
-    async def second(call: Call) -> None:
-        call.reply(b"second " + call.request)
+    async def second(request: bytes) -> bytes:
+        return b"second " + request
 
     async with grpc_go_client(grpc_go, socket_path) as client:
         async with anyio.create_task_group() as tg:
@@ -473,20 +501,20 @@ async def test_a_stop_fails_the_call_in_flight_and_grpc_go_redials_the_new_serve
             async def sleep_call() -> None:
                 # wait_for_ready: the ClientConn may have dialled (and be backing off) before
                 # this first server listened; the call must reach it, not fail fast.
-                in_flight.extend(await client.run(go_call(SLEEP, wait_for_ready=True)))
+                in_flight.extend(await client.run(service_call(SLEEP, wait_for_ready=True)))
 
-            async with open_unix_server([{SLEEP: sleeper}], socket_path):
+            async with serving({SLEEP: sleeper}, socket_path):
                 tg.start_soon(sleep_call)
                 with anyio.fail_after(CALL_TIMEOUT):
                     await sleeper.started.wait()
             cancelled = sleeper.cancelled.is_set()
-        async with open_unix_server([{ECHO: second}], socket_path):
-            [again] = await client.run(go_call(ECHO, b"server", wait_for_ready=True))
+        async with serving({ECHO: second}, socket_path):
+            [again] = await client.run(service_call(ECHO, b"server", wait_for_ready=True))
 
     [stopped] = in_flight
     assert stopped.code == GO_UNAVAILABLE, stopped
     assert cancelled
-    assert ok(again) == b"second server"
+    assert answer(again) == b"second server"
 
 
 # --------------------------------------------------------------------------------------------
