@@ -308,8 +308,8 @@ def _differences(
         ]
         if any(policies):
             found.append(
-                f"{CAPACITY_CPU} has a requestPolicy (whole cpus, default the whole group): a "
-                "fractional request is rounded up (the Go driver publishes none; Prepare fails)"
+                f"{CAPACITY_CPU} requestPolicy: whole cpus, default all of them (Go driver: none, "
+                "fractions fail)"
             )
         found.append("dra.cpu/numIsolatedCPUs on every device (ours)")
     elif any(d.attributes.get(ATTR_ISOLATED) is not None for d in devices):
