@@ -111,7 +111,6 @@ __all__ = [
     "SliceOptions",
     "build_resource_slices",
     "devices_by_name",
-    "individual_order",
     "max_devices_per_slice",
     "published_devices",
     "slice_name",
@@ -276,7 +275,7 @@ def devices_by_name(devices: Iterable[Device]) -> dict[str, Device]:
     return {device.name: device for device in devices}
 
 
-def individual_order(topology: Topology, allocatable: CpuSet) -> list[int]:
+def _individual_order(topology: Topology, allocatable: CpuSet) -> list[int]:
     """The CPUs of ``cpudev000``, ``cpudev001``, ... in that order (see the module docstring).
 
     Upstream ``cpuDeviceInfos`` over the CPUs ``populateTopologyInfo`` keeps (those with a NUMA
@@ -310,7 +309,7 @@ def _individual_devices(topology: Topology, allocatable: CpuSet) -> list[Device]
     smt = topology.smt_enabled
     isolated = topology.isolated
     devices: list[Device] = []
-    for index, cpu in enumerate(individual_order(topology, allocatable)):
+    for index, cpu in enumerate(_individual_order(topology, allocatable)):
         info = topology.info(cpu)
         attributes: dict[str, AttributeValue] = {
             ATTR_NUMA_NODE: info.numa_node,
