@@ -261,13 +261,10 @@ def published_devices(
     than the apiserver accepts (a machine with that many PCIe roots).
     """
     allocatable = topology.online - reserved
+    roots = _PcieRoots(topology.pcie_roots)
     if CpuDeviceMode(mode) is CpuDeviceMode.INDIVIDUAL:
-        devices = _individual_devices(topology, allocatable)
-    else:
-        devices = _grouped_devices(topology, allocatable, GroupBy(group_by))
-    if topology.pcie_roots:
-        devices = [_with_pcie_roots(topology, device) for device in devices]
-    return devices
+        return _individual_devices(topology, allocatable, roots)
+    return _grouped_devices(topology, allocatable, GroupBy(group_by), roots)
 
 
 def devices_by_name(devices: Iterable[Device]) -> dict[str, Device]:
@@ -305,12 +302,51 @@ def _individual_order(topology: Topology, allocatable: CpuSet) -> list[int]:
     return order
 
 
-def _individual_devices(topology: Topology, allocatable: CpuSet) -> list[Device]:
+class _PcieRoots:
+    """The PCIe roots local to a CPU, or to any CPU of a group (upstream
+    ``addPCIeRootsAttribute``: a union for groups), as the sorted names ``pcieRoot`` lists."""
+
+    __slots__ = ("_by_cpu", "_roots")
+
+    def __init__(self, roots: Mapping[str, CpuSet]) -> None:
+        self._roots = roots
+        by_cpu: dict[int, list[str]] = {}
+        for name, local in roots.items():  # sorted by name (Topology)
+            for cpu in local:
+                by_cpu.setdefault(cpu, []).append(name)
+        self._by_cpu = {cpu: tuple(names) for cpu, names in by_cpu.items()}
+
+    def of_cpu(self, cpu: int) -> tuple[str, ...]:
+        return self._by_cpu.get(cpu, ())
+
+    def of_group(self, cpus: CpuSet) -> tuple[str, ...]:
+        return tuple(name for name, local in self._roots.items() if not local.isdisjoint(cpus))
+
+
+def _add_pcie_roots(
+    name: str, attributes: dict[str, AttributeValue], roots: tuple[str, ...]
+) -> None:
+    """Add ``pcieRoot`` (when there are roots) after the upstream attributes already there."""
+    if not roots:
+        return
+    attributes[ATTR_PCIE_ROOT] = roots
+    values = len(attributes) - 1 + len(roots) + 1  # + ours, added after
+    if values > MAX_ATTRIBUTE_VALUES_PER_DEVICE:
+        raise TopologyError(
+            f"device {name}: {len(roots)} PCIe roots are local to its CPUs, which makes "
+            f"{values} attribute values; the API server accepts at most "
+            f"{MAX_ATTRIBUTE_VALUES_PER_DEVICE} per device: turn --expose-pcie-roots off or "
+            "use smaller groups (--group-by numanode)"
+        )
+
+
+def _individual_devices(topology: Topology, allocatable: CpuSet, roots: _PcieRoots) -> list[Device]:
     smt = topology.smt_enabled
     isolated = topology.isolated
     devices: list[Device] = []
     for index, cpu in enumerate(_individual_order(topology, allocatable)):
         info = topology.info(cpu)
+        name = f"{_PREFIX_CPU}{index:03d}"
         attributes: dict[str, AttributeValue] = {
             ATTR_NUMA_NODE: info.numa_node,
             ATTR_SOCKET_ID: info.socket_id,
@@ -321,11 +357,12 @@ def _individual_devices(topology: Topology, allocatable: CpuSet) -> list[Device]
             ATTR_CPU_ID: cpu,
             ATTR_LEGACY_NUMA_NODE_ID: info.numa_node,
             ATTR_DRANET_NUMA_NODE: info.numa_node,
-            ATTR_ISOLATED: cpu in isolated,
         }
+        _add_pcie_roots(name, attributes, roots.of_cpu(cpu))
+        attributes[ATTR_ISOLATED] = cpu in isolated
         devices.append(
             Device(
-                name=f"{_PREFIX_CPU}{index:03d}",
+                name=name,
                 cpus=CpuSet.from_mask(1 << cpu),
                 attributes=attributes,
                 capacity={},
@@ -339,6 +376,7 @@ def _grouped_device(
     name: str,
     cpus: CpuSet,
     topology: Topology,
+    roots: _PcieRoots,
     leading: Mapping[str, AttributeValue],
     trailing: Mapping[str, AttributeValue] | None = None,
 ) -> Device:
@@ -347,24 +385,28 @@ def _grouped_device(
     attributes[ATTR_SMT_ENABLED] = topology.smt_enabled
     attributes[ATTR_NUM_CPUS] = n
     attributes.update(trailing or {})
+    _add_pcie_roots(name, attributes, roots.of_group(cpus))
     attributes[ATTR_NUM_ISOLATED_CPUS] = len(cpus & topology.isolated)
     return Device(
         name=name, cpus=cpus, attributes=attributes, capacity={CAPACITY_CPU: n}, grouped=True
     )
 
 
-def _grouped_devices(topology: Topology, allocatable: CpuSet, group_by: GroupBy) -> list[Device]:
+def _grouped_devices(
+    topology: Topology, allocatable: CpuSet, group_by: GroupBy, roots: _PcieRoots
+) -> list[Device]:
     devices: list[Device] = []
     if group_by is GroupBy.MACHINE:
         # Upstream builds the machine group from the online list, NUMA node or not.
-        return [_grouped_device(_NAME_MACHINE, allocatable, topology, {})]
+        return [_grouped_device(_NAME_MACHINE, allocatable, topology, roots, {})]
     with_numa = allocatable - topology.without_numa_node
     if group_by is GroupBy.SOCKET:
         for socket_id, members in topology.sockets.items():
             cpus = members & with_numa
             if cpus:
                 name = f"{_PREFIX_SOCKET}{socket_id:03d}"
-                devices.append(_grouped_device(name, cpus, topology, {ATTR_SOCKET_ID: socket_id}))
+                leading = {ATTR_SOCKET_ID: socket_id}
+                devices.append(_grouped_device(name, cpus, topology, roots, leading))
         return devices
     for numa_id, members in topology.numa_nodes.items():
         cpus = members & with_numa
@@ -375,32 +417,8 @@ def _grouped_devices(topology: Topology, allocatable: CpuSet, group_by: GroupBy)
         leading = {ATTR_NUMA_NODE: numa_id, ATTR_SOCKET_ID: socket_id}
         legacy = {ATTR_LEGACY_NUMA_NODE_ID: numa_id, ATTR_DRANET_NUMA_NODE: numa_id}
         name = f"{_PREFIX_NUMA}{numa_id:03d}"
-        devices.append(_grouped_device(name, cpus, topology, leading, legacy))
+        devices.append(_grouped_device(name, cpus, topology, roots, leading, legacy))
     return devices
-
-
-def _with_pcie_roots(topology: Topology, device: Device) -> Device:
-    """``device`` with ``pcieRoot``: the roots local to any of its CPUs (upstream
-    ``addPCIeRootsAttribute``, a union for groups), placed after the upstream attributes."""
-    roots = tuple(
-        name for name, local in topology.pcie_roots.items() if not local.isdisjoint(device.cpus)
-    )
-    if not roots:
-        return device
-    attributes: dict[str, AttributeValue] = {}
-    for key, value in device.attributes.items():
-        if key in (ATTR_ISOLATED, ATTR_NUM_ISOLATED_CPUS):
-            attributes[ATTR_PCIE_ROOT] = roots
-        attributes[key] = value
-    values = sum(len(v) if isinstance(v, tuple) else 1 for v in attributes.values())
-    if values > MAX_ATTRIBUTE_VALUES_PER_DEVICE:
-        raise TopologyError(
-            f"device {device.name}: {len(roots)} PCIe roots are local to its CPUs, which makes "
-            f"{values} attribute values; the API server accepts at most "
-            f"{MAX_ATTRIBUTE_VALUES_PER_DEVICE} per device: turn --expose-pcie-roots off or "
-            "use smaller groups (--group-by numanode)"
-        )
-    return Device(device.name, device.cpus, attributes, device.capacity, device.grouped)
 
 
 # --- slices --------------------------------------------------------------------------------------
