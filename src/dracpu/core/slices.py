@@ -310,13 +310,15 @@ class _PcieRoots:
 
     def __init__(self, roots: Mapping[str, CpuSet]) -> None:
         self._roots = roots
-        by_cpu: dict[int, list[str]] = {}
-        for name, local in roots.items():  # sorted by name (Topology)
-            for cpu in local:
-                by_cpu.setdefault(cpu, []).append(name)
-        self._by_cpu = {cpu: tuple(names) for cpu, names in by_cpu.items()}
+        self._by_cpu: dict[int, tuple[str, ...]] | None = None  # built for the first CPU asked
 
     def of_cpu(self, cpu: int) -> tuple[str, ...]:
+        if self._by_cpu is None:
+            by_cpu: dict[int, list[str]] = {}
+            for name, local in self._roots.items():  # sorted by name (Topology)
+                for member in local:
+                    by_cpu.setdefault(member, []).append(name)
+            self._by_cpu = {member: tuple(names) for member, names in by_cpu.items()}
         return self._by_cpu.get(cpu, ())
 
     def of_group(self, cpus: CpuSet) -> tuple[str, ...]:
