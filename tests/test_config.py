@@ -331,11 +331,6 @@ def test_bind_address_parse_and_format(text: str, host: str, port: int) -> None:
             "subdomain: a-z, 0-9, '-' and '.')",
         ),
         (
-            ["--expose-pcie-roots"],
-            "--expose-pcie-roots: invalid value true: dracpu does not support PCIe root "
-            "attributes; only false is accepted",
-        ),
-        (
             ["--sysfs-overlay", "/x.yaml"],
             '--sysfs-overlay: invalid value "/x.yaml": dracpu does not support sysfs overlays '
             '(use --host-root with a sysfs tree); only "" is accepted',
@@ -450,14 +445,13 @@ def test_bad_environment_values(env: dict[str, str], expected: str) -> None:
         ("apiVersion: v1beta1\n", 'apiVersion: invalid value "v1beta1": must be "v1alpha1"'),
         (
             "exposePCIeRoots: true\n",
-            "exposePCIeRoots: invalid value true: dracpu does not "
-            "support PCIe root attributes; only false is accepted",
+            "exposePCIeRoots: invalid value true: dracpu does not support exposePCIeRoots in "
+            "the config file (use the --expose-pcie-roots flag); only false is accepted",
         ),
         (
-            "publishNodeAllocatableResourceMapping: true\n",
-            "publishNodeAllocatableResourceMapping:"
-            " invalid value true: dracpu does not support KEP-5517 node allocatable resource "
-            "mappings; only false is accepted",
+            'publishNodeAllocatableResourceMapping: "yes"\n',
+            'publishNodeAllocatableResourceMapping: invalid value "yes": must be true or false, '
+            "not a string",
         ),
         ("- a\n- b\n", "must be a mapping of keys to values, not a list"),
         ("just text\n", "must be a mapping of keys to values, not a string"),

@@ -81,6 +81,16 @@ def _build_parser() -> argparse.ArgumentParser:
     inspect.add_argument(
         "--node-name", default=None, help="node (and pool) name; default: NODE_NAME or the hostname"
     )
+    inspect.add_argument(
+        "--expose-pcie-roots",
+        action="store_true",
+        help="read the PCIe roots and publish them (the daemon's flag)",
+    )
+    inspect.add_argument(
+        "--publish-node-allocatable-resource-mapping",
+        action="store_true",
+        help="publish KEP-5517 nodeAllocatableResources (config publishNodeAllocatable...)",
+    )
     inspect.add_argument("-o", "--output", choices=["text", "yaml", "json"], default="text")
 
     plan = sub.add_parser("plan", help="show which CPUs a grouped claim of N CPUs would get")
@@ -141,10 +151,16 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
     from dracpu.adapters.sysfs import read_topology
     from dracpu.core.cpuset import CpuSet
-    from dracpu.core.slices import CpuDeviceMode, GroupBy, build_resource_slices, published_devices
+    from dracpu.core.slices import (
+        CpuDeviceMode,
+        GroupBy,
+        SliceOptions,
+        build_resource_slices,
+        published_devices,
+    )
     from dracpu.core.topology_map import render_map
 
-    topology = read_topology(args.host_root)
+    topology = read_topology(args.host_root, pcie_roots=args.expose_pcie_roots)
     reserved = args.reserved_cpus or CpuSet()
     devices = published_devices(
         topology,
@@ -152,7 +168,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         mode=CpuDeviceMode(args.cpu_device_mode),
         group_by=GroupBy(args.group_by),
     )
-    slices = build_resource_slices(_node_name(args.node_name), devices)
+    options = SliceOptions(
+        node_allocatable=args.publish_node_allocatable_resource_mapping,
+        expose_pcie_roots=args.expose_pcie_roots,
+    )
+    slices = build_resource_slices(_node_name(args.node_name), devices, options=options)
     if args.output == "json":
         print(json.dumps(slices, indent=2))
     elif args.output == "yaml":
@@ -160,7 +180,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
         print(yaml.dump_all(slices, Dumper=dumper, sort_keys=False), end="")
     else:
-        print(render_map(topology, reserved=reserved, devices=devices, slices=slices), end="")
+        text = render_map(
+            topology, reserved=reserved, devices=devices, slices=slices, options=options
+        )
+        print(text, end="")
     return 0
 
 

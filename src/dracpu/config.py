@@ -14,13 +14,14 @@ Upstream reads ``HOST_ROOT`` only from the environment; we also accept ``--host-
 "not given" (as an empty Go string does upstream), and so does a YAML ``null`` for any key.
 
 The config file is a YAML mapping. Upstream's keys keep their meaning: ``cpuDeviceMode``,
-``groupBy``, ``reservedCPUs``, ``hostnameOverride``, ``kubeconfig`` and the optional
-``apiVersion: v1alpha1``. Upstream's ``exposePCIeRoots``, ``sysfsOverlay`` and
-``publishNodeAllocatableResourceMapping`` are accepted only with their "off" value (so an
-upstream file that spells its defaults still loads) and refused otherwise, since dracpu does not
-implement them. Every other ``run`` flag has a camelCase key of its own (``kubeletRootDir``,
-``cdiDir``, ``nriSocket``, ``stateDir``, ``hostRoot``, ``bindAddress``, ``logFormat``,
-``verbosity``, ``memoryPinning``, ``nriPluginName``, ``nriPluginIndex``); upstream refuses
+``groupBy``, ``reservedCPUs``, ``hostnameOverride``, ``kubeconfig``,
+``publishNodeAllocatableResourceMapping`` and the optional ``apiVersion: v1alpha1``. Upstream's
+``sysfsOverlay`` is accepted only with its "off" value (so an upstream file that spells its
+defaults still loads) and refused otherwise, since dracpu does not implement it; so is
+``exposePCIeRoots``, which upstream takes only as the ``--expose-pcie-roots`` flag. Every other
+``run`` flag has a camelCase key of its own (``kubeletRootDir``, ``cdiDir``, ``nriSocket``,
+``stateDir``, ``hostRoot``, ``bindAddress``, ``logFormat``, ``verbosity``, ``memoryPinning``,
+``nriPluginName``, ``nriPluginIndex``); upstream refuses
 ``bindAddress`` and ``kubeletRootDir`` in the file, we accept them (design §5: every flag is also
 settable in the file). Unknown keys, keys that differ from ours only by case, duplicate keys and
 values of the wrong YAML type are errors.
@@ -183,6 +184,12 @@ class Config:
     """Name we register with the runtime's NRI."""
     nri_plugin_index: str = DEFAULT_NRI_PLUGIN_INDEX
     """Two-digit NRI plugin index: the runtime calls plugins in index order."""
+    expose_pcie_roots: bool = False
+    """Publish ``resource.kubernetes.io/pcieRoot`` (list-typed: the cluster needs
+    ``DRAListTypeAttributes``) and cap slices at 64 devices, as upstream's flag does."""
+    publish_node_allocatable_resource_mapping: bool = False
+    """Publish KEP-5517 ``nodeAllocatableResources`` (``cpu``) on every device (the cluster needs
+    ``DRANodeAllocatableResources``), as upstream's config key does."""
     node_name_source: str = field(default="", compare=False)
     """Where :attr:`node_name` came from (``--node-name``, ``environment variable NODE_NAME``,
     ``config file <path>: hostnameOverride`` or ``hostname``); for logs, not compared."""
@@ -363,8 +370,6 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NN",
         help=f"two-digit NRI plugin index (default {DEFAULT_NRI_PLUGIN_INDEX})",
     )
-    # Upstream flags we accept for drop-in compatibility (its Helm chart always passes
-    # --expose-pcie-roots=<bool>) but do not implement: only their "off" value is allowed.
     parser.add_argument(
         "--expose-pcie-roots",
         dest="expose_pcie_roots",
@@ -372,8 +377,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         default=s,
         metavar="BOOL",
-        help="upstream compatibility: only false is accepted",
+        help="publish the PCIe roots local to each device's CPUs (default false)",
     )
+    # An upstream flag we accept for drop-in compatibility but do not implement: only its "off"
+    # value is allowed.
     parser.add_argument(
         "--sysfs-overlay",
         dest="sysfs_overlay",
@@ -535,6 +542,8 @@ class _Setting:
     convert: Callable[[object], object]
     env: str | None = None
     stored: bool = True
+    file_convert: Callable[[object], object] | None = None
+    """The converter of the config-file value when it differs from ``convert``."""
 
 
 _SETTINGS: tuple[_Setting, ...] = (
@@ -558,8 +567,10 @@ _SETTINGS: tuple[_Setting, ...] = (
         "expose_pcie_roots",
         "--expose-pcie-roots",
         "exposePCIeRoots",
-        _unsupported(False, "PCIe root attributes"),
-        stored=False,
+        _boolean,
+        file_convert=_unsupported(
+            False, "exposePCIeRoots in the config file (use the --expose-pcie-roots flag)"
+        ),
     ),
     _Setting(
         "sysfs_overlay",
@@ -572,8 +583,7 @@ _SETTINGS: tuple[_Setting, ...] = (
         "publish_node_allocatable_resource_mapping",
         None,
         "publishNodeAllocatableResourceMapping",
-        _unsupported(False, "KEP-5517 node allocatable resource mappings"),
-        stored=False,
+        _boolean,
     ),
 )
 
@@ -584,9 +594,10 @@ def _fail(source: str, raw: object, reason: str) -> NoReturn:
     raise ConfigError(f"{source}: invalid value {_show(raw)}: {reason}")
 
 
-def _converted(setting: _Setting, raw: object, source: str) -> object:
+def _converted(setting: _Setting, raw: object, source: str, *, in_file: bool = False) -> object:
+    convert = setting.file_convert if in_file and setting.file_convert else setting.convert
     try:
-        return setting.convert(raw)
+        return convert(raw)
     except _BadValue as exc:
         _fail(source, raw, str(exc))
 
@@ -675,8 +686,8 @@ def load_config(
     values: dict[str, object] = {}
     sources: dict[str, str] = {}
 
-    def take(setting: _Setting, raw: object, source: str) -> None:
-        value = _converted(setting, raw, source)
+    def take(setting: _Setting, raw: object, source: str, *, in_file: bool = False) -> None:
+        value = _converted(setting, raw, source, in_file=in_file)
         if setting.stored and value is not None:
             values[setting.name] = value
             sources[setting.name] = source
@@ -691,7 +702,8 @@ def load_config(
         data = _read_file(config_file)
         for setting in _SETTINGS:
             if setting.key in data and data[setting.key] is not None:
-                take(setting, data[setting.key], f"config file {config_file}: {setting.key}")
+                where = f"config file {config_file}: {setting.key}"
+                take(setting, data[setting.key], where, in_file=True)
     for setting in _SETTINGS:
         if setting.flag is not None and hasattr(args, setting.name):
             take(setting, getattr(args, setting.name), setting.flag)

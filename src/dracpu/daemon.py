@@ -72,6 +72,7 @@ from dracpu.adapters.kube import KubeClient, open_kube_client
 from dracpu.config import Config
 from dracpu.core.commands import Command, Resync
 from dracpu.core.effects import Reply, Resynced
+from dracpu.core.slices import SliceOptions
 from dracpu.errors import DracpuError, leaf_errors
 from dracpu.logs import setup_logging
 from dracpu.tasks import (
@@ -507,10 +508,15 @@ class _Node:
     async def run_slice_publisher(
         self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED
     ) -> None:
+        options = SliceOptions(
+            node_allocatable=self.config.publish_node_allocatable_resource_mapping,
+            expose_pcie_roots=self.config.expose_pcie_roots,
+        )
         await slice_publisher.run(
             self.kube,
             self.config.node_name,
             self.machine.devices,
+            options=options,
             republish=self.republish_receive.clone(),
             task_status=task_status,
         )

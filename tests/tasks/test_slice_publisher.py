@@ -19,6 +19,7 @@ from dracpu.core.slices import (
     CpuDeviceMode,
     Device,
     GroupBy,
+    SliceOptions,
     published_devices,
     slice_name,
     validate_pool,
@@ -131,10 +132,23 @@ async def test_first_publish_happens_before_started() -> None:
         assert generations(api) == {1}
         capacity = slices[0]["spec"]["devices"][0]["capacity"]["dra.cpu/cpu"]
         assert capacity["requestPolicy"] == {
-            "default": "1",
+            "default": capacity["value"],  # the whole group, as without a policy
             "validRange": {"min": "1", "step": "1"},
         }
         assert slices[0]["spec"]["devices"][0]["allowMultipleAllocations"] is True
+        assert "nodeAllocatableResources" not in slices[0]["spec"]["devices"][0]
+
+
+@pytest.mark.anyio
+async def test_slice_options_reach_the_published_slices() -> None:
+    want = devices(CpuDeviceMode.INDIVIDUAL, topology_name="big-1024")
+    options = SliceOptions(node_allocatable=True, expose_pcie_roots=True)
+    async with connected() as (api, kube), publishing(kube, lambda: want, options=options):
+        slices = ours(api)
+        assert [len(s["spec"]["devices"]) for s in slices] == [64] * 16
+        for device in slices[0]["spec"]["devices"]:
+            mapping = device["nodeAllocatableResources"]["cpu"]["mapping"]
+            assert mapping == {"deviceMultiplier": "1"}
 
 
 @pytest.mark.anyio

@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -307,7 +308,8 @@ class NodeMachine:
         """The start state (see the module docstring); raises DracpuError when the node cannot
         be read (topology, an unreadable checkpoint)."""
         config = self.config
-        topology = await anyio.to_thread.run_sync(read_topology, config.host_root)
+        read = partial(read_topology, config.host_root, pcie_roots=config.expose_pcie_roots)
+        topology = await anyio.to_thread.run_sync(read)
         outside = config.reserved_cpus - topology.online
         if outside:
             logger.warning("reserved cpus %s are not online on this node; ignored", outside)

@@ -19,7 +19,8 @@ never goes backwards; every later change of the devices (or of the owner, or the
 bumps it again, and so does finding a slice of ours with a higher generation than ours. A pass
 that only repairs drift keeps the generation (the content stays the same).
 
-Consumable capacity: grouped devices carry ``requestPolicy`` (whole CPUs, default 1). A server
+Consumable capacity: grouped devices carry ``requestPolicy`` (whole CPUs, by default the whole
+group). A server
 without ``DRAConsumableCapacity`` (off by default before Kubernetes 1.36) drops
 ``requestPolicy`` and ``allowMultipleAllocations`` from what it stores; when a create or update
 answer shows that, the publisher switches to ``consumable_capacity=False`` for the rest of the
@@ -66,7 +67,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from dracpu import DRIVER_NAME
 from dracpu.adapters.backoff import backoff_delays
 from dracpu.adapters.kube import LISTED, KubeClient, consumable_capacity_dropped
-from dracpu.core.slices import Device, build_resource_slices
+from dracpu.core.slices import Device, SliceOptions, build_resource_slices
 from dracpu.errors import DracpuError, KubeAPIError, KubeNotFoundError
 
 __all__ = [
@@ -94,6 +95,8 @@ DEFAULT_DEBOUNCE = 0.2
 DEFAULT_RESYNC_INTERVAL = 600.0
 # started() at the latest after this long, even if the first pass still hangs on the network.
 DEFAULT_START_TIMEOUT = 10.0
+# Upstream's defaults: no node-allocatable mapping, no PCIe roots.
+_UPSTREAM_DEFAULTS = SliceOptions()
 # Pending republish requests kept; more are merged into the pending ones.
 _REPUBLISH_BUFFER = 16
 # A watch that failed again within this long of its start continues its backoff; one that ran
@@ -173,9 +176,12 @@ def _without_generation(slices: Sequence[Mapping[str, Any]]) -> list[dict[str, A
 
 
 class _Publisher:
-    def __init__(self, kube: KubeClient, node_name: str, settings: PublisherSettings) -> None:
+    def __init__(
+        self, kube: KubeClient, node_name: str, options: SliceOptions, settings: PublisherSettings
+    ) -> None:
         self.kube = kube
         self.node_name = node_name
+        self.options = options
         self.settings = settings
         self.source: Callable[[], Sequence[Device]] | None = None
         self.devices: Sequence[Device] | None = None
@@ -337,6 +343,7 @@ class _Publisher:
         return build_resource_slices(
             self.node_name,
             self.devices,
+            options=self.options,
             consumable_capacity=self.consumable,
             generation=0,
             owner_uid=self.owner_uid,
@@ -412,16 +419,18 @@ async def run(
     node_name: str,
     desired: DesiredDevices,
     *,
+    options: SliceOptions = _UPSTREAM_DEFAULTS,
     republish: MemoryObjectReceiveStream[str] | None = None,
     settings: PublisherSettings = PublisherSettings(),
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Publish ``desired`` devices for ``node_name`` until cancelled (see the module docstring).
 
-    ``republish``: the receiving end of :func:`republish_channel`. ``started()`` comes after the
-    first publish attempt, successful or not, or after ``settings.start_timeout``.
+    ``options``: upstream's publication switches. ``republish``: the receiving end of
+    :func:`republish_channel`. ``started()`` comes after the first publish attempt, successful or
+    not, or after ``settings.start_timeout``.
     """
-    publisher = _Publisher(kube, node_name, settings)
+    publisher = _Publisher(kube, node_name, options, settings)
     async with publisher.wake_send, publisher.wake_receive, anyio.create_task_group() as tg:
         if callable(desired):
             publisher.source = desired
