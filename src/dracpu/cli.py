@@ -65,10 +65,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(
         prog="dracpu",
-        usage="dracpu [run] [flags]  (the driver: `dracpu run -h` lists the flags)\n"
-        "       dracpu {inspect,plan,sim,gatherinfo,introspect} ...",
         description="A Kubernetes DRA driver for exclusive, topology-aligned CPUs "
         "(a drop-in for kubernetes-sigs/dra-driver-cpu).",
+        epilog="`dracpu [flags]` without a subcommand runs the driver, as `dracpu run [flags]` "
+        "does (`dracpu run -h` lists the flags).",
     )
     parser.add_argument("--version", action="version", version=f"dracpu {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -296,8 +296,15 @@ def _cmd_introspect(args: argparse.Namespace) -> int:
 
 def _cmd_sim(args: argparse.Namespace) -> int:
     from dracpu.core.slices import CpuDeviceMode, GroupBy
-    from dracpu.sim.demo import DemoOptions
-    from dracpu.sim.demo import main as demo_main
+
+    try:
+        from dracpu.sim.demo import DemoOptions
+        from dracpu.sim.demo import main as demo_main
+    except ImportError as exc:  # the image leaves the simulator and its peers out
+        raise DracpuError(
+            f"the simulator is not installed here ({exc}); run `scripts/dracpu sim` from a "
+            "checkout"
+        ) from exc
 
     options = DemoOptions(
         topology=args.topology,
