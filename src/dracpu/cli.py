@@ -302,8 +302,7 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         from dracpu.sim.demo import main as demo_main
     except ImportError as exc:  # the image leaves the simulator and its peers out
         raise DracpuError(
-            f"the simulator is not installed here ({exc}); run `scripts/dracpu sim` from a "
-            "checkout"
+            f"the simulator is not installed here ({exc}); run `scripts/dracpu sim` from a checkout"
         ) from exc
 
     options = DemoOptions(

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Mount", "parse_mountinfo", "volatile_reason"]
+__all__ = ["Mount", "mount_reason", "parse_mountinfo", "volatile_reason"]
 
 MOUNTINFO = Path("/proc/self/mountinfo")
 
@@ -68,18 +68,19 @@ def _existing(path: Path) -> str:
     return os.path.realpath(current)
 
 
-def volatile_reason(path: Path, mountinfo: str | None = None) -> str | None:
-    """Why files in ``path`` would not survive the pod (see the module doc), or ``None``.
+def volatile_reason(path: Path) -> str | None:
+    """Why files in ``path`` would not survive the pod (see the module doc), or ``None`` (also
+    when the mount table cannot be read: the check is a warning, never a reason to stop)."""
+    try:
+        mountinfo = MOUNTINFO.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    return mount_reason(_existing(path), mountinfo)
 
-    ``mountinfo``: the mount table's text (default: this process's). ``None`` too when the
-    table cannot be read: the check is a warning, never a reason to stop.
-    """
-    if mountinfo is None:
-        try:
-            mountinfo = MOUNTINFO.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return None
-    target = _existing(path)
+
+def mount_reason(target: str, mountinfo: str) -> str | None:
+    """:func:`volatile_reason` for the absolute, resolved path ``target`` and the mount table
+    ``mountinfo`` (the text of a ``/proc/<pid>/mountinfo``)."""
     best: Mount | None = None
     for mount in parse_mountinfo(mountinfo):
         point = mount.mount_point
