@@ -25,12 +25,13 @@ lock *ARGS:
     set -euo pipefail
     compile() { {{venv}}/uv pip compile --universal --python-version 3.11 --generate-hashes \
         --custom-compile-command "just lock" --quiet {{ARGS}} "$@"; }
-    compile pyproject.toml -o requirements/runtime.lock
-    compile pyproject.toml --extra sim -o requirements/sim.lock
+    # the dev lock is the superset; the others take its pins (-c), so all agree
     compile pyproject.toml --extra dev -o requirements/dev.lock
+    compile pyproject.toml -c requirements/dev.lock -o requirements/runtime.lock
+    compile pyproject.toml --extra sim -c requirements/dev.lock -o requirements/sim.lock
     # the build backend of the image's wheel (pyproject [build-system] requires)
     {{venv}}/python -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"], sep="\n")' \
-        | compile - -o requirements/build.lock
+        | compile - -c requirements/dev.lock -o requirements/build.lock
 
 # ruff lint and format check
 lint:
