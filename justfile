@@ -33,6 +33,11 @@ lock *ARGS:
     {{venv}}/python -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"], sep="\n")' \
         | compile - -c requirements/dev.lock -o requirements/build.lock
 
+# run the pre-commit hooks (.pre-commit-config.yaml) on every file; `just hooks install` sets
+# them up for each commit
+hooks *ARGS="run --all-files":
+    {{venv}}/pre-commit {{ARGS}}
+
 # ruff lint and format check
 lint:
     {{venv}}/ruff check src tests bench scripts
