@@ -9,7 +9,8 @@ in this order (design §3):
 2. ``state-owner``: restores the node (topology, checkpoint, CDI specs: see
    :class:`~dracpu.tasks.node_machine.NodeMachine`) before it reports ready, then is the one
    task that changes node state;
-3. ``http``: ``/healthz``, ``/readyz``, ``/metrics``;
+3. ``http``: ``/healthz``, ``/readyz``, ``/metrics`` (ours and upstream's ``dra_cpu_*``);
+   ``debug-dump``: writes ``<state-dir>/debug-dump.json`` at each SIGUSR1 (``gatherinfo``);
 4. ``cdi-watcher``: puts back CDI specs someone deleted or edited, removes orphans;
 5. ``kubelet-plugin``: the DRA socket (Prepare / Unprepare);
 6. ``registration``: the plugin-registration socket, once the DRA socket serves (the kubelet

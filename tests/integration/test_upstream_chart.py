@@ -25,7 +25,6 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 DRACPU = Path(sys.executable).parent / "dracpu"  # the installed command (the image's /dracpu)
 
-pytestmark = pytest.mark.daemon
 
 
 def _missing() -> str | None:
