@@ -39,7 +39,7 @@ EXIT_UNSATISFIABLE = 1
 SUBCOMMANDS = ("inspect", "plan", "run", "sim", "gatherinfo", "introspect")
 # Upstream's image also has the binary as /dracpu-gatherinfo, which runs `dracpu gatherinfo`.
 GATHERINFO_ALIAS = "dracpu-gatherinfo"
-_HELP_OR_VERSION = ("-h", "--help", "-help", "--version")
+_HELP_OR_VERSION = ("-h", "--help", "--version")
 
 
 class _Parser(argparse.ArgumentParser):
