@@ -279,7 +279,8 @@ def _go_bool(text: str) -> bool:
 
 
 class _StoreAction(argparse.Action):
-    """``--flag value`` / ``--flag=value``, noting the spelling used."""
+    """``--flag value`` / ``--flag=value``; notes the spelling used. Subclasses convert the
+    value (:meth:`value`)."""
 
     def __call__(
         self,
@@ -288,50 +289,37 @@ class _StoreAction(argparse.Action):
         values: str | Sequence[object] | None,
         option_string: str | None = None,
     ) -> None:
-        setattr(namespace, self.dest, values)
         _note_flag(namespace, option_string)
+        setattr(namespace, self.dest, self.value(namespace, values))
+
+    def value(self, namespace: argparse.Namespace, values: str | Sequence[object] | None) -> object:
+        return values
 
 
-class _GoBoolAction(argparse.Action):
+class _GoBoolAction(_StoreAction):
     """A Go-style boolean flag: ``--flag`` is true, ``--flag=false`` / ``--flag=true`` as given."""
 
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: str | Sequence[object] | None,
-        option_string: str | None = None,
-    ) -> None:
-        _note_flag(namespace, option_string)
+    def value(self, namespace: argparse.Namespace, values: str | Sequence[object] | None) -> object:
         if values is None:
-            setattr(namespace, self.dest, True)
-            return
+            return True
         try:
-            setattr(namespace, self.dest, _go_bool(str(values)))
+            return _go_bool(str(values))
         except ValueError as exc:
             raise argparse.ArgumentError(self, str(exc)) from exc
 
 
-class _VerbosityAction(argparse.Action):
+class _VerbosityAction(_StoreAction):
     """klog's ``-v=N`` / ``--v=N`` / ``-v N``, and also ``-v``, ``-vv``, ... counting up."""
 
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: str | Sequence[object] | None,
-        option_string: str | None = None,
-    ) -> None:
-        _note_flag(namespace, option_string)
-        current = getattr(namespace, self.dest, 0)
+    def value(self, namespace: argparse.Namespace, values: str | Sequence[object] | None) -> object:
+        current: int = getattr(namespace, self.dest, 0)
         if values is None:
-            setattr(namespace, self.dest, current + 1)
-        elif isinstance(values, str) and values and set(values) == {"v"}:  # -vv arrives as "v"
-            setattr(namespace, self.dest, current + 1 + len(values))
-        elif isinstance(values, str) and values.isascii() and values.isdigit():
-            setattr(namespace, self.dest, int(values))
-        else:
-            raise argparse.ArgumentError(self, f"invalid verbosity {values!r}: use a number >= 0")
+            return current + 1
+        if isinstance(values, str) and values and set(values) == {"v"}:  # -vv arrives as "v"
+            return current + 1 + len(values)
+        if isinstance(values, str) and values.isascii() and values.isdigit():
+            return int(values)
+        raise argparse.ArgumentError(self, f"invalid verbosity {values!r}: use a number >= 0")
 
 
 def _deprecated(help_text: str, flag: str) -> str:

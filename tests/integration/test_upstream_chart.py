@@ -26,7 +26,6 @@ REPO = Path(__file__).resolve().parents[2]
 DRACPU = Path(sys.executable).parent / "dracpu"  # the installed command (the image's /dracpu)
 
 
-
 def _missing() -> str | None:
     if os.geteuid() != 0:
         return "needs root (a private mount namespace for the chart's fixed paths)"
