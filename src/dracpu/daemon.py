@@ -9,7 +9,8 @@ in this order (design §3):
 2. ``state-owner``: restores the node (topology, checkpoint, CDI specs: see
    :class:`~dracpu.tasks.node_machine.NodeMachine`) before it reports ready, then is the one
    task that changes node state;
-3. ``http``: ``/healthz``, ``/readyz``, ``/metrics``;
+3. ``http``: ``/healthz``, ``/readyz``, ``/metrics`` (ours and upstream's ``dra_cpu_*``);
+   ``debug-dump``: writes ``<state-dir>/debug-dump.json`` at each SIGUSR1 (``gatherinfo``);
 4. ``cdi-watcher``: puts back CDI specs someone deleted or edited, removes orphans;
 5. ``kubelet-plugin``: the DRA socket (Prepare / Unprepare);
 6. ``registration``: the plugin-registration socket, once the DRA socket serves (the kubelet
@@ -77,6 +78,7 @@ from dracpu.errors import DracpuError, leaf_errors
 from dracpu.logs import setup_logging
 from dracpu.tasks import (
     cdi_watcher,
+    debug_dump,
     http,
     kubelet_plugin,
     nri_plugin,
@@ -85,6 +87,7 @@ from dracpu.tasks import (
     slice_publisher,
     state_owner,
 )
+from dracpu.tasks.dra_cpu_metrics import DraCpuMetrics
 from dracpu.tasks.http import Readiness
 from dracpu.tasks.node_machine import NodeMachine
 from dracpu.tasks.nri_plugin import NriLink
@@ -458,6 +461,11 @@ class _Node:
             config, republish=self.republish_send, update_containers=self.link.submit
         )
         self.owner: StateOwner[Any, Command, Any] | None = None
+        self.metrics = DraCpuMetrics(self.node_state)
+
+    def node_state(self) -> Any:
+        """The state owner's state, ``None`` until the owner runs."""
+        return self.owner.state if self.owner is not None else None
 
     def close(self) -> None:
         self.republish_send.close()
@@ -488,8 +496,13 @@ class _Node:
             self.send.clone(),
             self.kube,
             config.node_name,
+            metrics=self.metrics,
             task_status=task_status,
         )
+
+    async def run_debug_dump(self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
+        path = self.config.state_dir / debug_dump.DUMP_FILE
+        await debug_dump.run(self.node_state, path, task_status=task_status)
 
     async def run_registration(self, *, task_status: TaskStatus[Any] = TASK_STATUS_IGNORED) -> None:
         verdict = self.readiness.flag(
@@ -524,10 +537,12 @@ class _Node:
     def tasks(self) -> list[TaskSpec]:
         registry = http.build_registry(self.readiness, self.statistics)
         registry.register(_NriCollector(self.link))
+        registry.register(self.metrics)
         return [
             TaskSpec("signals", self.run_signals),
             TaskSpec("state-owner", self.run_state_owner),
             TaskSpec("http", partial(http.run, self.config.bind_address, self.readiness, registry)),
+            TaskSpec("debug-dump", self.run_debug_dump),
             TaskSpec("cdi-watcher", self.run_cdi_watcher),
             TaskSpec("kubelet-plugin", self.run_kubelet_plugin),
             TaskSpec("registration", self.run_registration),
@@ -584,7 +599,7 @@ def main(config: Config, *, machine: MachineFactory | None = None) -> int:
 
 
 def _main(config: Config, machine: MachineFactory | None) -> int:
-    setup_logging(config.log_format, config.verbosity)
+    setup_logging(config.log_format, config.verbosity, vmodule=config.vmodule)
     logger.info(
         "dracpu %s starting on node %s (node name from %s; %s devices, group by %s, "
         "reserved cpus %s)",

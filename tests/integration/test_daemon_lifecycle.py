@@ -22,6 +22,7 @@ TASKS = (
     "signals",
     "state-owner",
     "http",
+    "debug-dump",
     "cdi-watcher",
     "kubelet-plugin",
     "registration",

@@ -36,6 +36,7 @@ be gone) and an unknown claim succeeds.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,7 @@ from dracpu.core.commands import Command, PrepareClaim, UnprepareClaim
 from dracpu.core.effects import ClaimPrepared, ClaimUnprepared
 from dracpu.errors import DracpuError, KubeAPIError, KubeNotFoundError
 from dracpu.tasks import state_owner
+from dracpu.tasks.dra_cpu_metrics import DraCpuMetrics
 from dracpu.tasks.state_owner import Request
 from dracpu.tasks.status_patches import (
     MAX_PENDING_STATUS_PATCHES,
@@ -173,8 +175,10 @@ class DraService:
         status_patch_timeout: float = STATUS_PATCH_TIMEOUT,
         status_patch_delay: float = STATUS_PATCH_DELAY,
         max_pending_status_patches: int = MAX_PENDING_STATUS_PATCHES,
+        metrics: DraCpuMetrics | None = None,
     ) -> None:
         self._owner = owner
+        self._metrics = metrics  # told each claim's outcome (upstream's dra_cpu_* metrics)
         self._claims = claims
         self._node_name = node_name
         self._driver = driver
@@ -202,7 +206,16 @@ class DraService:
     ) -> dict[str, PrepareOutcome]:
         """Prepare every claim; one outcome per distinct claim UID. The claims' status patches
         are held in ``deferred`` (if given) until it starts them."""
-        return await _each_claim(refs, lambda ref: self._prepare_one(ref, deferred))
+        return await _each_claim(refs, lambda ref: self._prepare_measured(ref, deferred))
+
+    async def _prepare_measured(
+        self, ref: ClaimRef, deferred: DeferredPatches | None
+    ) -> PrepareOutcome:
+        started = time.monotonic()
+        outcome = await self._prepare_one(ref, deferred)
+        if self._metrics is not None:
+            self._metrics.prepared(ref.uid, not outcome.error, time.monotonic() - started)
+        return outcome
 
     async def _prepare_one(self, ref: ClaimRef, deferred: DeferredPatches | None) -> PrepareOutcome:
         context = log_context(ref)
@@ -288,7 +301,13 @@ class DraService:
 
     async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str]:
         """Unprepare every claim; an error string per distinct claim UID (``""``: done)."""
-        return await _each_claim(refs, self._unprepare_one)
+        return await _each_claim(refs, self._unprepare_measured)
+
+    async def _unprepare_measured(self, ref: ClaimRef) -> str:
+        error = await self._unprepare_one(ref)
+        if self._metrics is not None:
+            self._metrics.unprepared(ref.uid, not error)
+        return error
 
     async def _unprepare_one(self, ref: ClaimRef) -> str:
         context = log_context(ref)
@@ -441,6 +460,7 @@ async def run(
     driver: str = DRIVER_NAME,
     max_pending_status_patches: int = MAX_PENDING_STATUS_PATCHES,
     status_patch_delay: float = STATUS_PATCH_DELAY,
+    metrics: DraCpuMetrics | None = None,
     task_status: TaskStatus[DraService] = TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the DRA socket at ``socket_path`` (v1 and v1beta1) until cancelled.
@@ -464,6 +484,7 @@ async def run(
             driver=driver,
             max_pending_status_patches=max_pending_status_patches,
             status_patch_delay=status_patch_delay,
+            metrics=metrics,
         )
         plugins: list[Servable] = [DraPluginV1(service), DraPluginV1beta1(service)]
         # The patches' task group inside the server: when it ends, later answers patch nothing.
