@@ -703,10 +703,9 @@ def _fail(source: str, raw: object, reason: str) -> NoReturn:
     raise ConfigError(f"{source}: invalid value {_show(raw)}: {reason}")
 
 
-def _converted(setting: _Setting, raw: object, source: str, *, in_file: bool = False) -> object:
-    convert = setting.file_convert if in_file and setting.file_convert else setting.convert
+def _converted(setting: _Setting, raw: object, source: str) -> object:
     try:
-        return convert(raw)
+        return setting.convert(raw)
     except _BadValue as exc:
         _fail(source, raw, str(exc))
 
@@ -814,8 +813,8 @@ def load_config(
     values: dict[str, object] = {}
     sources: dict[str, str] = {}
 
-    def take(setting: _Setting, raw: object, source: str, *, in_file: bool = False) -> None:
-        value = _converted(setting, raw, source, in_file=in_file)
+    def take(setting: _Setting, raw: object, source: str) -> None:
+        value = _converted(setting, raw, source)
         if setting.stored and value is not None:
             values[setting.name] = value
             sources[setting.name] = source
