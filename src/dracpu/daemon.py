@@ -272,6 +272,7 @@ async def serve(
                     running.append(task)
                     readiness.flag(spec.name).set_ready()
                 logger.info("dracpu %s is running (%d tasks)", __version__, len(running))
+                readiness.set_started()
                 if on_running is not None:
                     on_running()
             await shutdown.wait()

@@ -83,15 +83,24 @@ async def _start(
     readiness: Readiness,
     registry: CollectorRegistry | None = None,
     bind: BindAddress = LOOPBACK,
+    *,
+    started: bool = True,
 ) -> int:
+    """Serve on a free port; ``started``: the supervisor has started every task."""
+    if started:
+        readiness.set_started()
     registry = build_registry(readiness) if registry is None else registry
     port: int = await tg.start(http_task.run, bind, readiness, registry)
     return port
 
 
-async def test_healthz() -> None:
+async def test_healthz_fails_until_every_task_has_started_then_passes_for_good() -> None:
+    readiness = Readiness()
     async with anyio.create_task_group() as tg:
-        port = await _start(tg, Readiness())
+        port = await _start(tg, readiness, started=False)
+        response = await _get(port, "/healthz")
+        assert (response.status, response.body) == (503, b"starting\n")
+        readiness.set_started()
         response = await _get(port, "/healthz")
         assert (response.status, response.body) == (200, b"ok\n")
         assert response.headers["Content-Type"] == "text/plain; charset=utf-8"

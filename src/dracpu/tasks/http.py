@@ -8,7 +8,10 @@ request head and between requests on a kept-alive connection, :data:`MAX_LINE_BY
 line or header field, :data:`MAX_HEADERS` fields); no request body is read. Our answers are a few
 KiB, within the socket's send buffer, so a peer that does not read cannot hold a handler.
 
-- ``/healthz``: 200 while the process runs (the liveness probe).
+- ``/healthz``: 503 until every task has started once, then 200 for as long as the process runs
+  (the liveness probe). Upstream's ``/healthz`` does the same (``cmd/dracpu/app.go``: 503 until
+  the driver's ``Start`` returned), and its Helm chart uses it as the readiness probe too, so a
+  pod under that chart is not marked ready before the driver serves.
 - ``/readyz``: 200 once every task the supervisor started has reported ready, 503 before that,
   while a task reports not ready (e.g. the kubelet refused our registration) and while stopping.
   The body lists the tasks as the Kubernetes API server does (``[+]name ok`` / ``[-]name ...``).
@@ -107,6 +110,16 @@ class Readiness:
     def __init__(self) -> None:
         self._flags: dict[str, ReadinessFlag] = {}
         self._stopping = False
+        self._started = False
+
+    @property
+    def started(self) -> bool:
+        """Every task has started once (``/healthz`` answers 200 from then on)."""
+        return self._started
+
+    def set_started(self) -> None:
+        """The supervisor started every task; stays true for the life of the process."""
+        self._started = True
 
     def flag(self, name: str, *, reason: str = "not started") -> ReadinessFlag:
         """The flag of task ``name``, created not-ready on first use (the same object after);
@@ -230,6 +243,8 @@ _peer_logger.addFilter(_PeerFaults())
 
 def _application(readiness: Readiness, registry: CollectorRegistry) -> web.Application:
     async def healthz(_: web.Request) -> web.Response:
+        if not readiness.started:
+            return web.Response(status=503, text="starting\n")
         return web.Response(text="ok\n")
 
     async def readyz(_: web.Request) -> web.Response:
