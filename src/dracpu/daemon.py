@@ -11,11 +11,12 @@ in this order (design §3):
    task that changes node state;
 3. ``http``: ``/healthz``, ``/readyz``, ``/metrics``;
 4. ``cdi-watcher``: puts back CDI specs someone deleted or edited, removes orphans;
-5. ``kubelet-plugin``: the DRA socket (Prepare / Unprepare);
-6. ``registration``: the plugin-registration socket, once the DRA socket serves (the kubelet
+5. ``device-health``: reads the online CPUs every second, for the devices' health;
+6. ``kubelet-plugin``: the DRA socket (Prepare / Unprepare, the devices' health);
+7. ``registration``: the plugin-registration socket, once the DRA socket serves (the kubelet
    connects to the endpoint as soon as it has our answer);
-7. ``nri-plugin``: pins containers through the runtime's NRI socket, reconnecting by itself;
-8. ``slice-publisher``: publishes the devices as ResourceSlices, retrying API errors itself.
+8. ``nri-plugin``: pins containers through the runtime's NRI socket, reconnecting by itself;
+9. ``slice-publisher``: publishes the devices as ResourceSlices, retrying API errors itself.
 
 The Kubernetes client is opened once, before the tasks (in-cluster, or ``--kubeconfig``), and
 shared by the kubelet plugin (claims) and the slice publisher.
@@ -76,6 +77,7 @@ from dracpu.errors import DracpuError, leaf_errors
 from dracpu.logs import setup_logging
 from dracpu.tasks import (
     cdi_watcher,
+    device_health,
     http,
     kubelet_plugin,
     nri_plugin,
@@ -487,7 +489,15 @@ class _Node:
             self.send.clone(),
             self.kube,
             config.node_name,
+            health=self.machine.health,
             task_status=task_status,
+        )
+
+    async def run_device_health(
+        self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED
+    ) -> None:
+        await device_health.watch_online(
+            self.config.host_root, self.machine.health, task_status=task_status
         )
 
     async def run_registration(self, *, task_status: TaskStatus[Any] = TASK_STATUS_IGNORED) -> None:
@@ -523,6 +533,7 @@ class _Node:
             TaskSpec("state-owner", self.run_state_owner),
             TaskSpec("http", partial(http.run, self.config.bind_address, self.readiness, registry)),
             TaskSpec("cdi-watcher", self.run_cdi_watcher),
+            TaskSpec("device-health", self.run_device_health),
             TaskSpec("kubelet-plugin", self.run_kubelet_plugin),
             TaskSpec("registration", self.run_registration),
             TaskSpec("nri-plugin", self.run_nri_plugin),

@@ -61,6 +61,7 @@ from tests.tasks.test_kubelet_plugin import (
     grouped_result,
     running_node,
 )
+from tests.tasks.test_registration import ADVERTISED
 
 __all__: list[str] = []
 
@@ -613,7 +614,7 @@ async def test_registration_get_info_and_notify_through_grpc_go(
             type="DRAPlugin",
             name="dra.cpu",
             endpoint=str(endpoint),
-            supported_versions=["v1.DRAPlugin", "v1beta1.DRAPlugin"],
+            supported_versions=list(ADVERTISED),
         )
     assert G_REG.RegistrationStatusResponse.FromString(ok(notified)) == (
         G_REG.RegistrationStatusResponse()

@@ -23,6 +23,7 @@ TASKS = (
     "state-owner",
     "http",
     "cdi-watcher",
+    "device-health",
     "kubelet-plugin",
     "registration",
     "nri-plugin",

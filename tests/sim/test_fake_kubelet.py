@@ -103,7 +103,12 @@ async def test_registers_with_dracpu_and_prepares_over_both_versions(tmp_path: P
             await d.state.wait_notified()
 
             assert (reg.driver, reg.endpoint, reg.version) == ("dra.cpu", d.node.socket, "v1")
-            assert reg.supported_versions == ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+            assert reg.supported_versions == (
+                "v1.DRAPlugin",
+                "v1beta1.DRAPlugin",
+                "v1.DRAResourceHealth",
+                "v1alpha1.DRAResourceHealth",
+            )
             assert d.state.registered
             assert d.readiness.is_ready()
             assert kubelet.registrations() == {"dra.cpu": reg}

@@ -34,7 +34,7 @@ from dracpu.core.cpuset import EMPTY, CpuSet
 from dracpu.core.topology import CoreKey, CoreType, CpuInfo, Topology
 from dracpu.errors import CpuSetParseError, TopologyError
 
-__all__ = ["read_topology"]
+__all__ = ["read_online", "read_topology"]
 
 # Paths relative to the host root (Linux ABI: Documentation/ABI/stable/sysfs-devices-system-cpu,
 # Documentation/ABI/testing/sysfs-devices-system-cpu, Documentation/ABI/stable/sysfs-devices-node).
@@ -72,6 +72,12 @@ _INDEX_ENTRY = re.compile(r"index([0-9]+)")
 def read_topology(host_root: Path) -> Topology:
     """Read every online CPU under ``<host_root>/sys``; :class:`TopologyError` on a bad file."""
     return _Reader(host_root).read()
+
+
+def read_online(host_root: Path) -> CpuSet:
+    """The online CPUs now (``system/cpu/online``); :class:`TopologyError` when the file is
+    missing or malformed."""
+    return _Reader(host_root).read_online()
 
 
 class _Reader:
@@ -153,11 +159,15 @@ class _Reader:
 
     # --- the machine -----------------------------------------------------------------------
 
-    def read(self) -> Topology:
+    def read_online(self) -> CpuSet:
         online_rel = f"{CPU_DIR}/online"
         online = self._required_cpulist(online_rel)
         if not online:
             raise TopologyError(f"{self._path(online_rel)}: malformed: no online CPU")
+        return online
+
+    def read(self) -> Topology:
+        online = self.read_online()
         present = self._optional_cpulist(f"{CPU_DIR}/present")
         if present is None:
             present = self._optional_cpulist(f"{CPU_DIR}/possible")
