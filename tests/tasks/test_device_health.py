@@ -179,6 +179,27 @@ async def test_an_unchanged_list_is_sent_again_every_interval(tmp_path: Path) ->
     assert min(gaps) > interval * 0.8  # resent, not sooner (the upper bound is WITHIN)
 
 
+async def test_a_thousand_individual_devices_cross_whole_and_are_resent_as_they_were(
+    tmp_path: Path,
+) -> None:
+    big = build_topology(FIXTURES["big-1024"])
+    devices = published_devices(
+        big, reserved=EMPTY, mode=CpuDeviceMode.INDIVIDUAL, group_by=GroupBy.NUMANODE
+    )
+    board = DeviceHealthBoard(Clock())
+    board.set_devices(devices)
+    board.set_online(big.online - CpuSet([700]))
+    path = tmp_path / "dra.sock"
+    async with serving(path, board, resend_interval=0.2):
+        with watching(path, "v1") as v1, watching(path, "v1alpha1") as v1alpha1:
+            lists = [await _next(v1), await _next(v1), await _next(v1alpha1)]
+    assert len(lists[0].devices) == 1024
+    assert [d.device_name for d in lists[0].devices] == [device.name for device in devices]
+    [lost] = [device.name for device in devices if 700 in device.cpus]
+    assert lists[0].unhealthy() == {lost: "cpu 700 is offline"}
+    assert lists[1].devices == lists[0].devices == lists[2].devices
+
+
 async def test_setting_the_same_devices_again_sends_nothing(tmp_path: Path) -> None:
     board = _board(Clock())
     path = tmp_path / "dra.sock"

@@ -57,7 +57,7 @@ from h2.exceptions import StreamClosedError
 
 from dracpu._gen.dra_health import v1 as health_v1
 from dracpu._gen.dra_health import v1alpha1 as health_v1alpha1
-from dracpu.adapters.grpc_unix import receive_request, with_stream_handlers
+from dracpu.adapters.grpc_unix import Encoded, receive_request, with_stream_handlers
 from dracpu.adapters.sysfs import read_online
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.health import DeviceHealth, HealthStatus, assess
@@ -73,6 +73,7 @@ __all__ = [
     "HealthStreams",
     "ResourceHealthV1",
     "ResourceHealthV1alpha1",
+    "health_response",
     "watch_online",
 ]
 
@@ -124,7 +125,9 @@ class DeviceHealthBoard:
         self._assess()
 
     def set_online(self, online: CpuSet) -> None:
-        """The CPUs online now."""
+        """The CPUs online now (read every second: the same value again costs nothing)."""
+        if online == self._online:
+            return
         self._online = online
         self._assess()
 
@@ -199,6 +202,26 @@ async def watch_online(
         await anyio.sleep(interval)
 
 
+def health_response(
+    api: ModuleType, pool: str, health: Iterable[DeviceHealth]
+) -> betterproto2.Message:
+    """The ``NodeWatchResourcesResponse`` of ``api`` (the generated module of a version) listing
+    ``health``, every device in pool ``pool``."""
+    response: betterproto2.Message = api.NodeWatchResourcesResponse(
+        devices=[
+            api.DeviceHealth(
+                device=api.DeviceIdentifier(pool_name=pool, device_name=entry.device),
+                health=api.HealthStatus[entry.status.name],
+                last_updated_time=entry.since,
+                health_check_timeout_seconds=HEALTH_CHECK_TIMEOUT,
+                message=entry.message,
+            )
+            for entry in health
+        ]
+    )
+    return response
+
+
 class HealthStreams:
     """The ``NodeWatchResources`` calls of both versions over one :class:`DeviceHealthBoard`.
 
@@ -221,6 +244,8 @@ class HealthStreams:
         self._waits: set[anyio.CancelScope] = set()  # the streams' waits for a change
         self._open = 0
         self._all_ended: anyio.Event | None = None
+        # The newest list encoded, per version (the generated module): (generation, answer).
+        self._encoded: dict[ModuleType, tuple[int, Encoded]] = {}
 
     @property
     def open_streams(self) -> int:
@@ -236,8 +261,9 @@ class HealthStreams:
         try:
             while not self._ending:
                 generation, health = self._board.snapshot()
+                answer = await self._encode(api, generation, health)
                 try:
-                    await stream.send_message(self._response(api, health))
+                    await stream.send_message(answer)
                 except StreamClosedError:  # the kubelet went away before grpclib noticed
                     logger.debug("a device health stream was closed by the kubelet")
                     return
@@ -253,20 +279,23 @@ class HealthStreams:
             if self._open == 0 and self._all_ended is not None:
                 self._all_ended.set()
 
-    def _response(self, api: ModuleType, health: Iterable[DeviceHealth]) -> betterproto2.Message:
-        response: betterproto2.Message = api.NodeWatchResourcesResponse(
-            devices=[
-                api.DeviceHealth(
-                    device=api.DeviceIdentifier(pool_name=self._pool, device_name=entry.device),
-                    health=api.HealthStatus[entry.status.name],
-                    last_updated_time=entry.since,
-                    health_check_timeout_seconds=HEALTH_CHECK_TIMEOUT,
-                    message=entry.message,
-                )
-                for entry in health
-            ]
-        )
-        return response
+    async def _encode(
+        self, api: ModuleType, generation: int, health: Iterable[DeviceHealth]
+    ) -> Encoded:
+        """The list of ``generation`` as ``api``'s answer, encoded once per change and version
+        and sent as such every time: a node's list can hold a thousand devices, which
+        betterproto2 encodes in pure Python. It encodes in a worker thread, so that the event
+        loop goes on serving Prepare meanwhile."""
+        cached = self._encoded.get(api)
+        if cached is not None and cached[0] == generation:
+            return cached[1]
+        message = health_response(api, self._pool, health)
+        data = await anyio.to_thread.run_sync(bytes, message, abandon_on_cancel=True)
+        encoded = Encoded(api.NodeWatchResourcesResponse, data)
+        cached = self._encoded.get(api)
+        if cached is None or cached[0] < generation:
+            self._encoded[api] = (generation, encoded)
+        return encoded
 
     @asynccontextmanager
     async def ending(self) -> AsyncIterator[None]:
