@@ -179,27 +179,33 @@ async def watch_online(
     interval: float = ONLINE_POLL_INTERVAL,
     task_status: TaskStatus[None] = TASK_STATUS_IGNORED,
 ) -> None:
-    """Tell ``board`` which CPUs are online (``<host_root>/sys``), now and every ``interval``
-    seconds, until cancelled.
+    """Tell ``board`` which CPUs are online (``<host_root>/sys``): once before it reports
+    started, then every ``interval`` seconds until cancelled.
 
     Error handling: a file that cannot be read or parsed is logged (once until it reads again)
     and the last known online CPUs stay in force; it never ends the task.
     """
-    task_status.started()
     failure = ""
-    while True:
+
+    async def read() -> None:
+        nonlocal failure
         try:
             online = await anyio.to_thread.run_sync(read_online, host_root)
         except TopologyError as exc:
             if str(exc) != failure:
                 failure = str(exc)
                 logger.warning("cannot read the online CPUs, device health unchanged: %s", exc)
-        else:
-            if failure:
-                failure = ""
-                logger.info("the online CPUs can be read again: %s", online)
-            board.set_online(online)
+            return
+        if failure:
+            failure = ""
+            logger.info("the online CPUs can be read again: %s", online)
+        board.set_online(online)
+
+    await read()
+    task_status.started()
+    while True:
         await anyio.sleep(interval)
+        await read()
 
 
 def health_response(
