@@ -335,10 +335,11 @@ async def test_board_wakes_waiters_on_change_only(tmp_path: Path) -> None:
     with anyio.move_on_after(0.05) as idle:
         await board.wait_newer(generation)
     assert idle.cancelled_caught
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(board.wait_newer, generation)
-        await anyio.lowlevel.checkpoint()
-        board.set_online(MACHINE.online - CpuSet([1]))
+    with anyio.fail_after(WITHIN):  # the waiter must wake up, or the group never ends
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(board.wait_newer, generation)
+            await anyio.lowlevel.checkpoint()
+            board.set_online(MACHINE.online - CpuSet([1]))
     assert board.snapshot()[0] == generation + 1
 
 
