@@ -12,11 +12,12 @@ in this order (design §3):
 3. ``http``: ``/healthz``, ``/readyz``, ``/metrics`` (ours and upstream's ``dra_cpu_*``);
    ``debug-dump``: writes ``<state-dir>/debug-dump.json`` at each SIGUSR1 (``gatherinfo``);
 4. ``cdi-watcher``: puts back CDI specs someone deleted or edited, removes orphans;
-5. ``kubelet-plugin``: the DRA socket (Prepare / Unprepare);
-6. ``registration``: the plugin-registration socket, once the DRA socket serves (the kubelet
+5. ``device-health``: reads the online CPUs every second, for the devices' health;
+6. ``kubelet-plugin``: the DRA socket (Prepare / Unprepare, the devices' health);
+7. ``registration``: the plugin-registration socket, once the DRA socket serves (the kubelet
    connects to the endpoint as soon as it has our answer);
-7. ``nri-plugin``: pins containers through the runtime's NRI socket, reconnecting by itself;
-8. ``slice-publisher``: publishes the devices as ResourceSlices, retrying API errors itself.
+8. ``nri-plugin``: pins containers through the runtime's NRI socket, reconnecting by itself;
+9. ``slice-publisher``: publishes the devices as ResourceSlices, retrying API errors itself.
 
 The Kubernetes client is opened once, before the tasks (in-cluster, or ``--kubeconfig``), and
 shared by the kubelet plugin (claims) and the slice publisher.
@@ -79,6 +80,7 @@ from dracpu.logs import setup_logging
 from dracpu.tasks import (
     cdi_watcher,
     debug_dump,
+    device_health,
     http,
     kubelet_plugin,
     nri_plugin,
@@ -498,12 +500,20 @@ class _Node:
             self.kube,
             config.node_name,
             metrics=self.metrics,
+            health=self.machine.health,
             task_status=task_status,
         )
 
     async def run_debug_dump(self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
         path = self.config.state_dir / debug_dump.DUMP_FILE
         await debug_dump.run(self.node_state, path, task_status=task_status)
+
+    async def run_device_health(
+        self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED
+    ) -> None:
+        await device_health.watch_online(
+            self.config.host_root, self.machine.health, task_status=task_status
+        )
 
     async def run_registration(self, *, task_status: TaskStatus[Any] = TASK_STATUS_IGNORED) -> None:
         verdict = self.readiness.flag(
@@ -545,6 +555,7 @@ class _Node:
             TaskSpec("http", partial(http.run, self.config.bind_address, self.readiness, registry)),
             TaskSpec("debug-dump", self.run_debug_dump),
             TaskSpec("cdi-watcher", self.run_cdi_watcher),
+            TaskSpec("device-health", self.run_device_health),
             TaskSpec("kubelet-plugin", self.run_kubelet_plugin),
             TaskSpec("registration", self.run_registration),
             TaskSpec("nri-plugin", self.run_nri_plugin),

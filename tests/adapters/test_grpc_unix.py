@@ -40,6 +40,8 @@ from h2.settings import SettingCodes
 
 from dracpu.adapters.grpc_unix import (
     STOP_TIMEOUT,
+    Encoded,
+    MessageCodec,
     open_grpc_server,
     with_stream_handlers,
 )
@@ -49,6 +51,7 @@ from tests.adapters.grpc_handlers import (
     ECHO,
     SLEEP,
     Barrier,
+    Blob,
     Sleeper,
     Stubborn,
     TestService,
@@ -845,3 +848,13 @@ def test_with_stream_handlers_replaces_by_method_name_and_refuses_unknown_names(
     assert served[ECHO] == generated[ECHO]
     with pytest.raises(DracpuError, match="no rpc method 'Nope'"):
         with_stream_handlers(generated, {"Nope": handler})
+
+
+def test_an_encoded_answer_is_sent_as_its_bytes_for_its_own_type_only() -> None:
+    codec = MessageCodec()
+    answer = Blob(data=b"\x00answer\xff")
+    encoded = Encoded(Blob, bytes(answer))
+    assert codec.encode(encoded, Blob) == codec.encode(answer, Blob) == blob(b"\x00answer\xff")
+    with pytest.raises(GRPCError) as refused:
+        codec.encode(Encoded(Blob, b"\x0a\x00"), TestService)
+    assert refused.value.status is Status.INTERNAL

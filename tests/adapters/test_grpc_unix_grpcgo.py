@@ -5,8 +5,9 @@ The peer is ``tests/peers_go/grpc_client/main.go``: a tiny grpc-go client (raw-b
 content-type ``application/grpc``; the test services' messages are Google ``BytesValue``
 bytes, ``tests.adapters.grpc_handlers``) that dials one insecure ``ClientConn`` either way the
 kubelet dials its plugins (a ``unix://`` target, or a bare path with its own unix dialer), reads
-batches of calls as JSON lines on stdin and prints one JSON result per call. It is built once per
-session from Debian's grpc-go sources in GOPATH mode (about 10 s) and runs as a subprocess
+batches of calls as JSON lines on stdin and prints one JSON result per call (a call may be
+server-streaming, as the kubelet's device-health watch: its replies in order). It is built once
+per session from Debian's grpc-go sources in GOPATH mode (about 10 s) and runs as a subprocess
 while our server runs on the test's event loop; successive batches are successive calls on the
 one kept connection, as the kubelet's.
 
@@ -34,14 +35,22 @@ from typing import Any
 
 import anyio
 import pytest
-from anyio.abc import Process
+from anyio.abc import Process, TaskStatus
 from anyio.streams.buffered import BufferedByteReceiveStream
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from h2.config import H2Configuration
 from h2.connection import H2Connection
 
+from dracpu.adapters.grpc_unix import Servable, open_grpc_server
+from dracpu.core.cpuset import CpuSet
 from dracpu.tasks import registration
+from dracpu.tasks.device_health import (
+    DeviceHealthBoard,
+    HealthStreams,
+    ResourceHealthV1,
+    ResourceHealthV1alpha1,
+)
 from dracpu.tasks.registration import RegistrationState
 from tests.adapters.grpc_handlers import (
     ECHO,
@@ -59,8 +68,10 @@ from tests.tasks.test_kubelet_plugin import (
     FakeClaims,
     claim_object,
     grouped_result,
+    node_config,
     running_node,
 )
+from tests.tasks.test_registration import ADVERTISED
 
 __all__: list[str] = []
 
@@ -158,6 +169,8 @@ class GoResult:
     code: int
     message: str
     elapsed_ms: float
+    replies: tuple[bytes, ...] = ()  # a streaming call's replies, in order
+    ended: bool = True  # a streaming call: the server ended it (else the client stopped)
 
 
 def go_call(
@@ -169,8 +182,10 @@ def go_call(
     max_recv: int = 0,
     wait_for_ready: bool = False,
     metadata: Mapping[str, str] | None = None,
+    messages: int = 0,
 ) -> dict[str, Any]:
-    """One call for the client (see main.go): ``copies`` concurrent invocations of it."""
+    """One call for the client (see main.go): ``copies`` concurrent invocations of it;
+    ``messages`` > 0: server-streaming, read at most that many replies."""
     return {
         "method": method,
         "request": request.hex(),
@@ -179,6 +194,7 @@ def go_call(
         "max_recv": max_recv,
         "wait_for_ready": wait_for_ready,
         "metadata": dict(metadata or {}),
+        "messages": messages,
     }
 
 
@@ -208,6 +224,8 @@ class GoClient:
                         code=r["code"],
                         message=r["message"],
                         elapsed_ms=r["elapsed_ms"],
+                        replies=tuple(bytes.fromhex(h) for h in r.get("replies", ())),
+                        ended=r["ended"],
                     )
                 )
         assert [(r.call, r.copy) for r in results] == expected
@@ -613,9 +631,94 @@ async def test_registration_get_info_and_notify_through_grpc_go(
             type="DRAPlugin",
             name="dra.cpu",
             endpoint=str(endpoint),
-            supported_versions=["v1.DRAPlugin", "v1beta1.DRAPlugin"],
+            supported_versions=list(ADVERTISED),
         )
     assert G_REG.RegistrationStatusResponse.FromString(ok(notified)) == (
         G_REG.RegistrationStatusResponse()
     )
     assert (registered, reported) == (False, error)
+
+
+# --------------------------------------------------------------------------------------------
+# 9. Device health: a server-streaming call, as the kubelet watches it
+
+HEALTH_VERSIONS = ("v1", "v1alpha1")
+HEALTH = {v: f"/{v}.DRAResourceHealth/NodeWatchResources" for v in HEALTH_VERSIONS}
+G_HEALTH = {v: load_pb2(f"dra_health/{v}/api.proto") for v in HEALTH_VERSIONS}
+
+
+def _health_board() -> DeviceHealthBoard:
+    """The DRA tests' node (4 NUMA groups of 16 CPUs, cpus 0-63) with cpu 5 offline."""
+    board = DeviceHealthBoard(lambda: 1_760_000_000.0)
+    devices = list(node_config().devices.values())
+    board.set_devices(devices)
+    board.set_online(CpuSet.union(d.cpus for d in devices) - CpuSet([5]))
+    return board
+
+
+@asynccontextmanager
+async def serving_health(path: Path, streams: HealthStreams) -> AsyncIterator[None]:
+    services: list[Servable] = [ResourceHealthV1(streams), ResourceHealthV1alpha1(streams)]
+    async with open_grpc_server(services, path), streams.ending():
+        yield
+
+
+@pytest.mark.parametrize("version", HEALTH_VERSIONS)
+async def test_device_health_streams_to_grpc_go(
+    grpc_go: Path, socket_path: Path, version: str
+) -> None:
+    pb = G_HEALTH[version]
+    streams = HealthStreams(_health_board(), NODE, resend_interval=0.2)
+    async with serving_health(socket_path, streams):
+        [result] = await run_go(
+            grpc_go,
+            socket_path,
+            [go_call(HEALTH[version], serialize(pb.NodeWatchResourcesRequest()), messages=3)],
+        )
+    assert (result.code, result.message, result.ended) == (GO_OK, "", False)
+    lists = [pb.NodeWatchResourcesResponse.FromString(reply) for reply in result.replies]
+    assert len(lists) == 3
+    assert lists[1] == lists[0] == lists[2]  # the first list, then resent unchanged
+    assert [
+        (d.device.pool_name, d.device.device_name, pb.HealthStatus.Name(d.health), d.message)
+        for d in lists[0].devices
+    ] == [
+        (NODE, "cpudevnuma000", "UNHEALTHY", "cpu 5 is offline"),
+        (NODE, "cpudevnuma001", "HEALTHY", ""),
+        (NODE, "cpudevnuma002", "HEALTHY", ""),
+        (NODE, "cpudevnuma003", "HEALTHY", ""),
+    ]
+    assert {(d.last_updated_time, d.health_check_timeout_seconds) for d in lists[0].devices} == {
+        (1_760_000_000, 30)
+    }
+
+
+async def test_a_stop_ends_grpc_go_s_health_stream_with_ok(
+    grpc_go: Path, socket_path: Path
+) -> None:
+    streams = HealthStreams(_health_board(), NODE)
+    server = anyio.CancelScope()
+    results: list[GoResult] = []
+
+    async def serve(*, task_status: TaskStatus[None]) -> None:
+        with server:
+            async with serving_health(socket_path, streams):
+                task_status.started()
+                await anyio.sleep_forever()
+
+    async def watch() -> None:
+        request = serialize(G_HEALTH["v1"].NodeWatchResourcesRequest())
+        results.extend(
+            await run_go(grpc_go, socket_path, [go_call(HEALTH["v1"], request, messages=100)])
+        )
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(serve)
+        tg.start_soon(watch)
+        with anyio.fail_after(CALL_TIMEOUT):
+            while streams.open_streams == 0:  # noqa: ASYNC110 (the server's count, no event)
+                await anyio.sleep(0.01)
+        server.cancel()  # the daemon stops the DRA socket
+    [result] = results
+    assert (result.code, result.message, result.ended) == (GO_OK, "", True)
+    assert len(result.replies) == 1  # the first list; no resend within the test

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dracpu.adapters.sysfs import read_topology
+from dracpu.adapters.sysfs import read_online, read_topology
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.topology import NO_NUMA_NODE, CoreType, Topology
 from dracpu.errors import TopologyError
@@ -495,6 +495,28 @@ def test_missing_cpulistaffinity_names_the_file(scratch: Path) -> None:
     affinity = "sys/devices/pci0000:00/pci_bus/0000:00/cpulistaffinity"
     write_sysfs(FIXTURES["vm-2cpu"], scratch, omit=[affinity])
     assert f"{affinity}: missing" in read_error(scratch, pcie_roots=True)
+
+
+# --- the online CPUs alone (device health reads them again and again) --------------------------
+
+
+def test_read_online_is_the_topology_s_online(trees: SysfsTrees) -> None:
+    root = trees.root("offline-isolated")
+    assert read_online(root) == read_topology(root).online == cs("0-4,6-13")
+
+
+@pytest.mark.parametrize(
+    ("text", "error"), [("", "malformed: no online CPU"), ("0-x", "malformed: invalid cpuset")]
+)
+def test_read_online_refuses_a_bad_file_naming_it(scratch: Path, text: str, error: str) -> None:
+    write_sysfs(FIXTURES["vm-2cpu"], scratch, override={f"{CPU}/online": text})
+    with pytest.raises(TopologyError, match=f"^{scratch}/{CPU}/online: {error}"):
+        read_online(scratch)
+
+
+def test_read_online_without_the_file(tmp_path: Path) -> None:
+    with pytest.raises(TopologyError, match=f"{tmp_path}/{CPU}/online: missing"):
+        read_online(tmp_path)
 
 
 # --- this machine -------------------------------------------------------------------------------

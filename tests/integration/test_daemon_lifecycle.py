@@ -24,6 +24,7 @@ TASKS = (
     "http",
     "debug-dump",
     "cdi-watcher",
+    "device-health",
     "kubelet-plugin",
     "registration",
     "nri-plugin",

@@ -294,6 +294,7 @@ async def running_node(
                     send.clone(),
                     claims,
                     NODE,
+                    health=machine.health,
                     max_pending_status_patches=max_pending_status_patches,
                     status_patch_delay=status_patch_delay,
                 )

@@ -30,13 +30,21 @@ from dracpu.tasks.http import Readiness, ReadinessFlag
 from dracpu.tasks.registration import RegistrationState
 from tests.peers import load_pb2, unix_target
 
-__all__: list[str] = []
+__all__ = ["ADVERTISED"]
 
 pytestmark = pytest.mark.anyio
 
 G_REG = load_pb2("pluginregistration/v1/api.proto")
 GET_INFO = "/pluginregistration.Registration/GetInfo"
 NOTIFY = "/pluginregistration.Registration/NotifyRegistrationStatus"
+# What GetInfo must advertise, written out: the DRAPlugin versions first (a 1.34 kubelet takes
+# the first of OUR entries it knows), then the device-health services.
+ADVERTISED = (
+    "v1.DRAPlugin",
+    "v1beta1.DRAPlugin",
+    "v1.DRAResourceHealth",
+    "v1alpha1.DRAResourceHealth",
+)
 TASK = "registration"
 
 
@@ -91,13 +99,13 @@ async def test_get_info_answers_exactly_what_the_kubelet_validates(tmp_path: Pat
     assert info.type == "DRAPlugin"
     assert info.name == "dra.cpu"
     assert info.endpoint == str(endpoint)
-    assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+    assert list(info.supported_versions) == list(ADVERTISED)
     # and nothing else on the wire: exactly these four fields
     assert G_REG.PluginInfo.FromString(info.SerializeToString()) == G_REG.PluginInfo(
         type="DRAPlugin",
         name="dra.cpu",
         endpoint=str(endpoint),
-        supported_versions=["v1.DRAPlugin", "v1beta1.DRAPlugin"],
+        supported_versions=list(ADVERTISED),
     )
 
 

@@ -9,7 +9,8 @@ anything with ``__mapping__``) on a unix socket path for the life of an ``async 
   watcher never sees a socket that does not answer;
 - messages are betterproto2's, through :class:`MessageCodec`: a request betterproto2 cannot
   parse is answered ``INVALID_ARGUMENT`` naming the message type and the problem (grpclib's own
-  codec would let the exception escape as ``UNKNOWN``), and the server keeps serving;
+  codec would let the exception escape as ``UNKNOWN``), and the server keeps serving; an answer
+  sent many times may be encoded once and sent as :class:`Encoded` bytes;
 - the rest is grpclib's: HTTP/2 by python-hyper ``h2``, one task per call, the call's
   ``grpc-timeout`` (the handler is cancelled when it passes and the call ends
   ``DEADLINE_EXCEEDED``; grpclib starts the clock when the request's head has been read), a
@@ -61,6 +62,7 @@ from dracpu.errors import DracpuError
 
 __all__ = [
     "STOP_TIMEOUT",
+    "Encoded",
     "GrpcUnixServer",
     "MessageCodec",
     "Servable",
@@ -92,10 +94,20 @@ StreamHandler = Callable[["grpclib.server.Stream[Any, Any]"], Coroutine[Any, Any
 _Request = TypeVar("_Request")
 
 
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """An answer encoded beforehand (``bytes(message)``), for a message sent many times:
+    :class:`MessageCodec` sends ``data`` as it is when ``message_type`` is the method's."""
+
+    message_type: type[Any]
+    data: bytes
+
+
 class MessageCodec(ProtoCodec):
     """grpclib's protobuf codec for betterproto2 messages, with errors the caller can act on:
     a request that does not parse is ``INVALID_ARGUMENT`` (the client's fault), an answer that
-    does not encode is ``INTERNAL`` (ours); both are logged."""
+    does not encode is ``INTERNAL`` (ours); both are logged. An :class:`Encoded` answer is sent
+    as its bytes."""
 
     def decode(self, data: bytes, message_type: Any) -> Any:
         try:
@@ -106,6 +118,13 @@ class MessageCodec(ProtoCodec):
             raise GRPCError(Status.INVALID_ARGUMENT, f"cannot decode {name}: {exc}") from exc
 
     def encode(self, message: Any, message_type: Any) -> bytes:
+        if isinstance(message, Encoded):
+            if message.message_type is not message_type:
+                logger.error(
+                    "a %s answer where %s is due", message.message_type.__name__, message_type
+                )
+                raise GRPCError(Status.INTERNAL, "cannot encode the answer: wrong message type")
+            return message.data
         try:
             return super().encode(message, message_type)
         except Exception as exc:

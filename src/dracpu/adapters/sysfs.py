@@ -42,7 +42,7 @@ from dracpu.core.cpuset import EMPTY, CpuSet
 from dracpu.core.topology import NO_NUMA_NODE, CoreKey, CoreType, CpuInfo, Topology
 from dracpu.errors import CpuSetParseError, TopologyError
 
-__all__ = ["read_topology"]
+__all__ = ["read_online", "read_topology"]
 
 # Paths relative to the host root (Linux ABI: Documentation/ABI/stable/sysfs-devices-system-cpu,
 # Documentation/ABI/testing/sysfs-devices-system-cpu, Documentation/ABI/stable/sysfs-devices-node).
@@ -86,6 +86,12 @@ def read_topology(host_root: Path, *, pcie_roots: bool = False) -> Topology:
     """Read every online CPU under ``<host_root>/sys``, and with ``pcie_roots`` the PCIe root
     complexes; :class:`TopologyError` on a bad file."""
     return _Reader(host_root).read(pcie_roots=pcie_roots)
+
+
+def read_online(host_root: Path) -> CpuSet:
+    """The online CPUs now (``system/cpu/online``); :class:`TopologyError` when the file is
+    missing or malformed."""
+    return _Reader(host_root).read_online()
 
 
 class _Reader:
@@ -167,11 +173,15 @@ class _Reader:
 
     # --- the machine -----------------------------------------------------------------------
 
-    def read(self, *, pcie_roots: bool) -> Topology:
+    def read_online(self) -> CpuSet:
         online_rel = f"{CPU_DIR}/online"
         online = self._required_cpulist(online_rel)
         if not online:
             raise TopologyError(f"{self._path(online_rel)}: malformed: no online CPU")
+        return online
+
+    def read(self, *, pcie_roots: bool) -> Topology:
+        online = self.read_online()
         present = self._optional_cpulist(f"{CPU_DIR}/present")
         if present is None:
             present = self._optional_cpulist(f"{CPU_DIR}/possible")

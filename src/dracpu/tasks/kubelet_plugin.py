@@ -31,6 +31,9 @@ still prepared, and the call itself never fails at the gRPC level for a claim's 
 kubelet then retries only what failed). Unprepare sends
 :class:`~dracpu.core.commands.UnprepareClaim` per claim; the claim object is not read (it may
 be gone) and an unknown claim succeeds.
+
+The same socket serves the devices' health (``v1.DRAResourceHealth`` and
+``v1alpha1.DRAResourceHealth``, :mod:`dracpu.tasks.device_health`).
 """
 
 from __future__ import annotations
@@ -68,6 +71,12 @@ from dracpu.core.commands import Command, PrepareClaim, UnprepareClaim
 from dracpu.core.effects import ClaimPrepared, ClaimUnprepared
 from dracpu.errors import DracpuError, KubeAPIError, KubeNotFoundError
 from dracpu.tasks import state_owner
+from dracpu.tasks.device_health import (
+    DeviceHealthBoard,
+    HealthStreams,
+    ResourceHealthV1,
+    ResourceHealthV1alpha1,
+)
 from dracpu.tasks.dra_cpu_metrics import DraCpuMetrics
 from dracpu.tasks.state_owner import Request
 from dracpu.tasks.status_patches import (
@@ -457,21 +466,25 @@ async def run(
     claims: ClaimSource,
     node_name: str,
     *,
+    health: DeviceHealthBoard,
     driver: str = DRIVER_NAME,
     max_pending_status_patches: int = MAX_PENDING_STATUS_PATCHES,
     status_patch_delay: float = STATUS_PATCH_DELAY,
     metrics: DraCpuMetrics | None = None,
     task_status: TaskStatus[DraService] = TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the DRA socket at ``socket_path`` (v1 and v1beta1) until cancelled.
+    """Serve the DRA socket at ``socket_path`` (DRAPlugin v1 and v1beta1, DRAResourceHealth v1
+    and v1alpha1) until cancelled.
 
     ``owner``: this task's own clone of the state owner's command stream (closed on exit).
     ``claims``: where ResourceClaims are read and their status patched. ``node_name``: our pool.
+    ``health``: the devices' health the health streams send.
     Ready (``task_status.started(service)``) once the socket is listening.
 
-    Resource handling: the socket file is removed on exit; calls in flight are cancelled (the
-    kubelet retries them; a command the owner already received still completes), and so are the
-    status patches still pending (best effort).
+    Resource handling: the socket file is removed on exit; the health streams end with status
+    OK first, the other calls in flight are cancelled (the kubelet retries them; a command the
+    owner already received still completes), and so are the status patches still pending (best
+    effort).
     Error handling: a socket that cannot be made raises :class:`~dracpu.errors.DracpuError`
     before ``started``; a claim's problem is that claim's error string, and a request that does
     not decode fails that call alone (``INVALID_ARGUMENT``), never the task.
@@ -486,12 +499,22 @@ async def run(
             status_patch_delay=status_patch_delay,
             metrics=metrics,
         )
-        plugins: list[Servable] = [DraPluginV1(service), DraPluginV1beta1(service)]
+        streams = HealthStreams(health, node_name)
+        plugins: list[Servable] = [
+            DraPluginV1(service),
+            DraPluginV1beta1(service),
+            ResourceHealthV1(streams),
+            ResourceHealthV1alpha1(streams),
+        ]
         # The patches' task group inside the server: when it ends, later answers patch nothing.
+        # The health streams end (status OK) before the server cancels what is left.
         async with (
             open_grpc_server(plugins, socket_path, private_dir=True),
+            streams.ending(),
             service.patches.running(),
         ):
-            logger.info("DRA socket %s is listening (v1, v1beta1)", socket_path)
+            logger.info(
+                "DRA socket %s is listening (v1, v1beta1; health v1, v1alpha1)", socket_path
+            )
             task_status.started(service)
             await anyio.sleep_forever()

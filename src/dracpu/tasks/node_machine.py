@@ -26,7 +26,8 @@
   a :class:`~dracpu.tasks.serial_thread.SerialThread`: they fsync), ``UpdateContainers`` to the
   NRI task (:meth:`NriLink.submit <dracpu.tasks.nri_plugin.NriLink.submit>`, which never
   blocks), ``PublishSlices`` to the slice publisher (the devices of the topology, then a
-  republish request).
+  republish request) and to :attr:`NodeMachine.health`, the devices' health the kubelet
+  watches (:mod:`dracpu.tasks.device_health`).
   :meth:`NodeMachine.execute_batch` runs a command's whole commit phase the same way, in order,
   but each run of consecutive file effects in ONE hop to the file thread (a Prepare's CDI spec
   and checkpoint: one hop instead of two), and tells the owner which effects began.
@@ -78,6 +79,7 @@ from dracpu.core.slices import Device, published_devices
 from dracpu.core.state import NodeConfig, NodeState
 from dracpu.core.topology import Topology
 from dracpu.errors import CdiError, DracpuError
+from dracpu.tasks.device_health import DeviceHealthBoard
 from dracpu.tasks.serial_thread import SerialThread
 from dracpu.tasks.slice_publisher import request_republish
 from dracpu.tasks.state_owner import Request, StateOwner
@@ -120,6 +122,8 @@ class NodeMachine:
         self._republish = republish
         self._update_containers = update_containers
         self._devices: tuple[Device, ...] = ()
+        # The published devices' health (the DRA socket's health streams read it).
+        self.health = DeviceHealthBoard()
         self._checkpoint = checkpoint_file.CheckpointStore(config.checkpoint_path)
         # The file effects' own thread: one at a time, in order (a CDI spec, then the checkpoint).
         # It lives as long as this machine (the daemon's life): the kubelet's calls come minutes
@@ -289,9 +293,14 @@ class NodeMachine:
             case _:
                 raise DracpuError(f"{type(effect).__name__} is not a file effect")
 
+    def _set_devices(self, devices: Sequence[Device]) -> None:
+        """The devices to publish now; their health follows."""
+        self._devices = tuple(devices)
+        self.health.set_devices(self._devices)
+
     def _publish(self, topology: Topology) -> None:
         config = self.config
-        self._devices = tuple(
+        self._set_devices(
             published_devices(
                 topology,
                 reserved=config.reserved_cpus,
@@ -330,7 +339,7 @@ class NodeMachine:
         )
         # The devices are known now, whatever happens to the Resync below (which publishes
         # them again): a publisher must never see an empty device list for a working node.
-        self._devices = tuple(node.devices.values())
+        self._set_devices(tuple(node.devices.values()))
         data = await anyio.to_thread.run_sync(self._checkpoint.restore)
         state, refused = node_state.restore_state(node, data)
         for uid, reason in refused:

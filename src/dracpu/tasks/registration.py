@@ -47,11 +47,20 @@ logger = logging.getLogger(__name__)
 
 # k8s.io/kubelet pkg/apis/pluginregistration/v1 constants.go: the plugin type of DRA drivers.
 PLUGIN_TYPE = "DRAPlugin"
-# The services we offer, newest first: the kubelet takes the first entry it supports, in OUR
-# order (dra_plugin_manager.go validateSupportedServices), and 1.34+ kubelets know both. The
+# The services we offer on the DRA socket. The DRAPlugin versions come first, newest first: the
+# kubelet takes the first entry of OUR list that it supports and ignores the strings it does
+# not know (dra_plugin_manager.go validateSupportedServices), and 1.34+ kubelets know both. The
 # strings are "<short version>.DRAPlugin" (k8s.io/kubelet pkg/apis/dra/{v1,v1beta1}/types.go
-# DRAPluginService), not the proto service names.
-SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+# DRAPluginService), not the proto service names. Then the device-health services
+# (pkg/apis/dra-health/{v1,v1alpha1}/types.go DRAResourceHealthService): 1.36+ kubelets watch
+# health only when one is listed (pickHealthService; from the 1.37 cycle on it picks v1 over
+# v1alpha1 whatever the order), 1.34/1.35 kubelets watch v1alpha1 without looking at the list.
+SUPPORTED_VERSIONS = (
+    "v1.DRAPlugin",
+    "v1beta1.DRAPlugin",
+    "v1.DRAResourceHealth",
+    "v1alpha1.DRAResourceHealth",
+)
 
 
 class ReadinessSink(Protocol):
