@@ -11,6 +11,7 @@ import pytest
 
 from dracpu.adapters.cdi_files import (
     MAX_SPEC_BYTES,
+    check_writable,
     delete_spec,
     dir_identity,
     ensure_dir,
@@ -246,8 +247,51 @@ def test_touch_probe(tmp_path: Path) -> None:
     assert (tmp_path / probe).exists()
     with pytest.raises(CdiError, match="refusing to write"):
         touch_probe(tmp_path, "dra.cpu.json")
-    with pytest.raises(CdiError, match="cannot write CDI watch probe"):
+    with pytest.raises(CdiError) as info:
         touch_probe(tmp_path / "missing", probe)
+    assert str(info.value) == (
+        f"cannot create files in CDI dir {str(tmp_path / 'missing')!r}: No such file or directory"
+    )
+
+
+def test_check_writable_creates_the_dir_and_leaves_nothing(tmp_path: Path) -> None:
+    cdi = tmp_path / "var" / "run" / "cdi"
+    check_writable(cdi, probe_file_name())
+    assert os.listdir(cdi) == []
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(CdiError, match="exists and is not a directory"):
+        check_writable(tmp_path / "file", probe_file_name())
+
+
+def test_check_writable_and_write_spec_on_a_full_or_read_only_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What ENOSPC or EROFS look like (root ignores file modes, so the test injects the errno;
+    # tests/integration/test_daemon_faults.py mounts a read-only dir for the real thing).
+    cdi = tmp_path / "cdi"
+    cdi.mkdir()
+    real_open = os.open
+
+    def full(path: str | os.PathLike[str], flags: int, mode: int = 0o777) -> int:
+        if flags & os.O_CREAT:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(os, "open", full)
+    with pytest.raises(CdiError) as info:
+        check_writable(cdi, probe_file_name())
+    assert (
+        str(info.value) == f"cannot create files in CDI dir {str(cdi)!r}: No space left on device"
+    )
+    with pytest.raises(CdiError) as info:
+        write_spec(cdi, UID, CPUS)
+    # The spec's final name, not the temp file's random one: the kubelet's error reads the same
+    # on every try.
+    assert str(info.value) == (
+        f"cannot write CDI spec {str(cdi / spec_file_name(UID))!r}: No space left on device"
+    )
+    monkeypatch.undo()
+    assert os.listdir(cdi) == []
 
 
 # --- read --------------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 off the event loop: the node machine's file thread, or ``anyio.to_thread``).
 
 Runtimes watch the CDI directory with fsnotify for Write, Rename and Remove only (Create is not
-watched on Linux) and read only ``*.json`` / ``*.yaml`` files (reference nri-ttrpc-cdi.md §5.4,
-§5.6). So a spec is written to a temp file in the SAME directory whose name does not end in
+watched on Linux) and read only ``*.json`` / ``*.yaml`` files (container-device-interface
+``pkg/cdi/cache.go``, its watch, and ``pkg/cdi/spec-dirs.go``, ``scanSpecDirs``). So a spec is written to a temp file in the SAME directory whose name does not end in
 ``.json`` (``.dra.k8s.io-cpu_claim-<uid>.json.tmp-<random>``) and renamed over the final name
 (the Rename event makes the runtime rescan; it never sees a half-written spec).
 
@@ -51,6 +51,7 @@ __all__ = [
     "PROBE_PREFIX",
     "SPEC_MODE",
     "CdiDirScan",
+    "check_writable",
     "delete_spec",
     "dir_identity",
     "ensure_dir",
@@ -184,8 +185,8 @@ def write_spec(cdi_dir: str | os.PathLike[str], claim_uid: str, cpus: CpuSet) ->
     temp = os.path.join(directory, temp_file_name(claim_uid))
     try:
         fd = _create(temp, directory)
-    except OSError as exc:
-        raise CdiError(f"cannot create CDI temp file {temp!r}: {exc.strerror or exc}") from exc
+    except OSError as exc:  # the temp file's random name would only make the message vary
+        raise CdiError(f"cannot write CDI spec {final!r}: {exc.strerror or exc}") from exc
     renamed = False
     try:
         try:
@@ -249,7 +250,11 @@ def remove_our_file(cdi_dir: str | os.PathLike[str], name: str) -> bool:
 
 
 def touch_probe(cdi_dir: str | os.PathLike[str], name: str) -> None:
-    """Create or update a watch-probe file (empty, mode 0644)."""
+    """Create or update a watch-probe file (one byte, mode 0644).
+
+    Failing to is failing to create files in the dir at all (read-only, full, missing): the
+    error says so, naming the dir (the probe's name is ours alone).
+    """
     if not is_our_probe_file(name):
         raise CdiError(f"refusing to write {name!r}: not a dracpu probe name")
     path = Path(cdi_dir) / name
@@ -260,7 +265,18 @@ def touch_probe(cdi_dir: str | os.PathLike[str], name: str) -> None:
         finally:
             os.close(fd)
     except OSError as exc:
-        raise CdiError(f"cannot write CDI watch probe {str(path)!r}: {exc.strerror}") from exc
+        raise CdiError(
+            f"cannot create files in CDI dir {os.fspath(cdi_dir)!r}: {exc.strerror or exc}"
+        ) from exc
+
+
+def check_writable(cdi_dir: str | os.PathLike[str], probe: str) -> None:
+    """Prove that specs can be written into the CDI dir now: create it if missing, write the
+    probe file ``probe`` and remove it again. :class:`CdiError` says why not (read-only, full,
+    not a directory, ...)."""
+    ensure_dir(cdi_dir)
+    touch_probe(cdi_dir, probe)
+    remove_our_file(cdi_dir, probe)
 
 
 # --- read ------------------------------------------------------------------------------------

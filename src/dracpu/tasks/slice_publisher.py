@@ -1,4 +1,4 @@
-"""Publish this node's devices as ResourceSlices and keep them published (design §3).
+"""Publish this node's devices as ResourceSlices and keep them published.
 
 One pool named after the node, slices built by :func:`dracpu.core.slices.build_resource_slices`
 (fixed names ``<node>-dra.cpu-NNN``), each owned by the Node (``ownerReferences`` with the
@@ -6,7 +6,8 @@ Node's UID, so the garbage collector removes them with the Node).
 
 A publish pass (:meth:`_Publisher.reconcile`) lists the slices of our driver on this node
 (field selector ``spec.driver=dra.cpu,spec.nodeName=<node>``; other drivers' slices are never
-looked at) and then, like the Go helper's controller (reference kubelet-and-k8s-api.md §5.2):
+looked at) and then, like the Go helper's controller (``k8s.io/dynamic-resource-allocation``
+``resourceslice/resourceslicecontroller.go``, ``syncPool``):
 
 1. deletes our slices that are not wanted: extra ones beyond the current count, and any other
    name (an older dracpu layout, the upstream driver's generated names), each with ``uid`` and
@@ -27,9 +28,10 @@ process's life and publishes again. The form the server stored is what later pas
 with, so dropped fields never look like drift.
 
 Drift: a watch on our slices (``KubeClient.watch_resource_slices``) wakes a pass when one of them
-is deleted (the kubelet wipes a node's slices when it restarts, reference §2.5), changed by
-someone else, or when a slice of ours appears that we do not want. Events caused by our own
-writes are recognised by their resourceVersion and ignored. A full pass also runs every
+is deleted (the kubelet wipes a node's slices when it restarts: ``pkg/kubelet/cm/dra/plugin/``
+``registration.go``, ``wipeResourceSlices``), changed by someone else, or when a slice of ours
+appears that we do not want. Events caused by our own writes are recognised by their
+resourceVersion and ignored. A full pass also runs every
 ``resync_interval`` seconds, whatever the watch says.
 
 Failures: every API error (5xx, 409 conflict, connection loss, even 4xx such as a missing RBAC
