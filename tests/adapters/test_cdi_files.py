@@ -11,6 +11,7 @@ import pytest
 
 from dracpu.adapters.cdi_files import (
     MAX_SPEC_BYTES,
+    check_not_full,
     check_writable,
     delete_spec,
     dir_identity,
@@ -31,6 +32,7 @@ from dracpu.adapters.cdi_files import (
 from dracpu.core.cdi_spec import parse_spec, spec_bytes, spec_file_name
 from dracpu.core.cpuset import CpuSet
 from dracpu.errors import CdiError
+from tests.mounts import read_only_bind
 
 UID = "8ec6fd12-bb08-4936-a857-866f50153c21"
 OTHER = "0b7e3a52-4c1f-4d7e-9a31-2f9a4c1d5e60"
@@ -261,6 +263,53 @@ def test_check_writable_creates_the_dir_and_leaves_nothing(tmp_path: Path) -> No
     (tmp_path / "file").write_bytes(b"")
     with pytest.raises(CdiError, match="exists and is not a directory"):
         check_writable(tmp_path / "file", probe_file_name())
+
+
+def _statvfs(
+    *, blocks: int, bfree: int, files: int, ffree: int, flag: int = 0
+) -> os.statvfs_result:
+    # f_bsize, f_frsize, f_blocks, f_bfree, f_bavail, f_files, f_ffree, f_favail, f_flag, f_namemax
+    return os.statvfs_result((4096, 4096, blocks, bfree, bfree, files, ffree, ffree, flag, 255))
+
+
+@pytest.mark.parametrize(
+    ("state", "problem"),
+    [
+        (_statvfs(blocks=100, bfree=1, files=100, ffree=1), None),
+        (_statvfs(blocks=100, bfree=0, files=100, ffree=50), "full file system (no free block)"),
+        (_statvfs(blocks=100, bfree=50, files=100, ffree=0), "full file system (no free inode)"),
+        (_statvfs(blocks=100, bfree=50, files=0, ffree=0), None),  # no inode counts (btrfs)
+        (_statvfs(blocks=0, bfree=0, files=0, ffree=0), None),  # no counts at all
+        (
+            _statvfs(blocks=100, bfree=50, files=100, ffree=50, flag=os.ST_RDONLY),
+            "read-only file system",
+        ),
+    ],
+)
+def test_check_not_full_reads_the_file_system_state(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    state: os.statvfs_result,
+    problem: str | None,
+) -> None:
+    monkeypatch.setattr(os, "statvfs", lambda path: state)
+    if problem is None:
+        check_not_full(tmp_path)
+    else:
+        with pytest.raises(CdiError) as info:
+            check_not_full(tmp_path)
+        assert str(info.value) == f"CDI dir {str(tmp_path)!r} is on a {problem}"
+
+
+def test_check_not_full_of_a_real_read_only_dir(tmp_path: Path) -> None:
+    check_not_full(tmp_path)
+    with read_only_bind(tmp_path):
+        with pytest.raises(CdiError, match="is on a read-only file system"):
+            check_not_full(tmp_path)
+        with pytest.raises(CdiError, match="Read-only file system"):
+            check_writable(tmp_path, probe_file_name())
+    with pytest.raises(CdiError, match="cannot check CDI dir"):
+        check_not_full(tmp_path / "missing")
 
 
 def test_check_writable_and_write_spec_on_a_full_or_read_only_dir(

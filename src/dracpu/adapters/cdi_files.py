@@ -51,6 +51,7 @@ __all__ = [
     "PROBE_PREFIX",
     "SPEC_MODE",
     "CdiDirScan",
+    "check_not_full",
     "check_writable",
     "delete_spec",
     "dir_identity",
@@ -268,6 +269,23 @@ def touch_probe(cdi_dir: str | os.PathLike[str], name: str) -> None:
         raise CdiError(
             f"cannot create files in CDI dir {os.fspath(cdi_dir)!r}: {exc.strerror or exc}"
         ) from exc
+
+
+def check_not_full(cdi_dir: str | os.PathLike[str]) -> None:
+    """Raise :class:`CdiError` when the CDI dir's file system is read-only, has no free block
+    or no free inode (``statvfs``; root's reserved blocks counted as free): no spec can be
+    written then. Touches no file, so the runtimes' CDI watches see nothing."""
+    directory = os.fspath(cdi_dir)
+    try:
+        st = os.statvfs(directory)
+    except OSError as exc:
+        raise CdiError(f"cannot check CDI dir {directory!r}: {exc.strerror or exc}") from exc
+    if st.f_flag & os.ST_RDONLY:
+        raise CdiError(f"CDI dir {directory!r} is on a read-only file system")
+    if st.f_blocks > 0 and st.f_bfree == 0:
+        raise CdiError(f"CDI dir {directory!r} is on a full file system (no free block)")
+    if st.f_files > 0 and st.f_ffree == 0:  # some file systems report no inode counts: 0
+        raise CdiError(f"CDI dir {directory!r} is on a full file system (no free inode)")
 
 
 def check_writable(cdi_dir: str | os.PathLike[str], probe: str) -> None:
