@@ -301,9 +301,14 @@ def test_check_not_full_reads_the_file_system_state(
         assert str(info.value) == f"CDI dir {str(tmp_path)!r} is on a {problem}"
 
 
-def test_check_not_full_of_a_real_read_only_dir(tmp_path: Path) -> None:
+def test_a_real_read_only_dir(tmp_path: Path) -> None:
     check_not_full(tmp_path)
+    write_spec(tmp_path, OTHER, CPUS)
     with read_only_bind(tmp_path):
+        # Nothing to delete is no failure, though the kernel answers EROFS before the lookup.
+        assert delete_spec(tmp_path, UID) is False
+        with pytest.raises(CdiError, match=r"cannot remove CDI spec .*: Read-only file system"):
+            delete_spec(tmp_path, OTHER)
         with pytest.raises(CdiError, match="is on a read-only file system"):
             check_not_full(tmp_path)
         with pytest.raises(CdiError, match="Read-only file system"):

@@ -2,10 +2,12 @@
 off the event loop: the node machine's file thread, or ``anyio.to_thread``).
 
 Runtimes watch the CDI directory with fsnotify for Write, Rename and Remove only (Create is not
-watched on Linux) and read only ``*.json`` / ``*.yaml`` files (container-device-interface
-``pkg/cdi/cache.go``, its watch, and ``pkg/cdi/spec-dirs.go``, ``scanSpecDirs``). So a spec is written to a temp file in the SAME directory whose name does not end in
-``.json`` (``.dra.k8s.io-cpu_claim-<uid>.json.tmp-<random>``) and renamed over the final name
-(the Rename event makes the runtime rescan; it never sees a half-written spec).
+watched on Linux; a Write counts only for a ``.json`` / ``.yaml`` name, a Rename or Remove of any
+file makes them rescan) and read only ``*.json`` / ``*.yaml`` files (container-device-interface
+``pkg/cdi/cache.go``, ``watch.watch``, and ``pkg/cdi/spec-dirs.go``, ``scanSpecDirs``). So a
+spec is written to a temp file in the SAME directory whose name does not end in ``.json``
+(``.dra.k8s.io-cpu_claim-<uid>.json.tmp-<random>``) and renamed over the final name (the Rename
+event makes the runtime rescan; it never sees a half-written spec).
 
 A written spec is NOT fsynced: the checkpoint is the durable record of the prepared claims (it is
 made durable after the spec is written and before the kubelet is answered), and every start
@@ -226,6 +228,11 @@ def delete_spec(
     except FileNotFoundError:
         return False
     except OSError as exc:
+        # A read-only file system refuses the unlink (EROFS) before it looks the name up: a
+        # spec that is not there was not to be removed (a rollback of a write that never
+        # happened), and is no failure.
+        if not os.path.lexists(path):
+            return False
         raise CdiError(f"cannot remove CDI spec {path!r}: {exc.strerror or exc}") from exc
     with contextlib.suppress(OSError):  # removal is done; durability of a tmpfs entry is moot
         _fsync_dir(directory, fsync)
