@@ -38,7 +38,7 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._harness import emit, percentiles
+from bench._harness import emit, percentiles, rss_mib
 from dracpu.sim.faults import api_outage
 from dracpu.sim.node import NodeSim, open_node_sim
 
@@ -51,13 +51,6 @@ SHARED = 20  # shared containers on the node: each cycle's create and unprepare 
 OUTAGES = 5
 OUTAGE_SECONDS = 8.0  # the outage of issue 15
 CLAIM_SIZES = (1, 2, 3, 4)
-
-
-def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024  # the kernel reports kB
-    raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
 def _fds(pid: int) -> int:
@@ -101,7 +94,7 @@ async def _soak(sim: NodeSim, cycles: int, warmup: int, every: int) -> None:
         await _cycle(sim, index)
         times.append((time.perf_counter() - start) * 1000)
         if (index + 1) % every == 0:
-            samples.append((index + 1, _rss_mib(pid), _fds(pid)))
+            samples.append((index + 1, rss_mib(pid), _fds(pid)))
     errors = sim.daemon.messages("error")
     if errors:
         raise RuntimeError(f"the daemon logged errors during the soak: {errors[:3]}")

@@ -331,12 +331,20 @@ def test_check_writable_and_write_spec_on_a_full_or_read_only_dir(
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_open(path, flags, mode)
 
+    def no_blocks(fd: int, data: bytes | memoryview) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    expected = f"cannot create files in CDI dir {str(cdi)!r}: No space left on device"
+    monkeypatch.setattr(os, "write", no_blocks)  # a free inode, no free block
+    with pytest.raises(CdiError) as info:
+        check_writable(cdi, probe_file_name())
+    assert str(info.value) == expected
+    assert os.listdir(cdi) == []  # the probe file it could create is gone again
+    monkeypatch.undo()
     monkeypatch.setattr(os, "open", full)
     with pytest.raises(CdiError) as info:
         check_writable(cdi, probe_file_name())
-    assert (
-        str(info.value) == f"cannot create files in CDI dir {str(cdi)!r}: No space left on device"
-    )
+    assert str(info.value) == expected
     with pytest.raises(CdiError) as info:
         write_spec(cdi, UID, CPUS)
     # The spec's final name, not the temp file's random one: the kubelet's error reads the same

@@ -300,7 +300,12 @@ def check_writable(cdi_dir: str | os.PathLike[str], probe: str) -> None:
     probe file ``probe`` and remove it again. :class:`CdiError` says why not (read-only, full,
     not a directory, ...)."""
     ensure_dir(cdi_dir)
-    touch_probe(cdi_dir, probe)
+    try:
+        touch_probe(cdi_dir, probe)
+    except CdiError:
+        with contextlib.suppress(CdiError):  # created but not written (a full file system)
+            remove_our_file(cdi_dir, probe)
+        raise
     remove_our_file(cdi_dir, probe)
 
 
