@@ -31,8 +31,8 @@ Drift: a watch on our slices (``KubeClient.watch_resource_slices``) wakes a pass
 is deleted (the kubelet wipes a node's slices when it restarts: ``pkg/kubelet/cm/dra/plugin/``
 ``registration.go``, ``wipeResourceSlices``), changed by someone else, or when a slice of ours
 appears that we do not want. Events caused by our own writes are recognised by their
-resourceVersion and ignored. A full pass also runs every
-``resync_interval`` seconds, whatever the watch says.
+resourceVersion and ignored. A full pass also runs every ``resync_interval`` seconds, whatever
+the watch says.
 
 Failures: every API error (5xx, 409 conflict, connection loss, even 4xx such as a missing RBAC
 permission an administrator may still fix) is logged and the pass is retried with capped
@@ -117,7 +117,7 @@ _WATCH_BACKOFF_RESET = 120.0
 # here), and the slices should be back within 5 s of its return (issue 15): this cap plus one
 # pass. One LIST per node every 2.4-3 s during an outage is a load the server's watch cache
 # serves; the kubelet's node lease retries up to every 7 s for comparison
-# (pkg/kubelet/nodelease, maxBackoff).
+# (k8s.io/component-helpers/apimachinery/lease/controller.go, maxBackoff).
 UNAVAILABLE_RETRY_CAP = 3.0
 
 
