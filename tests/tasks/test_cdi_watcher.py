@@ -432,6 +432,22 @@ async def test_a_read_only_dir_at_start_is_waited_out(tmp_path: Path) -> None:
 
 
 @pytest.mark.anyio
+async def test_a_missing_dir_under_a_read_only_parent_is_waited_out(tmp_path: Path) -> None:
+    parent = tmp_path / "run"
+    parent.mkdir()
+    cdi = parent / "cdi"
+    with read_only_bind(parent) as mount:
+        async with watching_with_health(cdi, Claims({A: CPUS_A})) as flag:
+            assert (flag.ready, flag.reason) == (
+                False,
+                f"cannot create CDI dir {str(cdi)!r}: Read-only file system",
+            )
+            mount.set_read_only(False)
+            await until_flag(flag, True)
+            assert _spec_ok(cdi, A, CPUS_A)()
+
+
+@pytest.mark.anyio
 async def test_a_dir_turning_read_only_while_watched_is_noticed_and_waited_out(
     tmp_path: Path,
 ) -> None:
