@@ -31,9 +31,10 @@ yet.)
 
 Each task is started with ``await tg.start(...)``; once it calls ``task_status.started()`` its
 readiness flag turns ready, and ``/readyz`` answers 200 when all have. A task may later report
-not ready through its :class:`~dracpu.tasks.http.ReadinessFlag`. One flag is not a task's:
+not ready through its :class:`~dracpu.tasks.http.ReadinessFlag`. Two flags are not a task's:
 ``kubelet-registration`` turns ready when the kubelet reports that it registered the plugin, and
-not ready when it refuses it.
+not ready when it refuses it; ``cdi-dir`` is ready while specs can be written into the CDI dir
+(the CDI watcher waits out a read-only, full or missing dir, saying why).
 
 Stopping (SIGTERM/SIGINT, or a task failure): ``/readyz`` turns 503, then the tasks are
 cancelled one by one in REVERSE start order, each awaited, so the request sources stop before
@@ -99,6 +100,7 @@ __all__ = [
     "EXIT_FAILURE",
     "EXIT_INTERRUPTED",
     "EXIT_OK",
+    "CDI_DIR",
     "KUBELET_REGISTRATION",
     "STOP_TIMEOUT",
     "Shutdown",
@@ -123,6 +125,8 @@ STOP_TIMEOUT = 4.5
 
 # The readiness flag that follows the kubelet's registration verdict (not a task's flag).
 KUBELET_REGISTRATION = "kubelet-registration"
+# The readiness flag that says whether CDI specs can be written (the CDI watcher's verdict).
+CDI_DIR = "cdi-dir"
 
 S = TypeVar("S")
 E = TypeVar("E")
@@ -486,8 +490,9 @@ class _Node:
         await owner.run(task_status=task_status)
 
     async def run_cdi_watcher(self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
+        health = self.readiness.flag(CDI_DIR, reason="the CDI dir has not been tried yet")
         await cdi_watcher.run(
-            self.config.cdi_dir, self.machine.desired_specs, task_status=task_status
+            self.config.cdi_dir, self.machine.desired_specs, health=health, task_status=task_status
         )
 
     async def run_kubelet_plugin(

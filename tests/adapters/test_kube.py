@@ -27,6 +27,7 @@ from dracpu.core.cpuset import CpuSet
 from dracpu.core.slices import CpuDeviceMode, GroupBy, build_resource_slices, published_devices
 from dracpu.errors import (
     ConfigError,
+    KubeAPIError,
     KubeClientError,
     KubeConflictError,
     KubeNotFoundError,
@@ -95,6 +96,32 @@ async def test_http_errors_map_to_the_error_tree(
             "injected by the test"
         )
         assert await kube.get_node(NODE)  # only the next request failed
+
+
+@pytest.mark.anyio
+async def test_success_listeners_hear_of_every_answered_request_and_only_those() -> None:
+    async with connected() as (api, kube):
+        heard: list[str] = []
+        remove = kube.on_success(lambda: heard.append("a"))
+        kube.on_success(lambda: heard.append("b"))
+        await kube.get_node(NODE)
+        assert heard == ["a", "b"]
+        api.fail_next(status=503)
+        api.fail_next(2, status=None)  # no answer at all (aiohttp sends a GET twice)
+        api.fail_next(status=404)
+        for _ in range(3):
+            with pytest.raises(KubeAPIError):
+                await kube.get_node(NODE)
+        assert heard == ["a", "b"]
+        remove()
+        await kube.list_resource_slices("dra.cpu", NODE)
+        assert heard == ["a", "b", "b"]
+        events = kube.watch_resource_slices("dra.cpu", NODE)
+        async with contextlib.aclosing(events):
+            assert (await next_event(events))[0] == LISTED  # the list: one success
+            api.create_resource_slice(slices()[0])
+            assert (await next_event(events))[0] == "ADDED"  # the watch's head: another
+        assert heard == ["a", "b", "b", "b", "b"]
 
 
 @pytest.mark.anyio

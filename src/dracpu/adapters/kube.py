@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Final
@@ -207,6 +207,22 @@ class KubeClient:
         self._server = str(api_client.configuration.host)
         self._request_timeout = request_timeout
         self._watch_seconds = watch_seconds
+        self._success_listeners: tuple[Callable[[], None], ...] = ()
+
+    def on_success(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call ``listener()`` after every request the API server answers with success (a
+        status below 400; for a watch, the head of its stream); returns what removes it again.
+
+        Any task's request that works shows the server is back (a Prepare's claim GET during
+        the slice publisher's backoff): the publisher ends its wait through this. A listener
+        runs inside the requesting task, on the event loop: it must be quick and never raise.
+        """
+        self._success_listeners = (*self._success_listeners, listener)
+
+        def remove() -> None:
+            self._success_listeners = tuple(f for f in self._success_listeners if f != listener)
+
+        return remove
 
     # --- plumbing --------------------------------------------------------------------------
 
@@ -256,6 +272,9 @@ class KubeClient:
         except kube_client.ApiException as exc:  # the REST layer refused the arguments
             raise KubeClientError(f"{what}: cannot send the request: {exc.reason}") from exc
         response: aiohttp.ClientResponse = answer.response
+        if response.status < 400:
+            for listener in self._success_listeners:
+                listener()
         return response
 
     def _unreachable(self, what: str, exc: BaseException, seconds: float) -> KubeServerError:
