@@ -18,6 +18,26 @@ test *ARGS:
 peers:
     apt-get install -y podman runc busybox-static golang-go golang-google-grpc-dev
 
+# regenerate requirements/*.lock from pyproject.toml: pinned, hashed, for Python 3.11 on any
+# platform; the current pins are kept unless ARGS say otherwise (e.g. --upgrade-package NAME)
+lock *ARGS:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    compile() { {{venv}}/uv pip compile --universal --python-version 3.11 --generate-hashes \
+        --custom-compile-command "just lock" --quiet {{ARGS}} "$@"; }
+    # the dev lock is the superset; the others take its pins (-c), so all agree
+    compile pyproject.toml --extra dev -o requirements/dev.lock
+    compile pyproject.toml -c requirements/dev.lock -o requirements/runtime.lock
+    compile pyproject.toml --extra sim -c requirements/dev.lock -o requirements/sim.lock
+    # the build backend of the image's wheel (pyproject [build-system] requires)
+    {{venv}}/python -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"], sep="\n")' \
+        | compile - -c requirements/dev.lock -o requirements/build.lock
+
+# run the pre-commit hooks (.pre-commit-config.yaml) on every file; `just hooks install` sets
+# them up for each commit
+hooks *ARGS="run --all-files":
+    {{venv}}/pre-commit {{ARGS}}
+
 # ruff lint and format check
 lint:
     {{venv}}/ruff check src tests bench scripts
@@ -51,6 +71,17 @@ bench:
 # this machine's topology and what it would publish
 inspect *ARGS:
     {{venv}}/dracpu inspect {{ARGS}}
+
+# build the DaemonSet image with podman (or docker): `just image`, `just image dracpu:v1`, extra
+# build flags after the tag (e.g. --build-arg BASE_IMAGE=... or PIP_INDEX_URL / PIP_CERT)
+image tag="dracpu:dev" *ARGS:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    engine=$(command -v podman || command -v docker || { echo "need podman or docker" >&2; exit 1; })
+    "$engine" build -f Containerfile -t "{{tag}}" \
+        --build-arg VERSION="$({{venv}}/python -c 'import dracpu; print(dracpu.__version__)')" \
+        --build-arg REVISION="$(git rev-parse HEAD 2>/dev/null || echo unknown)" \
+        {{ARGS}} .
 
 # end-to-end tests on kind (needs Docker, kind, kubectl: tests/e2e/README.md); args go to pytest
 e2e *ARGS:

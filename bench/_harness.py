@@ -11,9 +11,10 @@ import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
-__all__ = ["emit", "measure", "measure_async", "percentiles"]
+__all__ = ["emit", "measure", "measure_async", "percentiles", "rss_mib"]
 
 
 def percentiles(samples_ms: list[float]) -> tuple[float, float]:
@@ -56,3 +57,11 @@ async def measure_async(
         samples.append((time.perf_counter() - start) * 1000)
     p50, p99 = percentiles(samples)
     emit(name, "ms", p50=round(p50, 4), p99=round(p99, 4), n=n, **extra)
+
+
+def rss_mib(pid: int) -> float:
+    """The resident set of process ``pid`` in MiB (``VmRSS`` of ``/proc/<pid>/status``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024  # the kernel reports kB
+    raise RuntimeError(f"no VmRSS for pid {pid}")

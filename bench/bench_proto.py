@@ -2,8 +2,10 @@
 
 Run: ``.venv/bin/python bench/bench_proto.py``. Figures (ms, p50/p99):
 
+* ``proto.dra_prepare_pair_1.v1``: what the DRA socket's codec does per Prepare call of one
+  claim (the kubelet's usual call): parse the request, build and encode the one-device answer;
 * ``proto.dra_prepare_response_100.build_encode`` / ``.decode``: a NodePrepareResources reply
-  for 100 claims (betterproto2);
+  for 100 claims (a pod with many claims, the large end);
 * ``proto.nri_create_container_request.decode``: what the CreateContainer hook parses first
   (:func:`dracpu.adapters.nri_messages.read_container_event`; budget: the runtime drops a
   plugin after 2 s for the whole call);
@@ -28,11 +30,36 @@ from dracpu.core.effects import ContainerUpdate
 
 __all__ = ["main"]
 
-# A 100-claim NodePrepareResources reply: a node with many claimed pods after a restart.
+# Claims of the large NodePrepareResources reply: far more than one pod asks for.
 CLAIMS = 100
+# The one claim of the per-call figure, as the kubelet names it, and its shared-device answer.
+CLAIM_UID = "0b6f4c1e-3f5d-4c8a-9a57-2d1e6f7a8b90"
+SHARE_ID = "5e0a9a44-7c2b-4d59-8c4f-0f1e2d3c4b5a"
 # A busy node: 100 shared containers to shrink when one exclusive claim is pinned.
 SHARED_CONTAINERS = 100
 SAMPLES = 200
+
+
+def prepare_pair(request: bytes) -> bytes:
+    """Parse a one-claim request, answer it with one device (v1: with share_id), encode."""
+    [claim] = dra_v1.NodePrepareResourcesRequest.parse(request).claims
+    return bytes(
+        dra_v1.NodePrepareResourcesResponse(
+            claims={
+                claim.uid: dra_v1.NodePrepareResourceResponse(
+                    devices=[
+                        dra_v1.Device(
+                            request_names=["cpu"],
+                            pool_name="node-1",
+                            device_name="cpudevnuma000",
+                            cdi_device_ids=[f"dra.k8s.io/cpu=claim-{claim.uid}"],
+                            share_id=SHARE_ID,
+                        )
+                    ]
+                )
+            }
+        )
+    )
 
 
 def build_prepare_response() -> dra_v1.NodePrepareResourcesResponse:
@@ -110,6 +137,18 @@ def build_create_container_response() -> bytes:
 
 
 def main() -> None:
+    request = bytes(
+        dra_v1.NodePrepareResourcesRequest(
+            claims=[dra_v1.Claim(namespace="default", uid=CLAIM_UID, name="pod-cpus-7d9f")]
+        )
+    )
+    measure(
+        "proto.dra_prepare_pair_1.v1",
+        lambda: prepare_pair(request),
+        n=SAMPLES * 10,
+        request_bytes=len(request),
+        response_bytes=len(prepare_pair(request)),
+    )
     prepare_bytes = bytes(build_prepare_response())
     measure(
         "proto.dra_prepare_response_100.build_encode",

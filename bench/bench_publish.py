@@ -1,15 +1,17 @@
-"""Publishing a 1024-CPU node's ResourceSlices (individual mode: 1024 devices in 8 slices).
+"""Publishing a 1024-CPU node's ResourceSlices, in individual mode (1024 devices) and grouped mode
+(8 NUMA devices), each plain and with ``--expose-pcie-roots`` and the KEP-5517 mapping on
+(``_pcie``: 16 PCIe roots, 64-device slices).
 
 Run: ``.venv/bin/python bench/bench_publish.py``. Figures (ms, p50/p99 over a few runs):
 
-* ``publish.big_1024_individual.build``: topology model, devices and slice objects (pure);
-* ``publish.big_1024_individual.first_publish``: from starting the slice publisher to its
-  ``started()`` (Node GET, LIST, 8 creates over HTTP to the in-process fake API server, with the
+* ``publish.big_1024_<case>.build``: topology model, devices and slice objects (pure);
+* ``publish.big_1024_<case>.first_publish``: from starting the slice publisher to its
+  ``started()`` (Node GET, LIST, the creates over HTTP to the in-process fake API server, with the
   real ``kubernetes`` client), the server checking every slice against the apiserver's own rules
   but NOT the OpenAPI schema: our side's cost plus a thin server;
-* ``publish.big_1024_individual.first_publish_schema``: the same with the fake server also
-  validating each slice against the strict OpenAPI schema (``jsonschema`` ~50 ms per 128-device
-  slice, in the same process and event loop: an upper bound, not what a real API server costs us);
+* ``publish.big_1024_individual[_pcie].first_publish_schema``: the same with the fake server also
+  validating each slice against the strict OpenAPI schema (``jsonschema``, in the same process and
+  event loop: an upper bound, not what a real API server costs us);
 * ``publish.big_1024_individual.republish_after_wipe``: a kubelet restart deletes the 8 slices;
   from the wipe to all 8 back (watch event, debounce, LIST, 8 creates), no schema check.
 
@@ -21,7 +23,9 @@ from __future__ import annotations
 import functools
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -34,6 +38,7 @@ from dracpu.core.slices import (
     CpuDeviceMode,
     Device,
     GroupBy,
+    SliceOptions,
     build_resource_slices,
     published_devices,
 )
@@ -52,26 +57,50 @@ WARMUP = 1
 SETTINGS = PublisherSettings(debounce=0.01)
 
 
-def big_devices() -> list[Device]:
-    topology = build_topology(FIXTURES[TOPOLOGY])
-    return published_devices(
-        topology,
-        reserved=CpuSet.parse(""),
-        mode=CpuDeviceMode.INDIVIDUAL,
-        group_by=GroupBy.NUMANODE,
-    )
+@dataclass(frozen=True)
+class Case:
+    """One way to publish the node."""
+
+    name: str
+    mode: CpuDeviceMode
+    pcie: bool  # --expose-pcie-roots and publishNodeAllocatableResourceMapping
+    schema: bool  # also measure with the fake server's OpenAPI schema check
+
+    @property
+    def options(self) -> SliceOptions:
+        return SliceOptions(node_allocatable=self.pcie, expose_pcie_roots=self.pcie)
+
+    def devices(self) -> list[Device]:
+        topology = build_topology(FIXTURES[TOPOLOGY], pcie_roots=self.pcie)
+        return published_devices(
+            topology, reserved=CpuSet(), mode=self.mode, group_by=GroupBy.NUMANODE
+        )
+
+    def slices(self) -> int:
+        return len(build_resource_slices(NODE, self.devices(), options=self.options))
 
 
-async def first_publish(api: FakeApiServer, kube: KubeClient, devices: list[Device]) -> float:
+CASES = (
+    Case("individual", CpuDeviceMode.INDIVIDUAL, pcie=False, schema=True),
+    Case("individual_pcie", CpuDeviceMode.INDIVIDUAL, pcie=True, schema=True),
+    Case("grouped", CpuDeviceMode.GROUPED, pcie=False, schema=False),
+    Case("grouped_pcie", CpuDeviceMode.GROUPED, pcie=True, schema=False),
+)
+
+
+async def first_publish(
+    api: FakeApiServer, kube: KubeClient, case: Case, devices: list[Device], slices: int
+) -> float:
     api.kubelet_restart(NODE)
+    run = functools.partial(
+        slice_publisher.run, kube, NODE, lambda: devices, options=case.options, settings=SETTINGS
+    )
     start = time.perf_counter()
     async with anyio.create_task_group() as tg:
-        await tg.start(
-            functools.partial(slice_publisher.run, kube, NODE, lambda: devices, settings=SETTINGS)
-        )
+        await tg.start(run)
         elapsed = time.perf_counter() - start
         tg.cancel_scope.cancel()
-    if len(api.slice_names(node_name=NODE)) != 8:
+    if len(api.slice_names(node_name=NODE)) != slices:
         raise RuntimeError("the publish did not complete")
     return elapsed * 1000
 
@@ -99,23 +128,30 @@ async def republish_after_wipe(
     return samples[WARMUP:]
 
 
-async def publish_figures(devices: list[Device]) -> None:
+async def publish_figures(case: Case) -> None:
+    devices = case.devices()
+    slices = case.slices()
     for schema, name in ((False, "first_publish"), (True, "first_publish_schema")):
+        if schema and not case.schema:
+            continue
         async with open_fake_apiserver(schema_validation=schema) as api:
             api.add_node(NODE)
             async with open_kube_client(api.kubeconfig_path) as kube:
-                samples = [await first_publish(api, kube, devices) for _ in range(RUNS + WARMUP)]
+                samples = [
+                    await first_publish(api, kube, case, devices, slices)
+                    for _ in range(RUNS + WARMUP)
+                ]
                 p50, p99 = percentiles(samples[WARMUP:])
                 emit(
-                    f"publish.big_1024_individual.{name}",
+                    f"publish.big_1024_{case.name}.{name}",
                     "ms",
                     p50=round(p50, 1),
                     p99=round(p99, 1),
                     n=RUNS,
                     devices=len(devices),
-                    slices=8,
+                    slices=slices,
                 )
-                if not schema:
+                if not schema and case.name == "individual":
                     wiped = await republish_after_wipe(api, kube, devices, RUNS)
                     p50, p99 = percentiles(wiped)
                     emit(
@@ -128,15 +164,20 @@ async def publish_figures(devices: list[Device]) -> None:
                     )
 
 
+def build(case: Case) -> list[dict[str, Any]]:
+    """What the build figure measures: model, devices and slices."""
+    return build_resource_slices(NODE, case.devices(), options=case.options, owner_uid="uid")
+
+
 def main() -> None:
-    devices = big_devices()
-    measure(
-        "publish.big_1024_individual.build",
-        lambda: build_resource_slices(NODE, big_devices(), owner_uid="uid"),
-        n=20,
-        devices=len(devices),
-    )
-    anyio.run(publish_figures, devices, backend="asyncio")
+    for case in CASES:
+        measure(
+            f"publish.big_1024_{case.name}.build",
+            functools.partial(build, case),
+            n=20,
+            devices=len(case.devices()),
+        )
+        anyio.run(publish_figures, case, backend="asyncio")
 
 
 if __name__ == "__main__":

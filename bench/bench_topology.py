@@ -3,9 +3,13 @@
 Figures (milliseconds, in-process, warm page cache):
 
 - ``topology.read_sysfs.big-1024``: :func:`dracpu.adapters.sysfs.read_topology` of a written tree;
-- ``topology.devices_and_slices.<mode>.big-1024``: read + :func:`published_devices` +
-  :func:`build_resource_slices` — what start-up and a SIGHUP resync cost;
-- ``slices.build.<mode>.big-1024``: :func:`build_resource_slices` alone (what a republish costs);
+  ``topology.read_sysfs.pcie.big-1024`` also reads its 16 PCIe roots (``--expose-pcie-roots``);
+- ``topology.devices_and_slices.<mode>[.pcie].big-1024``: read + :func:`published_devices` +
+  :func:`build_resource_slices` — what start-up and a SIGHUP resync cost; ``.pcie`` with the PCIe
+  roots and the KEP-5517 mapping on;
+- ``devices.build.<mode>[.pcie].big-1024``: :func:`published_devices` alone;
+- ``slices.build.<mode>[.pcie].big-1024``: :func:`build_resource_slices` alone (what a republish
+  costs);
 - ``slices.validate.individual.big-1024``: :func:`validate_slice` over the 8 slices (the fake API
   server's cost per publish).
 
@@ -27,6 +31,7 @@ from dracpu.core.cpuset import CpuSet
 from dracpu.core.slices import (
     CpuDeviceMode,
     GroupBy,
+    SliceOptions,
     build_resource_slices,
     published_devices,
     validate_slice,
@@ -49,32 +54,47 @@ def main() -> None:
         root = Path(tmp)
         write_sysfs(FIXTURES[FIXTURE], root)
         measure(f"topology.read_sysfs.{FIXTURE}", lambda: read_topology(root), n=N)
-        for mode in CpuDeviceMode:
+        measure(
+            f"topology.read_sysfs.pcie.{FIXTURE}",
+            lambda: read_topology(root, pcie_roots=True),
+            n=N,
+        )
+        for pcie, suffix in ((False, ""), (True, ".pcie")):
+            options = SliceOptions(node_allocatable=pcie, expose_pcie_roots=pcie)
+            for mode in CpuDeviceMode:
 
-            def full(mode: CpuDeviceMode = mode) -> object:
-                topology = read_topology(root)
+                def full(
+                    mode: CpuDeviceMode = mode, pcie: bool = pcie, options: SliceOptions = options
+                ) -> object:
+                    topology = read_topology(root, pcie_roots=pcie)
+                    devices = published_devices(
+                        topology, reserved=RESERVED, mode=mode, group_by=GroupBy.NUMANODE
+                    )
+                    return build_resource_slices(NODE, devices, options=options)
+
+                measure(f"topology.devices_and_slices.{mode}{suffix}.{FIXTURE}", full, n=N)
+
+            topology = read_topology(root, pcie_roots=pcie)
+            for mode in CpuDeviceMode:
                 devices = published_devices(
                     topology, reserved=RESERVED, mode=mode, group_by=GroupBy.NUMANODE
                 )
-                return build_resource_slices(NODE, devices)
-
-            measure(f"topology.devices_and_slices.{mode}.{FIXTURE}", full, n=N)
-
+                build_devices = partial(
+                    published_devices,
+                    topology,
+                    reserved=RESERVED,
+                    mode=mode,
+                    group_by=GroupBy.NUMANODE,
+                )
+                measure(f"devices.build.{mode}{suffix}.{FIXTURE}", build_devices, n=N)
+                build_slices = partial(build_resource_slices, NODE, devices, options=options)
+                measure(
+                    f"slices.build.{mode}{suffix}.{FIXTURE}",
+                    build_slices,
+                    n=N,
+                    devices=len(devices),
+                )
         topology = read_topology(root)
-        for mode in CpuDeviceMode:
-            devices = published_devices(
-                topology, reserved=RESERVED, mode=mode, group_by=GroupBy.NUMANODE
-            )
-            build_devices = partial(
-                published_devices,
-                topology,
-                reserved=RESERVED,
-                mode=mode,
-                group_by=GroupBy.NUMANODE,
-            )
-            measure(f"devices.build.{mode}.{FIXTURE}", build_devices, n=N)
-            build_slices = partial(build_resource_slices, NODE, devices)
-            measure(f"slices.build.{mode}.{FIXTURE}", build_slices, n=N, devices=len(devices))
         devices = published_devices(
             topology, reserved=RESERVED, mode=CpuDeviceMode.INDIVIDUAL, group_by=GroupBy.NUMANODE
         )

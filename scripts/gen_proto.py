@@ -78,6 +78,8 @@ DAEMON_PB2_PACKAGE = "dracpu._gen.pb2"
 API_PROTOS: tuple[str, ...] = (
     "dra/v1/api.proto",
     "dra/v1beta1/api.proto",
+    "dra_health/v1/api.proto",
+    "dra_health/v1alpha1/api.proto",
     "pluginregistration/v1/api.proto",
     "podresources/v1/api.proto",
 )

@@ -7,6 +7,18 @@ import pytest
 
 from tests.fixtures import SysfsTrees, scratch_dir, sysfs_trees
 
+TESTS = Path(__file__).resolve().parent
+# Tests that start `dracpu run` as a process (with the simulator's peers): marked `daemon`, so
+# that `pytest -m "not daemon"` runs the fast set alone.
+DAEMON_TESTS = (TESTS / "integration", TESTS / "sim" / "test_node_sim.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        path = Path(str(item.path))
+        if any(path == p or p in path.parents for p in DAEMON_TESTS):
+            item.add_marker(pytest.mark.daemon)
+
 
 @pytest.fixture
 def anyio_backend() -> str:

@@ -18,7 +18,13 @@ import yaml
 
 from dracpu.cli import main
 from dracpu.core.cpuset import CpuSet
-from dracpu.core.slices import CpuDeviceMode, GroupBy, build_resource_slices, published_devices
+from dracpu.core.slices import (
+    CpuDeviceMode,
+    GroupBy,
+    SliceOptions,
+    build_resource_slices,
+    published_devices,
+)
 from dracpu.sim.topologies import FIXTURES, build_topology, write_sysfs
 
 K8S_VERSION = "1.37"  # as tests/core/test_slices.py: newest schema kubernetes-validate ships
@@ -86,6 +92,34 @@ def test_json_is_exactly_the_slices_of_the_fixture(
     slices = json.loads(out)
     assert slices == expected_slices(fixture, mode, group_by, reserved)
     kubernetes_validate.validate(slices[-1], K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("fixture", ["dual-socket-smt2", "arm64-server", "big-1024"])
+@pytest.mark.parametrize("mode", ["individual", "grouped"])
+def test_pcie_roots_and_node_allocatable_mapping(
+    capsys: pytest.CaptureFixture[str], roots: dict[str, Path], fixture: str, mode: str
+) -> None:
+    args = ["--host-root", str(roots[fixture]), "--cpu-device-mode", mode]
+    flags = ["--expose-pcie-roots", "--publish-node-allocatable-resource-mapping"]
+    code, out, err = inspect(capsys, *args, *flags, "-o", "json")
+    assert (code, err) == (0, "")
+    slices = json.loads(out)
+    devices = published_devices(
+        build_topology(FIXTURES[fixture], pcie_roots=True),
+        reserved=CpuSet(),
+        mode=CpuDeviceMode(mode),
+        group_by=GroupBy.NUMANODE,
+    )
+    options = SliceOptions(node_allocatable=True, expose_pcie_roots=True)
+    assert slices == build_resource_slices(NODE, devices, options=options)
+    first = slices[0]["spec"]["devices"][0]
+    assert "strings" in first["attributes"]["resource.kubernetes.io/pcieRoot"]
+    assert "mapping" in first["nodeAllocatableResources"]["cpu"]
+    assert all(len(s["spec"]["devices"]) <= 64 for s in slices)
+    kubernetes_validate.validate(slices[0], K8S_VERSION, strict=True)
+    code, out, err = inspect(capsys, *args, *flags)
+    assert (code, err) == (0, "")
+    assert "    pcie roots: " in out
 
 
 def test_yaml_is_one_document_per_slice(

@@ -9,10 +9,12 @@ from pathlib import Path
 import pytest
 
 from dracpu.config import (
+    DEPRECATED_FLAGS,
     UNIX_PATH_MAX,
     BindAddress,
     Config,
     add_run_arguments,
+    go_style_flags,
     load_config,
 )
 from dracpu.core.cpuset import CpuSet
@@ -207,9 +209,9 @@ def test_upstream_config_file_loads(tmp_path: Path) -> None:
         'reservedCPUs: "0-1,64-65"\n'
         "hostnameOverride: worker-7\n"
         "kubeconfig: /etc/dracpu/kubeconfig\n"
-        "exposePCIeRoots: false\n"
         'sysfsOverlay: ""\n'
-        "publishNodeAllocatableResourceMapping: false\n",
+        "publishNodeAllocatableResourceMapping: false\n"
+        "allocator: cpumanager\n",
     )
     config = _load(["--config", path, "--expose-pcie-roots=false"])
     assert config == Config(
@@ -225,12 +227,10 @@ def test_our_own_file_keys(tmp_path: Path) -> None:
     path = _file(
         tmp_path,
         "hostnameOverride: n\n"
-        "kubeletRootDir: /k\n"
         "cdiDir: /cdi\n"
         "nriSocket: /nri.sock\n"
         "stateDir: /state\n"
         "hostRoot: /host\n"
-        "bindAddress: '[::1]:8081'\n"
         "logFormat: json\n"
         "verbosity: 5\n"
         "memoryPinning: true\n"
@@ -240,12 +240,10 @@ def test_our_own_file_keys(tmp_path: Path) -> None:
     config = _load(["--config", path])
     assert config == Config(
         node_name="n",
-        kubelet_root_dir=Path("/k"),
         cdi_dir=Path("/cdi"),
         nri_socket=Path("/nri.sock"),
         state_dir=Path("/state"),
         host_root=Path("/host"),
-        bind_address=BindAddress("::1", 8081),
         log_format="json",
         verbosity=5,
         memory_pinning=True,
@@ -331,16 +329,15 @@ def test_bind_address_parse_and_format(text: str, host: str, port: int) -> None:
             "subdomain: a-z, 0-9, '-' and '.')",
         ),
         (
-            ["--expose-pcie-roots"],
-            "--expose-pcie-roots: invalid value true: dracpu does not support PCIe root "
-            "attributes; only false is accepted",
+            ["--vmodule", "nri_plugin"],
+            '--vmodule: invalid value "nri_plugin": expect a comma-separated list of pattern=N '
+            "(klog's -vmodule)",
         ),
         (
-            ["--sysfs-overlay", "/x.yaml"],
-            '--sysfs-overlay: invalid value "/x.yaml": dracpu does not support sysfs overlays '
-            '(use --host-root with a sysfs tree); only "" is accepted',
+            ["--vmodule", "a=1,b=x"],
+            '--vmodule: invalid value "a=1,b=x": expect a comma-separated list of pattern=N '
+            "(klog's -vmodule)",
         ),
-        (["--config", ""], '--config: invalid value "": give the path of a YAML file'),
     ],
 )
 def test_bad_flag_values(argv: list[str], expected: str) -> None:
@@ -425,7 +422,45 @@ def test_bad_environment_values(env: dict[str, str], expected: str) -> None:
     ("text", "expected"),
     [
         ("cpuDevMode: grouped\n", 'unknown key "cpuDevMode" (did you mean "cpuDeviceMode"?)'),
-        ("CPUDeviceMode: grouped\n", 'unknown key "CPUDeviceMode" (did you mean "cpuDeviceMode"?)'),
+        (
+            "CPUDeviceMode: grouped\n",
+            'key "CPUDeviceMode" is spelled differently from the schema; use "cpuDeviceMode"',
+        ),
+        (
+            "bindAddress: ':9090'\n",
+            'key "bindAddress" is not settable in the config file; use --bind-address '
+            "(with the Helm chart: its healthzPort value)",
+        ),
+        (
+            "BindAddress: ':9090'\n",
+            'key "BindAddress" is not settable in the config file; use --bind-address '
+            "(with the Helm chart: its healthzPort value)",
+        ),
+        (
+            "kubeletRootDir: /k\n",
+            'key "kubeletRootDir" is not settable in the config file; use --kubelet-root-dir '
+            "(with the Helm chart: its kubeletRootDir value)",
+        ),
+        (
+            "exposePCIeRoots: false\n",
+            'key "exposePCIeRoots" is not settable in the config file; use --expose-pcie-roots '
+            "(with the Helm chart: its args.exposePCIeRoots value)",
+        ),
+        (
+            "vmodule: a=1\n",
+            'unknown key "vmodule"',
+        ),
+        (
+            "allocator: external\n",
+            'allocator: invalid value "external": dracpu does not implement the external '
+            "allocator (a cpuset per request from the claim's opaque config); remove the key "
+            'or set "cpumanager"',
+        ),
+        (
+            "allocator: kubelet\n",
+            'allocator: invalid value "kubelet": must be "cpumanager" or "external"',
+        ),
+        ("sysfsOverlay: 3\n", "sysfsOverlay: invalid value 3: must be a string, not a number"),
         ("zzz: 1\n", 'unknown key "zzz"'),
         ("b_unknown: 1\na_unknown: 2\n", 'unknown key "a_unknown"; unknown key "b_unknown"'),
         (
@@ -444,20 +479,20 @@ def test_bad_environment_values(env: dict[str, str], expected: str) -> None:
             'nriPluginIndex: invalid value 100: must be two digits, "00" to "99"',
         ),
         (
-            "kubeletRootDir: [a]\n",
-            'kubeletRootDir: invalid value ["a"]: must be a string, not a list',
+            "cdiDir: [a]\n",
+            'cdiDir: invalid value ["a"]: must be a string, not a list',
         ),
         ("apiVersion: v1beta1\n", 'apiVersion: invalid value "v1beta1": must be "v1alpha1"'),
         (
-            "exposePCIeRoots: true\n",
-            "exposePCIeRoots: invalid value true: dracpu does not "
-            "support PCIe root attributes; only false is accepted",
+            "zzz: 1\nbindAddress: ':1'\nCPUDeviceMode: grouped\n",
+            'key "CPUDeviceMode" is spelled differently from the schema; use "cpuDeviceMode"; '
+            'key "bindAddress" is not settable in the config file; use --bind-address '
+            '(with the Helm chart: its healthzPort value); unknown key "zzz"',
         ),
         (
-            "publishNodeAllocatableResourceMapping: true\n",
-            "publishNodeAllocatableResourceMapping:"
-            " invalid value true: dracpu does not support KEP-5517 node allocatable resource "
-            "mappings; only false is accepted",
+            'publishNodeAllocatableResourceMapping: "yes"\n',
+            'publishNodeAllocatableResourceMapping: invalid value "yes": must be true or false, '
+            "not a string",
         ),
         ("- a\n- b\n", "must be a mapping of keys to values, not a list"),
         ("just text\n", "must be a mapping of keys to values, not a string"),
@@ -550,3 +585,128 @@ def test_dracpu_run_with_a_bad_config_file_exits_2_with_one_line(tmp_path: Path)
         f'dracpu run: error: config file {path}: unknown key "cpuDevMode" '
         '(did you mean "cpuDeviceMode"?)\n'
     )
+
+
+# --- upstream's invocation: Go-style flags, deprecations, empty --config ------------------------
+
+
+def _go_load(argv: Sequence[str], env: Mapping[str, str] = NO_ENV) -> Config:
+    parser = argparse.ArgumentParser(prog="dracpu run", allow_abbrev=False)
+    flags = add_run_arguments(parser)
+    return load_config(parser.parse_args(go_style_flags(argv, flags)), env)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["-kubeconfig", "/k.conf", "-v=4", "-reserved-cpus=0-1", "-hostname-override", "n"],
+        ["--kubeconfig=/k.conf", "--v", "4", "--reserved-cpus", "0-1", "--hostname-override=n"],
+        ["-kubeconfig=/k.conf", "--v=4", "-reserved-cpus", "0-1", "-hostname-override=n"],
+    ],
+)
+def test_go_flag_spellings_mean_the_same(argv: list[str]) -> None:
+    config = _go_load(argv)
+    assert (config.kubeconfig, config.verbosity, config.reserved_cpus, config.node_name) == (
+        Path("/k.conf"),
+        4,
+        CpuSet.parse("0-1"),
+        "n",
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["-memory-pinning"], True),
+        (["-memory-pinning=true"], True),
+        (["--memory-pinning=0"], False),
+        (["-memory-pinning=F"], False),
+    ],
+)
+def test_go_booleans_in_both_spellings(argv: list[str], expected: bool) -> None:
+    assert _go_load(["--node-name", "n", *argv]).memory_pinning is expected
+
+
+@pytest.mark.parametrize("argv", [["-expose-pcie-roots=false"], ["--expose-pcie-roots=False"]])
+def test_the_charts_expose_pcie_roots_false_is_accepted(argv: list[str]) -> None:
+    assert _go_load(["--node-name", "n", *argv]).expose_pcie_roots is False
+
+
+def test_go_style_rewrites_only_known_long_flags() -> None:
+    flags = frozenset({"--kubeconfig", "--v", "--vmodule"})
+    argv = ["-kubeconfig", "-x", "-v=2", "-vv", "-vmodule=a=1", "-z", "--", "-kubeconfig"]
+    assert go_style_flags(argv, flags) == [
+        "--kubeconfig",
+        "-x",  # a value (or an unknown flag) is left alone
+        "--v=2",
+        "-vv",  # argparse's own short-option form
+        "--vmodule=a=1",
+        "-z",
+        "--",
+        "-kubeconfig",  # after --, nothing is a flag
+    ]
+
+
+def test_deprecated_flags_are_noticed_once_each_in_order(tmp_path: Path) -> None:
+    overlay = tmp_path / "overlay.yaml"
+    overlay.write_text("{}\n")
+    config = _go_load(
+        [
+            "--group-by=socket",
+            "-cpu-device-mode=grouped",
+            "--group-by=numanode",
+            "--reserved-cpus=1",
+            "--hostname-override=n",
+            f"--sysfs-overlay={overlay}",
+            "--kubeconfig=/k",
+        ]
+    )
+    assert config.group_by is GroupBy.NUMANODE  # the last one wins, as in Go
+    assert config.notices == tuple(
+        f"flag {flag} is deprecated (as upstream); set {key} in the config file instead"
+        for flag, key in (
+            ("--group-by", "groupBy"),
+            ("--cpu-device-mode", "cpuDeviceMode"),
+            ("--reserved-cpus", "reservedCPUs"),
+            ("--hostname-override", "hostnameOverride"),
+            ("--sysfs-overlay", "sysfsOverlay"),
+        )
+    )
+    assert set(DEPRECATED_FLAGS) == {
+        "--cpu-device-mode",
+        "--group-by",
+        "--reserved-cpus",
+        "--hostname-override",
+        "--sysfs-overlay",
+    }
+
+
+def test_our_node_name_flag_is_not_deprecated() -> None:
+    assert _go_load(["--node-name=n", "--v=2"]).notices == ()
+
+
+def test_an_empty_config_flag_means_no_file() -> None:
+    assert _go_load(["--config=", "--node-name=n"]) == Config(node_name="n")
+
+
+def test_sysfs_overlay_is_a_file_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert _go_load(["--node-name=n", "--sysfs-overlay=o.yaml"]).sysfs_overlay == (
+        tmp_path / "o.yaml"
+    )
+    path = _file(tmp_path, "sysfsOverlay: /etc/dracpu/overlay.yaml\n")
+    assert _go_load(["--node-name=n", "--config", path]).sysfs_overlay == Path(
+        "/etc/dracpu/overlay.yaml"
+    )
+    assert _go_load(["--node-name=n", "--sysfs-overlay="]).sysfs_overlay is None
+
+
+def test_vmodule_is_parsed_in_order() -> None:
+    config = _go_load(["--node-name=n", "-vmodule=nri_plugin=4,tasks/*=2, state_owner=0"])
+    assert config.vmodule == (("nri_plugin", 4), ("tasks/*", 2), ("state_owner", 0))
+
+
+def test_a_file_setting_is_overridden_by_a_deprecated_flag(tmp_path: Path) -> None:
+    path = _file(tmp_path, "apiVersion: v1alpha1\ngroupBy: socket\nreservedCPUs: '0'\n")
+    config = _go_load(["--config", path, "--node-name=n", "--reserved-cpus=2-3"])
+    assert (config.group_by, config.reserved_cpus) == (GroupBy.SOCKET, CpuSet.parse("2-3"))

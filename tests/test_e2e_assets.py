@@ -51,6 +51,7 @@ from tests.e2e.workloads import (
     probe_pod,
     shared_pod,
 )
+from tests.kustomize import build
 
 E2E = REPO / "tests" / "e2e"
 RUN_SH = E2E / "run.sh"
@@ -209,7 +210,8 @@ def test_overlay_never_pulls_and_containerfile_builds_the_daemon() -> None:
         "value": "Never",
     } in ops
     containerfile = (REPO / "Containerfile").read_text()
-    assert re.search(r'^ENTRYPOINT \["dracpu"\]$', containerfile, re.MULTILINE)
+    assert re.search(r'^CMD \["/dracpu"\]$', containerfile, re.MULTILINE)
+    assert "ENTRYPOINT" not in containerfile  # upstream's chart runs args[0] = /dracpu
     assert '-f "$context/Containerfile"' in RUN_SH.read_text()
 
 
@@ -249,9 +251,11 @@ def test_kind_nodes_run_one_pinned_image_that_knows_the_gates() -> None:
 def test_containerd_patch_enables_nri_and_cdi_where_the_daemonset_looks() -> None:
     daemonset = yaml.safe_load(BASE_DAEMONSET.read_text())
     pod = daemonset["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
     host_paths = {
-        m["mountPath"]: {v["name"]: v for v in pod["volumes"]}[m["name"]]["hostPath"]["path"]
+        m["mountPath"]: volumes[m["name"]]["hostPath"]["path"]
         for m in pod["containers"][0]["volumeMounts"]
+        if "hostPath" in volumes[m["name"]]
     }
     patches = [tomllib.loads(p) for p in _kind_config()["containerdConfigPatches"]]
     merged: dict[str, Any] = {}
@@ -273,16 +277,15 @@ def test_containerd_patch_enables_nri_and_cdi_where_the_daemonset_looks() -> Non
     args = " ".join(_overlay_args())
     assert "--nri-socket" not in args
     assert "--cdi-dir" not in args
+    (configmap,) = [o for o in build(OVERLAY) if o["kind"] == "ConfigMap"]
+    assert not {"nriSocket", "cdiDir"} & set(yaml.safe_load(configmap["data"]["config.yaml"]))
 
 
 def _overlay_args() -> list[str]:
-    kustomization = yaml.safe_load((OVERLAY / "kustomization.yaml").read_text())
-    for patch in kustomization["patches"]:
-        for op in yaml.safe_load(patch["patch"]):
-            if op["path"].endswith("/args"):
-                args: list[str] = op["value"]
-                return args
-    raise AssertionError("the kind overlay sets no args")
+    (daemonset,) = [o for o in build(OVERLAY) if o["kind"] == "DaemonSet"]
+    container = daemonset["spec"]["template"]["spec"]["containers"][0]
+    args: list[str] = container["command"] + container.get("args", [])
+    return args
 
 
 def test_kubelet_leaves_cpus_to_dracpu_and_reserves_the_same_cpu() -> None:

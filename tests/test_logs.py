@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from dracpu.logs import setup_logging
+from dracpu.logs import RECENT_LINES, recent_lines, setup_logging
 
 TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
 
@@ -19,6 +19,7 @@ def _restore_logging() -> Iterator[None]:
     ours = logging.getLogger("dracpu")
     handlers, level, our_level = list(root.handlers), root.level, ours.level
     yield
+    setup_logging("text", 0, stream=io.StringIO())  # takes back any -vmodule levels
     root.handlers[:] = handlers
     root.setLevel(level)
     ours.setLevel(our_level)
@@ -117,3 +118,47 @@ def test_watchfiles_chatter_is_quiet_until_library_debug() -> None:
 
     messages = [line.split(": ", 1)[1] for line in out.getvalue().splitlines()]
     assert messages == ["watch failed", "1 change detected"]
+
+
+# --- -vmodule and the recent records --------------------------------------------------------
+
+
+def test_vmodule_sets_single_modules_and_reports_what_matches_nothing() -> None:
+    out = io.StringIO()
+    unmatched = setup_logging(
+        "text",
+        0,
+        stream=out,
+        vmodule=[("nri_plugin", 4), ("tasks/state_*", 2), ("nri_hooks", 6), ("driver", 3)],
+    )
+    assert unmatched == ["nri_hooks", "driver"]  # upstream's Go file names
+    logging.getLogger("dracpu.tasks.nri_plugin").debug("shown")
+    logging.getLogger("dracpu.tasks.state_owner").debug("shown too")
+    logging.getLogger("dracpu.tasks.slice_publisher").debug("hidden at -v=0")
+    lines = out.getvalue().splitlines()
+    assert [line.split(": ", 1)[1] for line in lines] == ["shown", "shown too"]
+    # A later setup without -vmodule takes the per-module levels back.
+    out2 = io.StringIO()
+    assert setup_logging("text", 0, stream=out2) == []
+    logging.getLogger("dracpu.tasks.nri_plugin").debug("hidden now")
+    assert out2.getvalue() == ""
+
+
+def test_vmodule_can_lower_one_module_below_the_global_level() -> None:
+    out = io.StringIO()
+    setup_logging("text", 4, stream=out, vmodule=[("cdi_watcher", 0)])
+    logging.getLogger("dracpu.tasks.cdi_watcher").debug("hidden")
+    logging.getLogger("dracpu.tasks.cdi_files").debug("shown")
+    assert [line.split(": ", 1)[1] for line in out.getvalue().splitlines()] == ["shown"]
+
+
+def test_recent_lines_keep_the_last_records_as_text() -> None:
+    setup_logging("json", 0, stream=io.StringIO())
+    log = logging.getLogger("dracpu.tasks.example")
+    for index in range(RECENT_LINES + 5):
+        log.info("line %d", index, extra={"claim": "c"})
+    lines = recent_lines()
+    assert len(lines) == RECENT_LINES
+    assert TIME.match(lines[-1])
+    assert lines[-1].endswith(f" INFO  dracpu.tasks.example: line {RECENT_LINES + 4}")
+    assert lines[0].endswith(": line 5")

@@ -31,6 +31,8 @@ from hypothesis import strategies as st
 
 from dracpu._gen.dra import v1 as dra_v1
 from dracpu._gen.dra import v1beta1 as dra_v1beta1
+from dracpu._gen.dra_health import v1 as health_v1
+from dracpu._gen.dra_health import v1alpha1 as health_v1alpha1
 from dracpu._gen.pb2.nri.v1alpha1 import api_pb2 as nri_pb2
 from dracpu._gen.pluginregistration import v1 as reg_v1
 from dracpu._gen.podresources import v1 as podres_v1
@@ -43,6 +45,10 @@ GEN_SCRIPT = REPO_ROOT / "scripts" / "gen_proto.py"
 
 G_DRA_V1 = load_pb2("dra/v1/api.proto")
 G_DRA_V1BETA1 = load_pb2("dra/v1beta1/api.proto")
+G_HEALTH = {
+    "v1": (health_v1, load_pb2("dra_health/v1/api.proto")),
+    "v1alpha1": (health_v1alpha1, load_pb2("dra_health/v1alpha1/api.proto")),
+}
 G_REG = load_pb2("pluginregistration/v1/api.proto")
 G_PODRES = load_pb2("podresources/v1/api.proto")
 G_NRI = load_pb2("nri/v1alpha1/api.proto")
@@ -191,7 +197,7 @@ def test_pb2_trees_import_only_inside_their_package(package: str, extra: str | N
         f"from {package}.nri.v1alpha1 import api_pb2\n"
         "from dracpu.sim._pb2.nri.v1alpha1 import api_pb2 as sim_api\n"
         "from dracpu._gen.pb2.nri.v1alpha1 import api_pb2 as daemon_api\n"
-        "tops = {'nri', 'ttrpc', 'dra', 'podresources', 'pluginregistration'}\n"
+        "tops = {'nri', 'ttrpc', 'dra', 'podresources', 'pluginregistration', 'dra_health'}\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in tops or m == 'google.rpc'))\n"
         "status = request_pb2.Response.DESCRIPTOR.fields_by_name['status'].message_type\n"
         "print(status.full_name, api_pb2.DESCRIPTOR.package)\n"
@@ -254,6 +260,13 @@ def test_generated_packages_keep_upstream_proto_packages() -> None:
         "/v1.PodResourcesLister/List",
         "/v1.PodResourcesLister/GetAllocatableResources",
         "/v1.PodResourcesLister/Get",
+    }
+    # Same bare package "v1" as PodResources, apart in Python and in the descriptor pool.
+    assert health_v1.DraResourceHealthBase().__mapping__().keys() == {
+        "/v1.DRAResourceHealth/NodeWatchResources"
+    }
+    assert health_v1alpha1.DraResourceHealthBase().__mapping__().keys() == {
+        "/v1alpha1.DRAResourceHealth/NodeWatchResources"
     }
 
 
@@ -450,6 +463,84 @@ def test_dra_v1beta1_matches_v1_except_share_id() -> None:
     parsed = dra_v1beta1.NodePrepareResourcesResponse.parse(bytes(v1_same))
     assert parsed == ours
     assert not hasattr(parsed.claims["u"].devices[0], "share_id")
+
+
+# --------------------------------------------------------------------------------------------
+# DRA device health messages (k8s.io/kubelet pkg/apis/dra-health/{v1,v1alpha1}/api.proto)
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha1"])
+def test_dra_health_response_round_trip(version: str) -> None:
+    ours, theirs = G_HEALTH[version]
+    assert_same_wire(
+        ours.NodeWatchResourcesResponse(
+            devices=[
+                ours.DeviceHealth(
+                    device=ours.DeviceIdentifier(pool_name="node-a", device_name="cpudevnuma000"),
+                    health=ours.HealthStatus.HEALTHY,
+                    last_updated_time=1_760_000_000,
+                    health_check_timeout_seconds=30,
+                ),
+                ours.DeviceHealth(
+                    device=ours.DeviceIdentifier(pool_name="node-a", device_name="cpudev017"),
+                    health=ours.HealthStatus.UNHEALTHY,
+                    last_updated_time=1_760_000_005,
+                    health_check_timeout_seconds=30,
+                    message="cpu 17 is offline",
+                ),
+            ]
+        ),
+        theirs.NodeWatchResourcesResponse(
+            devices=[
+                theirs.DeviceHealth(
+                    device=theirs.DeviceIdentifier(pool_name="node-a", device_name="cpudevnuma000"),
+                    health=theirs.HEALTHY,
+                    last_updated_time=1_760_000_000,
+                    health_check_timeout_seconds=30,
+                ),
+                theirs.DeviceHealth(
+                    device=theirs.DeviceIdentifier(pool_name="node-a", device_name="cpudev017"),
+                    health=theirs.UNHEALTHY,
+                    last_updated_time=1_760_000_005,
+                    health_check_timeout_seconds=30,
+                    message="cpu 17 is offline",
+                ),
+            ]
+        ),
+    )
+    assert bytes(ours.NodeWatchResourcesRequest()) == b""
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha1"])
+def test_dra_health_field_numbers_are_upstream_s(version: str) -> None:
+    # Written by hand from upstream's api.proto: device = 1 {pool_name = 1, device_name = 2},
+    # health = 2 (UNKNOWN 0, HEALTHY 1, UNHEALTHY 2), last_updated_time = 3,
+    # health_check_timeout_seconds = 4, message = 5; NodeWatchResourcesResponse.devices = 1.
+    ours, theirs = G_HEALTH[version]
+    golden = bytes.fromhex("0a 11 0a 06 0a 01 70 12 01 64 10 02 18 07 20 1e 2a 01 6d")
+    message = ours.NodeWatchResourcesResponse(
+        devices=[
+            ours.DeviceHealth(
+                device=ours.DeviceIdentifier(pool_name="p", device_name="d"),
+                health=ours.HealthStatus.UNHEALTHY,
+                last_updated_time=7,
+                health_check_timeout_seconds=30,
+                message="m",
+            )
+        ]
+    )
+    assert bytes(message).hex(" ") == golden.hex(" ")
+    assert _gparse(theirs.NodeWatchResourcesResponse, golden).devices[0].message == "m"
+    assert {v.name: v.number for v in theirs.HealthStatus.DESCRIPTOR.values} == {
+        "UNKNOWN": 0,
+        "HEALTHY": 1,
+        "UNHEALTHY": 2,
+    }
+    assert {h.name: h.value for h in ours.HealthStatus} == {
+        "UNKNOWN": 0,
+        "HEALTHY": 1,
+        "UNHEALTHY": 2,
+    }
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,4 +1,11 @@
-"""The ``dracpu`` command: ``inspect``, ``plan``, ``run`` and ``sim`` (design §5).
+"""The ``dracpu`` command: the driver, and ``inspect``, ``plan``, ``sim``, ``gatherinfo``,
+``introspect``.
+
+Invoked as upstream's binary is (kubernetes-sigs/dra-driver-cpu ``cmd/dracpu/app.go``):
+``dracpu [flags]`` with no subcommand runs the driver, exactly as ``dracpu run [flags]``, with
+Go-style flags (``-v=4``, ``--v=4``, ``-kubeconfig x``; root flags cannot be combined with a
+subcommand); under the name ``dracpu-gatherinfo`` (upstream's alias) it is
+``dracpu gatherinfo``. The image links ``/dracpu`` and ``/dracpu-gatherinfo`` to this command.
 
 Bad flags, config values or sysfs contents end with one line on stderr and exit code 2; a plan
 that cannot be met exits 1. Nothing here does work of its own: it parses, calls the library, and
@@ -9,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import socket
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
@@ -21,9 +30,16 @@ from dracpu.errors import AllocationError, DracpuError
 
 __all__ = ["main"]
 
+logger = logging.getLogger(__name__)
+
 # Exit codes: 2 for bad input (argparse's own convention), 1 for a request that cannot be met.
 EXIT_USAGE = 2
 EXIT_UNSATISFIABLE = 1
+
+SUBCOMMANDS = ("inspect", "plan", "run", "sim", "gatherinfo", "introspect")
+# Upstream's image also has the binary as /dracpu-gatherinfo, which runs `dracpu gatherinfo`.
+GATHERINFO_ALIAS = "dracpu-gatherinfo"
+_HELP_OR_VERSION = ("-h", "--help", "--version")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -47,7 +63,13 @@ def _build_parser() -> argparse.ArgumentParser:
     from dracpu.core.allocator import Strategy
     from dracpu.core.slices import CpuDeviceMode, GroupBy
 
-    parser = _Parser(prog="dracpu", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = _Parser(
+        prog="dracpu",
+        description="A Kubernetes DRA driver for exclusive, topology-aligned CPUs "
+        "(a drop-in for kubernetes-sigs/dra-driver-cpu).",
+        epilog="`dracpu [flags]` without a subcommand runs the driver, as `dracpu run [flags]` "
+        "does (`dracpu run -h` lists the flags).",
+    )
     parser.add_argument("--version", action="version", version=f"dracpu {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -81,6 +103,16 @@ def _build_parser() -> argparse.ArgumentParser:
     inspect.add_argument(
         "--node-name", default=None, help="node (and pool) name; default: NODE_NAME or the hostname"
     )
+    inspect.add_argument(
+        "--expose-pcie-roots",
+        action="store_true",
+        help="read the PCIe roots and publish them (the daemon's flag)",
+    )
+    inspect.add_argument(
+        "--publish-node-allocatable-resource-mapping",
+        action="store_true",
+        help="publish KEP-5517 nodeAllocatableResources (config publishNodeAllocatable...)",
+    )
     inspect.add_argument("-o", "--output", choices=["text", "yaml", "json"], default="text")
 
     plan = sub.add_parser("plan", help="show which CPUs a grouped claim of N CPUs would get")
@@ -99,8 +131,36 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--full-cores", action="store_true", help="never split a physical core")
     plan.add_argument("-o", "--output", choices=["text", "json"], default="text")
 
-    run = sub.add_parser("run", help="run the driver daemon (what the DaemonSet runs)")
-    add_run_arguments(run)
+    run = sub.add_parser(
+        "run",
+        help="run the driver daemon (what the DaemonSet runs; also `dracpu [flags]`)",
+        allow_abbrev=False,  # Go's flag package takes no abbreviations
+    )
+    parser.set_defaults(run_flags=add_run_arguments(run))
+
+    gather = sub.add_parser(
+        "gatherinfo",
+        help="collect what a bug report needs from the running driver (upstream's report, "
+        "plus the checkpoint, CDI specs, pins and recent log)",
+    )
+    where = gather.add_mutually_exclusive_group()
+    where.add_argument(
+        "--output-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write the report into DIR (default: a new temporary file)",
+    )
+    where.add_argument("--stdout", action="store_true", help="write the report to stdout")
+    gather.add_argument(
+        "--pid",
+        type=int,
+        default=None,
+        help="the driver's process (default: the process named dracpu)",
+    )
+    introspect = sub.add_parser("introspect", help="describe the driver without running it")
+    what = introspect.add_subparsers(dest="what", required=True, parser_class=_Parser)
+    what.add_parser("metrics", help="the dra_cpu_* metrics as JSON (upstream's format)")
 
     sim = sub.add_parser(
         "sim", help="run the real daemon on a simulated node and walk one claim through it"
@@ -141,10 +201,16 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
     from dracpu.adapters.sysfs import read_topology
     from dracpu.core.cpuset import CpuSet
-    from dracpu.core.slices import CpuDeviceMode, GroupBy, build_resource_slices, published_devices
+    from dracpu.core.slices import (
+        CpuDeviceMode,
+        GroupBy,
+        SliceOptions,
+        build_resource_slices,
+        published_devices,
+    )
     from dracpu.core.topology_map import render_map
 
-    topology = read_topology(args.host_root)
+    topology = read_topology(args.host_root, pcie_roots=args.expose_pcie_roots)
     reserved = args.reserved_cpus or CpuSet()
     devices = published_devices(
         topology,
@@ -152,7 +218,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         mode=CpuDeviceMode(args.cpu_device_mode),
         group_by=GroupBy(args.group_by),
     )
-    slices = build_resource_slices(_node_name(args.node_name), devices)
+    options = SliceOptions(
+        node_allocatable=args.publish_node_allocatable_resource_mapping,
+        expose_pcie_roots=args.expose_pcie_roots,
+    )
+    slices = build_resource_slices(_node_name(args.node_name), devices, options=options)
     if args.output == "json":
         print(json.dumps(slices, indent=2))
     elif args.output == "yaml":
@@ -160,7 +230,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
         print(yaml.dump_all(slices, Dumper=dumper, sort_keys=False), end="")
     else:
-        print(render_map(topology, reserved=reserved, devices=devices, slices=slices), end="")
+        text = render_map(
+            topology, reserved=reserved, devices=devices, slices=slices, options=options
+        )
+        print(text, end="")
     return 0
 
 
@@ -194,17 +267,66 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from dracpu.adapters.mounts import volatile_reason
+    from dracpu.adapters.sysfs_overlay import OVERLAY_DIR, build_overlay_root, load_overlay
     from dracpu.config import load_config
     from dracpu.daemon import main as daemon_main
+    from dracpu.logs import setup_logging
 
     config = load_config(args, os.environ)
+    unmatched = setup_logging(config.log_format, config.verbosity, vmodule=config.vmodule)
+    for notice in config.notices:
+        logger.warning("%s", notice)
+    if unmatched:
+        logger.warning(
+            "-vmodule: %s match no module of dracpu (Go file names do not); ignored",
+            ", ".join(unmatched),
+        )
+    reason = volatile_reason(config.state_dir)
+    if reason is not None:
+        logger.warning(
+            "--state-dir %s does not outlive this pod (%s): prepared claims will not survive "
+            "a pod restart; mount a hostPath there, as deploy/ does",
+            config.state_dir,
+            reason,
+        )
+    if config.sysfs_overlay is not None:
+        overlay = load_overlay(config.sysfs_overlay)
+        root = build_overlay_root(config.host_root, overlay, config.state_dir / OVERLAY_DIR)
+        logger.info(
+            "sysfs overlay %s: %d file(s) laid over %s/sys, read from %s",
+            config.sysfs_overlay,
+            len(overlay.files),
+            config.host_root,
+            root,
+        )
+        config = replace(config, host_root=root)
     return daemon_main(config)
+
+
+def _cmd_gatherinfo(args: argparse.Namespace) -> int:
+    from dracpu.diagnostics.gatherinfo import gather
+
+    return gather(output_dir=args.output_dir, stdout=args.stdout, pid=args.pid)
+
+
+def _cmd_introspect(args: argparse.Namespace) -> int:
+    from dracpu.tasks.dra_cpu_metrics import descriptors
+
+    print(json.dumps(descriptors(), indent=2))
+    return 0
 
 
 def _cmd_sim(args: argparse.Namespace) -> int:
     from dracpu.core.slices import CpuDeviceMode, GroupBy
-    from dracpu.sim.demo import DemoOptions
-    from dracpu.sim.demo import main as demo_main
+
+    try:
+        from dracpu.sim.demo import DemoOptions
+        from dracpu.sim.demo import main as demo_main
+    except ImportError as exc:  # the image leaves the simulator and its peers out
+        raise DracpuError(
+            f"the simulator is not installed here ({exc}); run `scripts/dracpu sim` from a checkout"
+        ) from exc
 
     options = DemoOptions(
         topology=args.topology,
@@ -220,10 +342,42 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     return demo_main(options, output=args.output)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _driver_argv(argv: Sequence[str], prog: str) -> list[str]:
+    """The argument list with the subcommand upstream's invocations imply made explicit:
+    ``dracpu-gatherinfo ...`` is ``gatherinfo ...``; flags (or nothing) alone are ``run``."""
+    if os.path.basename(prog) == GATHERINFO_ALIAS:
+        return ["gatherinfo", *argv]
+    if not argv or (argv[0].startswith("-") and argv[0] not in _HELP_OR_VERSION):
+        return ["run", *argv]
+    return list(argv)
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
+    """The command. ``argv``: the arguments (default ``sys.argv[1:]``); ``prog``: the name it
+    was invoked as (default ``sys.argv[0]``)."""
+    words = _driver_argv(
+        sys.argv[1:] if argv is None else argv, sys.argv[0] if prog is None else prog
+    )
     parser = _build_parser()
-    args = parser.parse_args(argv)
-    handlers = {"inspect": _cmd_inspect, "plan": _cmd_plan, "run": _cmd_run, "sim": _cmd_sim}
+    if words[0] == "run":
+        from dracpu.config import go_style_flags
+
+        words = ["run", *go_style_flags(words[1:], parser.get_default("run_flags"))]
+    args, extra = parser.parse_known_args(words)
+    if extra:
+        if args.command == "run" and extra[0] in SUBCOMMANDS:
+            parser.exit(
+                EXIT_USAGE, "dracpu: error: root flags cannot be combined with subcommands\n"
+            )
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    handlers = {
+        "inspect": _cmd_inspect,
+        "plan": _cmd_plan,
+        "run": _cmd_run,
+        "sim": _cmd_sim,
+        "gatherinfo": _cmd_gatherinfo,
+        "introspect": _cmd_introspect,
+    }
     handler = handlers[args.command]
     try:
         return handler(args)

@@ -1,29 +1,39 @@
-"""Settings of ``dracpu run``: flags, environment and the YAML config file (design §5).
+"""Settings of ``dracpu run``: flags, environment and the YAML config file.
 
 Precedence, lowest first::
 
     built-in defaults  <  environment (NODE_NAME, KUBECONFIG, HOST_ROOT)  <  config file  <  flags
 
 Only flags given *explicitly* on the command line override the file: every ``run`` flag has the
-argparse default ``SUPPRESS``, so an absent flag is absent from the namespace (upstream does the
-same with ``flag.Visit``). The environment behaves like a flag *default*: it is what the
-DaemonSet's pod spec injects for every node (``NODE_NAME`` from the downward API, ``HOST_ROOT``),
-so an operator's config file or an explicit flag is the more deliberate choice and wins over it.
-Upstream reads ``HOST_ROOT`` only from the environment; we also accept ``--host-root`` and the key
-``hostRoot``. An empty ``NODE_NAME``, ``KUBECONFIG``, ``hostnameOverride`` or ``kubeconfig`` means
-"not given" (as an empty Go string does upstream), and so does a YAML ``null`` for any key.
+argparse default ``SUPPRESS``, so an absent flag is absent from the namespace (upstream's
+``driverconfig.FromFlags`` does the same with ``flag.Visit``). The environment behaves like a
+flag *default*: it is what the DaemonSet's pod spec injects for every node (``NODE_NAME`` from
+the downward API, ``HOST_ROOT``), so an operator's config file or an explicit flag is the more
+deliberate choice and wins over it. Upstream reads ``HOST_ROOT`` only from the environment; we
+also accept ``--host-root`` and the key ``hostRoot``. An empty ``NODE_NAME``, ``KUBECONFIG``,
+``hostnameOverride``, ``kubeconfig`` or ``sysfsOverlay`` means "not given" (as an empty Go
+string does upstream), and so does a YAML ``null`` for any key.
 
-The config file is a YAML mapping. Upstream's keys keep their meaning: ``cpuDeviceMode``,
-``groupBy``, ``reservedCPUs``, ``hostnameOverride``, ``kubeconfig`` and the optional
-``apiVersion: v1alpha1``. Upstream's ``exposePCIeRoots``, ``sysfsOverlay`` and
-``publishNodeAllocatableResourceMapping`` are accepted only with their "off" value (so an
-upstream file that spells its defaults still loads) and refused otherwise, since dracpu does not
-implement them. Every other ``run`` flag has a camelCase key of its own (``kubeletRootDir``,
-``cdiDir``, ``nriSocket``, ``stateDir``, ``hostRoot``, ``bindAddress``, ``logFormat``,
-``verbosity``, ``memoryPinning``, ``nriPluginName``, ``nriPluginIndex``); upstream refuses
-``bindAddress`` and ``kubeletRootDir`` in the file, we accept them (design §5: every flag is also
-settable in the file). Unknown keys, keys that differ from ours only by case, duplicate keys and
-values of the wrong YAML type are errors.
+Flags are spelled as Go's ``flag`` package takes them (upstream's binary): ``-name`` or
+``--name``, ``=value`` or a separate value, a boolean alone means true (:func:`go_style_flags`
+turns the single-dash long form into argparse's). Upstream deprecated five flags in favour of
+config-file keys (``internal/driverconfig/load.go`` ``deprecatedFlags``): ``--cpu-device-mode``,
+``--group-by``, ``--reserved-cpus``, ``--hostname-override``, ``--sysfs-overlay``. They keep
+working; each one given adds a line to :attr:`Config.notices`, which the daemon logs once.
+
+The config file is upstream's (``internal/driverconfig``): a flat YAML mapping with the optional
+``apiVersion: v1alpha1`` and the keys ``cpuDeviceMode``, ``groupBy``, ``reservedCPUs``,
+``hostnameOverride``, ``kubeconfig``, ``sysfsOverlay`` (a YAML file of sysfs paths and contents
+laid over the host's sysfs, :mod:`dracpu.adapters.sysfs_overlay`),
+``publishNodeAllocatableResourceMapping`` and ``allocator`` (``cpumanager``, the kubelet-style
+topology-aware allocator, which is ours; ``external``, a cpuset per request from the claim's
+opaque config, is refused: dracpu does not implement it). Upstream refuses ``bindAddress``,
+``exposePCIeRoots`` and ``kubeletRootDir`` in the file (``schemaExcludedFields``: the Helm chart
+renders them as flags, next to the mounts that must match), and so do we, naming the flag to
+use. Our own settings have camelCase keys of their own (``cdiDir``, ``nriSocket``, ``stateDir``,
+``hostRoot``, ``logFormat``, ``verbosity``, ``memoryPinning``, ``nriPluginName``,
+``nriPluginIndex``). Unknown keys, keys spelled with another case, duplicate keys and values of
+the wrong YAML type are errors; every bad key of a file is named in the one error line.
 
 The node name falls back to the lower-cased host name when neither ``--node-name`` (alias
 ``--hostname-override``), ``NODE_NAME`` nor ``hostnameOverride`` gives one: the kubelet
@@ -44,9 +54,10 @@ import json
 import os
 import re
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Literal, NoReturn
 
 import yaml
@@ -57,13 +68,18 @@ from dracpu.core.slices import CpuDeviceMode, GroupBy
 from dracpu.errors import ConfigError, DracpuError
 
 __all__ = [
+    "ALLOCATOR_CPUMANAGER",
+    "ALLOCATOR_EXTERNAL",
     "CONFIG_API_VERSION",
+    "DEPRECATED_FLAGS",
     "UNIX_PATH_MAX",
     "BindAddress",
     "Config",
     "LogFormat",
     "add_run_arguments",
+    "go_style_flags",
     "load_config",
+    "read_yaml_mapping",
 ]
 
 LogFormat = Literal["text", "json"]
@@ -109,6 +125,27 @@ _HOSTNAME = re.compile(
 # Go's strconv.ParseBool, which upstream's boolean flags use.
 _GO_TRUE = frozenset({"1", "t", "T", "TRUE", "true", "True"})
 _GO_FALSE = frozenset({"0", "f", "F", "FALSE", "false", "False"})
+
+# The flags upstream deprecated in favour of a config-file key (internal/driverconfig/load.go
+# deprecatedFlags, kubernetes-sigs/dra-driver-cpu#245): flag -> the key that replaces it.
+DEPRECATED_FLAGS: Mapping[str, str] = MappingProxyType(
+    {
+        "--cpu-device-mode": "cpuDeviceMode",
+        "--group-by": "groupBy",
+        "--reserved-cpus": "reservedCPUs",
+        "--hostname-override": "hostnameOverride",
+        "--sysfs-overlay": "sysfsOverlay",
+    }
+)
+
+# The values of upstream's ``allocator`` key (kubernetes-sigs/dra-driver-cpu#229,
+# internal/driverconfig/config.go AllocatorCPUManager / AllocatorExternal).
+ALLOCATOR_CPUMANAGER = "cpumanager"
+ALLOCATOR_EXTERNAL = "external"
+
+# klog's -vmodule value (k8s.io/klog/v2 moduleSpec.Set): comma-separated ``pattern=N``, the
+# pattern a glob over source file names without ".go".
+_VMODULE_ITEM = re.compile(r"([^=,]+)=([0-9]+)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,12 +214,26 @@ class Config:
     """``text`` for people, ``json`` (one object per line) for log collectors."""
     verbosity: int = 0
     """klog-style level: 0 logs info and above, 1+ also debug, 6+ also libraries' debug."""
+    vmodule: tuple[tuple[str, int], ...] = ()
+    """klog's ``-vmodule``: (glob over module names, verbosity) pairs, in the order given."""
     memory_pinning: bool = False
     """Also pin ``cpuset.mems`` to the NUMA nodes of a claim's CPUs (per-claim override later)."""
     nri_plugin_name: str = DEFAULT_NRI_PLUGIN_NAME
     """Name we register with the runtime's NRI."""
     nri_plugin_index: str = DEFAULT_NRI_PLUGIN_INDEX
     """Two-digit NRI plugin index: the runtime calls plugins in index order."""
+    sysfs_overlay: Path | None = None
+    """A YAML file of sysfs paths and their contents laid over ``<host_root>/sys`` (upstream's
+    ``sysfsOverlay``, for machines whose sysfs lacks the topology); ``None``: none."""
+    expose_pcie_roots: bool = False
+    """Publish ``resource.kubernetes.io/pcieRoot`` (list-typed: the cluster needs
+    ``DRAListTypeAttributes``) and cap slices at 64 devices, as upstream's flag does."""
+    publish_node_allocatable_resource_mapping: bool = False
+    """Publish KEP-5517 ``nodeAllocatableResources`` (``cpu``) on every device (the cluster needs
+    ``DRANodeAllocatableResources``), as upstream's config key does."""
+    notices: tuple[str, ...] = field(default=(), compare=False)
+    """Warnings about how the settings were given (deprecated flags), for the daemon to log
+    once; not compared."""
     node_name_source: str = field(default="", compare=False)
     """Where :attr:`node_name` came from (``--node-name``, ``environment variable NODE_NAME``,
     ``config file <path>: hostnameOverride`` or ``hostname``); for logs, not compared."""
@@ -211,6 +262,15 @@ class Config:
 
 # --- command-line flags -------------------------------------------------------------------------
 
+# Where the parser notes the flags given, in order and as spelled (for the deprecation notices).
+_GIVEN_FLAGS = "given_flags"
+
+
+def _note_flag(namespace: argparse.Namespace, option_string: str | None) -> None:
+    if option_string is not None:
+        given: list[str] = namespace.__dict__.setdefault(_GIVEN_FLAGS, [])
+        given.append(option_string)
+
 
 def _go_bool(text: str) -> bool:
     if text in _GO_TRUE:
@@ -220,8 +280,9 @@ def _go_bool(text: str) -> bool:
     raise ValueError(f"invalid boolean {text!r} (use true or false)")
 
 
-class _GoBoolAction(argparse.Action):
-    """A Go-style boolean flag: ``--flag`` is true, ``--flag=false`` / ``--flag=true`` as given."""
+class _StoreAction(argparse.Action):
+    """``--flag value`` / ``--flag=value``; notes the spelling used. Subclasses convert the
+    value (:meth:`value`)."""
 
     def __call__(
         self,
@@ -230,157 +291,185 @@ class _GoBoolAction(argparse.Action):
         values: str | Sequence[object] | None,
         option_string: str | None = None,
     ) -> None:
+        _note_flag(namespace, option_string)
+        setattr(namespace, self.dest, self.value(namespace, values))
+
+    def value(self, namespace: argparse.Namespace, values: str | Sequence[object] | None) -> object:
+        return values
+
+
+class _GoBoolAction(_StoreAction):
+    """A Go-style boolean flag: ``--flag`` is true, ``--flag=false`` / ``--flag=true`` as given."""
+
+    def value(self, namespace: argparse.Namespace, values: str | Sequence[object] | None) -> object:
         if values is None:
-            setattr(namespace, self.dest, True)
-            return
+            return True
         try:
-            setattr(namespace, self.dest, _go_bool(str(values)))
+            return _go_bool(str(values))
         except ValueError as exc:
             raise argparse.ArgumentError(self, str(exc)) from exc
 
 
-class _VerbosityAction(argparse.Action):
+class _VerbosityAction(_StoreAction):
     """klog's ``-v=N`` / ``--v=N`` / ``-v N``, and also ``-v``, ``-vv``, ... counting up."""
 
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: str | Sequence[object] | None,
-        option_string: str | None = None,
-    ) -> None:
-        current = getattr(namespace, self.dest, 0)
+    def value(self, namespace: argparse.Namespace, values: str | Sequence[object] | None) -> object:
+        current: int = getattr(namespace, self.dest, 0)
         if values is None:
-            setattr(namespace, self.dest, current + 1)
-        elif isinstance(values, str) and values and set(values) == {"v"}:  # -vv arrives as "v"
-            setattr(namespace, self.dest, current + 1 + len(values))
-        elif isinstance(values, str) and values.isascii() and values.isdigit():
-            setattr(namespace, self.dest, int(values))
-        else:
-            raise argparse.ArgumentError(self, f"invalid verbosity {values!r}: use a number >= 0")
+            return current + 1
+        if isinstance(values, str) and values and set(values) == {"v"}:  # -vv arrives as "v"
+            return current + 1 + len(values)
+        if isinstance(values, str) and values.isascii() and values.isdigit():
+            return int(values)
+        raise argparse.ArgumentError(self, f"invalid verbosity {values!r}: use a number >= 0")
 
 
-def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add every ``dracpu run`` flag to ``parser``; none has a default (see the module doc)."""
+def _deprecated(help_text: str, flag: str) -> str:
+    return f"{help_text}; deprecated upstream: set {DEPRECATED_FLAGS[flag]} in the config file"
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> frozenset[str]:
+    """Add every ``dracpu run`` flag to ``parser``; none has a default (see the module doc).
+
+    Returns the long option strings (``--name``), for :func:`go_style_flags`.
+    """
     s = argparse.SUPPRESS
-    parser.add_argument("--config", default=s, metavar="FILE", help="YAML config file")
-    parser.add_argument(
+
+    def flag(*names: str, **options: object) -> None:
+        options.setdefault("action", _StoreAction)
+        parser.add_argument(*names, default=s, **options)  # type: ignore[arg-type]
+
+    flag(
+        "--config",
+        metavar="FILE",
+        help="YAML config file (upstream's keys, see the docs); empty: none",
+    )
+    flag(
         "--node-name",
         "--hostname-override",
         dest="node_name",
-        default=s,
         metavar="NAME",
-        help="node this daemon serves (env NODE_NAME; default: the lower-cased hostname)",
+        help="node this daemon serves (env NODE_NAME; default: the lower-cased hostname); "
+        "--hostname-override is deprecated upstream: set hostnameOverride in the config file",
     )
-    parser.add_argument(
-        "--kubeconfig", default=s, metavar="FILE", help="kubeconfig (env KUBECONFIG; in-cluster)"
-    )
-    parser.add_argument(
+    flag("--kubeconfig", metavar="FILE", help="kubeconfig (env KUBECONFIG; in-cluster)")
+    flag(
         "--cpu-device-mode",
-        default=s,
         metavar="|".join(CpuDeviceMode),
-        help="one device per CPU group with capacity, or one per CPU (default grouped)",
+        help=_deprecated(
+            "one device per CPU group with capacity, or one per CPU (default grouped)",
+            "--cpu-device-mode",
+        ),
     )
-    parser.add_argument(
+    flag(
         "--group-by",
-        default=s,
         metavar="|".join(GroupBy),
-        help="CPU groups of grouped mode (default numanode)",
+        help=_deprecated("CPU groups of grouped mode (default numanode)", "--group-by"),
     )
-    parser.add_argument(
+    flag(
         "--reserved-cpus",
-        default=s,
         metavar="SET",
-        help="CPUs never published nor shared, Linux list syntax e.g. 0-1 (default none)",
+        help=_deprecated(
+            "CPUs never published nor shared, Linux list syntax e.g. 0-1 (default none)",
+            "--reserved-cpus",
+        ),
     )
-    parser.add_argument(
+    flag(
         "--kubelet-root-dir",
-        default=s,
         metavar="DIR",
         help=f"the kubelet's root directory (default {DEFAULT_KUBELET_ROOT_DIR})",
     )
-    parser.add_argument(
-        "--cdi-dir",
-        default=s,
-        metavar="DIR",
-        help=f"CDI spec directory (default {DEFAULT_CDI_DIR})",
-    )
-    parser.add_argument(
+    flag("--cdi-dir", metavar="DIR", help=f"CDI spec directory (default {DEFAULT_CDI_DIR})")
+    flag(
         "--nri-socket",
-        default=s,
         metavar="PATH",
         help=f"the runtime's NRI socket (default {DEFAULT_NRI_SOCKET})",
     )
-    parser.add_argument(
-        "--state-dir",
-        default=s,
-        metavar="DIR",
-        help=f"checkpoint directory (default {DEFAULT_STATE_DIR})",
-    )
-    parser.add_argument(
+    flag("--state-dir", metavar="DIR", help=f"checkpoint directory (default {DEFAULT_STATE_DIR})")
+    flag(
         "--host-root",
-        default=s,
         metavar="DIR",
         help="read sysfs under <host-root>/sys (env HOST_ROOT; default /)",
     )
-    parser.add_argument(
+    flag(
         "--bind-address",
-        default=s,
         metavar="[HOST]:PORT",
         help=f"/healthz, /readyz and /metrics (default {DEFAULT_BIND_ADDRESS})",
     )
-    parser.add_argument(
-        "--log-format", default=s, metavar="|".join(_LOG_FORMATS), help="default text"
-    )
-    parser.add_argument(
+    flag("--log-format", metavar="|".join(_LOG_FORMATS), help="default text")
+    flag(
         "-v",
         "--v",
         dest="verbosity",
         action=_VerbosityAction,
         nargs="?",
-        default=s,
         metavar="N",
         help="log verbosity as klog: -v=4 (or -v, -vv, ...); 1+ logs debug (default 0)",
     )
-    parser.add_argument(
+    flag(
+        "--vmodule",
+        metavar="PATTERN=N,...",
+        help="klog's per-file verbosity; patterns are matched against dracpu's module names",
+    )
+    flag(
         "--memory-pinning",
-        dest="memory_pinning",
         action=_GoBoolAction,
         nargs="?",
-        default=s,
         metavar="BOOL",
         help="also pin cpuset.mems to the claim's NUMA nodes (default false)",
     )
-    parser.add_argument(
+    flag(
         "--nri-plugin-name",
-        default=s,
         metavar="NAME",
         help=f"NRI plugin name (default {DEFAULT_NRI_PLUGIN_NAME})",
     )
-    parser.add_argument(
+    flag(
         "--nri-plugin-index",
-        default=s,
         metavar="NN",
         help=f"two-digit NRI plugin index (default {DEFAULT_NRI_PLUGIN_INDEX})",
     )
-    # Upstream flags we accept for drop-in compatibility (its Helm chart always passes
-    # --expose-pcie-roots=<bool>) but do not implement: only their "off" value is allowed.
-    parser.add_argument(
+    flag(
         "--expose-pcie-roots",
-        dest="expose_pcie_roots",
         action=_GoBoolAction,
         nargs="?",
-        default=s,
         metavar="BOOL",
-        help="upstream compatibility: only false is accepted",
+        help="publish the PCIe roots local to each device's CPUs (default false)",
     )
-    parser.add_argument(
+    flag(
         "--sysfs-overlay",
-        dest="sysfs_overlay",
-        default=s,
         metavar="FILE",
-        help='upstream compatibility: only "" is accepted (use --host-root)',
+        help=_deprecated(
+            "a YAML file of sysfs paths and contents laid over the host's sysfs", "--sysfs-overlay"
+        ),
     )
+    return frozenset(
+        option
+        for action in parser._actions  # the public API has no list of the options added
+        for option in action.option_strings
+        if option.startswith("--")
+    )
+
+
+def go_style_flags(argv: Sequence[str], long_flags: Collection[str]) -> list[str]:
+    """``argv`` with Go's single-dash long flags (``-kubeconfig x``, ``-v=4``,
+    ``-vmodule=a=2``) written with two dashes, as argparse takes them.
+
+    Only a word whose name (before any ``=``) is one of ``long_flags`` without its dashes is
+    rewritten; everything after ``--`` is left alone, like any other word.
+    """
+    out: list[str] = []
+    rest = iter(argv)
+    for word in rest:
+        if word == "--":
+            out.append(word)
+            out.extend(rest)
+            break
+        if word.startswith("-") and not word.startswith("--"):
+            name = word[1:].partition("=")[0]
+            if f"--{name}" in long_flags:
+                word = "-" + word
+        out.append(word)
+    return out
 
 
 # --- loading ------------------------------------------------------------------------------------
@@ -514,27 +603,45 @@ def _nri_plugin_index(raw: object) -> str:
     return text
 
 
-def _unsupported(off: object, what: str) -> Callable[[object], object]:
-    def convert(raw: object) -> object:
-        if raw != off or type(raw) is not type(off):
-            raise _BadValue(f"dracpu does not support {what}; only {_show(off)} is accepted")
-        return raw
+def _vmodule(raw: object) -> tuple[tuple[str, int], ...]:
+    text = _string(raw)
+    if not text:
+        return ()
+    items = []
+    for item in text.split(","):
+        match = _VMODULE_ITEM.fullmatch(item.strip())
+        if match is None:
+            raise _BadValue("expect a comma-separated list of pattern=N (klog's -vmodule)")
+        items.append((match[1], int(match[2])))
+    return tuple(items)
 
-    return convert
+
+def _allocator(raw: object) -> object:
+    text = _string(raw)
+    if text == ALLOCATOR_EXTERNAL:
+        raise _BadValue(
+            "dracpu does not implement the external allocator (a cpuset per request from the "
+            f"claim's opaque config); remove the key or set {_show(ALLOCATOR_CPUMANAGER)}"
+        )
+    if text != ALLOCATOR_CPUMANAGER:
+        raise _BadValue(f"must be {_show(ALLOCATOR_CPUMANAGER)} or {_show(ALLOCATOR_EXTERNAL)}")
+    return text
 
 
 @dataclass(frozen=True, slots=True)
 class _Setting:
     """One setting: its name (the Config field and the argparse ``dest``), its flag, its
     config-file key, the converter of a raw flag / file / environment value, the environment
-    variable if any, and whether it is a Config field (upstream-compatibility settings are not)."""
+    variable if any, whether it is a Config field, and, for a key upstream refuses in the
+    file, what to use instead."""
 
     name: str
     flag: str | None
-    key: str
+    key: str | None
     convert: Callable[[object], object]
     env: str | None = None
     stored: bool = True
+    not_in_file: str | None = None
 
 
 _SETTINGS: tuple[_Setting, ...] = (
@@ -543,41 +650,53 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("cpu_device_mode", "--cpu-device-mode", "cpuDeviceMode", _choice(CpuDeviceMode)),
     _Setting("group_by", "--group-by", "groupBy", _choice(GroupBy)),
     _Setting("reserved_cpus", "--reserved-cpus", "reservedCPUs", _cpuset),
-    _Setting("kubelet_root_dir", "--kubelet-root-dir", "kubeletRootDir", _absolute_path),
+    _Setting(
+        "kubelet_root_dir",
+        "--kubelet-root-dir",
+        "kubeletRootDir",
+        _absolute_path,
+        not_in_file="use --kubelet-root-dir (with the Helm chart: its kubeletRootDir value)",
+    ),
     _Setting("cdi_dir", "--cdi-dir", "cdiDir", _absolute_path),
     _Setting("nri_socket", "--nri-socket", "nriSocket", _absolute_path),
     _Setting("state_dir", "--state-dir", "stateDir", _absolute_path),
     _Setting("host_root", "--host-root", "hostRoot", _absolute_path, env="HOST_ROOT"),
-    _Setting("bind_address", "--bind-address", "bindAddress", _bind_address),
+    _Setting(
+        "bind_address",
+        "--bind-address",
+        "bindAddress",
+        _bind_address,
+        not_in_file="use --bind-address (with the Helm chart: its healthzPort value)",
+    ),
     _Setting("log_format", "--log-format", "logFormat", _log_format),
     _Setting("verbosity", "--v", "verbosity", _verbosity),
+    _Setting("vmodule", "--vmodule", None, _vmodule),
     _Setting("memory_pinning", "--memory-pinning", "memoryPinning", _boolean),
     _Setting("nri_plugin_name", "--nri-plugin-name", "nriPluginName", _nri_plugin_name),
     _Setting("nri_plugin_index", "--nri-plugin-index", "nriPluginIndex", _nri_plugin_index),
+    _Setting("sysfs_overlay", "--sysfs-overlay", "sysfsOverlay", _optional_path),
     _Setting(
         "expose_pcie_roots",
         "--expose-pcie-roots",
         "exposePCIeRoots",
-        _unsupported(False, "PCIe root attributes"),
-        stored=False,
-    ),
-    _Setting(
-        "sysfs_overlay",
-        "--sysfs-overlay",
-        "sysfsOverlay",
-        _unsupported("", "sysfs overlays (use --host-root with a sysfs tree)"),
-        stored=False,
+        _boolean,
+        not_in_file="use --expose-pcie-roots (with the Helm chart: its args.exposePCIeRoots value)",
     ),
     _Setting(
         "publish_node_allocatable_resource_mapping",
         None,
         "publishNodeAllocatableResourceMapping",
-        _unsupported(False, "KEP-5517 node allocatable resource mappings"),
-        stored=False,
+        _boolean,
     ),
+    _Setting("allocator", None, "allocator", _allocator, stored=False),
 )
 
-_FILE_KEYS: frozenset[str] = frozenset({"apiVersion"} | {s.key for s in _SETTINGS})
+_FILE_KEYS: frozenset[str] = frozenset(
+    {"apiVersion"} | {s.key for s in _SETTINGS if s.key is not None}
+)
+_NOT_IN_FILE: Mapping[str, str] = MappingProxyType(
+    {s.key: s.not_in_file for s in _SETTINGS if s.key is not None and s.not_in_file}
+)
 
 
 def _fail(source: str, raw: object, reason: str) -> NoReturn:
@@ -618,8 +737,9 @@ _UniqueKeyLoader.add_constructor(
 )
 
 
-def _read_file(path: str) -> dict[str, object]:
-    where = f"config file {path}"
+def read_yaml_mapping(path: str, where: str) -> dict[object, object]:
+    """The YAML mapping in ``path`` (duplicate keys refused, ``{}`` for an empty file);
+    :class:`ConfigError` starting with ``where`` otherwise."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -633,21 +753,39 @@ def _read_file(path: str) -> dict[str, object]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: must be a mapping of keys to values, not {_yaml_type(data)}")
-    bad_keys = sorted((str(k) for k in data if k not in _FILE_KEYS), key=str)
-    if bad_keys:
-        raise ConfigError(f"{where}: " + "; ".join(_unknown_key(k) for k in bad_keys))
+    return data
+
+
+def _read_file(path: str) -> dict[str, object]:
+    where = f"config file {path}"
+    data = read_yaml_mapping(path, where)
     version = data.get("apiVersion", CONFIG_API_VERSION)
     if version != CONFIG_API_VERSION:
         raise ConfigError(
             f"{where}: apiVersion: invalid value {_show(version)}: "
             f"must be {_show(CONFIG_API_VERSION)}"
         )
+    problems = [
+        problem
+        for key in sorted((str(k) for k in data), key=str)
+        if (problem := _key_problem(key)) is not None
+    ]
+    if problems:
+        raise ConfigError(f"{where}: " + "; ".join(problems))
     return {str(k): v for k, v in data.items() if k != "apiVersion"}
 
 
-def _unknown_key(key: str) -> str:
-    folded = [k for k in sorted(_FILE_KEYS) if k.lower() == key.lower()]
-    close = folded or difflib.get_close_matches(key, sorted(_FILE_KEYS), n=1)
+def _key_problem(key: str) -> str | None:
+    """Why ``key`` may not be in a config file (upstream's ``rejectNonCanonicalKeys``,
+    ``rejectExcludedFields`` and unknown fields), or ``None``."""
+    folded = next((k for k in sorted(_FILE_KEYS) if k.lower() == key.lower()), None)
+    if folded is not None and folded in _NOT_IN_FILE:
+        return f"key {_show(key)} is not settable in the config file; {_NOT_IN_FILE[folded]}"
+    if key in _FILE_KEYS:
+        return None
+    if folded is not None:
+        return f"key {_show(key)} is spelled differently from the schema; use {_show(folded)}"
+    close = difflib.get_close_matches(key, sorted(_FILE_KEYS), n=1)
     hint = f" (did you mean {_show(close[0])}?)" if close else ""
     return f"unknown key {_show(key)}{hint}"
 
@@ -684,17 +822,23 @@ def load_config(
     for setting in _SETTINGS:
         if setting.env is not None and environ.get(setting.env):
             take(setting, environ[setting.env], f"environment variable {setting.env}")
-    config_file = getattr(args, "config", None)
-    if config_file is not None:
-        if not config_file:
-            raise ConfigError('--config: invalid value "": give the path of a YAML file')
+    config_file = getattr(args, "config", "")
+    if config_file:  # upstream: an empty --config means no file
         data = _read_file(config_file)
         for setting in _SETTINGS:
-            if setting.key in data and data[setting.key] is not None:
-                take(setting, data[setting.key], f"config file {config_file}: {setting.key}")
+            key = setting.key
+            if key is not None and data.get(key) is not None:
+                take(setting, data[key], f"config file {config_file}: {key}")
     for setting in _SETTINGS:
         if setting.flag is not None and hasattr(args, setting.name):
             take(setting, getattr(args, setting.name), setting.flag)
+    given = dict.fromkeys(getattr(args, _GIVEN_FLAGS, ()))
+    notices = tuple(
+        f"flag {flag} is deprecated (as upstream); set {DEPRECATED_FLAGS[flag]} in the "
+        "config file instead"
+        for flag in given
+        if flag in DEPRECATED_FLAGS
+    )
 
     if "node_name" not in values:
         # The kubelet's default node name (k8s.io/component-helpers nodeutil.GetHostname):
@@ -706,7 +850,9 @@ def load_config(
             "no node name: give --node-name (or --hostname-override), set NODE_NAME, "
             "or set hostnameOverride in the config file (the host name is empty)"
         )
-    config = Config(**values, node_name_source=sources["node_name"])  # type: ignore[arg-type]
+    values["node_name_source"] = sources["node_name"]
+    values["notices"] = notices
+    config = Config(**values)  # type: ignore[arg-type]
     _check_socket_paths(config, sources)
     return config
 

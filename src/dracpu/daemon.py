@@ -9,13 +9,15 @@ tasks, in this order:
 2. ``state-owner``: restores the node (topology, checkpoint, CDI specs: see
    :class:`~dracpu.tasks.state_owner.StateOwner`) before it reports ready, then is the one
    task that changes node state;
-3. ``http``: ``/healthz``, ``/readyz``, ``/metrics``;
+3. ``http``: ``/healthz``, ``/readyz``, ``/metrics`` (ours and upstream's ``dra_cpu_*``);
+   ``debug-dump``: writes ``<state-dir>/debug-dump.json`` at each SIGUSR1 (``gatherinfo``);
 4. ``cdi-watcher``: puts back CDI specs someone deleted or edited, removes orphans;
-5. ``kubelet-plugin``: the DRA socket (Prepare / Unprepare);
-6. ``registration``: the plugin-registration socket, once the DRA socket serves (the kubelet
+5. ``device-health``: reads the online CPUs every second, for the devices' health;
+6. ``kubelet-plugin``: the DRA socket (Prepare / Unprepare, the devices' health);
+7. ``registration``: the plugin-registration socket, once the DRA socket serves (the kubelet
    connects to the endpoint as soon as it has our answer);
-7. ``nri-plugin``: pins containers through the runtime's NRI socket, reconnecting by itself;
-8. ``slice-publisher``: publishes the devices as ResourceSlices, retrying API errors itself.
+8. ``nri-plugin``: pins containers through the runtime's NRI socket, reconnecting by itself;
+9. ``slice-publisher``: publishes the devices as ResourceSlices, retrying API errors itself.
 
 The Kubernetes client is opened once, before the tasks (in-cluster, or ``--kubeconfig``), and
 shared by the kubelet plugin (claims) and the slice publisher.
@@ -29,9 +31,10 @@ yet.)
 
 Each task is started with ``await tg.start(...)``; once it calls ``task_status.started()`` its
 readiness flag turns ready, and ``/readyz`` answers 200 when all have. A task may later report
-not ready through its :class:`~dracpu.tasks.http.ReadinessFlag`. One flag is not a task's:
+not ready through its :class:`~dracpu.tasks.http.ReadinessFlag`. Two flags are not a task's:
 ``kubelet-registration`` turns ready when the kubelet reports that it registered the plugin, and
-not ready when it refuses it.
+not ready when it refuses it; ``cdi-dir`` is ready while specs can be written into the CDI dir
+(the CDI watcher waits out a read-only, full or missing dir, saying why).
 
 Stopping (SIGTERM/SIGINT, or a task failure): ``/readyz`` turns 503, then the tasks are
 cancelled one by one in REVERSE start order, each awaited, so the request sources stop before
@@ -64,10 +67,14 @@ from dracpu import __version__
 from dracpu.adapters.kube import KubeClient, open_kube_client
 from dracpu.config import Config
 from dracpu.core.commands import Command
+from dracpu.core.slices import SliceOptions
+from dracpu.core.state_values import NodeState
 from dracpu.errors import DracpuError, leaf_errors
 from dracpu.logs import setup_logging
 from dracpu.tasks import (
     cdi_watcher,
+    debug_dump,
+    device_health,
     http,
     kubelet_plugin,
     metrics,
@@ -77,6 +84,7 @@ from dracpu.tasks import (
     slice_publisher,
     state_owner,
 )
+from dracpu.tasks.dra_cpu_metrics import DraCpuMetrics
 from dracpu.tasks.http import Readiness
 from dracpu.tasks.nri_link import NriLink
 from dracpu.tasks.state_owner import Request, StateOwner
@@ -85,6 +93,7 @@ __all__ = [
     "EXIT_FAILURE",
     "EXIT_INTERRUPTED",
     "EXIT_OK",
+    "CDI_DIR",
     "KUBELET_REGISTRATION",
     "STOP_TIMEOUT",
     "Shutdown",
@@ -107,6 +116,8 @@ STOP_TIMEOUT = 4.5
 
 # The readiness flag that follows the kubelet's registration verdict (not a task's flag).
 KUBELET_REGISTRATION = "kubelet-registration"
+# The readiness flag that says whether CDI specs can be written (the CDI watcher's verdict).
+CDI_DIR = "cdi-dir"
 
 
 class TaskRun(Protocol):
@@ -255,6 +266,7 @@ async def serve(
                     running.append(task)
                     readiness.flag(spec.name).set_ready()
                 logger.info("dracpu %s is running (%d tasks)", __version__, len(running))
+                readiness.set_started()
                 if on_running is not None:
                     on_running()
             await shutdown.wait()
@@ -317,6 +329,14 @@ class _Node:
         self.owner = StateOwner(
             config, receive, republish=self.republish_send, container_updates=self.link.submit
         )
+        self.metrics = DraCpuMetrics(self.node_state)
+
+    def node_state(self) -> NodeState | None:
+        """The state owner's committed state, ``None`` until the owner has restored the node."""
+        try:
+            return self.owner.state
+        except DracpuError:
+            return None
 
     def close(self) -> None:
         self.republish_send.close()
@@ -326,8 +346,9 @@ class _Node:
         await signals.run(self.send.clone(), self.shutdown.request, task_status=task_status)
 
     async def run_cdi_watcher(self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
+        health = self.readiness.flag(CDI_DIR, reason="the CDI dir has not been tried yet")
         await cdi_watcher.run(
-            self.config.cdi_dir, self.owner.desired_specs, task_status=task_status
+            self.config.cdi_dir, self.owner.desired_specs, health=health, task_status=task_status
         )
 
     async def run_kubelet_plugin(
@@ -339,7 +360,20 @@ class _Node:
             self.send.clone(),
             self.kube,
             config.node_name,
+            metrics=self.metrics,
+            health=self.owner.health,
             task_status=task_status,
+        )
+
+    async def run_debug_dump(self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
+        path = self.config.state_dir / debug_dump.DUMP_FILE
+        await debug_dump.run(self.node_state, path, task_status=task_status)
+
+    async def run_device_health(
+        self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED
+    ) -> None:
+        await device_health.watch_online(
+            self.config.host_root, self.owner.health, task_status=task_status
         )
 
     async def run_registration(self, *, task_status: TaskStatus[Any] = TASK_STATUS_IGNORED) -> None:
@@ -363,21 +397,29 @@ class _Node:
     async def run_slice_publisher(
         self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED
     ) -> None:
+        options = SliceOptions(
+            node_allocatable=self.config.publish_node_allocatable_resource_mapping,
+            expose_pcie_roots=self.config.expose_pcie_roots,
+        )
         await slice_publisher.run(
             self.kube,
             self.config.node_name,
             self.owner.devices,
+            options=options,
             republish=self.republish_receive.clone(),
             task_status=task_status,
         )
 
     def tasks(self) -> list[TaskSpec]:
         registry = metrics.build_registry(self.readiness, self.owner.statistics, self.link.status)
+        registry.register(self.metrics)
         return [
             TaskSpec("signals", self.run_signals),
             TaskSpec("state-owner", self.owner.run),
             TaskSpec("http", partial(http.run, self.config.bind_address, self.readiness, registry)),
+            TaskSpec("debug-dump", self.run_debug_dump),
             TaskSpec("cdi-watcher", self.run_cdi_watcher),
+            TaskSpec("device-health", self.run_device_health),
             TaskSpec("kubelet-plugin", self.run_kubelet_plugin),
             TaskSpec("registration", self.run_registration),
             TaskSpec("nri-plugin", self.run_nri_plugin),
@@ -429,7 +471,7 @@ def main(config: Config) -> int:
 
 
 def _main(config: Config) -> int:
-    setup_logging(config.log_format, config.verbosity)
+    setup_logging(config.log_format, config.verbosity, vmodule=config.vmodule)
     logger.info(
         "dracpu %s starting on node %s (node name from %s; %s devices, group by %s, "
         "reserved cpus %s)",

@@ -2,7 +2,7 @@
 
 Every error we raise on purpose is a :class:`DracpuError`. Library exceptions are translated at
 the adapter that calls the library (``raise SomeDracpuError(...) from exc``), so nothing above the
-adapters ever sees a ``hpack``, ``kubernetes`` or ``OSError`` exception it has to interpret.
+adapters ever sees a ``kubernetes`` or ``OSError`` exception it has to interpret.
 
 Errors that involve a peer say whose fault they are (:class:`LocalProtocolError` versus
 :class:`RemoteProtocolError`), as h11 does.
@@ -21,7 +21,6 @@ __all__ = [
     "ConfigError",
     "CpuSetParseError",
     "DracpuError",
-    "GrpcError",
     "InsufficientCpusError",
     "KubeAPIError",
     "KubeClientError",
@@ -65,21 +64,6 @@ class RemoteProtocolError(ProtocolError):
     """The peer sent something the protocol forbids: drop the connection, keep serving."""
 
 
-class GrpcError(DracpuError):
-    """A gRPC call ends with this status (:class:`dracpu.wire.grpc.Status`) and message.
-
-    A handler raises it to answer its call with an error; the server also uses it for requests
-    it refuses itself (``http_status``: 415 for a body that is not gRPC, 405 for a method that is
-    not POST, 200 otherwise).
-    """
-
-    def __init__(self, status: int, message: str, *, http_status: int = 200) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.http_status = http_status
-
-
 class AllocationError(DracpuError):
     """CPUs cannot be allocated as requested."""
 
@@ -105,7 +89,12 @@ class CheckpointError(DracpuError):
 
 
 class KubeAPIError(DracpuError):
-    """The Kubernetes API server answered with an error or could not be reached."""
+    """The Kubernetes API server answered with an error or could not be reached.
+
+    The message names the operation (``get resourceclaim ns/name``), the server's URL and the
+    cause: the status, reason and server's message of an answer, or in words why none came.
+    ``status`` is the HTTP status, ``None`` when there was no answer.
+    """
 
     def __init__(self, message: str, *, status: int | None = None) -> None:
         super().__init__(message)
@@ -125,7 +114,8 @@ class KubeConflictError(KubeClientError):
 
 
 class KubeServerError(KubeAPIError):
-    """A 5xx answer or a connection failure: transient, retried with backoff."""
+    """A 5xx or 429 answer, or no answer (connection refused or reset, TLS failure, timeout,
+    DNS failure, proxy refusal): transient, retried with backoff."""
 
 
 # --- added for dracpu.core.quantity -------------------------------------------------------------

@@ -6,18 +6,31 @@ Code logs with ``logging.getLogger(__name__)``, ``%s`` arguments, and context th
 
 Verbosity follows klog's ``-v=N`` (upstream's flag): 0 logs INFO and above; 1 and more add our
 DEBUG messages (upstream's manifests run with ``--v=4``, klog's debug level); from 6 on the
-libraries' DEBUG messages (kubernetes, asyncio, watchfiles, ...) are shown too.
+libraries' DEBUG messages (kubernetes, asyncio, watchfiles, ...) are shown too. klog's
+``-vmodule=pattern=N,...`` sets the level of single modules: a pattern (a glob; ``/`` may stand
+for ``.``) matches a module of ours by its last name (``nri_plugin``) or its path below
+``dracpu`` (``tasks.nri_plugin``); upstream's Go file names match nothing here and are reported.
+
+The last :data:`RECENT_LINES` records are also kept in memory (:func:`recent_lines`), for the
+debug dump ``dracpu gatherinfo`` reads: the container's log stream is not readable from inside.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
+import os
+import pkgutil
 import sys
 import time
+from collections import deque
+from collections.abc import Iterator, Sequence
 from typing import Literal, TextIO
 
-__all__ = ["JsonFormatter", "TextFormatter", "setup_logging"]
+import dracpu
+
+__all__ = ["RECENT_LINES", "JsonFormatter", "TextFormatter", "recent_lines", "setup_logging"]
 
 # Verbosity thresholds (klog -v=N): our debug from 1, libraries' debug from 6 (klog's level for
 # request/response dumps).
@@ -38,6 +51,10 @@ _RECORD_ATTRIBUTES = frozenset(
 
 # A marker on the handler we install, so that a second setup_logging() replaces it.
 _HANDLER_MARK = "_dracpu_handler"
+
+# Records kept for the debug dump: a bug report wants the minutes before it, and a line is
+# ~200 bytes, so this bounds the buffer to a few hundred KiB.
+RECENT_LINES = 2000
 
 
 def _context(record: logging.LogRecord) -> dict[str, object]:
@@ -92,11 +109,17 @@ def _text_value(value: object) -> str:
 
 
 def setup_logging(
-    log_format: Literal["text", "json"], verbosity: int, *, stream: TextIO | None = None
-) -> None:
-    """Send every log record to ``stream`` (stderr) in ``log_format`` at ``verbosity``.
+    log_format: Literal["text", "json"],
+    verbosity: int,
+    *,
+    stream: TextIO | None = None,
+    vmodule: Sequence[tuple[str, int]] = (),
+) -> list[str]:
+    """Send every log record to ``stream`` (stderr) in ``log_format`` at ``verbosity``, with
+    the per-module levels of ``vmodule`` (klog's ``-vmodule``), and keep the recent ones.
 
-    Calling it again replaces the handler it installed before (tests, ``dracpu sim``).
+    Calling it again replaces what it installed before (tests, ``dracpu sim``). Returns the
+    ``vmodule`` patterns that match no module of ours (the caller warns about them).
     """
     root = logging.getLogger()
     for handler in list(root.handlers):
@@ -114,3 +137,72 @@ def setup_logging(
         logging.getLogger(name).setLevel(
             logging.DEBUG if verbosity >= LIBRARY_DEBUG_VERBOSITY else logging.WARNING
         )
+    root.addHandler(_RECENT)  # after the stream handler, which renders record.message
+    return _apply_vmodule(vmodule)
+
+
+class _RecentRecords(logging.Handler):
+    """Keeps the last :data:`RECENT_LINES` records as (time, level, logger, message): the
+    message the stream handler already rendered, so keeping costs no second formatting."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: deque[tuple[float, str, str, str]] = deque(maxlen=RECENT_LINES)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = getattr(record, "message", None)
+        if not isinstance(message, str):
+            message = record.getMessage()
+        self.records.append((record.created, record.levelname, record.name, message))
+
+
+_RECENT = _RecentRecords()
+setattr(_RECENT, _HANDLER_MARK, True)
+# Loggers whose level the last setup_logging() set from -vmodule (reset by the next one).
+_VMODULE_LOGGERS: set[str] = set()
+
+
+def recent_lines() -> list[str]:
+    """The records kept in memory, oldest first, one text line each."""
+    lines = []
+    for created, level, name, message in list(_RECENT.records):
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(created))
+        lines.append(f"{stamp}.{int(created % 1 * 1000):03d}Z {level:<5} {name}: {message}")
+    return lines
+
+
+def _our_modules() -> Iterator[str]:
+    """Every module of the dracpu package, dotted, found on disk (nothing is imported)."""
+    pending = [(path, "dracpu.") for path in dracpu.__path__]
+    while pending:
+        path, prefix = pending.pop()
+        for info in pkgutil.iter_modules([path], prefix):
+            yield info.name
+            if info.ispkg:
+                pending.append((os.path.join(path, info.name.rsplit(".", 1)[-1]), info.name + "."))
+
+
+def _apply_vmodule(vmodule: Sequence[tuple[str, int]]) -> list[str]:
+    for name in _VMODULE_LOGGERS:
+        logging.getLogger(name).setLevel(logging.NOTSET)
+    _VMODULE_LOGGERS.clear()
+    if not vmodule:
+        return []
+    modules = sorted(_our_modules())
+    unmatched = []
+    for pattern, level in vmodule:
+        glob = pattern.replace("/", ".")
+        matched = [
+            name
+            for name in modules
+            if fnmatch.fnmatchcase(name.rsplit(".", 1)[-1], glob)
+            or fnmatch.fnmatchcase(name.removeprefix(f"{_OUR_LOGGER}."), glob)
+        ]
+        if not matched:
+            unmatched.append(pattern)
+        for name in matched:
+            logging.getLogger(name).setLevel(
+                logging.DEBUG if level >= DEBUG_VERBOSITY else logging.INFO
+            )
+            _VMODULE_LOGGERS.add(name)
+    return unmatched

@@ -1,14 +1,16 @@
-"""Backoff delays and the retry helper (dracpu.adapters.backoff)."""
+"""Backoff delays, the wakeable pause and the retry log (dracpu.adapters.backoff)."""
 
 from __future__ import annotations
 
 import itertools
+import logging
+import time
 
 import anyio
+import anyio.lowlevel
 import pytest
 
-from dracpu.adapters.backoff import backoff_delays, retrying
-from dracpu.errors import KubeClientError, KubeConflictError, KubeServerError
+from dracpu.adapters.backoff import Pause, RetryLog, backoff_delays
 
 
 def test_delays_double_up_to_the_cap_without_jitter() -> None:
@@ -45,72 +47,74 @@ def test_bad_parameters_are_refused(
         next(backoff_delays(initial=initial, factor=factor, cap=cap, jitter=jitter))
 
 
-class Flaky:
-    """Fails with the given errors in turn, then returns the number of calls."""
+@pytest.mark.anyio
+async def test_a_pause_sleeps_its_time_unless_woken() -> None:
+    pause = Pause()
+    start = time.monotonic()
+    assert await pause.sleep(0.05) is False
+    assert time.monotonic() - start >= 0.05
+    assert [pause.sleeping] == [False]
 
-    def __init__(self, *errors: Exception) -> None:
-        self.errors = list(errors)
-        self.calls = 0
+    woken: list[bool] = []
+    async with anyio.create_task_group() as tg:
 
-    async def __call__(self) -> int:
-        self.calls += 1
-        if self.errors:
-            raise self.errors.pop(0)
-        return self.calls
+        async def sleeper() -> None:
+            woken.append(await pause.sleep(30.0))
 
-
-class Sleeps:
-    def __init__(self) -> None:
-        self.delays: list[float] = []
-
-    async def __call__(self, delay: float) -> None:
-        self.delays.append(delay)
+        tg.start_soon(sleeper)
+        with anyio.fail_after(5):
+            while not pause.sleeping:
+                await anyio.lowlevel.checkpoint()
+        start = time.monotonic()
+        pause.wake()
+    assert woken == [True]
+    assert time.monotonic() - start < 5
 
 
 @pytest.mark.anyio
-async def test_transient_errors_are_retried_until_success() -> None:
-    fn = Flaky(KubeServerError("500"), KubeConflictError("409"))
-    sleeps = Sleeps()
-    result = await retrying(
-        fn,
-        retry_on=(KubeServerError, KubeConflictError),
-        delays=[0.1, 0.2, 0.3],
-        sleep=sleeps,
-    )
-    assert result == 3
-    assert sleeps.delays == [0.1, 0.2]
+async def test_a_wake_without_a_sleep_is_forgotten() -> None:
+    pause = Pause()
+    pause.wake()  # the loop was busy: its next backoff must still be slept
+    start = time.monotonic()
+    assert await pause.sleep(0.05) is False
+    assert time.monotonic() - start >= 0.05
 
 
-@pytest.mark.anyio
-async def test_last_error_escalates_when_delays_run_out() -> None:
-    fn = Flaky(KubeServerError("a"), KubeServerError("b"), KubeServerError("c"))
-    sleeps = Sleeps()
-    with pytest.raises(KubeServerError, match="c"):
-        await retrying(fn, retry_on=(KubeServerError,), delays=[0.1, 0.2], sleep=sleeps)
-    assert fn.calls == 3
-    assert sleeps.delays == [0.1, 0.2]
+def _records(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:
+    return [(r.levelname, r.getMessage()) for r in caplog.records]
 
 
-@pytest.mark.anyio
-async def test_errors_not_listed_propagate_at_once() -> None:
-    fn = Flaky(KubeClientError("403 forbidden"))
-    sleeps = Sleeps()
-    with pytest.raises(KubeClientError, match="403"):
-        await retrying(fn, retry_on=(KubeServerError,), delays=[0.1], sleep=sleeps)
-    assert fn.calls == 1
-    assert sleeps.delays == []
+def test_retry_log_says_each_change_once(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="test.retry")
+    log = RetryLog(logging.getLogger("test.retry"), "publishing")
+    assert (log.recovered(), log.failing) == (False, False)  # nothing failed: nothing to say
+    log.failed("connection refused", retry_in=0.5)
+    log.failed("connection refused", retry_in=1.0)
+    log.failed("connection refused", retry_in=2.0)
+    log.failed("503 Service Unavailable", retry_in=2.0)
+    log.failed("503 Service Unavailable", retry_in=2.0, level=logging.ERROR)
+    assert (log.failing, log.failures) == (True, 5)
+    assert log.recovered() is True
+    assert log.recovered() is False
+    assert log.failures == 0
+    records = _records(caplog)
+    assert records[:6] == [
+        ("WARNING", "publishing failed, retrying in 0.5 s: connection refused"),
+        ("DEBUG", "publishing failed again (2 attempts), retrying in 1.0 s: connection refused"),
+        ("DEBUG", "publishing failed again (3 attempts), retrying in 2.0 s: connection refused"),
+        ("WARNING", "publishing failed, retrying in 2.0 s: 503 Service Unavailable"),
+        ("ERROR", "publishing failed, retrying in 2.0 s: 503 Service Unavailable"),
+        ("INFO", records[5][1]),
+    ]
+    assert records[5][1].startswith("publishing works again after 5 failed attempts over ")
+    assert len(records) == 6
 
 
-@pytest.mark.anyio
-async def test_cancellation_is_not_retried() -> None:
-    calls = 0
-
-    async def hangs() -> None:
-        nonlocal calls
-        calls += 1
-        await anyio.sleep_forever()
-
-    with anyio.move_on_after(0.05) as scope:
-        await retrying(hangs, retry_on=(Exception,), delays=itertools.repeat(0.0))
-    assert scope.cancelled_caught
-    assert calls == 1
+def test_retry_log_starts_over_after_a_recovery(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="test.retry")
+    log = RetryLog(logging.getLogger("test.retry"), "watching", extra={"task": "x"})
+    log.failed("reset", retry_in=1.0)
+    log.recovered()
+    log.failed("reset", retry_in=1.0)  # the same cause, but a new failure: said again
+    assert [level for level, _ in _records(caplog)] == ["WARNING", "INFO", "WARNING"]
+    assert all(getattr(r, "task", None) == "x" for r in caplog.records)

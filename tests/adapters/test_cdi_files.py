@@ -11,6 +11,8 @@ import pytest
 
 from dracpu.adapters.cdi_files import (
     MAX_SPEC_BYTES,
+    check_not_full,
+    check_writable,
     delete_spec,
     dir_identity,
     ensure_dir,
@@ -30,6 +32,7 @@ from dracpu.adapters.cdi_files import (
 from dracpu.core.cdi_spec import parse_spec, spec_bytes, spec_file_name
 from dracpu.core.cpuset import CpuSet
 from dracpu.errors import CdiError
+from tests.mounts import read_only_bind
 
 UID = "8ec6fd12-bb08-4936-a857-866f50153c21"
 OTHER = "0b7e3a52-4c1f-4d7e-9a31-2f9a4c1d5e60"
@@ -246,8 +249,111 @@ def test_touch_probe(tmp_path: Path) -> None:
     assert (tmp_path / probe).exists()
     with pytest.raises(CdiError, match="refusing to write"):
         touch_probe(tmp_path, "dra.cpu.json")
-    with pytest.raises(CdiError, match="cannot write CDI watch probe"):
+    with pytest.raises(CdiError) as info:
         touch_probe(tmp_path / "missing", probe)
+    assert str(info.value) == (
+        f"cannot create files in CDI dir {str(tmp_path / 'missing')!r}: No such file or directory"
+    )
+
+
+def test_check_writable_creates_the_dir_and_leaves_nothing(tmp_path: Path) -> None:
+    cdi = tmp_path / "var" / "run" / "cdi"
+    check_writable(cdi, probe_file_name())
+    assert os.listdir(cdi) == []
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(CdiError, match="exists and is not a directory"):
+        check_writable(tmp_path / "file", probe_file_name())
+
+
+def _statvfs(
+    *, blocks: int, bfree: int, files: int, ffree: int, flag: int = 0
+) -> os.statvfs_result:
+    # f_bsize, f_frsize, f_blocks, f_bfree, f_bavail, f_files, f_ffree, f_favail, f_flag, f_namemax
+    return os.statvfs_result((4096, 4096, blocks, bfree, bfree, files, ffree, ffree, flag, 255))
+
+
+@pytest.mark.parametrize(
+    ("state", "problem"),
+    [
+        (_statvfs(blocks=100, bfree=1, files=100, ffree=1), None),
+        (_statvfs(blocks=100, bfree=0, files=100, ffree=50), "full file system (no free block)"),
+        (_statvfs(blocks=100, bfree=50, files=100, ffree=0), "full file system (no free inode)"),
+        (_statvfs(blocks=100, bfree=50, files=0, ffree=0), None),  # no inode counts (btrfs)
+        (_statvfs(blocks=0, bfree=0, files=0, ffree=0), None),  # no counts at all
+        (
+            _statvfs(blocks=100, bfree=50, files=100, ffree=50, flag=os.ST_RDONLY),
+            "read-only file system",
+        ),
+    ],
+)
+def test_check_not_full_reads_the_file_system_state(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    state: os.statvfs_result,
+    problem: str | None,
+) -> None:
+    monkeypatch.setattr(os, "statvfs", lambda path: state)
+    if problem is None:
+        check_not_full(tmp_path)
+    else:
+        with pytest.raises(CdiError) as info:
+            check_not_full(tmp_path)
+        assert str(info.value) == f"CDI dir {str(tmp_path)!r} is on a {problem}"
+
+
+def test_a_real_read_only_dir(tmp_path: Path) -> None:
+    check_not_full(tmp_path)
+    write_spec(tmp_path, OTHER, CPUS)
+    with read_only_bind(tmp_path):
+        # Nothing to delete is no failure, though the kernel answers EROFS before the lookup.
+        assert delete_spec(tmp_path, UID) is False
+        with pytest.raises(CdiError, match=r"cannot remove CDI spec .*: Read-only file system"):
+            delete_spec(tmp_path, OTHER)
+        with pytest.raises(CdiError, match="is on a read-only file system"):
+            check_not_full(tmp_path)
+        with pytest.raises(CdiError, match="Read-only file system"):
+            check_writable(tmp_path, probe_file_name())
+    with pytest.raises(CdiError, match="cannot check CDI dir"):
+        check_not_full(tmp_path / "missing")
+
+
+def test_check_writable_and_write_spec_on_a_full_or_read_only_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What ENOSPC or EROFS look like (root ignores file modes, so the test injects the errno;
+    # tests/integration/test_daemon_faults.py mounts a read-only dir for the real thing).
+    cdi = tmp_path / "cdi"
+    cdi.mkdir()
+    real_open = os.open
+
+    def full(path: str | os.PathLike[str], flags: int, mode: int = 0o777) -> int:
+        if flags & os.O_CREAT:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_open(path, flags, mode)
+
+    def no_blocks(fd: int, data: bytes | memoryview) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    expected = f"cannot create files in CDI dir {str(cdi)!r}: No space left on device"
+    monkeypatch.setattr(os, "write", no_blocks)  # a free inode, no free block
+    with pytest.raises(CdiError) as info:
+        check_writable(cdi, probe_file_name())
+    assert str(info.value) == expected
+    assert os.listdir(cdi) == []  # the probe file it could create is gone again
+    monkeypatch.undo()
+    monkeypatch.setattr(os, "open", full)
+    with pytest.raises(CdiError) as info:
+        check_writable(cdi, probe_file_name())
+    assert str(info.value) == expected
+    with pytest.raises(CdiError) as info:
+        write_spec(cdi, UID, CPUS)
+    # The spec's final name, not the temp file's random one: the kubelet's error reads the same
+    # on every try.
+    assert str(info.value) == (
+        f"cannot write CDI spec {str(cdi / spec_file_name(UID))!r}: No space left on device"
+    )
+    monkeypatch.undo()
+    assert os.listdir(cdi) == []
 
 
 # --- read --------------------------------------------------------------------------------------

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from dracpu.adapters.sysfs import read_topology
+from dracpu.adapters.sysfs import read_online, read_topology
 from dracpu.core.cpuset import CpuSet
-from dracpu.core.topology import CoreType, Topology
+from dracpu.core.topology import NO_NUMA_NODE, CoreType, Topology
 from dracpu.errors import TopologyError
-from dracpu.sim.topologies import FIXTURES, MachineSpec, build_topology, write_sysfs
+from dracpu.sim.topologies import FIXTURES, MachineSpec, PciRoot, build_topology, write_sysfs
 from tests.fixtures import SysfsTrees
 
 CPU = "sys/devices/system/cpu"
@@ -133,7 +133,6 @@ def test_smt4(trees: SysfsTrees) -> None:
     assert topo.l3_caches == {0: cs("0-15"), 1: cs("16-31"), 2: cs("32-47"), 3: cs("48-63")}
     assert topo.info(4).core_id == topo.info(36).core_id == 1
     assert topo.siblings(36) == cs("36-39")
-    assert topo.sorted_siblings_adjacent(cs("5,6,33,34")) == [5, 6, 33, 34]
 
 
 def test_vm_2cpu(trees: SysfsTrees) -> None:
@@ -298,9 +297,9 @@ def test_smt_control(scratch: Path, control: str | None, spec_name: str, enabled
 # --- broken trees: one TopologyError naming the file -------------------------------------------
 
 
-def read_error(root: Path) -> str:
+def read_error(root: Path, *, pcie_roots: bool = False) -> str:
     with pytest.raises(TopologyError) as info:
-        read_topology(root)
+        read_topology(root, pcie_roots=pcie_roots)
     message = str(info.value)
     assert "\n" not in message
     return message
@@ -315,7 +314,7 @@ def read_error(root: Path) -> str:
         (f"{CPU}/cpu1/topology", "cpu1/topology/thread_siblings_list: missing"),
         (f"{CPU}/cpu2/topology/[tc]*_[sc]*s_list", "cpu2/topology/thread_siblings_list: missing"),
         (f"{CPU}/cpu2/topology/core_cpus_list", None),  # thread_siblings_list suffices
-        (f"{CPU}/cpu1/node0", f"{CPU}/cpu1: no nodeX entry"),
+        (f"{CPU}/cpu1/node0", f"{CPU}/cpu1: no node0 entry although "),
         (f"{NODE}/node1/cpulist", f"{NODE}/node1/cpulist: missing"),
         (f"{CPU}/cpu0/cache/index3/type", f"{CPU}/cpu0/cache/index3/type: missing"),
         (f"{CPU}/cpu0/cache/index3/shared_cpu_list", "cpu0/cache/index3/shared_cpu_list: missing"),
@@ -430,6 +429,96 @@ def test_missing_host_root(tmp_path: Path) -> None:
     assert f"{tmp_path}/nope/{CPU}/online: missing" in message
 
 
+# --- NUMA nodes and PCIe roots ------------------------------------------------------------------
+
+
+def test_cpus_of_a_node_that_is_not_online_have_no_numa_node(trees: SysfsTrees) -> None:
+    topo = read_named(trees, "no-numa-node")
+    assert topo.without_numa_node == cs("4-7,12-15")
+    assert topo.numa_nodes == {NO_NUMA_NODE: cs("4-7,12-15"), 0: cs("0-3,8-11")}
+    assert topo.siblings(4) == cs("4,12")  # the rest of the topology is read as usual
+    assert topo.numa_in_sysfs is True
+
+
+def test_kernel_without_numa_puts_every_cpu_on_node_0(scratch: Path) -> None:
+    spec = MachineSpec(cores_per_cluster=4, numa_sysfs=False)
+    write_sysfs(spec, scratch)
+    topo = read_topology(scratch)
+    assert topo.numa_nodes == {0: cs("0-3")}
+    assert topo.numa_in_sysfs is False
+    assert topo == build_topology(spec)
+
+
+@pytest.mark.parametrize("name", sorted(FIXTURES))
+def test_pcie_roots_read_as_the_model(trees: SysfsTrees, name: str) -> None:
+    topo = read_topology(trees.root(name), pcie_roots=True)
+    assert topo == build_topology(FIXTURES[name], pcie_roots=True)
+    assert list(topo.pcie_roots) == sorted(r.name for r in FIXTURES[name].pci_roots)
+    assert read_named(trees, name).pcie_roots == {}  # only read when asked
+
+
+def test_pcie_roots_of_the_dual_socket_server(trees: SysfsTrees) -> None:
+    topo = read_topology(trees.root("dual-socket-smt2"), pcie_roots=True)
+    assert topo.pcie_roots == {
+        "pci0000:00": cs("0-7,32-39"),
+        "pci0000:3a": cs("0-7,32-39"),
+        "pci0000:5d": cs("8-15,40-47"),
+        "pci0000:80": cs("16-23,48-55"),
+        "pci0000:ae": cs("24-31,56-63"),
+        "pci0000:d7": cs("24-31,56-63"),
+        "pci0001:00": cs("0-63"),
+    }
+
+
+def test_only_root_complex_names_are_read(scratch: Path) -> None:
+    # upstream IsPCIeRootName: "pci" + 4 hex digits + ":" + 2 hex digits, lowercase
+    spec = replace(FIXTURES["vm-2cpu"], pci_roots=(PciRoot("pci0000:00", None),))
+    others = ("pci10000:00", "pci0000:0", "pciABCD:00", "pci0000-00", "platform")
+    override = {f"sys/devices/{name}/pci_bus/x/cpulistaffinity": "0\n" for name in others}
+    write_sysfs(spec, scratch, override=override)
+    assert list(read_topology(scratch, pcie_roots=True).pcie_roots) == ["pci0000:00"]
+
+
+def test_no_pci_at_all_is_no_roots(scratch: Path) -> None:
+    write_sysfs(FIXTURES["hybrid-desktop"], scratch)
+    assert read_topology(scratch, pcie_roots=True).pcie_roots == {}
+
+
+def test_bad_cpulistaffinity_names_the_file(scratch: Path) -> None:
+    affinity = "sys/devices/pci0000:00/pci_bus/0000:00/cpulistaffinity"
+    write_sysfs(FIXTURES["vm-2cpu"], scratch, override={affinity: "0-1,\n"})
+    assert f"{affinity}: malformed" in read_error(scratch, pcie_roots=True)
+    assert read_topology(scratch).pcie_roots == {}  # not read without the flag
+
+
+def test_missing_cpulistaffinity_names_the_file(scratch: Path) -> None:
+    affinity = "sys/devices/pci0000:00/pci_bus/0000:00/cpulistaffinity"
+    write_sysfs(FIXTURES["vm-2cpu"], scratch, omit=[affinity])
+    assert f"{affinity}: missing" in read_error(scratch, pcie_roots=True)
+
+
+# --- the online CPUs alone (device health reads them again and again) --------------------------
+
+
+def test_read_online_is_the_topology_s_online(trees: SysfsTrees) -> None:
+    root = trees.root("offline-isolated")
+    assert read_online(root) == read_topology(root).online == cs("0-4,6-13")
+
+
+@pytest.mark.parametrize(
+    ("text", "error"), [("", "malformed: no online CPU"), ("0-x", "malformed: invalid cpuset")]
+)
+def test_read_online_refuses_a_bad_file_naming_it(scratch: Path, text: str, error: str) -> None:
+    write_sysfs(FIXTURES["vm-2cpu"], scratch, override={f"{CPU}/online": text})
+    with pytest.raises(TopologyError, match=f"^{scratch}/{CPU}/online: {error}"):
+        read_online(scratch)
+
+
+def test_read_online_without_the_file(tmp_path: Path) -> None:
+    with pytest.raises(TopologyError, match=f"{tmp_path}/{CPU}/online: missing"):
+        read_online(tmp_path)
+
+
 # --- this machine -------------------------------------------------------------------------------
 
 
@@ -450,3 +539,9 @@ def test_this_host() -> None:
             == CpuSet.parse(Path(f"/{CPU}/cpu{cpu}/topology/thread_siblings_list").read_text())
             & topo.online
         )
+    # this host's PCIe roots, if any, are read with their cpulistaffinity
+    roots = read_topology(Path("/"), pcie_roots=True).pcie_roots
+    for name, local in roots.items():
+        bus = name.removeprefix("pci")
+        text = Path(f"/sys/devices/{name}/pci_bus/{bus}/cpulistaffinity").read_text()
+        assert local == CpuSet.parse(text) & topo.online

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from fractions import Fraction
 from typing import Any
 
 import pytest
@@ -15,12 +16,24 @@ from dracpu.core.claims import (
     parse_whole_quantity,
     read_claim,
 )
-from dracpu.core.commands import DeviceResult
+from dracpu.core.commands import DeviceResult, PrepareClaim
 from dracpu.core.cpuset import CpuSet
+from dracpu.core.effects import ClaimPrepared, Reply
+from dracpu.core.node_config import NodeConfig
+from dracpu.core.slices import (
+    CAPACITY_CPU,
+    CpuDeviceMode,
+    GroupBy,
+    build_resource_slices,
+    published_devices,
+)
+from dracpu.core.state import NodeState, apply
 from dracpu.errors import ClaimError
 from dracpu.sim.apiserver_patch import apply_merge_patch
 from dracpu.sim.apiserver_validation import SchemaValidator, claim_status_errors
 from dracpu.sim.fake_apiserver import build_resource_claim
+from dracpu.sim.topologies import FIXTURES, build_topology
+from tests.core import scheduler_model
 
 UID = "0b6f2c1e-8a51-4b8e-9d43-5b0e7f3c2a10"
 NODE = "node-a"
@@ -321,3 +334,123 @@ def test_too_long_cpuset_data_is_refused() -> None:
     assert len(str(every_other)) > MAX_STATUS_DATA_BYTES
     with pytest.raises(ClaimError, match="too long"):
         device_status_patch(obj, allocation, every_other)
+
+
+# --- grouped capacity end to end: published slice -> scheduler -> claim -> Prepare ---------------
+
+TOPOLOGY = build_topology(FIXTURES["dual-socket-smt2"])
+GROUP = "cpudevnuma002"  # 16 CPUs: 16-23,48-55
+
+
+def published_device(*, policy: bool) -> dict[str, Any]:
+    """Our wire device ``GROUP``; ``policy=False``: as the Go driver publishes it (no policy)."""
+    devices = published_devices(
+        TOPOLOGY, reserved=CpuSet(), mode=CpuDeviceMode.GROUPED, group_by=GroupBy.NUMANODE
+    )
+    (obj,) = build_resource_slices(NODE, devices, consumable_capacity=policy)
+    (device,) = (d for d in obj["spec"]["devices"] if d["name"] == GROUP)
+    assert isinstance(device, dict)
+    return device
+
+
+def prepare(
+    result: dict[str, Any], *, state: NodeState | None = None, uid: str = UID
+) -> tuple[NodeState, ClaimPrepared]:
+    """read_claim, then the state machine's Prepare of a claim with this one result."""
+    obj = claim([{**result, "pool": NODE}])
+    obj["metadata"]["uid"] = uid
+    allocation = read_claim(obj, uid=uid, pool=NODE)
+    state = state or NodeState.initial(NodeConfig.build(NODE, TOPOLOGY))
+    command = PrepareClaim(uid, "default", "pod-cpus", allocation.device_results())
+    state, effects = apply(state, command)
+    (reply,) = (e for e in effects if isinstance(e, Reply))
+    assert isinstance(reply.value, ClaimPrepared), reply.value
+    return state, reply.value
+
+
+@pytest.mark.parametrize(
+    ("requests", "ours", "upstream"),
+    [
+        # no capacity.requests: the whole group, with our default as without upstream's policy
+        (None, 16, 16),
+        ({CAPACITY_CPU: "4"}, 4, 4),
+        # fractions: our whole-CPU policy rounds up at scheduling; upstream's slice lets the
+        # fraction through and its Prepare (and ours) refuses it
+        ({CAPACITY_CPU: "1500m"}, 2, "not a whole number"),
+        ({CAPACITY_CPU: "500m"}, 1, "not a whole number"),
+        ({CAPACITY_CPU: "15.2"}, 16, "not a whole number"),
+        # the request names the capacity without its domain: the same capacity
+        ({"cpu": "3"}, 3, 3),
+    ],
+)
+def test_grouped_capacity_through_the_scheduler_and_prepare(
+    requests: dict[str, str] | None, ours: int, upstream: int | str
+) -> None:
+    for policy, expected in ((True, ours), (False, upstream)):
+        device = scheduler_model.stored_device(published_device(policy=policy), feature=True)
+        result = scheduler_model.allocate(device, requests, feature=True)
+        if isinstance(expected, str):
+            with pytest.raises(ClaimError, match=expected):
+                prepare(result)
+            continue
+        assert result["consumedCapacity"] == {CAPACITY_CPU: str(expected)}
+        _, prepared = prepare(result)
+        assert len(prepared.cpus) == expected
+        assert prepared.cpus <= CpuSet.parse("16-23,48-55")
+
+
+def test_more_than_the_group_is_not_allocated_at_all() -> None:
+    device = scheduler_model.stored_device(published_device(policy=True), feature=True)
+    with pytest.raises(scheduler_model.NotEligible):
+        scheduler_model.allocate(device, {CAPACITY_CPU: "17"}, feature=True)
+    whole = scheduler_model.allocate(device, None, feature=True)
+    with pytest.raises(scheduler_model.NotEligible):  # the default took the whole group
+        scheduler_model.allocate(
+            device,
+            {CAPACITY_CPU: "1"},
+            feature=True,
+            already={
+                CAPACITY_CPU: scheduler_model.quantity(whole["consumedCapacity"][CAPACITY_CPU])
+            },
+        )
+
+
+def test_two_claims_share_a_group_with_disjoint_cpus() -> None:
+    device = scheduler_model.stored_device(published_device(policy=True), feature=True)
+    first = scheduler_model.allocate(device, {CAPACITY_CPU: "6"}, feature=True)
+    second = scheduler_model.allocate(
+        device, {CAPACITY_CPU: "10"}, feature=True, already={CAPACITY_CPU: Fraction(6)}
+    )
+    state, a = prepare(first)
+    _, b = prepare(second, state=state, uid="5f0e1d2c-3b4a-4968-8776-a5b4c3d2e1f0")
+    assert (len(a.cpus), len(b.cpus)) == (6, 10)
+    assert a.cpus | b.cpus == CpuSet.parse("16-23,48-55")
+
+
+def test_without_consumable_capacity_on_the_server_prepare_fails_as_upstream() -> None:
+    # The API server drops allowMultipleAllocations and requestPolicy; the scheduler hands the
+    # device out whole and records no consumedCapacity. Upstream: "CPU capacity ... is missing".
+    device = scheduler_model.stored_device(published_device(policy=True), feature=False)
+    assert "allowMultipleAllocations" not in device
+    result = scheduler_model.allocate(device, None, feature=False)
+    assert "consumedCapacity" not in result
+    with pytest.raises(ClaimError, match=r"has no consumedCapacity.*DRAConsumableCapacity"):
+        prepare(result)
+
+
+def test_consumed_capacity_under_its_short_name_is_read_too() -> None:
+    # An unqualified capacity name is in the driver's own domain: "cpu" is "dra.cpu/cpu".
+    short = grouped(device=GROUP, consumedCapacity={"cpu": "3"})
+    assert read_claim(claim([short]), uid=UID, pool=NODE).devices[0].consumed_cpus == 3
+    both = grouped(device=GROUP, consumedCapacity={CAPACITY_CPU: "3", "cpu": "3"})
+    assert read_claim(claim([both]), uid=UID, pool=NODE).devices[0].consumed_cpus == 3
+    differ = grouped(device=GROUP, consumedCapacity={CAPACITY_CPU: "3", "cpu": "4"})
+    with pytest.raises(ClaimError, match="the same capacity but differ"):
+        read_claim(claim([differ]), uid=UID, pool=NODE)
+
+
+def test_individual_devices_ignore_an_unrelated_consumed_capacity() -> None:
+    # Individual devices publish no capacity; a consumedCapacity without ours says nothing.
+    result = {**individual("cpudev003"), "consumedCapacity": {"example.com/other": "1"}}
+    (device,) = read_claim(claim([result]), uid=UID, pool=NODE).devices
+    assert device.consumed_cpus is None

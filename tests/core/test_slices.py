@@ -1,20 +1,25 @@
-"""Published devices and ResourceSlice objects (design §2, reference anchors-upstream.md §C).
+"""Published devices and ResourceSlice objects, checked against the Go driver's rules.
 
-Every named fixture machine is checked twice: generic invariants (every online non-reserved CPU
-published once, SMT siblings numbered adjacently, schema- and apiserver-valid slices) and concrete
-devices derived by hand from the fixture's description.
+Every named fixture machine is checked three ways: against an independent model of
+``kubernetes-sigs/dra-driver-cpu`` (``upstream_driver``: its sysfs reading and device builder,
+sharing no code with ours) on the fixture's sysfs tree, in every mode, with and without PCIe roots
+and the KEP-5517 mapping; generic invariants (every published CPU once, schema- and
+apiserver-valid slices); and concrete devices derived by hand from the fixture's description.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
 
+from dracpu.adapters.sysfs import read_topology
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.slices import (
     API_VERSION,
@@ -28,15 +33,18 @@ from dracpu.core.slices import (
     ATTR_NUM_CPUS,
     ATTR_NUM_ISOLATED_CPUS,
     ATTR_NUMA_NODE,
+    ATTR_PCIE_ROOT,
     ATTR_SMT_ENABLED,
     ATTR_SOCKET_ID,
     CAPACITY_CPU,
     DRIVER_NAME,
     MAX_DEVICES_PER_SLICE,
     MAX_DEVICES_PER_SLICE_ADVANCED,
+    NO_L3_CACHE,
     CpuDeviceMode,
     Device,
     GroupBy,
+    SliceOptions,
     build_resource_slices,
     devices_by_name,
     max_devices_per_slice,
@@ -45,9 +53,10 @@ from dracpu.core.slices import (
     validate_pool,
     validate_slice,
 )
-from dracpu.core.topology import CoreType, CpuInfo, Topology
+from dracpu.core.topology import CpuInfo, Topology
 from dracpu.errors import ConfigError, TopologyError
-from dracpu.sim.topologies import FIXTURES, build_topology
+from dracpu.sim.topologies import FIXTURES, MachineSpec, PciRoot, build_topology, write_sysfs
+from tests.core import upstream_driver
 
 # The Kubernetes version whose OpenAPI schemas we validate against: the newest kubernetes-validate
 # ships, and the one our client library (kubernetes 37) targets. resource.k8s.io/v1 is GA since
@@ -109,23 +118,16 @@ def _reserved_choices(topology: Topology) -> list[CpuSet]:
 
 
 @pytest.mark.parametrize("name", sorted(FIXTURES))
-def test_individual_devices_cover_every_allocatable_cpu_once_siblings_adjacent(name: str) -> None:
+def test_individual_devices_cover_every_published_cpu_once(name: str) -> None:
     topology = build_topology(FIXTURES[name])
     for reserved in _reserved_choices(topology):
         devices = published_devices(
             topology, reserved=reserved, mode=INDIVIDUAL, group_by=GroupBy.NUMANODE
         )
         cpus = [cpu_of(d) for d in devices]
-        assert sorted(cpus) == list(topology.online - reserved)
+        # CPUs of no NUMA node are skipped, as upstream's topology reader skips them
+        assert sorted(cpus) == list(topology.online - reserved - topology.without_numa_node)
         assert [d.name for d in devices] == [f"cpudev{i:03d}" for i in range(len(devices))]
-        position = {cpu: i for i, cpu in enumerate(cpus)}
-        for core in topology.cores.values():
-            mine = sorted(position[c] for c in core - reserved)
-            if not mine:
-                continue
-            # a core's allocatable threads are consecutive devices, in ascending CPU order
-            assert mine == list(range(mine[0], mine[0] + len(mine)))
-            assert [cpus[i] for i in mine] == sorted(core - reserved)
         for device in devices:
             info = topology.info(cpu_of(device))
             assert device.attributes[ATTR_CPU_ID] == info.cpu_id
@@ -137,7 +139,9 @@ def test_individual_devices_cover_every_allocatable_cpu_once_siblings_adjacent(n
             assert device.attributes[ATTR_CORE_TYPE] == info.core_type.value
             assert device.attributes[ATTR_SMT_ENABLED] is topology.smt_enabled
             assert device.attributes[ATTR_ISOLATED] is (info.cpu_id in topology.isolated)
-            assert device.attributes.get(ATTR_CACHE_L3_ID) == info.l3_id
+            l3 = NO_L3_CACHE if info.l3_id is None else info.l3_id
+            assert device.attributes[ATTR_CACHE_L3_ID] == l3
+            assert ATTR_PCIE_ROOT not in device.attributes  # roots not read
             assert device.capacity == {}
             assert not device.grouped
 
@@ -146,10 +150,11 @@ def test_individual_devices_cover_every_allocatable_cpu_once_siblings_adjacent(n
 @pytest.mark.parametrize("group_by", list(GroupBy))
 def test_grouped_devices_partition_allocatable_cpus(name: str, group_by: GroupBy) -> None:
     topology = build_topology(FIXTURES[name])
+    known = topology.online - topology.without_numa_node
     groups = {
-        GroupBy.NUMANODE: topology.numa_nodes,
-        GroupBy.SOCKET: topology.sockets,
-        GroupBy.MACHINE: {0: topology.online},
+        GroupBy.NUMANODE: {n: c for n, c in topology.numa_nodes.items() if n >= 0},
+        GroupBy.SOCKET: {s: cpus & known for s, cpus in topology.sockets.items()},
+        GroupBy.MACHINE: {0: topology.online},  # upstream: the online list, NUMA node or not
     }[group_by]
     for reserved in _reserved_choices(topology):
         devices = published_devices(topology, reserved=reserved, mode=GROUPED, group_by=group_by)
@@ -318,8 +323,10 @@ def test_arm64_l3_named_by_lowest_cpu_and_smt_disabled() -> None:
     assert [d.capacity for d in grouped.values()] == [{CAPACITY_CPU: 16}, {CAPACITY_CPU: 16}]
 
 
-def test_smt4_keeps_all_four_threads_of_a_core_together() -> None:
-    # 2 sockets x 2 L3 x 4 cores x SMT4, threads numbered adjacently.
+def test_smt4_adjacent_threads_are_numbered_in_cpu_order() -> None:
+    # 2 sockets x 2 L3 x 4 cores x SMT4, threads numbered adjacently. Upstream pairs no thread
+    # of a 4-thread core, so the numbering is plain CPU order, which keeps a core's threads
+    # together here since the kernel numbers them adjacently.
     devices = devices_of("smt4", INDIVIDUAL, reserved="1")
     assert numbering(devices)[:7] == [0, 2, 3, 4, 5, 6, 7]
     assert [devices[f"cpudev00{i}"].attributes[ATTR_CORE_ID] for i in range(7)] == [
@@ -381,6 +388,240 @@ def test_big_1024_individual_splits_into_128_device_slices() -> None:
     assert_valid(slices, schema=False)
 
 
+# --- against the model of the Go driver, on each fixture's sysfs tree ---------------------------
+
+# What we add to upstream's devices (docs/devices.md): our attributes, and the request policy.
+OUR_ATTRIBUTES = (ATTR_ISOLATED, ATTR_NUM_ISOLATED_CPUS)
+
+
+@pytest.fixture(scope="module")
+def sysfs_roots(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every fixture machine written once as a host root."""
+    base = tmp_path_factory.mktemp("machines")
+    roots = {}
+    for name, spec in FIXTURES.items():
+        write_sysfs(spec, base / name)
+        roots[name] = base / name
+    return roots
+
+
+def without_our_additions(device: dict[str, Any]) -> dict[str, Any]:
+    device = copy.deepcopy(device)
+    for key in OUR_ATTRIBUTES:
+        device["attributes"].pop(key, None)
+    for entry in device.get("capacity", {}).values():
+        policy = entry.pop("requestPolicy", None)
+        if policy is not None:  # whole CPUs; by default the whole group, as without a policy
+            assert policy["default"] == entry["value"]
+            assert policy["validRange"]["min"] == "1"
+    return device
+
+
+UPSTREAM_CASES = [
+    (INDIVIDUAL, GroupBy.NUMANODE),
+    (GROUPED, GroupBy.NUMANODE),
+    (GROUPED, GroupBy.SOCKET),
+    (GROUPED, GroupBy.MACHINE),
+]
+
+
+@pytest.mark.parametrize("name", sorted(FIXTURES))
+@pytest.mark.parametrize(("mode", "group_by"), UPSTREAM_CASES)
+@pytest.mark.parametrize("expose", [False, True], ids=["plain", "pcie+allocatable"])
+def test_devices_are_the_go_drivers(
+    sysfs_roots: dict[str, Path], name: str, mode: CpuDeviceMode, group_by: GroupBy, expose: bool
+) -> None:
+    root = sysfs_roots[name]
+    machine = upstream_driver.read_machine(root)
+    topology = read_topology(root, pcie_roots=expose)
+    options = SliceOptions(node_allocatable=expose, expose_pcie_roots=expose)
+    first = min(machine.online)
+    for reserved in (set(), {first}, set(machine.online[: len(machine.online) // 2])):
+        devices = published_devices(
+            topology, reserved=CpuSet(reserved), mode=mode, group_by=group_by
+        )
+        slices = build_resource_slices(NODE, devices, options=options)
+        ours = [without_our_additions(d) for s in slices for d in s["spec"]["devices"]]
+        if mode is INDIVIDUAL:
+            theirs = upstream_driver.individual_devices(
+                machine, reserved, expose=expose, allocatable=expose
+            )
+        else:
+            theirs = upstream_driver.grouped_devices(
+                machine, reserved, group_by.value, expose=expose, allocatable=expose
+            )
+        assert ours == theirs, reserved
+        per_slice = upstream_driver.devices_per_slice(expose)
+        assert [len(s["spec"]["devices"]) for s in slices][:-1] == [per_slice] * (len(slices) - 1)
+        assert validate_pool(slices) == []
+        for obj in slices:
+            assert validate_slice(obj) == []
+
+
+def test_the_model_sees_pcie_roots_and_missing_numa_nodes(sysfs_roots: dict[str, Path]) -> None:
+    # The comparison above is only as good as the model: make sure it reads what matters.
+    dual = upstream_driver.read_machine(sysfs_roots["dual-socket-smt2"])
+    assert dual.pcie["pci0000:3a"] == [*range(8), *range(32, 40)]
+    assert dual.pcie["pci0001:00"] == list(range(64))
+    assert dual.cpus[32].sibling == 0
+    unlinked = upstream_driver.read_machine(sysfs_roots["no-numa-node"])
+    assert sorted(unlinked.cpus) == [0, 1, 2, 3, 8, 9, 10, 11]
+    assert unlinked.online == list(range(16))
+    knl = upstream_driver.read_machine(sysfs_roots["knl-smt4"])
+    assert {c.sibling for c in knl.cpus.values()} == {-1}
+    assert {c.l3 for c in knl.cpus.values()} == {-1}
+
+
+def test_kernel_without_numa_puts_every_cpu_on_node_0_unlike_upstream(tmp_path: Path) -> None:
+    # A deliberate difference (docs/devices.md): upstream finds no cpuN/nodeX entry, skips every
+    # CPU and publishes nothing but cpudevmachine; the kernel itself runs every CPU on node 0.
+    spec = MachineSpec(cores_per_cluster=4, numa_sysfs=False, smt_control="notsupported")
+    write_sysfs(spec, tmp_path)
+    assert upstream_driver.read_machine(tmp_path).cpus == {}
+    topology = read_topology(tmp_path)
+    assert topology.numa_in_sysfs is False
+    devices = published_devices(
+        topology, reserved=CpuSet(), mode=INDIVIDUAL, group_by=GroupBy.NUMANODE
+    )
+    assert [d.attributes[ATTR_NUMA_NODE] for d in devices] == [0, 0, 0, 0]
+
+
+# --- PCIe roots and the node-allocatable mapping --------------------------------------------------
+
+
+def test_pcie_roots_individual_and_grouped() -> None:
+    topology = build_topology(FIXTURES["dual-socket-smt2"], pcie_roots=True)
+    individual = devices_by_name(
+        published_devices(topology, reserved=CpuSet(), mode=INDIVIDUAL, group_by=GroupBy.NUMANODE)
+    )
+    # cpu0 (numa 0): the two roots of node 0 and the one local to every CPU, sorted by name
+    assert individual["cpudev000"].attributes[ATTR_PCIE_ROOT] == (
+        "pci0000:00",
+        "pci0000:3a",
+        "pci0001:00",
+    )
+    # cpu63 (numa 3)
+    assert individual["cpudev063"].attributes[ATTR_PCIE_ROOT] == (
+        "pci0000:ae",
+        "pci0000:d7",
+        "pci0001:00",
+    )
+    # ours stays last: upstream's attributes first
+    assert list(individual["cpudev000"].attributes)[-2:] == [ATTR_PCIE_ROOT, ATTR_ISOLATED]
+    sockets = devices_by_name(
+        published_devices(topology, reserved=CpuSet(), mode=GROUPED, group_by=GroupBy.SOCKET)
+    )
+    assert sockets["cpudevsocket001"].attributes[ATTR_PCIE_ROOT] == (
+        "pci0000:80",
+        "pci0000:ae",
+        "pci0000:d7",
+        "pci0001:00",
+    )
+    slices = build_resource_slices(
+        NODE, list(individual.values()), options=SliceOptions(expose_pcie_roots=True)
+    )
+    assert slices[0]["spec"]["devices"][0]["attributes"][ATTR_PCIE_ROOT] == {
+        "strings": ["pci0000:00", "pci0000:3a", "pci0001:00"]
+    }
+    assert [len(s["spec"]["devices"]) for s in slices] == [64]
+    assert_valid(slices)
+
+
+def test_a_cpu_without_local_roots_gets_no_attribute() -> None:
+    spec = dataclasses.replace(FIXTURES["dual-socket-smt2"], pci_roots=(PciRoot("pci0000:00", 0),))
+    topology = build_topology(spec, pcie_roots=True)
+    devices = published_devices(
+        topology, reserved=CpuSet(), mode=GROUPED, group_by=GroupBy.NUMANODE
+    )
+    assert [ATTR_PCIE_ROOT in d.attributes for d in devices] == [True, False, False, False]
+
+
+def test_expose_pcie_roots_caps_slices_at_64_even_without_roots() -> None:
+    # upstream Config.DevicesPerResourceSlice: the flag decides, not the attributes
+    devices = list(devices_of("big-1024", INDIVIDUAL).values())
+    plain = build_resource_slices(NODE, devices)
+    capped = build_resource_slices(NODE, devices, options=SliceOptions(expose_pcie_roots=True))
+    assert [len(s["spec"]["devices"]) for s in plain] == [128] * 8
+    assert [len(s["spec"]["devices"]) for s in capped] == [64] * 16
+    assert ATTR_PCIE_ROOT not in capped[0]["spec"]["devices"][0]["attributes"]
+    assert_valid(capped, schema=False)
+
+
+def test_too_many_roots_for_one_device_is_a_clear_error() -> None:
+    roots = tuple(PciRoot(f"pci{n:04x}:00", None) for n in range(46))
+    spec = dataclasses.replace(FIXTURES["vm-2cpu"], pci_roots=roots)
+    topology = build_topology(spec, pcie_roots=True)
+    # machine: smtEnabled, numCPUs, numIsolatedCPUs + 45 roots = 48 values: the limit
+    fits = dataclasses.replace(spec, pci_roots=roots[:45])
+    published_devices(
+        build_topology(fits, pcie_roots=True),
+        reserved=CpuSet(),
+        mode=GROUPED,
+        group_by=GroupBy.MACHINE,
+    )
+    with pytest.raises(TopologyError, match=r"cpudevmachine: 46 PCIe roots .* 49 attribute values"):
+        published_devices(topology, reserved=CpuSet(), mode=GROUPED, group_by=GroupBy.MACHINE)
+
+
+@pytest.mark.parametrize("mode", list(CpuDeviceMode))
+def test_node_allocatable_mapping_is_upstreams_and_valid(mode: CpuDeviceMode) -> None:
+    devices = list(devices_of("offline-isolated", mode).values())
+    slices = build_resource_slices(NODE, devices, options=SliceOptions(node_allocatable=True))
+    mapping = {
+        INDIVIDUAL: {"deviceMultiplier": "1"},
+        GROUPED: {"capacityKey": CAPACITY_CPU, "capacityMultiplier": "1"},
+    }[mode]
+    for device in slices[0]["spec"]["devices"]:
+        assert device["nodeAllocatableResources"] == {"cpu": {"mapping": mapping}}
+    assert_valid(slices)
+    plain = build_resource_slices(NODE, devices)
+    assert all("nodeAllocatableResources" not in d for d in plain[0]["spec"]["devices"])
+
+
+def test_validator_enforces_node_allocatable_rules() -> None:
+    def device(resources: Any) -> dict[str, Any]:
+        return {
+            "name": "d",
+            "allowMultipleAllocations": True,
+            "capacity": {CAPACITY_CPU: {"value": "8"}},
+            "nodeAllocatableResources": resources,
+        }
+
+    good: list[Any] = [
+        {"cpu": {"mapping": {"capacityKey": CAPACITY_CPU, "capacityMultiplier": "1"}}},
+        {"memory": {"mapping": {"deviceMultiplier": "1Gi"}}},
+        {"hugepages-2Mi": {"overhead": {"perPod": "0"}}},
+        {"cpu": {"mapping": {"deviceMultiplier": "1"}, "overhead": {"perContainer": "100m"}}},
+    ]
+    for resources in good:
+        assert validate_slice(_slice_with([device(resources)])) == [], resources
+    bad: list[tuple[Any, str]] = [
+        ({"ephemeral-storage": {"mapping": {"deviceMultiplier": "1"}}}, "resource name"),
+        ({"cpu": {}}, "at least one of mapping or overhead"),
+        (
+            {"cpu": {"mapping": {"capacityKey": "dra.cpu/other", "capacityMultiplier": "1"}}},
+            "not a capacity",
+        ),
+        ({"cpu": {"mapping": {"capacityKey": CAPACITY_CPU}}}, "capacityMultiplier: required"),
+        ({"cpu": {"mapping": {"capacityMultiplier": "1"}}}, "exactly one of"),
+        (
+            {"cpu": {"mapping": {"capacityKey": CAPACITY_CPU, "capacityMultiplier": "0"}}},
+            "positive",
+        ),
+        ({"cpu": {"mapping": {"deviceMultiplier": "-1"}}}, "positive"),
+        (
+            {"cpu": {"mapping": {"deviceMultiplier": "1", "capacityKey": CAPACITY_CPU}}},
+            "exactly one",
+        ),
+        ({"cpu": {"overhead": {}}}, "perPod or perContainer"),
+        ({"cpu": {"overhead": {"perPod": "-1"}}}, ">= 0"),
+        ([], "must be an object"),
+    ]
+    for resources, message in bad:
+        errors = validate_slice(_slice_with([device(resources)]))
+        assert any(message in e for e in errors), (resources, errors)
+
+
 # --- the wire form -----------------------------------------------------------------------------
 
 
@@ -425,7 +666,8 @@ def test_wire_form_of_individual_and_grouped_devices() -> None:
     assert numa1["capacity"] == {
         "dra.cpu/cpu": {
             "value": "5",
-            "requestPolicy": {"default": "1", "validRange": {"min": "1", "step": "1"}},
+            # default: the whole group, what a request without capacity.requests consumes
+            "requestPolicy": {"default": "5", "validRange": {"min": "1", "step": "1"}},
         }
     }
     assert numa1["attributes"]["dra.cpu/numCPUs"] == {"int": 5}
@@ -477,7 +719,21 @@ def test_long_node_name_gives_a_valid_unique_slice_name() -> None:
     assert slice_name(NODE, 12) == "node-a-dra.cpu-012"
 
 
-def test_numa_node_unknown_is_an_error_in_numa_grouping() -> None:
+def test_cpus_of_no_numa_node_are_published_only_by_the_machine_device() -> None:
+    # 2 NUMA x 4 cores x SMT2, siblings +8; node 1 (cpu4-7,12-15) is not online.
+    individual = devices_of("no-numa-node", INDIVIDUAL)
+    assert numbering(individual) == [0, 8, 1, 9, 2, 10, 3, 11]
+    numa = devices_of("no-numa-node", GROUPED)
+    assert list(numa) == ["cpudevnuma000"]
+    assert numa["cpudevnuma000"].cpus == CpuSet.parse("0-3,8-11")
+    sockets = devices_of("no-numa-node", GROUPED, GroupBy.SOCKET)
+    assert sockets["cpudevsocket000"].capacity == {CAPACITY_CPU: 8}
+    machine = devices_of("no-numa-node", GROUPED, GroupBy.MACHINE)
+    assert machine["cpudevmachine"].cpus == CpuSet.parse("0-15")
+    assert machine["cpudevmachine"].capacity == {CAPACITY_CPU: 16}
+
+
+def test_machine_of_cpus_without_any_numa_node_publishes_only_cpudevmachine() -> None:
     cpus = {
         c: CpuInfo(
             cpu_id=c, socket_id=0, die_id=0, cluster_id=-1, core_id=c, numa_node=-1, l3_id=None
@@ -485,15 +741,37 @@ def test_numa_node_unknown_is_an_error_in_numa_grouping() -> None:
         for c in range(2)
     }
     topology = Topology(cpus=cpus, smt_enabled=False)
-    with pytest.raises(TopologyError, match="NUMA"):
-        published_devices(topology, reserved=CpuSet(), mode=GROUPED, group_by=GroupBy.NUMANODE)
-    (device, _) = published_devices(
-        topology, reserved=CpuSet(), mode=INDIVIDUAL, group_by=GroupBy.NUMANODE
+    for mode, group_by in ((GROUPED, GroupBy.NUMANODE), (GROUPED, GroupBy.SOCKET)):
+        assert published_devices(topology, reserved=CpuSet(), mode=mode, group_by=group_by) == []
+    assert (
+        published_devices(topology, reserved=CpuSet(), mode=INDIVIDUAL, group_by=GroupBy.NUMANODE)
+        == []
     )
-    assert ATTR_NUMA_NODE not in device.attributes  # KEP-6072: never publish -1
-    assert ATTR_CACHE_L3_ID not in device.attributes  # no L3: no id (upstream would say 0)
-    assert device.attributes[ATTR_CORE_TYPE] == CoreType.STANDARD.value
-    assert_valid(build_resource_slices(NODE, [device]))
+    (machine,) = published_devices(
+        topology, reserved=CpuSet(), mode=GROUPED, group_by=GroupBy.MACHINE
+    )
+    assert machine.capacity == {CAPACITY_CPU: 2}
+    assert_valid(build_resource_slices(NODE, [machine]))
+
+
+def test_knl_smt4_numbers_four_thread_cores_in_cpu_order_without_l3() -> None:
+    # 16 cores x SMT4, siblings +16: cpu0,16,32,48 are core 0. Upstream pairs only cores of
+    # exactly two threads, so these CPUs are numbered in CPU order; no L3: cacheL3ID -1.
+    devices = devices_of("knl-smt4", INDIVIDUAL)
+    assert numbering(devices) == list(range(64))
+    assert {d.attributes[ATTR_CACHE_L3_ID] for d in devices.values()} == {NO_L3_CACHE}
+    assert devices["cpudev016"].attributes[ATTR_CORE_ID] == 0
+    # Siblings are counted among the online CPUs, reserved ones included: reserving two threads
+    # of core 0 pairs nothing, taking them offline pairs the other two.
+    reserved = devices_of("knl-smt4", INDIVIDUAL, reserved="32,48")
+    assert numbering(reserved)[:4] == [0, 1, 2, 3]
+    offline = dataclasses.replace(FIXTURES["knl-smt4"], offline=CpuSet.parse("32,48"))
+    devices = devices_by_name(
+        published_devices(
+            build_topology(offline), reserved=CpuSet(), mode=INDIVIDUAL, group_by=GroupBy.NUMANODE
+        )
+    )
+    assert numbering(devices)[:4] == [0, 16, 1, 2]
 
 
 # --- limits and the validator --------------------------------------------------------------------

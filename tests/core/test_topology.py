@@ -1,13 +1,15 @@
-"""The pure topology model: indexes, siblings, core identity, device order."""
+"""The pure topology model: indexes, siblings, core identity, NUMA nodes, PCIe roots."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from dracpu.core.cpuset import CpuSet
-from dracpu.core.topology import CoreType, CpuInfo, Topology
+from dracpu.core.topology import NO_NUMA_NODE, CoreType, CpuInfo, Topology
 from dracpu.errors import TopologyError
 
 
@@ -75,19 +77,26 @@ def test_cores_of_includes_partial_cores_ordered_by_lowest_cpu() -> None:
     assert topo.cores_of(cs("8-9")) == []  # not online
 
 
-def test_sorted_siblings_adjacent() -> None:
-    topo = two_socket_smt2()
-    assert topo.sorted_siblings_adjacent(topo.online) == [0, 4, 1, 5, 2, 6, 3, 7]
-    assert topo.sorted_siblings_adjacent(cs("0-1,4-5")) == [0, 4, 1, 5]
-    assert topo.sorted_siblings_adjacent(CpuSet()) == []
+def test_pcie_roots_are_sorted_and_kept_to_online_cpus() -> None:
+    base = two_socket_smt2()
+    roots = {"pci0000:80": cs("2-3,6-7,12"), "pci0000:00": cs("0-1,4-5")}
+    topo = Topology(cpus=dict(base.cpus), smt_enabled=True, pcie_roots=roots)
+    assert list(topo.pcie_roots) == ["pci0000:00", "pci0000:80"]
+    assert topo.pcie_roots["pci0000:80"] == cs("2-3,6-7")  # cpu12 is not online
+    assert topo != base  # the roots are part of the model
+    assert base.pcie_roots == {}
 
 
-def test_sorted_siblings_adjacent_orders_cores_by_their_lowest_listed_cpu() -> None:
-    # cpu0 left out (reserved): core {0,4} sorts by cpu4, after core {1,5}... {3,7}, as
-    # upstream cpuDeviceInfos orders its core groups by their first non-reserved CPU.
-    topo = two_socket_smt2()
-    assert topo.sorted_siblings_adjacent(cs("1-7")) == [1, 5, 2, 6, 3, 7, 4]
-    assert topo.sorted_siblings_adjacent(cs("4,6,1")) == [1, 4, 6]
+def test_cpus_without_a_numa_node() -> None:
+    base = two_socket_smt2()
+    assert base.without_numa_node == CpuSet()
+    cpus = {
+        c: replace(i, numa_node=NO_NUMA_NODE) if c in (3, 7) else i for c, i in base.cpus.items()
+    }
+    topo = Topology(cpus=cpus, smt_enabled=True)
+    assert topo.without_numa_node == cs("3,7")
+    assert topo.numa_nodes == {NO_NUMA_NODE: cs("3,7"), 0: cs("0-1,4-5"), 1: cs("2,6")}
+    assert topo.numa_in_sysfs is True
 
 
 def test_queries_of_cpu_sets() -> None:
@@ -159,8 +168,6 @@ def test_indexes_partition_the_online_cpus(core_of: list[int]) -> None:
         groups = list(index.values())
         assert CpuSet.union(groups) == topo.online
         assert sum(len(g) for g in groups) == len(topo.online)
-    order = topo.sorted_siblings_adjacent(topo.online)
-    assert sorted(order) == list(topo.online)
     assert topo.smt_width == max(core_of.count(c) for c in set(core_of))
     for cpu in topo.online:
         assert topo.siblings(cpu) == CpuSet(n for n, c in enumerate(core_of) if c == core_of[cpu])

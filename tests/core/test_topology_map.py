@@ -5,10 +5,16 @@ from __future__ import annotations
 import pytest
 
 from dracpu.core.cpuset import CpuSet
-from dracpu.core.slices import CpuDeviceMode, GroupBy, build_resource_slices, published_devices
+from dracpu.core.slices import (
+    CpuDeviceMode,
+    GroupBy,
+    SliceOptions,
+    build_resource_slices,
+    published_devices,
+)
 from dracpu.core.topology import CpuInfo, Topology
 from dracpu.core.topology_map import LINE_WIDTH, claim_keys, render_map
-from dracpu.sim.topologies import FIXTURES, build_topology
+from dracpu.sim.topologies import FIXTURES, MachineSpec, build_topology
 
 NODE = "node-a"
 
@@ -19,11 +25,14 @@ def render(
     mode: CpuDeviceMode = CpuDeviceMode.GROUPED,
     group_by: GroupBy = GroupBy.NUMANODE,
     claimed: dict[str, CpuSet] | None = None,
+    options: SliceOptions | None = None,
 ) -> list[str]:
     cpus = CpuSet.parse(reserved)
     devices = published_devices(topology, reserved=cpus, mode=mode, group_by=group_by)
-    slices = build_resource_slices(NODE, devices)
-    text = render_map(topology, reserved=cpus, devices=devices, slices=slices, claimed=claimed)
+    slices = build_resource_slices(NODE, devices, options=options or SliceOptions())
+    text = render_map(
+        topology, reserved=cpus, devices=devices, slices=slices, claimed=claimed, options=options
+    )
     assert text.endswith("\n")
     return text.splitlines()
 
@@ -150,3 +159,46 @@ def test_claim_keys_are_bijective_base_26_by_lowest_cpu() -> None:
     assert keys["uid3"] == "aa"
     assert keys["uid0"] == "ad"
     assert len(set(keys.values())) == 30
+
+
+def test_pcie_roots_are_listed_under_their_numa_node() -> None:
+    topology = build_topology(FIXTURES["dual-socket-smt2"], pcie_roots=True)
+    lines = render(topology, options=SliceOptions(expose_pcie_roots=True))
+    start = lines.index("  numa 0: cpus 0-7,32-39  -> cpudevnuma000 (dra.cpu/cpu=16)")
+    assert lines[start + 1] == "    pcie roots: pci0000:00, pci0000:3a"
+    assert "    pcie roots: pci0000:ae, pci0000:d7" in lines
+    assert "  pcie roots local to every cpu: pci0001:00" in lines
+    assert "  - pcieRoot is read on every architecture (the Go driver: on amd64 only)" in lines
+    none_found = render(build_topology(FIXTURES["smt4"]), options=SliceOptions(True, True))
+    assert "  pcie roots: none found" in none_found
+    assert not any("pcie" in line for line in render(build_topology(FIXTURES["smt4"])))
+
+
+def test_cpus_of_no_numa_node_are_their_own_unpublished_group() -> None:
+    lines = render(build_topology(FIXTURES["no-numa-node"]))
+    assert "machine: 1 socket, 1 numa node, 2 l3 caches, 8 cores" in lines
+    start = lines.index("  numa 0: cpus 0-3,8-11  -> cpudevnuma000 (dra.cpu/cpu=8)")
+    assert lines[start + 3] == "  no numa node: cpus 4-7,12-15 (in no device but cpudevmachine)"
+    assert lines[start + 5] == "      4,12  5,13  6,14  7,15"
+
+
+def test_differences_from_the_go_driver() -> None:
+    grouped = render(build_topology(FIXTURES["vm-2cpu"]))
+    start = grouped.index("compared with the Go driver:")
+    assert grouped[start + 1 : start + 3] == [
+        "  - dra.cpu/cpu requestPolicy: whole cpus, default all of them "
+        "(Go driver: none, fractions fail)",
+        "  - dra.cpu/numIsolatedCPUs on every device (ours)",
+    ]
+    individual = render(build_topology(FIXTURES["vm-2cpu"]), mode=CpuDeviceMode.INDIVIDUAL)
+    start = individual.index("compared with the Go driver:")
+    assert individual[start + 1] == "  - dra.cpu/isolated on every device (ours)"
+    empty = render(build_topology(FIXTURES["vm-2cpu"]), reserved="0-1", group_by=GroupBy.SOCKET)
+    assert "  - no device: one empty ResourceSlice (the Go driver publishes none)" in empty
+    no_numa = render(build_topology(MachineSpec(cores_per_cluster=2, numa_sysfs=False)))
+    start = no_numa.index("compared with the Go driver:")
+    assert no_numa[start + 1 : start + 3] == [
+        "  - the kernel has no NUMA nodes: every cpu is on node 0 (the Go driver skips every cpu, "
+        "publishing",
+        "      no device but cpudevmachine)",
+    ]

@@ -222,7 +222,7 @@ class ModelKubectl(Kubectl):
         devices = []
         for name, (numa, cpus) in self._devices().items():
             count = len(cpus)
-            policy: dict[str, Any] = {"default": "1", "validRange": {"min": "1"}}
+            policy: dict[str, Any] = {"default": str(count), "validRange": {"min": "1"}}
             if count >= 2:
                 policy["validRange"]["step"] = "1"
             devices.append(
@@ -286,8 +286,10 @@ class ModelKubectl(Kubectl):
         ns, name = pod.obj["metadata"]["namespace"], pod.obj["metadata"]["name"]
         template = self.templates[(ns, entry["resourceClaimTemplateName"])]
         (request,) = template["spec"]["spec"]["devices"]["requests"]
-        asked = parse_quantity(request["exactly"]["capacity"]["requests"][CPU_CAPACITY])
-        amount = max(1, math.ceil(asked))  # requestPolicy: whole CPUs, min 1, step 1
+        requests = (request["exactly"].get("capacity") or {}).get("requests") or {}
+        asked = requests.get(CPU_CAPACITY)
+        # requestPolicy: whole CPUs, min 1, step 1; without a request the whole group (default)
+        amount = None if asked is None else max(1, math.ceil(parse_quantity(asked)))
         claim_name = f"{name}-{entry['name']}-{uuid.uuid4().hex[:5]}"
         claim: dict[str, Any] = {
             "metadata": {"name": claim_name, "namespace": ns, "uid": str(uuid.uuid4())},
@@ -299,7 +301,10 @@ class ModelKubectl(Kubectl):
             {"name": entry["name"], "resourceClaimName": claim_name}
         ]
         free = self._free(node)
-        device = next((d for d, f in free.items() if f >= amount), None)
+        sizes = {name: len(cpus) for name, (_, cpus) in self._devices().items()}
+        device = next(
+            (d for d, f in free.items() if f >= (sizes[d] if amount is None else amount)), None
+        )
         if device is None:
             self._event(
                 ns,
@@ -320,7 +325,9 @@ class ModelKubectl(Kubectl):
                         "pool": node,
                         "device": device,
                         "shareID": str(uuid.uuid4()),
-                        "consumedCapacity": {CPU_CAPACITY: str(amount)},
+                        "consumedCapacity": {
+                            CPU_CAPACITY: str(sizes[device] if amount is None else amount)
+                        },
                     }
                 ]
             }

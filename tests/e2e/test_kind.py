@@ -117,12 +117,13 @@ def test_every_node_publishes_its_numa_groups(cluster: Cluster, target: Target) 
             assert attributes["dra.cpu/numCPUs"]["int"] == count
             isolated = len(facts.numa[numa] & facts.allocatable & facts.isolated)
             assert attributes[ISOLATED_ATTRIBUTE]["int"] == isolated, f"{node}/{name}"
-            # Whole CPUs, one by default (design §6); kept since kind-config.yaml enables
-            # DRAConsumableCapacity (a server without it would have dropped the device's
-            # allowMultipleAllocations too).
+            # Whole CPUs, by default the whole group (what a request without capacity.requests
+            # consumes, as with upstream's policy-less capacity); kept since kind-config.yaml
+            # enables DRAConsumableCapacity (a server without it would have dropped the
+            # device's allowMultipleAllocations too).
             policy = capacity.get("requestPolicy")
             assert policy is not None, f"{node}/{name}: no requestPolicy"
-            assert parse_quantity(policy["default"]) == 1, f"{node}/{name}: {policy}"
+            assert parse_quantity(policy["default"]) == count, f"{node}/{name}: {policy}"
             assert parse_quantity(policy["validRange"]["min"]) == 1, f"{node}/{name}: {policy}"
             if count >= 2:
                 assert parse_quantity(policy["validRange"]["step"]) == 1, f"{node}/{name}"

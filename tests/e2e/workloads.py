@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -142,29 +142,13 @@ def exclusive_pod(
     return pod
 
 
-def _overlay_daemon_args() -> list[str]:
-    kustomization = yaml.safe_load((OVERLAY / "kustomization.yaml").read_text())
-    for patch in kustomization.get("patches", []):
-        ops = yaml.safe_load(patch.get("patch", "")) or []
-        for op in ops if isinstance(ops, list) else []:
-            if op.get("path") == "/spec/template/spec/containers/0/args":
-                args: list[str] = [str(a) for a in op["value"]]
-                return args
-    raise ValueError(f"{OVERLAY / 'kustomization.yaml'}: no patch sets the DaemonSet's args")
-
-
-def _flag_value(args: Sequence[str], flag: str) -> str | None:
-    for index, arg in enumerate(args):
-        if arg.startswith(flag + "="):
-            return arg.split("=", 1)[1]
-        if arg == flag and index + 1 < len(args):
-            return args[index + 1]
-    return None
-
-
 def overlay_reserved_cpus() -> frozenset[int]:
-    """The ``--reserved-cpus`` the kind overlay gives the daemon (empty if none)."""
-    return parse_cpulist(_flag_value(_overlay_daemon_args(), "--reserved-cpus") or "")
+    """The ``reservedCPUs`` of the driver config the kind overlay deploys (empty if none)."""
+    from tests.kustomize import build
+
+    (configmap,) = [o for o in build(OVERLAY) if o["kind"] == "ConfigMap"]
+    config = yaml.safe_load(configmap["data"]["config.yaml"]) or {}
+    return parse_cpulist(str(config.get("reservedCPUs", "")))
 
 
 def overlay_image() -> str:

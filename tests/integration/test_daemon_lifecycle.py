@@ -22,7 +22,9 @@ TASKS = (
     "signals",
     "state-owner",
     "http",
+    "debug-dump",
     "cdi-watcher",
+    "device-health",
     "kubelet-plugin",
     "registration",
     "nri-plugin",
@@ -45,7 +47,7 @@ async def test_ready_with_every_task_then_sighup_resyncs_and_sigterm_stops_withi
         assert status == 200
         assert body == (
             "".join(f"[+]{task} ok\n" for task in TASKS)
-            + "[+]kubelet-registration ok\nreadyz check passed\n"
+            + "[+]cdi-dir ok\n[+]kubelet-registration ok\nreadyz check passed\n"
         )
         assert await sim.daemon.get("/healthz") == (200, "ok\n")
         # The supervisor's tasks become ready in start order; the kubelet's registration verdict

@@ -23,9 +23,11 @@ import anyio
 import grpc
 import pytest
 
+from dracpu.core.cpuset import CpuSet
 from dracpu.sim.fake_kubelet import (
     ClaimRef,
     Device,
+    DeviceHealthReport,
     FakeKubelet,
     FakeKubeletError,
     KubeletCallError,
@@ -49,6 +51,7 @@ __all__: list[str] = []
 
 G_REG = load_pb2("pluginregistration/v1/api.proto")
 G_V1 = load_pb2("dra/v1/api.proto")
+G_HEALTH = load_pb2("dra_health/v1/api.proto")
 
 
 # --- against dracpu -----------------------------------------------------------------------------
@@ -103,7 +106,12 @@ async def test_registers_with_dracpu_and_prepares_over_both_versions(tmp_path: P
             await d.state.wait_notified()
 
             assert (reg.driver, reg.endpoint, reg.version) == ("dra.cpu", d.node.socket, "v1")
-            assert reg.supported_versions == ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+            assert reg.supported_versions == (
+                "v1.DRAPlugin",
+                "v1beta1.DRAPlugin",
+                "v1.DRAResourceHealth",
+                "v1alpha1.DRAResourceHealth",
+            )
             assert d.state.registered
             assert d.readiness.is_ready()
             assert kubelet.registrations() == {"dra.cpu": reg}
@@ -139,6 +147,29 @@ async def test_old_kubelet_negotiates_v1beta1(tmp_path: Path) -> None:
             [result] = (await kubelet.aprepare([_ref(obj)])).values()
             assert result.error == ""
             assert result.devices[0].share_id is None
+
+
+@pytest.mark.anyio
+async def test_watches_dracpu_s_device_health_in_both_versions(tmp_path: Path) -> None:
+    async with daemon(tmp_path, FakeClaims()) as d:
+        board = d.node.owner.health
+        board.set_devices(d.node.config.devices.values())
+        with FakeKubelet(d.registry) as kubelet:
+            reg = await kubelet.aregister()
+            assert reg.health_version == "v1"  # advertised both: the kubelet picks v1
+            with kubelet.watch_health() as v1, kubelet.watch_health(version="v1alpha1") as alpha:
+                assert (v1.version, alpha.version) == ("v1", "v1alpha1")
+                for watch in (v1, alpha):
+                    first = await watch.anext()
+                    assert first is not None
+                    assert [(d.pool_name, d.health) for d in first.devices] == [
+                        (NODE, "HEALTHY")
+                    ] * 4
+                board.set_online(CpuSet(range(64)) - CpuSet([0]))
+                for watch in (v1, alpha):
+                    changed = await watch.anext()
+                    assert changed is not None
+                    assert changed.unhealthy() == {"cpudevnuma000": "cpu 0 is offline"}
 
 
 @pytest.mark.anyio
@@ -186,6 +217,8 @@ class ScriptedPlugin:
         default=lambda request: G_V1.NodePrepareResourcesResponse()
     )
     notified: list[tuple[bool, str]] = field(default_factory=list)
+    health_lists: list[Any] = field(default_factory=list)  # v1 NodeWatchResourcesResponses
+    health_end: grpc.StatusCode | None = None  # how the health stream ends (None: OK)
 
     def handlers(self) -> list[Any]:
         registration_service = grpc.method_handlers_generic_handler(
@@ -213,7 +246,22 @@ class ScriptedPlugin:
                 ),
             },
         )
-        return [registration_service, dra_service]
+        health_service = grpc.method_handlers_generic_handler(
+            "v1.DRAResourceHealth",
+            {
+                "NodeWatchResources": grpc.unary_stream_rpc_method_handler(
+                    self._watch,
+                    request_deserializer=G_HEALTH.NodeWatchResourcesRequest.FromString,
+                    response_serializer=G_HEALTH.NodeWatchResourcesResponse.SerializeToString,
+                ),
+            },
+        )
+        return [registration_service, dra_service, health_service]
+
+    def _watch(self, request: Any, context: Any) -> Iterator[Any]:
+        yield from self.health_lists
+        if self.health_end is not None:
+            context.abort(self.health_end, "the scripted plugin gives up")
 
     def _notify(self, request: Any, context: Any) -> Any:
         self.notified.append((request.plugin_registered, request.error))
@@ -279,6 +327,79 @@ def test_empty_endpoint_means_the_registration_socket_and_plugin_order_wins(
         reg = kubelet.register()
     assert (reg.endpoint, reg.version) == (path, "v1beta1")
     assert plugin.notified == [(True, "")]
+
+
+@pytest.mark.parametrize(
+    ("advertised", "chosen"),
+    [
+        (["v1.DRAPlugin", "v1alpha1.DRAResourceHealth", "v1.DRAResourceHealth"], "v1"),
+        (["v1.DRAPlugin", "v1alpha1.DRAResourceHealth"], "v1alpha1"),
+        (["v1.DRAPlugin", "v1.DRAResourceHealth"], "v1"),
+        (["v1.DRAPlugin"], None),
+    ],
+)
+def test_health_service_is_v1_over_v1alpha1_whatever_the_order(
+    tmp_path: Path, advertised: list[str], chosen: str | None
+) -> None:
+    plugin = ScriptedPlugin(_info(supported_versions=advertised))
+    with scripted(tmp_path / "registry", plugin), FakeKubelet(tmp_path / "registry") as kubelet:
+        assert kubelet.register().health_version == chosen
+        if chosen is None:
+            with pytest.raises(FakeKubeletError, match="advertised no health service"):
+                kubelet.watch_health()
+
+
+def _health_list(*devices: tuple[str, Any, str]) -> Any:
+    return G_HEALTH.NodeWatchResourcesResponse(
+        devices=[
+            G_HEALTH.DeviceHealth(
+                device=G_HEALTH.DeviceIdentifier(pool_name="pool", device_name=name),
+                health=health,
+                last_updated_time=7,
+                health_check_timeout_seconds=30,
+                message=message,
+            )
+            for name, health, message in devices
+        ]
+    )
+
+
+@pytest.mark.parametrize("end", [None, grpc.StatusCode.UNAVAILABLE])
+def test_health_watch_hands_over_every_list_then_how_the_stream_ended(
+    tmp_path: Path, end: grpc.StatusCode | None
+) -> None:
+    plugin = ScriptedPlugin(
+        _info(supported_versions=["v1.DRAPlugin", "v1.DRAResourceHealth"]),
+        health_lists=[
+            _health_list(("a", G_HEALTH.HEALTHY, "")),
+            _health_list(("a", G_HEALTH.UNHEALTHY, "broken"), ("b", G_HEALTH.UNKNOWN, "")),
+        ],
+        health_end=end,
+    )
+    with scripted(tmp_path / "registry", plugin), FakeKubelet(tmp_path / "registry") as kubelet:
+        kubelet.register()
+        with kubelet.watch_health() as watch:
+            first, second = watch.next(), watch.next()
+            assert first is not None
+            assert second is not None
+            assert first.devices == (DeviceHealthReport("pool", "a", "HEALTHY", 7, 30, ""),)
+            assert second.health() == {"a": "UNHEALTHY", "b": "UNKNOWN"}
+            assert second.unhealthy() == {"a": "broken"}
+            if end is None:
+                assert watch.next() is None
+                assert watch.next() is None  # and stays ended
+            else:
+                with pytest.raises(KubeletCallError, match="UNAVAILABLE: the scripted") as info:
+                    watch.next()
+                assert info.value.code == "UNAVAILABLE"
+
+
+def test_a_health_stream_ended_before_any_list_is_none(tmp_path: Path) -> None:
+    plugin = ScriptedPlugin(_info(supported_versions=["v1.DRAPlugin", "v1.DRAResourceHealth"]))
+    with scripted(tmp_path / "registry", plugin), FakeKubelet(tmp_path / "registry") as kubelet:
+        kubelet.register()
+        with kubelet.watch_health() as watch:
+            assert watch.next() is None  # the scripted stream sends nothing and ends OK
 
 
 def _answer(claims: dict[str, Any]) -> Callable[[Any], Any]:

@@ -142,5 +142,6 @@ def test_dracpu_sim_refuses_an_unknown_topology(capsys: pytest.CaptureFixture[st
     assert cli_main(["sim", "--topology", "nope"]) == 2
     assert capsys.readouterr().err == (
         "dracpu sim: error: unknown topology 'nope': choose one of arm64-server, big-1024, "
-        "dual-socket-smt2, hybrid-desktop, offline-isolated, smt4, vm-2cpu\n"
+        "dual-socket-smt2, hybrid-desktop, knl-smt4, no-numa-node, offline-isolated, smt4, "
+        "vm-2cpu\n"
     )

@@ -11,7 +11,14 @@ import pytest
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.topology import CoreType
 from dracpu.errors import ConfigError
-from dracpu.sim.topologies import FIXTURES, MachineSpec, build_topology, fixture, write_sysfs
+from dracpu.sim.topologies import (
+    FIXTURES,
+    MachineSpec,
+    PciRoot,
+    build_topology,
+    fixture,
+    write_sysfs,
+)
 
 CPU = "sys/devices/system/cpu"
 NODE = "sys/devices/system/node"
@@ -37,6 +44,8 @@ def read(root: Path, rel: str) -> str:
         ("smt4", 64, 64),
         ("vm-2cpu", 2, 2),
         ("offline-isolated", 16, 13),
+        ("knl-smt4", 64, 64),
+        ("no-numa-node", 16, 16),
         ("big-1024", 1024, 1024),
     ],
 )
@@ -168,6 +177,10 @@ def test_offline_siblings_leave_single_thread_cores() -> None:
         ({"isolated": CpuSet([9])}, "beyond cpu1"),
         ({"offline": CpuSet([0, 1])}, "every CPU is offline"),
         ({"core_id_scheme": "per-cluster", "l3_per_numa": 2}, "per-cluster"),
+        ({"no_numa_node": CpuSet([2])}, "beyond cpu1"),
+        ({"no_numa_node": CpuSet([1]), "numa_sysfs": False}, "need devices/system/node"),
+        ({"pci_roots": (PciRoot("pci0000:00", 0), PciRoot("pci0000:00", None))}, "unique"),
+        ({"pci_roots": (PciRoot("pci10000:00", 0),)}, "pciDDDD:BB"),
     ],
 )
 def test_bad_specs_are_refused(changes: dict[str, object], message: str) -> None:
@@ -256,6 +269,31 @@ def test_no_numa_sysfs_writes_no_node_directory(scratch: Path) -> None:
     write_sysfs(replace(FIXTURES["vm-2cpu"], numa_sysfs=False), scratch)
     assert not (scratch / NODE).exists()
     assert not os.path.lexists(scratch / CPU / "cpu0/node0")
+
+
+def test_written_pcie_roots(scratch: Path) -> None:
+    write_sysfs(FIXTURES["dual-socket-smt2"], scratch)
+    bus = "sys/devices/pci0000:5d/pci_bus/0000:5d"
+    assert read(scratch, f"{bus}/cpulistaffinity") == "8-15,40-47\n"
+    assert read(scratch, f"{bus}/cpuaffinity") == "0000ff00,0000ff00\n"
+    everywhere = "sys/devices/pci0001:00/pci_bus/0001:00/cpulistaffinity"
+    assert read(scratch, everywhere) == "0-63\n"  # no NUMA node: every online CPU
+    assert build_topology(FIXTURES["dual-socket-smt2"]).pcie_roots == {}
+    roots = build_topology(FIXTURES["dual-socket-smt2"], pcie_roots=True).pcie_roots
+    assert roots["pci0000:5d"] == cs("8-15,40-47")
+
+
+def test_written_node_that_is_not_online(scratch: Path) -> None:
+    write_sysfs(FIXTURES["no-numa-node"], scratch)
+    assert read(scratch, f"{NODE}/possible") == "0-1\n"
+    assert read(scratch, f"{NODE}/online") == "0\n"
+    assert read(scratch, f"{NODE}/node0/cpulist") == "0-3,8-11\n"
+    assert not (scratch / NODE / "node1").exists()
+    assert not os.path.lexists(scratch / CPU / "cpu4/node1")
+    assert os.path.islink(scratch / CPU / "cpu3/node0")
+    topo = build_topology(FIXTURES["no-numa-node"])
+    assert topo.without_numa_node == cs("4-7,12-15")
+    assert topo.info(12).numa_node == -1
 
 
 def test_refuses_to_write_over_an_existing_tree(scratch: Path) -> None:

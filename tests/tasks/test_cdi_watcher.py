@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import shutil
 import time
@@ -11,6 +12,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from dracpu.adapters.backoff import backoff_delays
 from dracpu.adapters.cdi_files import (
     is_our_probe_file,
     probe_file_name,
@@ -24,6 +26,8 @@ from dracpu.core.cpuset import CpuSet
 from dracpu.errors import CdiError
 from dracpu.tasks import cdi_watcher
 from dracpu.tasks.cdi_watcher import ReconcileReport, reconcile
+from dracpu.tasks.http import ReadinessFlag
+from tests.mounts import read_only_bind
 from tests.tasks.both_backends import anyio_backend  # noqa: F401 (a fixture)
 
 A = "8ec6fd12-bb08-4936-a857-866f50153c21"
@@ -349,12 +353,128 @@ async def test_polling_mode(tmp_path: Path) -> None:
         await wait_until(_spec_ok(cdi, A, CPUS_A))
 
 
+# --- a dir that cannot be used ------------------------------------------------------------------
+
+RETRY = functools.partial(backoff_delays, initial=0.05, cap=0.2, jitter=0.0)
+
+
+@contextlib.asynccontextmanager
+async def watching_with_health(
+    cdi: Path, claims: Claims, **options: object
+) -> AsyncIterator[ReadinessFlag]:
+    """The watcher with its readiness flag; started() must come whatever the dir's state."""
+    flag = ReadinessFlag("cdi-dir")
+    settings = {**FAST, "retry_delays": RETRY, **options}
+    async with anyio.create_task_group() as tg:
+        with anyio.fail_after(10):
+            await tg.start(
+                functools.partial(cdi_watcher.run, cdi, claims, health=flag, **settings)  # type: ignore[arg-type]
+            )
+        yield flag
+        tg.cancel_scope.cancel()
+
+
+async def until_flag(flag: ReadinessFlag, ready: bool, within: float = 5.0) -> None:
+    await wait_until(lambda: flag.ready is ready, within)
+
+
 @pytest.mark.anyio
-async def test_start_fails_when_the_dir_is_unusable(tmp_path: Path) -> None:
-    not_a_dir = tmp_path / "cdi"
-    not_a_dir.write_bytes(b"")
-    with pytest.raises(CdiError, match="not a directory"):
-        await cdi_watcher.run(not_a_dir, Claims({}))
+async def test_a_file_where_the_dir_should_be_is_waited_out(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=cdi_watcher.__name__)
+    cdi = tmp_path / "cdi"
+    cdi.write_bytes(b"")
+    async with watching_with_health(cdi, Claims({A: CPUS_A})) as flag:
+        assert (flag.ready, flag.reason) == (
+            False,
+            f"CDI dir {str(cdi)!r} exists and is not a directory",
+        )
+        await anyio.sleep(0.5)  # several tries: still alive, still saying so once
+        cdi.unlink()  # the administrator removes the file
+        await until_flag(flag, True)
+        assert _spec_ok(cdi, A, CPUS_A)()
+    lines = [
+        (r.levelname, r.getMessage())
+        for r in caplog.records
+        if r.levelno >= logging.INFO and r.name == cdi_watcher.__name__
+    ]
+    assert lines[0] == (
+        "ERROR",
+        f"using CDI dir {cdi} failed, retrying in 0.1 s: CDI dir {str(cdi)!r} exists and is not a "
+        "directory; Prepare fails until then",
+    )
+    assert lines[2][1].startswith(f"using CDI dir {cdi} works again after ")
+    assert len(lines) == 3
+    assert lines[1] == (
+        "INFO",
+        f"CDI specs reconciled: created ['{A}'], repaired [], removed orphans []",
+    )
+
+
+@pytest.mark.anyio
+async def test_a_read_only_dir_at_start_is_waited_out(tmp_path: Path) -> None:
+    cdi = tmp_path / "cdi"
+    cdi.mkdir()
+    write_spec(cdi, C, CPUS_B)  # an orphan, left for when the dir is writable
+    with read_only_bind(cdi) as mount:
+        async with watching_with_health(cdi, Claims({A: CPUS_A}), orphan_grace=0.0) as flag:
+            assert (flag.ready, flag.reason) == (
+                False,
+                f"cannot create files in CDI dir {str(cdi)!r}: Read-only file system",
+            )
+            with pytest.raises(CdiError, match="Read-only file system"):
+                write_spec(cdi, A, CPUS_A)  # what a Prepare meets meanwhile
+            mount.set_read_only(False)
+            await until_flag(flag, True)
+            assert _ours(cdi) == {spec_file_name(A)}
+            assert _spec_ok(cdi, A, CPUS_A)()
+            assert os.listdir(cdi) == [spec_file_name(A)]  # no probe, no temp file left
+
+
+@pytest.mark.anyio
+async def test_a_missing_dir_under_a_read_only_parent_is_waited_out(tmp_path: Path) -> None:
+    parent = tmp_path / "run"
+    parent.mkdir()
+    cdi = parent / "cdi"
+    with read_only_bind(parent) as mount:
+        async with watching_with_health(cdi, Claims({A: CPUS_A})) as flag:
+            assert (flag.ready, flag.reason) == (
+                False,
+                f"cannot create CDI dir {str(cdi)!r}: Read-only file system",
+            )
+            mount.set_read_only(False)
+            await until_flag(flag, True)
+            assert _spec_ok(cdi, A, CPUS_A)()
+
+
+@pytest.mark.anyio
+async def test_a_dir_turning_read_only_while_watched_is_noticed_and_waited_out(
+    tmp_path: Path,
+) -> None:
+    cdi = tmp_path / "cdi"
+    cdi.mkdir()
+    claims = Claims({A: CPUS_A})
+    with read_only_bind(cdi, read_only=False) as mount:
+        async with watching_with_health(cdi, claims, resync_interval=0.2) as flag:
+            assert flag.ready
+            mount.set_read_only(True)  # a full pass sees it (statvfs): no write needed
+            await until_flag(flag, False)
+            assert flag.reason == f"CDI dir {str(cdi)!r} is on a read-only file system"
+            claims.claims[B] = CPUS_B  # prepared meanwhile: written once the dir can be
+            mount.set_read_only(False)
+            await until_flag(flag, True)
+            assert _spec_ok(cdi, B, CPUS_B)()
+
+
+@pytest.mark.anyio
+async def test_a_watch_that_never_reports_is_waited_out(tmp_path: Path) -> None:
+    # A probe timeout far too short for any watch: inotify "fails", polling "fails" too.
+    async with watching_with_health(tmp_path / "cdi", Claims({}), probe_timeout=1e-6) as flag:
+        assert not flag.ready
+        assert flag.reason.startswith(f"the watch of CDI dir {str(tmp_path / 'cdi')!r} reported ")
+        await anyio.sleep(0.3)  # tries again, alive
+    assert not any(is_our_probe_file(n) for n in os.listdir(tmp_path / "cdi"))
 
 
 @pytest.mark.anyio
@@ -370,20 +490,22 @@ async def test_cancellation_is_prompt(tmp_path: Path) -> None:
 
 
 @pytest.mark.anyio
-async def test_a_bad_file_is_reported_and_the_watch_goes_on(tmp_path: Path) -> None:
+async def test_a_bad_file_is_reported_once_and_the_watch_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     cdi = tmp_path / "cdi"
-    async with watching(cdi, Claims({A: CPUS_A})) as reports:
+    reports: list[ReconcileReport] = []
+    claims = Claims({A: CPUS_A})
+    async with watching_with_health(
+        cdi, claims, on_report=reports.append, resync_interval=0.1
+    ) as flag:
         path = cdi / spec_file_name(A)
         path.unlink()
         path.mkdir()  # a directory squats on the name: cannot be replaced
-        await wait_until(lambda: any(spec_file_name(A) in e for r in reports for e in r.errors))
+        await wait_until(lambda: len([r for r in reports if r.errors]) >= 3)
+        assert flag.ready  # one file's problem, not the dir's: files can be created
         path.rmdir()
         await wait_until(_spec_ok(cdi, A, CPUS_A))
-
-
-@pytest.mark.anyio
-async def test_start_fails_when_no_watch_ever_reports(tmp_path: Path) -> None:
-    # A probe timeout far too short for any watch: inotify "fails", polling "fails" too.
-    with pytest.raises(CdiError, match="cannot watch CDI dir"):
-        await cdi_watcher.run(tmp_path / "cdi", Claims({}), probe_timeout=1e-6)
-    assert not any(is_our_probe_file(n) for n in os.listdir(tmp_path / "cdi"))
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1
+    assert errors[0].startswith(f"CDI reconcile: cannot write CDI spec {str(path)!r}: ")

@@ -30,13 +30,21 @@ from dracpu.tasks.http import Readiness, ReadinessFlag
 from dracpu.tasks.registration import RegistrationState
 from tests.peers import load_pb2, unix_target
 
-__all__: list[str] = []
+__all__ = ["ADVERTISED"]
 
 pytestmark = pytest.mark.anyio
 
 G_REG = load_pb2("pluginregistration/v1/api.proto")
 GET_INFO = "/pluginregistration.Registration/GetInfo"
 NOTIFY = "/pluginregistration.Registration/NotifyRegistrationStatus"
+# What GetInfo must advertise, written out: the DRAPlugin versions first (a 1.34 kubelet takes
+# the first of OUR entries it knows), then the device-health services.
+ADVERTISED = (
+    "v1.DRAPlugin",
+    "v1beta1.DRAPlugin",
+    "v1.DRAResourceHealth",
+    "v1alpha1.DRAResourceHealth",
+)
 TASK = "registration"
 
 
@@ -91,13 +99,13 @@ async def test_get_info_answers_exactly_what_the_kubelet_validates(tmp_path: Pat
     assert info.type == "DRAPlugin"
     assert info.name == "dra.cpu"
     assert info.endpoint == str(endpoint)
-    assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+    assert list(info.supported_versions) == list(ADVERTISED)
     # and nothing else on the wire: exactly these four fields
     assert G_REG.PluginInfo.FromString(info.SerializeToString()) == G_REG.PluginInfo(
         type="DRAPlugin",
         name="dra.cpu",
         endpoint=str(endpoint),
-        supported_versions=["v1.DRAPlugin", "v1beta1.DRAPlugin"],
+        supported_versions=list(ADVERTISED),
     )
 
 
@@ -232,24 +240,38 @@ async def test_socket_replaced_by_another_process_is_left_alone(tmp_path: Path) 
 
 
 @pytest.mark.parametrize(
-    ("make", "message"),
+    "leave",
     [
-        (lambda p: p.write_text("x"), "exists and is not a socket"),
-        (lambda p: p.mkdir(), "exists and is not a socket"),
+        pytest.param(lambda p: p.write_text("x"), id="regular file"),
+        pytest.param(lambda p: p.symlink_to(p.parent / "gone.sock"), id="dangling symlink"),
+        pytest.param(lambda p: p.symlink_to(p.parent / "other"), id="symlink to a file"),
     ],
 )
-async def test_start_refuses_a_non_socket_in_the_way(
-    tmp_path: Path, make: Any, message: str
-) -> None:
+async def test_whatever_an_earlier_run_left_is_replaced(tmp_path: Path, leave: Any) -> None:
+    """The kubelet's plugin guide: delete old sockets and listen anew. A symlink is removed, never
+    followed: the file it points to stays."""
     reg_socket, endpoint = _sockets(tmp_path)
     reg_socket.parent.mkdir(parents=True)
-    make(reg_socket)
+    other = reg_socket.parent / "other"
+    other.write_text("someone else's")
+    leave(reg_socket)
+    async with serving(reg_socket, endpoint, Readiness()):
+        assert stat.S_ISSOCK(reg_socket.lstat().st_mode)
+        [(info, _)] = await anyio.to_thread.run_sync(_get_info, reg_socket)
+        assert info.name == "dra.cpu"
+    assert not reg_socket.exists()
+    assert other.read_text() == "someone else's"
+
+
+async def test_start_refuses_a_directory_in_the_way_naming_it(tmp_path: Path) -> None:
+    reg_socket, endpoint = _sockets(tmp_path)
+    reg_socket.mkdir(parents=True)
+    (reg_socket / "inside").write_text("kept")
     async with anyio.create_task_group() as tg:
-        with pytest.raises(DracpuError, match=message):
+        with pytest.raises(DracpuError, match=f"{reg_socket}.* is a directory"):
             await tg.start(partial(registration.run, reg_socket, endpoint, None))
-    assert reg_socket.exists()
-    assert not stat.S_ISSOCK(reg_socket.lstat().st_mode)
-    assert [p.name for p in reg_socket.parent.iterdir()] == ["dra.cpu-reg.sock"]
+    assert (reg_socket / "inside").read_text() == "kept"
+    assert [p.name for p in reg_socket.parent.iterdir()] == ["dra.cpu-reg.sock"]  # no temp left
 
 
 async def test_start_refuses_a_path_too_long_for_a_unix_socket(tmp_path: Path) -> None:
@@ -261,6 +283,84 @@ async def test_start_refuses_a_path_too_long_for_a_unix_socket(tmp_path: Path) -
     assert not deep.parent.exists()
 
 
-def test_method_paths_are_the_generated_service() -> None:
+def test_method_paths_and_types_are_the_generated_service_s() -> None:
     registrar = registration.Registrar(registration.PluginInfo(name="dra.cpu", endpoint="/x"))
-    assert set(registrar.methods()) == set(gen_reg.RegistrationBase().__mapping__())
+    ours = registrar.__mapping__()
+    generated = gen_reg.RegistrationBase().__mapping__()
+    assert {path: h[1:] for path, h in ours.items()} == {
+        path: h[1:] for path, h in generated.items()
+    }
+    assert {GET_INFO, NOTIFY} == set(ours)
+
+
+async def test_a_call_without_a_request_message_is_invalid_argument(tmp_path: Path) -> None:
+    reg_socket, endpoint = _sockets(tmp_path)
+
+    def empty_stream() -> tuple[grpc.StatusCode, str]:
+        with grpc.insecure_channel(unix_target(reg_socket)) as channel:
+            # A client-streaming call that sends nothing: the request stream ends at once.
+            call = channel.stream_unary(GET_INFO)
+            with pytest.raises(grpc.RpcError) as info:
+                call(iter(()), timeout=5.0)
+            return info.value.code(), info.value.details()
+
+    async with serving(reg_socket, endpoint, Readiness()):
+        code, details = await anyio.to_thread.run_sync(empty_stream)
+        [(info, _)] = await anyio.to_thread.run_sync(_get_info, reg_socket)
+
+    assert (code, details) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "the call carries no request message",
+    )
+    assert info.name == "dra.cpu"
+
+
+@pytest.mark.parametrize(
+    ("data", "registered", "error"),
+    [
+        (bytes.fromhex("0801 1202 6f6b"), True, "ok"),
+        # betterproto2 keeps plugin_registered sent as a string as ["..."] (truthy): not true
+        (bytes.fromhex("0a0179"), False, ""),
+        # error sent as a varint: betterproto2 keeps the int; no message
+        (bytes.fromhex("0800 1005"), False, ""),
+    ],
+)
+async def test_notify_reads_only_well_typed_fields(
+    tmp_path: Path, data: bytes, registered: bool, error: str
+) -> None:
+    reg_socket, endpoint = _sockets(tmp_path)
+
+    def notify_raw() -> bytes:
+        with grpc.insecure_channel(unix_target(reg_socket)) as channel:
+            reply: bytes = channel.unary_unary(NOTIFY)(data, timeout=5.0)
+            return reply
+
+    async with serving(reg_socket, endpoint, Readiness()) as state:
+        reply = await anyio.to_thread.run_sync(notify_raw)
+        assert (state.registered, state.error, state.notifications) == (registered, error, 1)
+    assert reply == b""
+
+
+async def test_undecodable_notify_is_invalid_argument_and_serving_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    reg_socket, endpoint = _sockets(tmp_path)
+
+    def notify_raw(data: bytes) -> tuple[grpc.StatusCode, str]:
+        with grpc.insecure_channel(unix_target(reg_socket)) as channel:
+            with pytest.raises(grpc.RpcError) as info:
+                channel.unary_unary(NOTIFY)(data, timeout=5.0)
+            return info.value.code(), info.value.details()
+
+    async with serving(reg_socket, endpoint, Readiness()) as state:
+        cut = await anyio.to_thread.run_sync(notify_raw, b"\x08\xff")  # a varint cut short
+        bad_text = await anyio.to_thread.run_sync(notify_raw, b"\x12\x02\xff\xfe")  # not UTF-8
+        [(info, _)] = await anyio.to_thread.run_sync(_get_info, reg_socket)
+        assert state.notifications == 0
+
+    for code, details in (cut, bad_text):
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert details.startswith("cannot decode RegistrationStatus: "), details
+    assert info.name == "dra.cpu"
+    refused = [r for r in caplog.records if "cannot decode RegistrationStatus" in r.getMessage()]
+    assert [r.levelname for r in refused] == ["WARNING", "WARNING"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from dracpu.core.slices import (
     CpuDeviceMode,
     Device,
     GroupBy,
+    SliceOptions,
     published_devices,
     slice_name,
     validate_pool,
@@ -34,6 +36,13 @@ FAST = PublisherSettings(
     resync_interval=600.0,
     start_timeout=10.0,
     backoff=functools.partial(backoff_delays, initial=0.01, cap=0.05, jitter=0.0),
+    unavailable_backoff=functools.partial(backoff_delays, initial=0.01, cap=0.05, jitter=0.0),
+)
+# Retry waits far longer than any test: only a wake can explain a quick retry.
+PATIENT = PublisherSettings(
+    debounce=0.01,
+    backoff=functools.partial(backoff_delays, initial=60.0, cap=60.0, jitter=0.0),
+    unavailable_backoff=functools.partial(backoff_delays, initial=60.0, cap=60.0, jitter=0.0),
 )
 TOPOLOGY = build_topology(FIXTURES["dual-socket-smt2"])
 
@@ -131,10 +140,23 @@ async def test_first_publish_happens_before_started() -> None:
         assert generations(api) == {1}
         capacity = slices[0]["spec"]["devices"][0]["capacity"]["dra.cpu/cpu"]
         assert capacity["requestPolicy"] == {
-            "default": "1",
+            "default": capacity["value"],  # the whole group, as without a policy
             "validRange": {"min": "1", "step": "1"},
         }
         assert slices[0]["spec"]["devices"][0]["allowMultipleAllocations"] is True
+        assert "nodeAllocatableResources" not in slices[0]["spec"]["devices"][0]
+
+
+@pytest.mark.anyio
+async def test_slice_options_reach_the_published_slices() -> None:
+    want = devices(CpuDeviceMode.INDIVIDUAL, topology_name="big-1024")
+    options = SliceOptions(node_allocatable=True, expose_pcie_roots=True)
+    async with connected() as (api, kube), publishing(kube, lambda: want, options=options):
+        slices = ours(api)
+        assert [len(s["spec"]["devices"]) for s in slices] == [64] * 16
+        for device in slices[0]["spec"]["devices"]:
+            mapping = device["nodeAllocatableResources"]["cpu"]["mapping"]
+            assert mapping == {"deviceMultiplier": "1"}
 
 
 @pytest.mark.anyio
@@ -246,6 +268,159 @@ async def test_started_even_while_the_api_server_fails_then_publishes() -> None:
             api.clear_faults()
             await until(lambda: len(ours(api)) == 1, "published once the server is back")
             expected_pool(api, want)
+
+
+def failed_slice_lists(api: FakeApiServer, status: int) -> int:
+    """The ResourceSlice lists (not watches) the server answered with ``status``."""
+    return sum(
+        1
+        for r in api.requests
+        if r.method == "GET"
+        and r.path.endswith("/resourceslices")
+        and not r.watch
+        and r.status == status
+    )
+
+
+@pytest.mark.anyio
+async def test_after_an_outage_any_request_that_works_ends_both_waits() -> None:
+    # The issue's outage: the watch is cut and the slices vanish while the server is away; the
+    # publisher and the watch both wait 60 s before their next attempt. When another task's
+    # request (a Prepare's claim GET) works, both retry at once: the slices are back.
+    send, receive = republish_channel()
+    want = devices()
+    async with (
+        send,
+        connected() as (api, kube),
+        anyio.create_task_group() as tg,
+    ):
+        await tg.start(
+            functools.partial(
+                slice_publisher.run, kube, NODE, lambda: want, republish=receive, settings=PATIENT
+            )
+        )
+        await settled(api)
+        api.fail_next(10_000, status=503)
+        api.break_watches()
+        api.kubelet_restart(NODE)
+        request_republish(send, "SIGHUP")  # a pass that fails: the publisher waits too
+        await until(
+            lambda: failed_slice_lists(api, 503) == 1 and api.open_watches == 0,
+            "the pass and the watch failed",
+        )
+        await anyio.sleep(0.1)  # both now in their 60 s wait
+        assert ours(api) == []
+        api.clear_faults()
+        await kube.get_node(NODE)  # another task's request works
+        await until(lambda: len(ours(api)) == 1, "slices back", seconds=5.0)
+        expected_pool(api, want)
+        await until(lambda: api.open_watches == 1, "the watch is back", seconds=5.0)
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_an_error_the_server_answered_is_not_retried_on_another_success() -> None:
+    # A 403 (RBAC) is not cured by the server answering someone else: the wait runs its course.
+    async with connected() as (api, kube), anyio.create_task_group() as tg:
+        api.fail_next(10_000, status=403, method="GET", path="resourceslices")
+        await tg.start(
+            functools.partial(slice_publisher.run, kube, NODE, devices, settings=PATIENT)
+        )
+        assert failed_slice_lists(api, 403) == 1
+        api.clear_faults()
+        await kube.get_node(NODE)
+        await anyio.sleep(0.5)
+        assert failed_slice_lists(api, 403) == 1
+        assert ours(api) == []
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_a_republish_request_ends_any_retry_wait() -> None:
+    send, receive = republish_channel()
+    want = devices()
+    async with send, connected() as (api, kube), anyio.create_task_group() as tg:
+        api.fail_next(1, status=403, method="GET", path="resourceslices")
+        await tg.start(
+            functools.partial(
+                slice_publisher.run, kube, NODE, lambda: want, republish=receive, settings=PATIENT
+            )
+        )
+        assert ours(api) == []
+        request_republish(send, "SIGHUP")  # the administrator fixed RBAC and says so
+        await until(lambda: len(ours(api)) == 1, "published at once", seconds=5.0)
+        expected_pool(api, want)
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_unavailable_and_refusing_servers_have_their_own_backoff() -> None:
+    taken: list[tuple[str, float]] = []
+
+    def recorded(kind: str, initial: float) -> Callable[[], Iterator[float]]:
+        def delays() -> Iterator[float]:
+            for delay in backoff_delays(initial=initial, cap=initial * 4, jitter=0.0):
+                taken.append((kind, delay))
+                yield delay
+
+        return delays
+
+    settings = PublisherSettings(
+        debounce=0.01,
+        backoff=recorded("answered", 0.02),
+        unavailable_backoff=recorded("unavailable", 0.01),
+    )
+    async with connected() as (api, kube), anyio.create_task_group() as tg:
+        # Creates fail (only the publish pass makes them; a dropped POST is never resent).
+        for status in (503, None, 429, 403, 422, 500):
+            api.fail_next(status=status, method="POST", path="resourceslices")
+        await tg.start(
+            functools.partial(slice_publisher.run, kube, NODE, devices, settings=settings)
+        )
+        await until(lambda: len(ours(api)) == 1, "published after the failures")
+        tg.cancel_scope.cancel()
+    assert taken == [
+        ("unavailable", 0.01),
+        ("unavailable", 0.02),
+        ("unavailable", 0.04),
+        ("answered", 0.02),
+        ("answered", 0.04),
+        ("unavailable", 0.04),
+    ]
+
+
+@pytest.mark.anyio
+async def test_an_outage_is_logged_once_and_its_end_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="dracpu.tasks.slice_publisher")
+    async with connected() as (api, kube):
+        api.fail_next(20, status=503, method="GET", path="resourceslices", watch=False)
+        async with publishing(kube, devices):
+            await until(lambda: len(ours(api)) == 1, "published after the outage")
+            await settled(api)
+    # The publish pass and the watch's relist share the 20 failures; each says its outage
+    # once and its end once, the repeats go to DEBUG.
+    mine = [r for r in caplog.records if r.name == "dracpu.tasks.slice_publisher"]
+    loud = [(r.levelname, r.getMessage()) for r in mine if r.levelno >= logging.INFO]
+    failed = [m for level, m in loud if level == "WARNING"]
+    recovered = [m for level, m in loud if "works again" in m]
+    assert len(loud) == len(failed) + len(recovered) + 1, loud  # + "published ..."
+    assert failed[0].startswith("publishing ResourceSlices failed, retrying in 0.0 s: list ")
+    assert failed[0].endswith("answered 503 Service Unavailable: injected failure")
+    assert [m.split(" failed")[0] for m in failed] in (
+        ["publishing ResourceSlices"],
+        ["publishing ResourceSlices", "watching ResourceSlices"],
+    )
+    # The watch's end of the outage shows with its first event, which may not come: at most one.
+    assert [m.split(" works")[0] for m in recovered] in (
+        ["publishing ResourceSlices"],
+        ["publishing ResourceSlices", "watching ResourceSlices"],
+        ["watching ResourceSlices", "publishing ResourceSlices"],
+    )
+    quiet = [r for r in mine if "failed again" in r.getMessage()]
+    assert all(r.levelno == logging.DEBUG for r in quiet)
+    assert len(quiet) + len(failed) == 20
 
 
 @pytest.mark.anyio

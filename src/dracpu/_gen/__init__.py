@@ -5,6 +5,8 @@ betterproto2-compiler modules (Python path -> proto package):
 
     dracpu._gen.dra.v1 -> k8s.io.kubelet.pkg.apis.dra.v1
     dracpu._gen.dra.v1beta1 -> k8s.io.kubelet.pkg.apis.dra.v1beta1
+    dracpu._gen.dra_health.v1 -> v1
+    dracpu._gen.dra_health.v1alpha1 -> v1alpha1
     dracpu._gen.pluginregistration.v1 -> pluginregistration
     dracpu._gen.podresources.v1 -> v1
 

@@ -2,10 +2,12 @@
 off the event loop: the node machine's file thread, or ``anyio.to_thread``).
 
 Runtimes watch the CDI directory with fsnotify for Write, Rename and Remove only (Create is not
-watched on Linux) and read only ``*.json`` / ``*.yaml`` files (reference nri-ttrpc-cdi.md §5.4,
-§5.6). So a spec is written to a temp file in the SAME directory whose name does not end in
-``.json`` (``.dra.k8s.io-cpu_claim-<uid>.json.tmp-<random>``) and renamed over the final name
-(the Rename event makes the runtime rescan; it never sees a half-written spec).
+watched on Linux; a Write counts only for a ``.json`` / ``.yaml`` name, a Rename or Remove of any
+file makes them rescan) and read only ``*.json`` / ``*.yaml`` files (container-device-interface
+``pkg/cdi/cache.go``, ``watch.watch``, and ``pkg/cdi/spec-dirs.go``, ``scanSpecDirs``). So a
+spec is written to a temp file in the SAME directory whose name does not end in ``.json``
+(``.dra.k8s.io-cpu_claim-<uid>.json.tmp-<random>``) and renamed over the final name (the Rename
+event makes the runtime rescan; it never sees a half-written spec).
 
 A written spec is NOT fsynced: the checkpoint is the durable record of the prepared claims (it is
 made durable after the spec is written and before the kubelet is answered), and every start
@@ -51,6 +53,8 @@ __all__ = [
     "PROBE_PREFIX",
     "SPEC_MODE",
     "CdiDirScan",
+    "check_not_full",
+    "check_writable",
     "delete_spec",
     "dir_identity",
     "ensure_dir",
@@ -184,8 +188,8 @@ def write_spec(cdi_dir: str | os.PathLike[str], claim_uid: str, cpus: CpuSet) ->
     temp = os.path.join(directory, temp_file_name(claim_uid))
     try:
         fd = _create(temp, directory)
-    except OSError as exc:
-        raise CdiError(f"cannot create CDI temp file {temp!r}: {exc.strerror or exc}") from exc
+    except OSError as exc:  # the temp file's random name would only make the message vary
+        raise CdiError(f"cannot write CDI spec {final!r}: {exc.strerror or exc}") from exc
     renamed = False
     try:
         try:
@@ -224,6 +228,11 @@ def delete_spec(
     except FileNotFoundError:
         return False
     except OSError as exc:
+        # A read-only file system refuses the unlink (EROFS) before it looks the name up: a
+        # spec that is not there was not to be removed (a rollback of a write that never
+        # happened), and is no failure.
+        if not os.path.lexists(path):
+            return False
         raise CdiError(f"cannot remove CDI spec {path!r}: {exc.strerror or exc}") from exc
     with contextlib.suppress(OSError):  # removal is done; durability of a tmpfs entry is moot
         _fsync_dir(directory, fsync)
@@ -249,7 +258,11 @@ def remove_our_file(cdi_dir: str | os.PathLike[str], name: str) -> bool:
 
 
 def touch_probe(cdi_dir: str | os.PathLike[str], name: str) -> None:
-    """Create or update a watch-probe file (empty, mode 0644)."""
+    """Create or update a watch-probe file (one byte, mode 0644).
+
+    Failing to is failing to create files in the dir at all (read-only, full, missing): the
+    error says so, naming the dir (the probe's name is ours alone).
+    """
     if not is_our_probe_file(name):
         raise CdiError(f"refusing to write {name!r}: not a dracpu probe name")
     path = Path(cdi_dir) / name
@@ -260,7 +273,40 @@ def touch_probe(cdi_dir: str | os.PathLike[str], name: str) -> None:
         finally:
             os.close(fd)
     except OSError as exc:
-        raise CdiError(f"cannot write CDI watch probe {str(path)!r}: {exc.strerror}") from exc
+        raise CdiError(
+            f"cannot create files in CDI dir {os.fspath(cdi_dir)!r}: {exc.strerror or exc}"
+        ) from exc
+
+
+def check_not_full(cdi_dir: str | os.PathLike[str]) -> None:
+    """Raise :class:`CdiError` when the CDI dir's file system is read-only, has no free block
+    or no free inode (``statvfs``; root's reserved blocks counted as free): no spec can be
+    written then. Touches no file, so the runtimes' CDI watches see nothing."""
+    directory = os.fspath(cdi_dir)
+    try:
+        st = os.statvfs(directory)
+    except OSError as exc:
+        raise CdiError(f"cannot check CDI dir {directory!r}: {exc.strerror or exc}") from exc
+    if st.f_flag & os.ST_RDONLY:
+        raise CdiError(f"CDI dir {directory!r} is on a read-only file system")
+    if st.f_blocks > 0 and st.f_bfree == 0:
+        raise CdiError(f"CDI dir {directory!r} is on a full file system (no free block)")
+    if st.f_files > 0 and st.f_ffree == 0:  # some file systems report no inode counts: 0
+        raise CdiError(f"CDI dir {directory!r} is on a full file system (no free inode)")
+
+
+def check_writable(cdi_dir: str | os.PathLike[str], probe: str) -> None:
+    """Prove that specs can be written into the CDI dir now: create it if missing, write the
+    probe file ``probe`` and remove it again. :class:`CdiError` says why not (read-only, full,
+    not a directory, ...)."""
+    ensure_dir(cdi_dir)
+    try:
+        touch_probe(cdi_dir, probe)
+    except CdiError:
+        with contextlib.suppress(CdiError):  # created but not written (a full file system)
+            remove_our_file(cdi_dir, probe)
+        raise
+    remove_our_file(cdi_dir, probe)
 
 
 # --- read ------------------------------------------------------------------------------------

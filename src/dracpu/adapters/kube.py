@@ -1,111 +1,86 @@
 """The Kubernetes API, as dracpu uses it: Nodes (read), ResourceClaims (read, status patch),
 ResourceSlices (list, watch, create, update, delete). The ONLY module that imports
-``kubernetes`` (design §8: the import costs ~0.5 s and ~30 MiB, so nothing else pays for it).
+``kubernetes`` (the import takes about half a second and tens of MiB, so nothing else pays for
+it; the import-linter contract in ``pyproject.toml`` keeps it so).
 
-``kubernetes`` is used for ONE job: loading the configuration (kubeconfig or the in-cluster
-service account, client certificates, exec plugins, token files), i.e. a
-``kubernetes.aio.client.Configuration``. Every request goes through our own small HTTP/1.1
-client: the sans-IO :mod:`dracpu.wire.http1` over the connection pool of
-:mod:`dracpu.adapters.http_pool`.
+Every request goes through the official asyncio client ``kubernetes.aio``: its configuration
+loaders (kubeconfig, or the in-cluster service account whose token file is re-read by the
+``refresh_api_key_hook``; exec plugins and client certificates as the library runs them), its
+``ApiClient.param_serialize`` (URL, path quoting, query, credentials) and ``call_api`` (the
+library's ``RESTClientObject``: its TLS context, ``tls-server-name``, proxy and aiohttp session
+with its keep-alive pool). We pass plain ``dict`` bodies and read the raw aiohttp response
+ourselves, so objects are plain dicts, camelCase as on the wire, with every field the server
+sent: the generated pydantic models would drop fields this client version does not know and
+re-validate every one of a 128-device slice's fields on each call.
 
-Why (measured on the 2-core VM against the in-process fake API server, whose handler is ~0.22
-ms of each figure): the claim GET sits in the Prepare path (issue 4), and on this VM code that
-runs a few ms after the previous burst of work runs ~3x slower (cold caches), so what counts is
-how much code one request runs. The ``kubernetes.aio`` ``ApiClient`` -> aiohttp path took
-0.42-0.47 ms back to back and 1.19-1.33 ms cold; this client takes 0.38-0.41 / 1.09-1.23 ms (a
-bare anyio stream with no client code on top: 0.24 / 0.82-0.90). Modest per request, but the
-Prepare benchmark (``bench/bench_prepare.py --only api``, six alternating runs) was faster with
-it in five of six, by ~0.5 ms at the median: the claim status PATCH after each answer competes
-with the next call too. It also sends nothing twice behind our back (aiohttp retried PUT and
-DELETE once on a dropped connection).
+What we set on the library's ``Configuration`` (:func:`_load_configuration`):
 
-What this module keeps from ``kubernetes.aio`` (``rest.py``, ``api_client.py``):
+- **Exec plugin tokens are renewed** when they expire (:func:`_refresh_exec_token`).
+- **No hidden retries.** ``retries = None`` keeps ``aiohttp_retry`` out. aiohttp itself sends a
+  request once more when its connection drops before the answer (RFC 9112 §9.3.1; aiohttp
+  ``client.py`` ``IDEMPOTENT_METHODS``, which include PUT and DELETE). A client middleware
+  (:func:`~dracpu.adapters.kube_transport.send_once`) lets it do that for GET only: a POST,
+  PUT, PATCH or DELETE may have been applied before the connection dropped and is never sent a
+  second time behind our back (a conditional PUT or DELETE would come back as a 409 for a
+  change that was ours). The task that called retries with its own backoff
+  (:mod:`dracpu.adapters.backoff`).
+- **The proxy is decided once, at open**: the kubeconfig ``proxy-url`` first, else
+  ``<scheme>_proxy`` / ``no_proxy`` for the server's URL (credentials from the proxy URL, else
+  from ``~/.netrc`` as aiohttp's ``proxies_from_env`` takes them), as client-go reads
+  ``http.ProxyFromEnvironment`` once. Only ``http://`` proxies: aiohttp tunnels through no
+  other kind. The library opens its session with ``trust_env=True``, which makes aiohttp look
+  the environment and ``~/.netrc`` up again in a worker thread on every request; we turn that
+  off. Credentials go into the proxy URL, where aiohttp sends them both on a CONNECT tunnel
+  (https servers) and on plain http requests
+  (:func:`~dracpu.adapters.kube_transport.proxy_url`).
+- **Connections**: at most :data:`MAX_CONNECTIONS` to the API server (the library's
+  ``connection_pool_maxsize``; its default of 100 is meant for controllers).
 
-- **TLS**: one ``ssl.SSLContext`` built at open as ``RESTClientObject`` builds it (CA file /
-  data, client certificate, ``verify_ssl``, ``disable_strict_ssl_verification``) plus
-  ``assert_hostname=False`` and ``tls_server_name`` (the SNI and the name checked).
-- **Auth**: per request, ``await configuration.auth_settings()`` (it runs the token refresh
-  hook of the in-cluster service account), header settings become headers, as
-  ``update_params_for_auth`` does; HTTP basic auth when a user name / password is configured
-  and no other credential is. Plus ``User-Agent: dracpu/<version>`` and
-  ``Accept: application/json``.
-- **Proxy**: resolved ONCE at open (kubeconfig ``proxy-url`` first, else ``https_proxy`` /
-  ``http_proxy`` for the server's scheme, ``no_proxy`` honoured, credentials from the proxy URL
-  or ``~/.netrc``) as the old aiohttp set-up did and as client-go does
-  (``http.ProxyFromEnvironment``). Only ``http://`` proxies are supported (aiohttp had the same
-  limit).
-- **Connections** (:mod:`dracpu.adapters.http_pool`): keep-alive, at most
-  :data:`~dracpu.adapters.http_pool.MAX_CONNECTIONS` ordinary requests at a time, dead idle
-  connections dropped before reuse, a GET resent once after the keep-alive race, nothing else
-  ever sent twice.
-- **Timeouts**: ``request_timeout`` bounds a whole ordinary request; a watch is bounded by its
-  ``timeoutSeconds`` plus :data:`_WATCH_CLIENT_MARGIN`.
-
-Objects are plain dicts, camelCase as on the wire, with every field the server sent: the
-generated pydantic models would drop fields this client version does not know and re-validate
-every one of a 128-device slice's fields on each call.
-
-Errors become the :mod:`dracpu.errors` tree, with the HTTP status and the server's message:
-404 :class:`KubeNotFoundError`, 409 :class:`KubeConflictError`, other 4xx
-:class:`KubeClientError`, 5xx, 429 (too many requests: transient) and every connection failure,
-TLS failure, protocol violation or timeout :class:`KubeServerError` (``status`` is ``None`` for
-those).
+Errors become the :mod:`dracpu.errors` tree. An answer with an error status keeps its status,
+reason and the server's message: 404 :class:`KubeNotFoundError`, 409 :class:`KubeConflictError`,
+other 4xx :class:`KubeClientError`, 5xx and 429 (too many requests: transient)
+:class:`KubeServerError`. Every failure to get an answer is a :class:`KubeServerError` with
+``status`` ``None`` whose message names the operation, the server's URL and the cause in words
+(connection refused or reset, TLS failure and which, timeout, DNS failure, proxy refusal, ...:
+:func:`~dracpu.adapters.kube_transport.describe_failure`).
 
 Watches (:meth:`KubeClient.watch_resource_slices`) list first, then stream events from the
-list's resourceVersion, reconnecting from the last seen version when the server ends the stream;
-a ``410 Gone`` (the version was compacted away) makes them list again. A list is reported as one
+list's resourceVersion (the response body read line by line through aiohttp's stream reader),
+reconnecting from the last seen version when the server ends the stream; a ``410 Gone`` (the
+version was compacted away) makes them list again. A list is reported as one
 ``("LISTED", <ResourceSliceList>)`` event so the consumer can resynchronise from it.
 """
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
-import netrc
-import os
 import random
-import ssl
-import urllib.request
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Final
-from urllib.parse import quote, unquote, urlencode, urlsplit
 
+import aiohttp
 import anyio
-import anyio.abc
 from kubernetes.aio import client as kube_client
 from kubernetes.aio import config as kube_config
 
 from dracpu import __version__
-from dracpu.adapters.http_pool import (
-    CONNECTION_ERRORS,
-    Endpoint,
-    HttpPool,
-    Proxy,
-    ProxyRefusedError,
-    StreamedResponse,
-    bracketed,
-    quote_segment,
+from dracpu.adapters.kube_transport import (
+    BODY_EXCERPT,
+    REQUEST_ERRORS,
+    describe_failure,
+    json_object,
+    proxy_url,
+    send_once,
+    status_error,
 )
-from dracpu.errors import (
-    ConfigError,
-    KubeAPIError,
-    KubeClientError,
-    KubeConflictError,
-    KubeNotFoundError,
-    KubeServerError,
-    ProtocolError,
-)
-from dracpu.wire.http1 import (
-    Response,
-    encode_request,
-)
+from dracpu.errors import ConfigError, KubeClientError, KubeServerError
 
 __all__ = [
     "DEFAULT_REQUEST_TIMEOUT",
     "LISTED",
+    "MAX_CONNECTIONS",
     "MERGE_PATCH",
     "KubeClient",
     "WatchEvent",
@@ -131,15 +106,22 @@ _JSON = "application/json"
 # bounded wait lets the publisher's first attempt finish (and the daemon become ready) while the
 # API server is unreachable.
 DEFAULT_REQUEST_TIMEOUT = 30.0
+# Connections to the API server at once. dracpu makes a few requests at a time (a Prepare's GET
+# and status PATCH per claim, the publisher's writes, one watch); the kubelet sends Prepare calls
+# one after the other. Small, because the API server counts connections per client.
+MAX_CONNECTIONS: Final = 8
 # Server-side watch duration: client-go's reflector picks timeoutSeconds uniformly in
 # [minWatchTimeout, 2*minWatchTimeout) with minWatchTimeout = 5 min, spreading reconnects.
 _WATCH_MIN_SECONDS = 300
 # Extra client-side time beyond timeoutSeconds before a silent watch counts as dead.
 _WATCH_CLIENT_MARGIN = 30.0
-# How much of a non-JSON error body goes into an error message.
-_BODY_EXCERPT = 200
-# Default ports of the API server URL's schemes (RFC 9110 §4.2).
-_DEFAULT_PORTS: Final = {"http": 80, "https": 443}
+# The longest watch event line accepted. The API server refuses objects over 3 MiB
+# (apiserver's maxRequestBodyBytes) and etcd stores at most 1.5 MiB per value by default; a
+# line holds one object plus the event's envelope.
+_MAX_EVENT_LINE = 4 * 1024 * 1024
+# The security scheme every generated kubernetes API method names (``auth_settings``): the
+# bearer token, or the basic-auth header the kubeconfig loader puts in the same place.
+_AUTH_SETTINGS: Final = ["BearerToken"]
 
 _RESOURCE_V1 = "/apis/resource.k8s.io/v1"
 _SLICES = _RESOURCE_V1 + "/resourceslices"
@@ -147,10 +129,12 @@ _SLICE = _SLICES + "/{name}"
 _CLAIM = _RESOURCE_V1 + "/namespaces/{namespace}/resourceclaims/{name}"
 _CLAIM_STATUS = _CLAIM + "/status"
 _NODE = "/api/v1/nodes/{name}"
-# resource.k8s.io/v1 ResourceSliceSelectorDriver / ResourceSliceSelectorNodeName: the field
-# selectors the API server supports for ResourceSlices (reference kubelet-and-k8s-api.md §6.4).
+# resource.k8s.io/v1 ResourceSliceSelectorDriver / ResourceSliceSelectorNodeName
+# (k8s.io/api/resource/v1 types.go): the field selectors the API server supports for slices.
 _FIELD_DRIVER = "spec.driver"
 _FIELD_NODE_NAME = "spec.nodeName"
+
+_USER_AGENT: Final = f"dracpu/{__version__}"
 
 
 def slice_selector(driver: str | None, node_name: str | None) -> str:
@@ -195,39 +179,6 @@ def consumable_capacity_dropped(sent: Mapping[str, Any], stored: Mapping[str, An
     return False
 
 
-def _server_message(body: bytes) -> str:
-    """The ``message`` of a Status body, else the start of the body."""
-    text = body.decode("utf-8", "replace")
-    try:
-        status = json.loads(text)
-    except ValueError:
-        status = None
-    if isinstance(status, dict) and isinstance(status.get("message"), str):
-        return str(status["message"])
-    return text[:_BODY_EXCERPT].strip() or "(empty body)"
-
-
-def _status_error(what: str, status: int, reason: str, body: bytes) -> KubeAPIError:
-    message = f"{what}: {status} {reason}: {_server_message(body)}"
-    if status == 404:
-        return KubeNotFoundError(message, status=status)
-    if status == 409:
-        return KubeConflictError(message, status=status)
-    if status == 429 or status >= 500:
-        return KubeServerError(message, status=status)
-    return KubeClientError(message, status=status)
-
-
-def _json_object(what: str, body: bytes) -> dict[str, Any]:
-    try:
-        obj = json.loads(body)
-    except ValueError as exc:
-        raise KubeServerError(f"{what}: the API server sent invalid JSON: {exc}") from exc
-    if not isinstance(obj, dict):
-        raise KubeServerError(f"{what}: the API server sent {type(obj).__name__}, not an object")
-    return obj
-
-
 def _resource_version(obj: Mapping[str, Any]) -> str | None:
     metadata = obj.get("metadata")
     if isinstance(metadata, Mapping):
@@ -235,9 +186,6 @@ def _resource_version(obj: Mapping[str, Any]) -> str | None:
         if isinstance(value, str) and value:
             return value
     return None
-
-
-_USER_AGENT: Final = f"dracpu/{__version__}"
 
 
 class KubeClient:
@@ -250,81 +198,95 @@ class KubeClient:
 
     def __init__(
         self,
-        configuration: Any,
-        pool: HttpPool,
+        api_client: Any,
         *,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
         watch_seconds: int | None = None,
     ) -> None:
-        self._configuration = configuration
-        self._pool = pool
-        self._endpoint = pool.endpoint
+        self._api = api_client
+        self._server = str(api_client.configuration.host)
         self._request_timeout = request_timeout
         self._watch_seconds = watch_seconds
+        self._success_listeners: tuple[Callable[[], None], ...] = ()
+
+    def on_success(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call ``listener()`` after every request the API server answers with success (a
+        status below 400; for a watch, the head of its stream); returns what removes it again.
+
+        Any task's request that works shows the server is back (a Prepare's claim GET during
+        the slice publisher's backoff): the publisher ends its wait through this. A listener
+        runs inside the requesting task, on the event loop: it must be quick and never raise.
+        """
+        self._success_listeners = (*self._success_listeners, listener)
+
+        def remove() -> None:
+            self._success_listeners = tuple(f for f in self._success_listeners if f != listener)
+
+        return remove
 
     # --- plumbing --------------------------------------------------------------------------
 
-    async def _encode(
+    async def _send(
         self,
         method: str,
         path: str,
         what: str,
         *,
         path_params: Mapping[str, str] | None = None,
-        query: Sequence[tuple[str, object]] = (),
+        query: Sequence[tuple[str, str]] = (),
         body: object = None,
         content_type: str = _JSON,
-    ) -> bytes:
-        """The bytes of one request, authenticated now (the token may have been refreshed)."""
-        if path_params:
-            path = path.format_map({k: quote_segment(v) for k, v in path_params.items()})
-        params = [(key, str(value)) for key, value in query]
-        headers = [("User-Agent", _USER_AGENT), ("Accept", _JSON)]
-        await self._authenticate(what, headers, params)
-        payload = b""
-        if body is not None:
-            payload = json.dumps(body, separators=(",", ":")).encode()
-            headers.append(("Content-Type", content_type))
-        endpoint = self._endpoint
-        proxy = endpoint.proxy
-        if proxy is not None and proxy.authorization is not None and endpoint.ssl_context is None:
-            headers.append(("Proxy-Authorization", proxy.authorization))
-        if params:
-            path = f"{path}?{urlencode(params, quote_via=quote)}"
+        seconds: float | None = None,
+    ) -> aiohttp.ClientResponse:
+        """Send one request through the library; the response with its head read (the caller
+        reads the body and releases it); ``seconds`` bounds the whole exchange (default: the
+        request timeout)."""
+        seconds = seconds or self._request_timeout
         try:
-            return encode_request(
+            # Credentials are taken now (the in-cluster token or an exec plugin's may have been
+            # renewed); a plugin that hangs is given up on like a silent server.
+            with anyio.fail_after(seconds):
+                _, url, headers, _, _ = await self._api.param_serialize(
+                    method=method,
+                    resource_path=path,
+                    path_params=dict(path_params or {}),
+                    query_params=list(query),
+                    header_params={"Accept": _JSON, "Content-Type": content_type},
+                    auth_settings=_AUTH_SETTINGS,
+                )
+        except Exception as exc:  # a refresh hook or exec plugin is third-party code
+            cause = f"none within {seconds:g} s" if isinstance(exc, TimeoutError) else exc
+            raise KubeServerError(
+                f"{what}: cannot get the credentials for the API server {self._server}: {cause}"
+            ) from exc
+        try:
+            answer = await self._api.call_api(
                 method,
-                endpoint.target(path),
-                host=endpoint.authority,
-                headers=headers,
-                body=payload,
+                url,
+                header_params=headers,
+                body=body,  # json.dumps'ed by the library's REST layer
+                _request_timeout=seconds,
             )
-        except ProtocolError as exc:  # a credential with a line break, say
-            raise KubeClientError(f"{what}: cannot send the request: {exc}") from exc
+        except REQUEST_ERRORS as exc:
+            raise self._unreachable(what, exc, seconds) from exc
+        except kube_client.ApiException as exc:  # the REST layer refused the arguments
+            raise KubeClientError(f"{what}: cannot send the request: {exc.reason}") from exc
+        response: aiohttp.ClientResponse = answer.response
+        if response.status < 400:
+            for listener in self._success_listeners:
+                listener()
+        return response
 
-    async def _authenticate(
-        self, what: str, headers: list[tuple[str, str]], query: list[tuple[str, str]]
-    ) -> None:
-        """Add the credentials, as ``ApiClient.update_params_for_auth`` does."""
-        configuration = self._configuration
-        try:
-            # Runs the refresh hook (the in-cluster loader re-reads the token file every minute).
-            settings = await configuration.auth_settings()
-        except Exception as exc:  # the hook is third-party code: any failure is a bad credential
-            raise KubeServerError(f"{what}: cannot get the credentials: {exc!r}") from exc
-        authorized = False
-        for setting in settings.values():
-            value = setting.get("value")
-            if value is None:
-                continue
-            key, text = str(setting.get("key")), str(value).strip()  # client-go: TrimSpace
-            if setting.get("in") == "header" and setting.get("type") != "http-signature":
-                headers.append((key, text))
-                authorized = authorized or key.lower() == "authorization"
-            elif setting.get("in") == "query":
-                query.append((key, text))
-        if not authorized and (configuration.username or configuration.password):
-            headers.append(("Authorization", configuration.get_basic_auth_token()))
+    def _unreachable(self, what: str, exc: BaseException, seconds: float) -> KubeServerError:
+        return KubeServerError(
+            f"{what}: cannot reach the API server {self._server}: {describe_failure(exc, seconds)}"
+        )
+
+    def _broken(self, what: str, exc: BaseException, seconds: float) -> KubeServerError:
+        return KubeServerError(
+            f"{what}: reading the answer of the API server {self._server} failed: "
+            f"{describe_failure(exc, seconds)}"
+        )
 
     async def _request(
         self,
@@ -333,11 +295,11 @@ class KubeClient:
         what: str,
         *,
         path_params: Mapping[str, str] | None = None,
-        query: Sequence[tuple[str, object]] = (),
+        query: Sequence[tuple[str, str]] = (),
         body: object = None,
         content_type: str = _JSON,
     ) -> dict[str, Any]:
-        wire = await self._encode(
+        response = await self._send(
             method,
             path,
             what,
@@ -346,20 +308,15 @@ class KubeClient:
             body=body,
             content_type=content_type,
         )
-        answer: tuple[Response, bytes] | None = None
-        with anyio.move_on_after(self._request_timeout):
-            try:
-                answer = await self._pool.request(method, path, wire)
-            except (ProxyRefusedError, *CONNECTION_ERRORS) as exc:
-                raise KubeServerError(f"{what}: cannot reach the API server: {exc!r}") from exc
-        if answer is None:
-            raise KubeServerError(
-                f"{what}: cannot reach the API server: no answer within {self._request_timeout:g} s"
-            )
-        response, data = answer
+        try:
+            data = await response.read()
+        except REQUEST_ERRORS as exc:
+            raise self._broken(what, exc, self._request_timeout) from exc
+        finally:
+            response.release()
         if response.status >= 400:
-            raise _status_error(what, response.status, response.reason, data)
-        return _json_object(what, data)
+            raise status_error(what, self._server, response.status, response.reason or "", data)
+        return json_object(what, self._server, data)
 
     # --- nodes and claims ------------------------------------------------------------------
 
@@ -403,12 +360,13 @@ class KubeClient:
         """The ResourceSlices of ``driver`` on ``node_name`` (server-side field selector) and the
         list's resourceVersion (to watch from)."""
         selector = slice_selector(driver, node_name)
-        obj = await self._request(
-            "GET", _SLICES, f"list resourceslices {selector}", query=[("fieldSelector", selector)]
-        )
+        what = f"list resourceslices {selector}"
+        obj = await self._request("GET", _SLICES, what, query=[("fieldSelector", selector)])
         items = obj.get("items")
         if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
-            raise KubeServerError(f"list resourceslices {selector}: no list of items in the answer")
+            raise KubeServerError(
+                f"{what}: the API server {self._server} sent no list of items in the answer"
+            )
         return items, _resource_version(obj) or ""
 
     async def get_resource_slice(self, name: str) -> dict[str, Any]:
@@ -483,7 +441,7 @@ class KubeClient:
             seconds = self._watch_seconds or random.randrange(
                 _WATCH_MIN_SECONDS, 2 * _WATCH_MIN_SECONDS
             )
-            query: list[tuple[str, object]] = [
+            query = [
                 ("fieldSelector", selector),
                 ("watch", "true"),
                 ("allowWatchBookmarks", "true"),
@@ -491,18 +449,9 @@ class KubeClient:
             ]
             if version:
                 query.append(("resourceVersion", version))
-            # No cancel scope may stay open across a yield: every wait below gets its own
-            # scope, up to this one deadline.
-            deadline = anyio.current_time() + seconds + _WATCH_CLIENT_MARGIN
-            wire = await self._encode("GET", _SLICES, what, query=query)
-            response: StreamedResponse | None = None
-            with anyio.move_on_after(deadline - anyio.current_time()):
-                try:
-                    response = await self._pool.open_stream("GET", wire)
-                except (ProxyRefusedError, *CONNECTION_ERRORS) as exc:
-                    raise KubeServerError(f"{what}: cannot reach the API server: {exc!r}") from exc
-            if response is None:
-                raise KubeServerError(f"{what}: cannot reach the API server: no answer in time")
+            # aiohttp's timeout bounds the whole exchange, the body included.
+            deadline = seconds + _WATCH_CLIENT_MARGIN
+            response = await self._send("GET", _SLICES, what, query=query, seconds=deadline)
             try:
                 if response.status == 410:
                     logger.info("%s: resourceVersion %s is too old, relisting", what, version)
@@ -510,36 +459,44 @@ class KubeClient:
                     continue
                 if response.status >= 400:
                     try:
-                        with anyio.fail_after(self._request_timeout):
-                            data = await response.read_all()
-                    except (TimeoutError, KubeServerError, *CONNECTION_ERRORS) as exc:
+                        data = await response.read()
+                    except REQUEST_ERRORS as exc:
                         # The status is known; only the server's message was lost.
-                        data = f"(reading the answer failed: {exc!r})".encode()
-                    raise _status_error(what, response.status, response.reason, data)
+                        cause = describe_failure(exc, deadline)
+                        data = f"(reading the answer failed: {cause})".encode()
+                    raise status_error(
+                        what, self._server, response.status, response.reason or "", data
+                    )
                 while True:
                     try:
-                        with anyio.fail_after(max(0.0, deadline - anyio.current_time())):
-                            line = await response.read_line()
+                        line = await response.content.readline(max_line_length=_MAX_EVENT_LINE)
                     except TimeoutError:
                         break  # the client-side deadline: renew the watch
-                    except CONNECTION_ERRORS as exc:
-                        raise KubeServerError(f"{what}: the stream broke: {exc!r}") from exc
+                    except REQUEST_ERRORS as exc:
+                        raise self._broken(what, exc, deadline) from exc
                     if not line:
                         break  # the server ended the stream (timeoutSeconds)
                     if not line.strip():
                         continue
-                    event = _json_object(what, line)
+                    event = json_object(what, self._server, line)
                     kind = event.get("type")
                     obj = event.get("object")
                     if not isinstance(obj, dict):
-                        raise KubeServerError(f"{what}: event without an object: {line[:200]!r}")
+                        raise KubeServerError(
+                            f"{what}: the API server {self._server} sent an event without an "
+                            f"object: {line[:BODY_EXCERPT]!r}"
+                        )
                     if kind == "ERROR":
                         if obj.get("code") == 410:
                             logger.info("%s: watch expired (410 Gone), relisting", what)
                             version = None
                             break
-                        raise _status_error(
-                            what, int(obj.get("code") or 500), str(obj.get("reason") or ""), line
+                        raise status_error(
+                            what,
+                            self._server,
+                            int(obj.get("code") or 500),
+                            str(obj.get("reason") or ""),
+                            line,
                         )
                     seen = _resource_version(obj)
                     if seen is not None:
@@ -551,11 +508,15 @@ class KubeClient:
                         continue
                     yield kind, obj
             finally:
-                with anyio.CancelScope(shield=True):
-                    await response.aclose()
+                response.release()
+
+
+# --- configuration --------------------------------------------------------------------------------
 
 
 async def _load_configuration(kubeconfig: Path | None) -> Any:
+    """The library's ``Configuration`` for ``kubeconfig`` (``None``: in-cluster), set up as the
+    module docstring says."""
     configuration = kube_client.Configuration()
     try:
         if kubeconfig is None:
@@ -563,117 +524,43 @@ async def _load_configuration(kubeconfig: Path | None) -> Any:
                 client_configuration=configuration
             )
         else:
-            await kube_config.load_kube_config(  # type: ignore[no-untyped-call]
+            loader = await kube_config.load_kube_config(  # type: ignore[no-untyped-call]
                 config_file=str(kubeconfig),
                 client_configuration=configuration,
                 persist_config=False,
             )
+            _refresh_exec_token(loader, configuration)
     except (kube_config.ConfigException, OSError, ValueError, TypeError, KeyError) as exc:
         where = f"kubeconfig {kubeconfig}" if kubeconfig else "in-cluster service account"
         raise ConfigError(f"cannot load the {where}: {exc}") from exc
+    configuration.retries = None
+    configuration.connection_pool_maxsize = MAX_CONNECTIONS
+    kwargs = dict(configuration.client_session_kwargs or {})
+    kwargs["trust_env"] = False
+    kwargs["middlewares"] = (send_once,)
+    configuration.client_session_kwargs = kwargs
+    configuration.proxy = proxy_url(str(configuration.host), configuration.proxy or None)
     return configuration
 
 
-def _ssl_context(configuration: Any) -> ssl.SSLContext:
-    """The TLS settings of ``kubernetes.aio``'s ``RESTClientObject``, plus ``assert_hostname``
-    (honoured by the synchronous client only, there)."""
-    try:
-        context = ssl.create_default_context(
-            cafile=configuration.ssl_ca_cert, cadata=configuration.ca_cert_data
-        )
-        if configuration.cert_file:
-            context.load_cert_chain(configuration.cert_file, keyfile=configuration.key_file)
-    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
-        raise ConfigError(
-            f"cannot set up TLS for the API server {configuration.host}: {exc}"
-        ) from exc
-    if not configuration.verify_ssl:
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-    elif configuration.assert_hostname is False:
-        context.check_hostname = False
-    if configuration.disable_strict_ssl_verification:
-        context.verify_flags &= ~ssl.VERIFY_X509_STRICT
-    return context
+def _refresh_exec_token(loader: Any, configuration: Any) -> None:
+    """Renew an exec plugin's token when it expires, before the request that needs it.
 
+    ``kubernetes.aio`` runs a kubeconfig's exec plugin once at load; renewing is left to a
+    ``kube_config.refresh_token`` loop the caller runs. We hook the library's own renewal
+    (``KubeConfigLoader.load_from_exec_plugin``, which runs the plugin again only once the token's
+    ``expirationTimestamp`` has passed) into the configuration's ``refresh_api_key_hook``, which
+    ``ApiClient`` awaits before each request, as the in-cluster loader's token refresh is. A
+    token without an expiry is kept for good (client-go does the same).
+    """
+    if getattr(loader, "exec_plugin_expiry", None) is None:
+        return
 
-def _basic(user: str, password: str) -> str:
-    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
+    async def refresh(config: Any) -> None:
+        await loader.load_from_exec_plugin()
+        config.api_key["BearerToken"] = loader.token
 
-
-def _netrc_authorization(host: str) -> str | None:
-    """Basic credentials for ``host`` from ``$NETRC`` or ``~/.netrc`` (aiohttp's rule for a
-    proxy URL without credentials)."""
-    path = Path(os.environ.get("NETRC") or Path.home() / ".netrc")
-    if not path.is_file():
-        return None
-    try:
-        entry = netrc.netrc(str(path)).authenticators(host)
-    except (OSError, netrc.NetrcParseError) as exc:
-        logger.warning("cannot read %s for the proxy credentials: %s", path, exc)
-        return None
-    if entry is None:
-        return None
-    login, _, password = entry
-    return _basic(login or "", password or "")
-
-
-def _proxy(configuration: Any, scheme: str, host: str) -> Proxy | None:
-    """The proxy for the API server, decided now: kubeconfig ``proxy-url``, else the
-    environment (``<scheme>_proxy``, ``no_proxy``)."""
-    if configuration.proxy:
-        url, source = str(configuration.proxy), "the kubeconfig proxy-url"
-    else:
-        proxies = urllib.request.getproxies_environment()
-        url, source = proxies.get(scheme, ""), f"{scheme}_proxy"
-        if not url or urllib.request.proxy_bypass(host):
-            return None
-    if "://" not in url:
-        url = "http://" + url  # "proxy:3128", as curl reads it
-    parsed = urlsplit(url)
-    try:
-        port = parsed.port or _DEFAULT_PORTS["http"]
-    except ValueError as exc:
-        raise ConfigError(f"{source} {url!r}: bad port: {exc}") from exc
-    if parsed.scheme.lower() != "http" or not parsed.hostname:
-        if configuration.proxy:
-            raise ConfigError(f"{source} {url!r}: only http:// proxies are supported")
-        logger.warning("%s %s: only http:// proxies are supported, ignoring it", source, url)
-        return None
-    authorization: str | None = None
-    if parsed.username is not None:
-        authorization = _basic(unquote(parsed.username), unquote(parsed.password or ""))
-    else:
-        authorization = _netrc_authorization(parsed.hostname)
-    for key, value in dict(configuration.proxy_headers or {}).items():
-        if str(key).lower() == "proxy-authorization":
-            authorization = str(value)
-    plain = f"http://{bracketed(parsed.hostname)}:{port}"
-    logger.info("the API server %s is reached through proxy %s", configuration.host, plain)
-    return Proxy(host=parsed.hostname, port=port, url=plain, authorization=authorization)
-
-
-def _endpoint(configuration: Any) -> Endpoint:
-    host = str(configuration.host)
-    url = urlsplit(host)
-    scheme = url.scheme.lower()
-    if scheme not in _DEFAULT_PORTS or not url.hostname:
-        raise ConfigError(f"the API server URL {host!r} is not http(s)://host[:port][/path]")
-    try:
-        port = url.port or _DEFAULT_PORTS[scheme]
-    except ValueError as exc:
-        raise ConfigError(f"the API server URL {host!r} has a bad port: {exc}") from exc
-    tls = scheme == "https"
-    return Endpoint(
-        scheme=scheme,
-        host=url.hostname,
-        port=port,
-        authority=url.netloc.rpartition("@")[2],
-        prefix=url.path.rstrip("/"),
-        ssl_context=_ssl_context(configuration) if tls else None,
-        tls_name=configuration.tls_server_name or url.hostname,
-        proxy=_proxy(configuration, scheme, url.hostname),
-    )
+    configuration.refresh_api_key_hook = refresh
 
 
 @asynccontextmanager
@@ -686,11 +573,15 @@ async def open_kube_client(
     """A :class:`KubeClient` for the cluster of ``kubeconfig`` (``None``: in-cluster, from the
     pod's service account). Bad or missing configuration raises :class:`ConfigError`."""
     configuration = await _load_configuration(kubeconfig)
-    pool = HttpPool(_endpoint(configuration), _USER_AGENT)
     try:
-        yield KubeClient(
-            configuration, pool, request_timeout=request_timeout, watch_seconds=watch_seconds
-        )
+        api_client = kube_client.ApiClient(configuration=configuration)
+    except (OSError, ValueError) as exc:  # the TLS context: CA or client certificate files
+        raise ConfigError(
+            f"cannot set up TLS for the API server {configuration.host}: {exc}"
+        ) from exc
+    api_client.user_agent = _USER_AGENT
+    try:
+        yield KubeClient(api_client, request_timeout=request_timeout, watch_seconds=watch_seconds)
     finally:
         with anyio.CancelScope(shield=True):
-            await pool.aclose()
+            await api_client.close()  # type: ignore[no-untyped-call]

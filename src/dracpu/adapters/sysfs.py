@@ -10,17 +10,25 @@ read, relative to ``<host-root>/sys/devices``:
   ``cluster_id`` with the lowest CPU of each package (die, cluster) as listed by
   ``package_cpus_list`` (``die_cpus_list``, ``cluster_cpus_list``) or by the SMT siblings; the
   level-3 ``cache/indexK/{level, type, id, shared_cpu_list}`` with the lowest CPU of each L3;
-- ``system/node/nodeX/cpulist`` plus the ``nodeX`` link under ``cpuN/`` for the NUMA node;
-- ``cpu_core/cpus`` and ``cpu_atom/cpus`` (hybrid P-/E-cores), ``system/cpu/smt/control``.
+- ``system/node/nodeX/cpulist`` plus the ``nodeX`` link under ``cpuN/`` for the NUMA node. A CPU
+  that no node lists and that links to no node (its node is not online) has no NUMA node
+  (:data:`~dracpu.core.topology.NO_NUMA_NODE`); a kernel without NUMA support (no ``system/node``
+  at all) puts every CPU on node 0, as its own ``numa_node_id()`` does;
+- ``cpu_core/cpus`` and ``cpu_atom/cpus`` (hybrid P-/E-cores), ``system/cpu/smt/control``;
+- with ``pcie_roots=True`` (``--expose-pcie-roots``): the PCIe root complexes, the
+  ``pciDDDD:BB`` entries of ``devices/`` (the kernel names a host bridge ``"pci%04x:%02x"``,
+  ``drivers/pci/probe.c``; upstream ``pcie.IsPCIeRootName`` reads exactly these), each with the
+  CPUs local to it from ``pciDDDD:BB/pci_bus/DDDD:BB/cpulistaffinity`` (the CPUs of the root
+  bus's NUMA node, or every CPU when it has none).
 
 Every missing or malformed file that we need becomes one :class:`~dracpu.errors.TopologyError`
 whose message starts with the file's path; no ``OSError`` or ``ValueError`` escapes.
 
-Speed: opening a sysfs file costs about 10 us, so a file that a whole group of CPUs shares is
-read once for the group, never once per CPU: only ``core_id`` and one ``lstat`` of the NUMA link
-are per CPU. A 1024-CPU tree reads in about 30 ms. The kernel fills the group lists only with
-CPUs of the same package, die, cluster, core or cache, so spreading a value over a list is what
-the kernel itself says; the thread-siblings check below still proves the core identity.
+Opening a sysfs file costs far more than reading it, so a file that a whole group of CPUs shares
+is read once for the group, never once per CPU: only ``core_id`` and one ``lstat`` of the NUMA
+link are per CPU (``docs/performance.md`` has the figures). The kernel fills the group lists only
+with CPUs of the same package, die, cluster, core or cache, so spreading a value over a list is
+what the kernel itself says; the thread-siblings check below still proves the core identity.
 """
 
 from __future__ import annotations
@@ -31,10 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dracpu.core.cpuset import EMPTY, CpuSet
-from dracpu.core.topology import CoreKey, CoreType, CpuInfo, Topology
+from dracpu.core.topology import NO_NUMA_NODE, CoreKey, CoreType, CpuInfo, Topology
 from dracpu.errors import CpuSetParseError, TopologyError
 
-__all__ = ["read_topology"]
+__all__ = ["read_online", "read_topology"]
 
 # Paths relative to the host root (Linux ABI: Documentation/ABI/stable/sysfs-devices-system-cpu,
 # Documentation/ABI/testing/sysfs-devices-system-cpu, Documentation/ABI/stable/sysfs-devices-node).
@@ -45,6 +53,8 @@ NODE_DIR = "sys/devices/system/node"
 CPU_CORE_CPUS = "sys/devices/cpu_core/cpus"
 CPU_ATOM_CPUS = "sys/devices/cpu_atom/cpus"
 SMT_CONTROL = f"{CPU_DIR}/smt/control"
+# Where the kernel registers PCI host bridges (drivers/pci/probe.c, pci_register_host_bridge).
+DEVICES_DIR = "sys/devices"
 
 # smt/control values (Documentation/ABI/testing/sysfs-devices-system-cpu); upstream maps "on" to
 # true and these four to false, anything else falls back to "some core has 2+ threads".
@@ -65,13 +75,23 @@ L3_TYPES = frozenset({"Unified", "Data"})
 _READ_SIZE = 1 << 17
 
 _INT = re.compile(r"-?[0-9]+")
+# A root complex entry, "pci" + "%04x:%02x" of its domain and bus; as upstream IsPCIeRootName,
+# a domain wider than four hex digits (Intel VMD's 10000 and up) is not read.
+_PCI_ROOT = re.compile(r"pci([0-9a-f]{4}:[0-9a-f]{2})")
 _NODE_ENTRY = re.compile(r"node([0-9]+)")
 _INDEX_ENTRY = re.compile(r"index([0-9]+)")
 
 
-def read_topology(host_root: Path) -> Topology:
-    """Read every online CPU under ``<host_root>/sys``; :class:`TopologyError` on a bad file."""
-    return _Reader(host_root).read()
+def read_topology(host_root: Path, *, pcie_roots: bool = False) -> Topology:
+    """Read every online CPU under ``<host_root>/sys``, and with ``pcie_roots`` the PCIe root
+    complexes; :class:`TopologyError` on a bad file."""
+    return _Reader(host_root).read(pcie_roots=pcie_roots)
+
+
+def read_online(host_root: Path) -> CpuSet:
+    """The online CPUs now (``system/cpu/online``); :class:`TopologyError` when the file is
+    missing or malformed."""
+    return _Reader(host_root).read_online()
 
 
 class _Reader:
@@ -153,18 +173,22 @@ class _Reader:
 
     # --- the machine -----------------------------------------------------------------------
 
-    def read(self) -> Topology:
+    def read_online(self) -> CpuSet:
         online_rel = f"{CPU_DIR}/online"
         online = self._required_cpulist(online_rel)
         if not online:
             raise TopologyError(f"{self._path(online_rel)}: malformed: no online CPU")
+        return online
+
+    def read(self, *, pcie_roots: bool) -> Topology:
+        online = self.read_online()
         present = self._optional_cpulist(f"{CPU_DIR}/present")
         if present is None:
             present = self._optional_cpulist(f"{CPU_DIR}/possible")
         offline = (present or EMPTY) - online
         isolated = self._optional_cpulist(f"{CPU_DIR}/isolated") or EMPTY
 
-        numa_of = self._numa_nodes(online)
+        numa_of, numa_in_sysfs = self._numa_nodes(online)
         core_types = self._core_types()
 
         sockets = _SharedId("physical_package_id", ("package_cpus_list", "core_siblings_list"))
@@ -230,6 +254,8 @@ class _Reader:
             smt_enabled=self._smt_enabled(max(m.bit_count() for m in by_key.values())),
             offline=offline,
             isolated=isolated,
+            pcie_roots=self._pcie_roots() if pcie_roots else {},
+            numa_in_sysfs=numa_in_sysfs,
         )
 
     def _shared_id(self, shared: _SharedId, cpu: int, topo: str, online: CpuSet) -> int:
@@ -272,12 +298,13 @@ class _Reader:
 
     # --- NUMA ------------------------------------------------------------------------------
 
-    def _numa_nodes(self, online: CpuSet) -> dict[int, int]:
-        """cpu -> NUMA node, from node/nodeX/cpulist, each checked against cpuN/nodeX."""
+    def _numa_nodes(self, online: CpuSet) -> tuple[dict[int, int], bool]:
+        """(cpu -> NUMA node, whether the kernel has NUMA nodes), from node/nodeX/cpulist, each
+        checked against cpuN/nodeX."""
         entries = self._listdir(NODE_DIR)
         if entries is None:
             # A kernel without CONFIG_NUMA has no node directory: one node, 0.
-            return dict.fromkeys(online, 0)
+            return dict.fromkeys(online, 0), False
         node_of: dict[int, int] = {}
         for entry in entries:
             match = _NODE_ENTRY.fullmatch(entry)
@@ -296,27 +323,47 @@ class _Reader:
             listed = node_of.get(cpu)
             link = f"{CPU_DIR}/cpu{cpu}/node{listed}"
             if listed is None or not os.path.lexists(self._path(link)):
-                self._numa_mismatch(cpu, listed)
-        return node_of
+                node_of[cpu] = self._unlinked(cpu, listed)
+        return node_of, True
 
-    def _numa_mismatch(self, cpu: int, listed: int | None) -> None:
+    def _unlinked(self, cpu: int, listed: int | None) -> int:
+        """The node of a CPU whose ``nodeX`` link is not the node listing it: NO_NUMA_NODE when
+        neither exists, else the kernel contradicts itself (an error)."""
         cpu_rel = f"{CPU_DIR}/cpu{cpu}"
         linked = sorted(
             int(m.group(1))
             for entry in self._listdir(cpu_rel) or []
             if (m := _NODE_ENTRY.fullmatch(entry)) is not None
         )
-        if not linked:
-            raise TopologyError(f"{self._path(cpu_rel)}: no nodeX entry: NUMA node unknown")
+        if listed is None and not linked:
+            return NO_NUMA_NODE
         if listed is None:
             raise TopologyError(
                 f"{self._path(f'{NODE_DIR}/node{linked[0]}/cpulist')}: does not list cpu{cpu} "
                 f"although {self._path(f'{cpu_rel}/node{linked[0]}')} exists"
             )
+        if not linked:
+            raise TopologyError(
+                f"{self._path(cpu_rel)}: no node{listed} entry although "
+                f"{self._path(f'{NODE_DIR}/node{listed}/cpulist')} lists cpu{cpu}"
+            )
         raise TopologyError(
             f"{self._path(f'{NODE_DIR}/node{listed}/cpulist')}: lists cpu{cpu} but "
             f"{self._path(cpu_rel)} links to node{linked[0]}"
         )
+
+    # --- PCIe roots ------------------------------------------------------------------------
+
+    def _pcie_roots(self) -> dict[str, CpuSet]:
+        """Root complex name -> the CPUs local to it (upstream ``pcie.PCIeDomainsFromFS``)."""
+        roots: dict[str, CpuSet] = {}
+        for entry in sorted(self._listdir(DEVICES_DIR) or []):
+            match = _PCI_ROOT.fullmatch(entry)
+            if match is not None:
+                bus = match.group(1)
+                rel = f"{DEVICES_DIR}/{entry}/pci_bus/{bus}/cpulistaffinity"
+                roots[entry] = self._required_cpulist(rel)
+        return roots
 
     # --- caches ----------------------------------------------------------------------------
 

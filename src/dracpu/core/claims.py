@@ -6,20 +6,39 @@ Pure: a ``resource.k8s.io/v1`` ResourceClaim as a plain JSON ``dict`` (what
 :class:`~dracpu.errors.ClaimError` naming the claim and the bad value.
 
 :func:`read_claim` checks what the Go kubelet-plugin helper checks before it calls a driver
-(reference kubelet-and-k8s-api.md §5.1: the UID must be the one the kubelet asked for, else the
-claim "got replaced"; the claim must be allocated) and what upstream's
-``prepareGroupedResourceClaim`` checks per result (reference anchors-upstream.md §D.2:
-``consumedCapacity["dra.cpu/cpu"]`` must be present, positive and whole). Results of other
-drivers are ignored. A result of OUR driver in another pool is refused: our devices live in the
-pool named after this node, so such a claim was allocated for another node and preparing only
-part of it would hand the pod fewer CPUs than the scheduler granted.
+(``k8s.io/dynamic-resource-allocation/kubeletplugin``: the UID must be the one the kubelet asked
+for, else the claim "got replaced"; the claim must be allocated) and what upstream's
+``prepareGroupedResourceClaim`` checks per result. Results of other drivers are ignored. A result
+of OUR driver in another pool is refused: our devices live in the pool named after this node, so
+such a claim was allocated for another node and preparing only part of it would hand the pod
+fewer CPUs than the scheduler granted.
+
+How many CPUs a grouped result gets is what the scheduler wrote into its ``consumedCapacity``
+(``k8s.io/dynamic-resource-allocation/structured``, ``allocateDevice`` and
+``calculateConsumedCapacity``):
+
+- With ``DRAConsumableCapacity`` (beta and on from Kubernetes 1.36) our grouped devices are
+  allocatable many times (``allowMultipleAllocations``) and every result on them carries a
+  ``shareID`` and ``consumedCapacity`` with every capacity of the device: the request's
+  ``capacity.requests["dra.cpu/cpu"]`` rounded up by the device's ``requestPolicy`` (ours:
+  whole CPUs from 1), or, for a request without one, the policy's ``default`` (ours: the whole
+  group) or, without a policy (upstream's slices, or ours on a server that dropped it), the whole
+  capacity. The key is spelled as the device published it (``dra.cpu/cpu``); the scheduler may
+  one day write the short form (``cpu``, the same capacity in the driver's own domain), which we
+  read too. A fraction only reaches us without a policy, and is refused as upstream does ("must
+  be a whole number").
+- Without the feature on the API server, it drops ``allowMultipleAllocations`` and
+  ``requestPolicy`` from our slices and ``capacity`` from claims: a grouped device is then
+  allocated whole to one claim, and its result has no ``consumedCapacity``. Upstream fails such a
+  Prepare ("CPU capacity ... is missing"); so do we, naming the feature.
+- Individual devices have no capacity: their results carry none, and one CPU each.
 
 :func:`device_status_patch` builds the JSON merge patch of the claim's ``status.devices``
-(``AllocatedDeviceStatus``, reference §6.2) that records the prepared cpuset as
-``data: {"cpuset": "0-3"}`` on each of our allocated devices. ``status.devices`` is replaced as a
-whole by a merge patch, so the patch carries every entry: other drivers' entries unchanged, ours
-updated (their ``conditions`` kept), and ``metadata.resourceVersion`` so the server refuses it
-(409) if the claim changed since it was read.
+(``AllocatedDeviceStatus``) that records the prepared cpuset as ``data: {"cpuset": "0-3"}`` on
+each of our allocated devices. ``status.devices`` is replaced as a whole by a merge patch, so the
+patch carries every entry: other drivers' entries unchanged, ours updated (their ``conditions``
+kept), and ``metadata.resourceVersion`` so the server refuses it (409) if the claim changed since
+it was read.
 """
 
 from __future__ import annotations
@@ -48,8 +67,10 @@ __all__ = [
 ]
 
 # The capacity grouped devices publish and allocations consume (upstream
-# device.CPUResourceQualifiedName; dracpu.core.slices.CAPACITY_CPU).
+# device.CPUResourceQualifiedName; dracpu.core.slices.CAPACITY_CPU), and its short form: an
+# unqualified capacity name is in the driver's own domain (resource/v1 QualifiedName).
 CAPACITY_CPU = "dra.cpu/cpu"
+_CAPACITY_CPU_SHORT = CAPACITY_CPU.rpartition("/")[2]
 # No claim can need more CPUs than a CpuSet can hold.
 _MAX_CPUS = MAX_CPU_ID + 1
 # resource/v1 AllocatedDeviceStatusDataMaxLength: the JSON of status.devices[].data.
@@ -203,24 +224,7 @@ def _our_result(
     share_id = result.get("shareID")
     if share_id is not None and (not isinstance(share_id, str) or not share_id):
         raise ClaimError(f"{where}.shareID: {share_id!r} is not a non-empty string")
-    consumed = result.get("consumedCapacity")
-    consumed_cpus: int | None = None
-    if consumed is not None:
-        if not isinstance(consumed, Mapping):
-            raise ClaimError(f"{where}.consumedCapacity: {consumed!r} is not an object")
-        if CAPACITY_CPU not in consumed:
-            raise ClaimError(f"{where}.consumedCapacity: no {CAPACITY_CPU!r} for {device!r}")
-        try:
-            consumed_cpus = parse_whole_quantity(consumed[CAPACITY_CPU])
-        except ClaimError as exc:
-            raise ClaimError(
-                f"{where}.consumedCapacity[{CAPACITY_CPU!r}] of {device!r}: {exc}"
-            ) from None
-    elif _GROUPED_DEVICE.match(device):
-        raise ClaimError(
-            f"{where}: grouped device {device!r} has no consumedCapacity[{CAPACITY_CPU!r}] "
-            "(does the cluster enable DRAConsumableCapacity?)"
-        )
+    consumed_cpus = _consumed_cpus(where, device, result.get("consumedCapacity"))
     return AllocatedDevice(
         request=request.split("/", 1)[0],
         pool=result_pool,
@@ -228,6 +232,38 @@ def _our_result(
         share_id=share_id,
         consumed_cpus=consumed_cpus,
     )
+
+
+def _consumed_cpus(where: str, device: str, consumed: object) -> int | None:
+    """The CPUs a result consumes (see the module docstring); ``None`` for an individual device
+    without them."""
+    grouped = _GROUPED_DEVICE.match(device) is not None
+    if consumed is None:
+        if grouped:
+            raise ClaimError(
+                f"{where}: grouped device {device!r} has no consumedCapacity "
+                "(does the cluster enable DRAConsumableCapacity?)"
+            )
+        return None
+    if not isinstance(consumed, Mapping):
+        raise ClaimError(f"{where}.consumedCapacity: {consumed!r} is not an object")
+    found = [(key, consumed[key]) for key in (CAPACITY_CPU, _CAPACITY_CPU_SHORT) if key in consumed]
+    if not found:
+        if not grouped:
+            return None
+        raise ClaimError(f"{where}.consumedCapacity: no {CAPACITY_CPU!r} for {device!r}")
+    amounts: list[int] = []
+    for key, value in found:
+        try:
+            amounts.append(parse_whole_quantity(value))
+        except ClaimError as exc:
+            raise ClaimError(f"{where}.consumedCapacity[{key!r}] of {device!r}: {exc}") from None
+    if len(set(amounts)) > 1:
+        raise ClaimError(
+            f"{where}.consumedCapacity of {device!r}: {CAPACITY_CPU!r} and "
+            f"{_CAPACITY_CPU_SHORT!r} are the same capacity but differ: {found}"
+        )
+    return amounts[0]
 
 
 def _our_configs(label: str, configs: object, *, driver: str) -> tuple[OpaqueConfig, ...]:

@@ -1,21 +1,45 @@
 """The devices this node publishes and the ``resource.k8s.io/v1`` ResourceSlices that carry them.
 
 Pure: a :class:`~dracpu.core.topology.Topology` and the reserved CPUs go in, plain ``dict``
-objects ready for ``json.dumps`` (or the API) come out. Names and attributes are the
-compatibility contract of the upstream Go driver ``kubernetes-sigs/dra-driver-cpu`` (design §2):
+objects ready for ``json.dumps`` (or the API) come out. Names, numbering, attributes and capacity
+are the compatibility contract of the Go driver ``kubernetes-sigs/dra-driver-cpu``
+(``pkg/device/builder.go``, ``pkg/device/attributes.go``, ``pkg/cpuinfo/cpuinfo.go``): a user who
+swaps it for dracpu keeps their DeviceClasses and ResourceClaimTemplates, and a claim allocated
+against its slices names the same CPUs in ours. ``docs/devices.md`` explains each rule and lists
+where we deliberately differ.
 
-Individual mode (``cpudev000``, ``cpudev001``, ...): one device per non-reserved online CPU. The
-number is an enumeration index, not the CPU id. CPUs are grouped by core, each group holding the
-core's non-reserved CPUs in ascending order, groups ordered by their lowest non-reserved CPU, so
-SMT siblings get adjacent numbers (upstream ``cpuDeviceInfos``; the same order whatever the SMT
-width). Three digits, more when there are 1000 devices or more (Go's ``%03d`` only pads).
+Which CPUs are published: the online, non-reserved ones. Upstream skips a CPU the kernel links
+to no NUMA node (``populateTopologyInfo`` fails for it), so such a CPU is in no individual, NUMA
+or socket device; only ``cpudevmachine`` (built from the ``online`` list) counts it. It stays in
+our shared pool.
 
-Grouped mode: one device per NUMA node (``cpudevnuma000``), per socket (``cpudevsocket000``) or
-one for the machine (``cpudevmachine``), with capacity ``dra.cpu/cpu`` = the group's non-reserved
-CPUs and ``allowMultipleAllocations: true``. A NUMA node or socket with no allocatable CPU is not
-published; ``cpudevmachine`` always is.
+Individual mode (``cpudev000``, ``cpudev001``, ...): one device per published CPU. The number is
+an enumeration index, not the CPU id (upstream ``cpuDeviceInfos``): CPUs sharing
+(``physical_package_id``, ``cluster_id``, ``core_id``) are siblings when there are exactly two of
+them (``populateCpuSiblings``: the key has no die, and 3+ threads pair nobody); in ascending CPU
+order each CPU not yet numbered gets the next number and its sibling, unless reserved, the one
+after. Three digits, more from 1000 devices on (Go's ``%03d`` only pads).
 
-Our additions to the upstream attributes (design §6):
+Grouped mode: one device per NUMA node (``cpudevnuma000``, the NUMA id), per socket
+(``cpudevsocket000``, the socket id) or one for the machine (``cpudevmachine``), with capacity
+``dra.cpu/cpu`` = the group's published CPUs and ``allowMultipleAllocations: true``. A NUMA node
+or socket with no such CPU is not published; ``cpudevmachine`` always is. The capacity carries a
+``requestPolicy`` that upstream does not: whole CPUs (``validRange {min: 1, step: 1}``), so the
+scheduler rounds ``1500m`` up to 2 instead of allocating a fraction that Prepare must refuse, and
+``default`` = the whole capacity, so a request without ``capacity.requests`` consumes the whole
+group exactly as it does without a policy (KEP-5075: no policy means full capacity).
+
+``dra.cpu/cacheL3ID`` is ``-1`` for a CPU without a level-3 cache (upstream ``UncoreCacheID``).
+
+``--expose-pcie-roots`` adds ``resource.kubernetes.io/pcieRoot`` (KEP-4381 standard attribute,
+list-typed: ``DRAListTypeAttributes``): the sorted names of the PCIe root complexes local to the
+device's CPUs (a group: local to any of them), omitted when there are none, and slices hold at
+most 64 devices whether or not a device has the attribute (upstream
+``Config.DevicesPerResourceSlice``). ``publishNodeAllocatableResourceMapping`` adds KEP-5517's
+``nodeAllocatableResources``: ``cpu`` mapped from the consumed ``dra.cpu/cpu`` capacity (grouped)
+or one CPU per device (individual).
+
+Our additions to the upstream attributes:
 
 * ``dra.cpu/isolated`` (bool) on **every** individual device, ``true`` on the kernel's isolated
   CPUs (``isolcpus``). Present on every device so a selector is a plain
@@ -25,21 +49,18 @@ Our additions to the upstream attributes (design §6):
   group: they count in ``dra.cpu/cpu`` and ``dra.cpu/numCPUs`` and can be handed out to exclusive
   claims like any other CPU (they never join the shared pool). The attribute only says how many
   of the group's CPUs are isolated, so a claim can avoid (``== 0``) or look for such groups.
-* ``dra.cpu/cacheL3ID`` is omitted for a CPU without an L3 cache (upstream publishes 0 there,
-  which would claim a cache shared with every other such CPU).
-* No ``dieID``/``clusterID``: ``socketID`` and ``cacheL3ID`` already express the locality a
-  selector can use, and raw die/cluster ids repeat across sockets, so they would only invite
-  wrong ``matchAttribute`` constraints.
 
 Attribute keys are the full qualified names (``dra.cpu/socketID``), as upstream publishes them;
 in CEL they are grouped by domain (``device.attributes["dra.cpu"].socketID``).
 
 Slices: one pool named after the node, devices chunked in order into slices of at most 128
 devices (64 when a device has a list-typed attribute, taints or counter consumption: the
-apiserver's ``ResourceSliceMaxDevicesWithAdvancedFeatures``), every slice carrying the same
-``generation`` and ``resourceSliceCount``. Slice names are fixed (``<node>-dra.cpu-000``,
-``-001``, ...), so a publisher can GET/PUT each slice by name and repair it in place; the index is
-zero-padded so that name order (the scheduler's first-fit order) is device order.
+apiserver's ``ResourceSliceMaxDevicesWithAdvancedFeatures``; 64 always with
+``--expose-pcie-roots``), every slice carrying the same ``generation`` and
+``resourceSliceCount``. Slice names are fixed (``<node>-dra.cpu-000``, ``-001``, ...), so a
+publisher can GET/PUT each slice by name and repair it in place; the index is zero-padded so that
+name order (the scheduler's first-fit order) is device order. No device still gives one empty
+slice (upstream publishes none): an empty pool says "nothing here", no pool says "unknown".
 
 :func:`validate_slice` re-checks a ResourceSlice object against the apiserver's own rules
 (``pkg/apis/resource/validation``), for our tests and the simulator's fake API server.
@@ -67,23 +88,27 @@ __all__ = [
     "ATTR_CORE_ID",
     "ATTR_CORE_TYPE",
     "ATTR_CPU_ID",
+    "ATTR_DRANET_NUMA_NODE",
     "ATTR_ISOLATED",
     "ATTR_LEGACY_NUMA_NODE_ID",
     "ATTR_NUMA_NODE",
     "ATTR_NUM_CPUS",
     "ATTR_NUM_ISOLATED_CPUS",
-    "ATTR_DRANET_NUMA_NODE",
+    "ATTR_PCIE_ROOT",
     "ATTR_SMT_ENABLED",
     "ATTR_SOCKET_ID",
     "CAPACITY_CPU",
     "DRIVER_NAME",
     "KIND",
     "MAX_ATTRIBUTES_AND_CAPACITIES_PER_DEVICE",
+    "MAX_ATTRIBUTE_VALUES_PER_DEVICE",
     "MAX_DEVICES_PER_SLICE",
     "MAX_DEVICES_PER_SLICE_ADVANCED",
+    "NO_L3_CACHE",
     "CpuDeviceMode",
     "Device",
     "GroupBy",
+    "SliceOptions",
     "build_resource_slices",
     "devices_by_name",
     "max_devices_per_slice",
@@ -93,7 +118,7 @@ __all__ = [
     "validate_slice",
 ]
 
-# --- names of the compatibility contract (design §2; upstream pkg/device/attributes.go, builder.go)
+# --- names of the compatibility contract (upstream pkg/device/attributes.go, builder.go) --------
 
 DRIVER_NAME = "dra.cpu"  # upstream cmd/dracpu/app.go driverName; also the DeviceClass name
 API_VERSION = "resource.k8s.io/v1"  # the GA DRA API, the one upstream publishes
@@ -102,6 +127,7 @@ KIND = "ResourceSlice"
 CAPACITY_CPU = "dra.cpu/cpu"  # upstream device.CPUResourceQualifiedName
 
 ATTR_NUMA_NODE = "resource.kubernetes.io/numaNode"  # KEP-6072 StandardDeviceAttributeNUMANode
+ATTR_PCIE_ROOT = "resource.kubernetes.io/pcieRoot"  # KEP-4381 StandardDeviceAttributePCIeRoot
 ATTR_SOCKET_ID = "dra.cpu/socketID"  # upstream AttributeSocketID
 ATTR_SMT_ENABLED = "dra.cpu/smtEnabled"  # upstream AttributeSMTEnabled
 ATTR_CACHE_L3_ID = "dra.cpu/cacheL3ID"  # upstream AttributeCacheL3ID
@@ -111,8 +137,11 @@ ATTR_CPU_ID = "dra.cpu/cpuID"  # upstream AttributeCPUID
 ATTR_NUM_CPUS = "dra.cpu/numCPUs"  # upstream AttributeNumCPUs (grouped)
 ATTR_LEGACY_NUMA_NODE_ID = "dra.cpu/numaNodeID"  # upstream addCompatibilityAttributes (legacy)
 ATTR_DRANET_NUMA_NODE = "dra.net/numaNode"  # upstream addCompatibilityAttributes (DraNet alias)
-ATTR_ISOLATED = "dra.cpu/isolated"  # ours (design §6): on every individual device
+ATTR_ISOLATED = "dra.cpu/isolated"  # ours: on every individual device
 ATTR_NUM_ISOLATED_CPUS = "dra.cpu/numIsolatedCPUs"  # ours: on every grouped device
+
+# dra.cpu/cacheL3ID of a CPU without a level-3 cache: upstream CPUInfo.UncoreCacheID's default.
+NO_L3_CACHE = -1
 
 # Device name prefixes: upstream CPUDevicePrefix, CPUDeviceNUMAGroupedPrefix,
 # CPUDeviceSocketGroupedPrefix, CPUDeviceMachineGrouped.
@@ -121,12 +150,18 @@ _PREFIX_NUMA = "cpudevnuma"
 _PREFIX_SOCKET = "cpudevsocket"
 _NAME_MACHINE = "cpudevmachine"
 
-# --- apiserver limits (k8s.io/api resource/v1 types.go, reference kubelet-and-k8s-api.md §6.4) ---
+# KEP-5517 (k8s.io/api resource/v1 NodeAllocatableMapping, 1.37 shape): the node resource our
+# devices are, and the multiplier: one consumed dra.cpu/cpu, or one individual device, is one
+# cpu (upstream groupedCPUNodeAllocatable / individualCPUNodeAllocatable).
+_NODE_RESOURCE_CPU = "cpu"
+_ONE = "1"
+
+# --- apiserver limits (k8s.io/api resource/v1 types.go) ----------------------------------------
 
 MAX_DEVICES_PER_SLICE = 128  # ResourceSliceMaxDevices
 MAX_DEVICES_PER_SLICE_ADVANCED = 64  # ResourceSliceMaxDevicesWithAdvancedFeatures (1.36+)
 MAX_ATTRIBUTES_AND_CAPACITIES_PER_DEVICE = 32  # ResourceSliceMaxAttributesAndCapacitiesPerDevice
-_MAX_ATTRIBUTE_VALUES_PER_DEVICE = 48  # ResourceSliceMaxAttributeValuesPerDevice (1.36+)
+MAX_ATTRIBUTE_VALUES_PER_DEVICE = 48  # ResourceSliceMaxAttributeValuesPerDevice (1.36+)
 _MAX_ID_LENGTH = 32  # DeviceMaxIDLength: the C-identifier part of a qualified name
 _MAX_DOMAIN_LENGTH = 63  # DeviceMaxDomainLength = DriverNameMaxLength
 _MAX_ATTRIBUTE_VALUE_LENGTH = 64  # DeviceAttributeMaxValueLength (string and version values)
@@ -140,6 +175,9 @@ _LIST_KEYS = frozenset(_LIST_ATTRIBUTE_TYPES)
 # A str of at most this many characters is within the 64-byte limit whatever its encoding
 # (UTF-8 needs at most 4 bytes per character).
 _MAX_ASCII_FAST = _MAX_ATTRIBUTE_VALUE_LENGTH // 4
+# The node resources a device may map (core helper IsNodeAllocatableResourceName).
+_NODE_ALLOCATABLE_NAMES = frozenset({"cpu", "memory"})
+_HUGEPAGES_PREFIX = "hugepages-"
 
 # Slice names: "<node>-dra.cpu-NNN". The index is padded to 3 digits: 16384 CPUs (CpuSet's
 # MAX_CPU_ID + 1) in slices of 64 need 256 slices, so name order is numeric order.
@@ -174,14 +212,15 @@ class GroupBy(StrEnum):
     MACHINE = "machine"
 
 
-AttributeValue = bool | int | str
+AttributeValue = bool | int | str | tuple[str, ...]
+"""A scalar attribute, or a list of strings (``strings``, the PCIe roots)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Device:
     """One published device.
 
-    ``cpus``: individual mode the one CPU; grouped mode the group's allocatable (online,
+    ``cpus``: individual mode the one CPU; grouped mode the group's published (online,
     non-reserved) CPUs, isolated ones included. ``attributes`` are keyed by the qualified name
     as published; ``capacity`` is ``{"dra.cpu/cpu": n}`` for grouped devices, empty otherwise.
     """
@@ -193,6 +232,21 @@ class Device:
     grouped: bool
 
 
+@dataclass(frozen=True, slots=True)
+class SliceOptions:
+    """What upstream's publication switches add to the slices (not to the devices' CPUs).
+
+    ``node_allocatable``: config ``publishNodeAllocatableResourceMapping`` (KEP-5517
+    ``nodeAllocatableResources`` on every device; the cluster needs the alpha
+    ``DRANodeAllocatableResources`` gate, an apiserver without it drops the field).
+    ``expose_pcie_roots``: ``--expose-pcie-roots``; the list-typed ``pcieRoot`` attribute comes
+    with the devices (read from sysfs into the topology), this caps slices at 64 devices.
+    """
+
+    node_allocatable: bool = False
+    expose_pcie_roots: bool = False
+
+
 # --- devices -------------------------------------------------------------------------------------
 
 
@@ -202,12 +256,15 @@ def published_devices(
     """The devices this node publishes, in publication (and allocation priority) order.
 
     ``reserved`` CPUs are never published; reserved CPUs that are not online are ignored.
-    ``group_by`` only matters in grouped mode.
+    ``group_by`` only matters in grouped mode. Devices carry ``pcieRoot`` when the topology has
+    PCIe roots. Raises :class:`TopologyError` when a device would carry more attribute values
+    than the apiserver accepts (a machine with that many PCIe roots).
     """
     allocatable = topology.online - reserved
+    roots = _PcieRoots(topology.pcie_roots)
     if CpuDeviceMode(mode) is CpuDeviceMode.INDIVIDUAL:
-        return _individual_devices(topology, allocatable)
-    return _grouped_devices(topology, allocatable, GroupBy(group_by))
+        return _individual_devices(topology, allocatable, roots)
+    return _grouped_devices(topology, allocatable, GroupBy(group_by), roots)
 
 
 def devices_by_name(devices: Iterable[Device]) -> dict[str, Device]:
@@ -215,29 +272,99 @@ def devices_by_name(devices: Iterable[Device]) -> dict[str, Device]:
     return {device.name: device for device in devices}
 
 
-def _individual_devices(topology: Topology, allocatable: CpuSet) -> list[Device]:
+def _individual_order(topology: Topology, allocatable: CpuSet) -> list[int]:
+    """The CPUs of ``cpudev000``, ``cpudev001``, ... in that order (see the module docstring).
+
+    Upstream ``cpuDeviceInfos`` over the CPUs ``populateTopologyInfo`` keeps (those with a NUMA
+    node), with the siblings of ``populateCpuSiblings``: a (socket, cluster, core_id) key held by
+    exactly two such CPUs, reserved ones included, pairs them.
+    """
+    published = topology.online - topology.without_numa_node
+    holders: dict[tuple[int, int, int], list[int]] = {}
+    for cpu in published:
+        info = topology.cpus[cpu]
+        holders.setdefault((info.socket_id, info.cluster_id, info.core_id), []).append(cpu)
+    sibling: dict[int, int] = {}
+    for pair in holders.values():
+        if len(pair) == 2:
+            first, second = pair
+            sibling[first], sibling[second] = second, first
+    order: list[int] = []
+    numbered: set[int] = set()
+    for cpu in published & allocatable:
+        if cpu in numbered:
+            continue
+        order.append(cpu)
+        other = sibling.get(cpu)
+        if other is not None and other in allocatable:
+            order.append(other)
+            numbered.add(other)
+    return order
+
+
+class _PcieRoots:
+    """The PCIe roots local to a CPU, or to any CPU of a group (upstream
+    ``addPCIeRootsAttribute``: a union for groups), as the sorted names ``pcieRoot`` lists."""
+
+    __slots__ = ("_by_cpu", "_roots")
+
+    def __init__(self, roots: Mapping[str, CpuSet]) -> None:
+        self._roots = roots
+        self._by_cpu: dict[int, tuple[str, ...]] | None = None  # built for the first CPU asked
+
+    def of_cpu(self, cpu: int) -> tuple[str, ...]:
+        if self._by_cpu is None:
+            by_cpu: dict[int, list[str]] = {}
+            for name, local in self._roots.items():  # sorted by name (Topology)
+                for member in local:
+                    by_cpu.setdefault(member, []).append(name)
+            self._by_cpu = {member: tuple(names) for member, names in by_cpu.items()}
+        return self._by_cpu.get(cpu, ())
+
+    def of_group(self, cpus: CpuSet) -> tuple[str, ...]:
+        return tuple(name for name, local in self._roots.items() if not local.isdisjoint(cpus))
+
+
+def _add_pcie_roots(
+    name: str, attributes: dict[str, AttributeValue], roots: tuple[str, ...]
+) -> None:
+    """Add ``pcieRoot`` (when there are roots) after the upstream attributes already there."""
+    if not roots:
+        return
+    attributes[ATTR_PCIE_ROOT] = roots
+    values = len(attributes) - 1 + len(roots) + 1  # + ours, added after
+    if values > MAX_ATTRIBUTE_VALUES_PER_DEVICE:
+        raise TopologyError(
+            f"device {name}: {len(roots)} PCIe roots are local to its CPUs, which makes "
+            f"{values} attribute values; the API server accepts at most "
+            f"{MAX_ATTRIBUTE_VALUES_PER_DEVICE} per device: turn --expose-pcie-roots off or "
+            "use smaller groups (--group-by numanode)"
+        )
+
+
+def _individual_devices(topology: Topology, allocatable: CpuSet, roots: _PcieRoots) -> list[Device]:
     smt = topology.smt_enabled
     isolated = topology.isolated
     devices: list[Device] = []
-    for index, cpu in enumerate(topology.sorted_siblings_adjacent(allocatable)):
+    for index, cpu in enumerate(_individual_order(topology, allocatable)):
         info = topology.info(cpu)
-        attributes: dict[str, AttributeValue] = {}
-        if info.numa_node >= 0:  # KEP-6072: omit, never publish -1
-            attributes[ATTR_NUMA_NODE] = info.numa_node
-        attributes[ATTR_SOCKET_ID] = info.socket_id
-        attributes[ATTR_SMT_ENABLED] = smt
-        if info.l3_id is not None:
-            attributes[ATTR_CACHE_L3_ID] = info.l3_id
-        attributes[ATTR_CORE_TYPE] = info.core_type.value
-        attributes[ATTR_CORE_ID] = info.core_id
-        attributes[ATTR_CPU_ID] = cpu
-        if info.numa_node >= 0:
-            attributes[ATTR_LEGACY_NUMA_NODE_ID] = info.numa_node
-            attributes[ATTR_DRANET_NUMA_NODE] = info.numa_node
+        name = f"{_PREFIX_CPU}{index:03d}"
+        attributes: dict[str, AttributeValue] = {
+            ATTR_NUMA_NODE: info.numa_node,
+            ATTR_SOCKET_ID: info.socket_id,
+            ATTR_SMT_ENABLED: smt,
+            ATTR_CACHE_L3_ID: NO_L3_CACHE if info.l3_id is None else info.l3_id,
+            ATTR_CORE_TYPE: info.core_type.value,
+            ATTR_CORE_ID: info.core_id,
+            ATTR_CPU_ID: cpu,
+            ATTR_LEGACY_NUMA_NODE_ID: info.numa_node,
+            ATTR_DRANET_NUMA_NODE: info.numa_node,
+        }
+        _add_pcie_roots(name, attributes, roots.of_cpu(cpu))
         attributes[ATTR_ISOLATED] = cpu in isolated
         devices.append(
             Device(
-                name=f"{_PREFIX_CPU}{index:03d}",
+                name=name,
                 cpus=CpuSet.from_mask(1 << cpu),
                 attributes=attributes,
                 capacity={},
@@ -251,6 +378,7 @@ def _grouped_device(
     name: str,
     cpus: CpuSet,
     topology: Topology,
+    roots: _PcieRoots,
     leading: Mapping[str, AttributeValue],
     trailing: Mapping[str, AttributeValue] | None = None,
 ) -> Device:
@@ -259,37 +387,39 @@ def _grouped_device(
     attributes[ATTR_SMT_ENABLED] = topology.smt_enabled
     attributes[ATTR_NUM_CPUS] = n
     attributes.update(trailing or {})
+    _add_pcie_roots(name, attributes, roots.of_group(cpus))
     attributes[ATTR_NUM_ISOLATED_CPUS] = len(cpus & topology.isolated)
     return Device(
         name=name, cpus=cpus, attributes=attributes, capacity={CAPACITY_CPU: n}, grouped=True
     )
 
 
-def _grouped_devices(topology: Topology, allocatable: CpuSet, group_by: GroupBy) -> list[Device]:
+def _grouped_devices(
+    topology: Topology, allocatable: CpuSet, group_by: GroupBy, roots: _PcieRoots
+) -> list[Device]:
     devices: list[Device] = []
     if group_by is GroupBy.MACHINE:
-        return [_grouped_device(_NAME_MACHINE, allocatable, topology, {})]
+        # Upstream builds the machine group from the online list, NUMA node or not.
+        return [_grouped_device(_NAME_MACHINE, allocatable, topology, roots, {})]
+    with_numa = allocatable - topology.without_numa_node
     if group_by is GroupBy.SOCKET:
         for socket_id, members in topology.sockets.items():
-            cpus = members & allocatable
+            cpus = members & with_numa
             if cpus:
                 name = f"{_PREFIX_SOCKET}{socket_id:03d}"
-                devices.append(_grouped_device(name, cpus, topology, {ATTR_SOCKET_ID: socket_id}))
+                leading = {ATTR_SOCKET_ID: socket_id}
+                devices.append(_grouped_device(name, cpus, topology, roots, leading))
         return devices
     for numa_id, members in topology.numa_nodes.items():
-        cpus = members & allocatable
+        cpus = members & with_numa
         if not cpus:
             continue
-        if numa_id < 0:
-            raise TopologyError(
-                f"cpu{cpus.min()} belongs to no NUMA node: group by socket or machine instead"
-            )
         # Upstream: "All CPUs in a NUMA node belong to the same socket"; take the lowest's.
         socket_id = topology.info(cpus.min()).socket_id
         leading = {ATTR_NUMA_NODE: numa_id, ATTR_SOCKET_ID: socket_id}
         legacy = {ATTR_LEGACY_NUMA_NODE_ID: numa_id, ATTR_DRANET_NUMA_NODE: numa_id}
         name = f"{_PREFIX_NUMA}{numa_id:03d}"
-        devices.append(_grouped_device(name, cpus, topology, leading, legacy))
+        devices.append(_grouped_device(name, cpus, topology, roots, leading, legacy))
     return devices
 
 
@@ -315,10 +445,14 @@ def _wire_attribute(value: AttributeValue) -> dict[str, Any]:
         return {"bool": value}
     if isinstance(value, int):
         return {"int": value}
+    if isinstance(value, tuple):
+        return {"strings": list(value)}
     return {"string": value}
 
 
-def _wire_device(device: Device, consumable_capacity: bool) -> dict[str, Any]:
+def _wire_device(
+    device: Device, consumable_capacity: bool, node_allocatable: bool
+) -> dict[str, Any]:
     wire: dict[str, Any] = {
         "name": device.name,
         "attributes": {key: _wire_attribute(value) for key, value in device.attributes.items()},
@@ -333,20 +467,29 @@ def _wire_device(device: Device, consumable_capacity: bool) -> dict[str, Any]:
         wire["capacity"] = capacity
     if device.grouped:
         wire["allowMultipleAllocations"] = True
+    if node_allocatable:
+        mapping = (
+            {"capacityKey": CAPACITY_CPU, "capacityMultiplier": _ONE}
+            if device.grouped
+            else {"deviceMultiplier": _ONE}
+        )
+        wire["nodeAllocatableResources"] = {_NODE_RESOURCE_CPU: {"mapping": mapping}}
     return wire
 
 
 def _request_policy(amount: int) -> dict[str, Any]:
-    """Whole CPUs, one by default (design §6; KEP-5075 CapacityRequestPolicy).
+    """Whole CPUs; the whole group by default (KEP-5075 CapacityRequestPolicy).
 
-    ``step`` is left out when the group has a single CPU: the apiserver requires
-    ``min + step <= value``. An empty group (``cpudevmachine`` with every CPU reserved) gets no
-    policy at all, since ``min`` may not exceed the value.
+    ``default`` is the full capacity: what the scheduler consumes for a request without
+    ``capacity.requests`` when there is no policy at all (upstream publishes none), and the API
+    requires a default next to ``validRange``. ``step`` is left out when the group has a single
+    CPU: the apiserver requires ``min + step <= value``. An empty group (``cpudevmachine`` with
+    every CPU reserved) gets no policy at all, since ``min`` may not exceed the value.
     """
-    valid_range: dict[str, str] = {"min": "1"}
+    valid_range: dict[str, str] = {"min": _ONE}
     if amount >= 2:
-        valid_range["step"] = "1"
-    return {"default": "1", "validRange": valid_range}
+        valid_range["step"] = _ONE
+    return {"default": str(amount), "validRange": valid_range}
 
 
 def max_devices_per_slice(wire_devices: Iterable[Mapping[str, Any]]) -> int:
@@ -368,12 +511,14 @@ def build_resource_slices(
     node_name: str,
     devices: Sequence[Device],
     *,
+    options: SliceOptions = SliceOptions(),
     consumable_capacity: bool = True,
     generation: int = 1,
     owner_uid: str | None = None,
 ) -> list[dict[str, Any]]:
     """The complete ResourceSlice objects of this node's pool, in order.
 
+    ``options``: upstream's publication switches (:class:`SliceOptions`).
     ``consumable_capacity=False`` leaves ``requestPolicy`` out (clusters whose apiserver drops
     it). ``owner_uid`` is the Node's UID: the slices get the Node as controller owner so they are
     garbage-collected with it. No devices still gives one (empty) slice: an empty pool tells the
@@ -384,8 +529,14 @@ def build_resource_slices(
         raise ConfigError(f"invalid node name {node_name!r}: {errors[0]}")
     if generation < 0:
         raise ConfigError(f"invalid pool generation {generation}: must be >= 0")
-    wire_devices = [_wire_device(device, consumable_capacity) for device in devices]
-    per_slice = max_devices_per_slice(wire_devices)
+    wire_devices = [
+        _wire_device(device, consumable_capacity, options.node_allocatable) for device in devices
+    ]
+    per_slice = (
+        MAX_DEVICES_PER_SLICE_ADVANCED
+        if options.expose_pcie_roots
+        else max_devices_per_slice(wire_devices)
+    )
     chunks = [wire_devices[i : i + per_slice] for i in range(0, len(wire_devices), per_slice)]
     if not chunks:
         chunks = [[]]
@@ -611,9 +762,9 @@ def _device_errors(path: str, device: object) -> list[str]:
         attribute_errors, count = _attribute_errors(f"{path}.attributes[{key}]", attribute)
         errors.extend(attribute_errors)
         values += count
-    if values > _MAX_ATTRIBUTE_VALUES_PER_DEVICE:
+    if values > MAX_ATTRIBUTE_VALUES_PER_DEVICE:
         errors.append(
-            f"{path}: {values} attribute values, at most {_MAX_ATTRIBUTE_VALUES_PER_DEVICE} allowed"
+            f"{path}: {values} attribute values, at most {MAX_ATTRIBUTE_VALUES_PER_DEVICE} allowed"
         )
     multi = device.get("allowMultipleAllocations") is True
     for key, entry in capacity.items():
@@ -637,7 +788,78 @@ def _device_errors(path: str, device: object) -> list[str]:
     taints = device.get("taints") or []
     if len(taints) > _MAX_TAINTS:
         errors.append(f"{path}.taints: at most {_MAX_TAINTS} allowed")
+    if "nodeAllocatableResources" in device:
+        errors.extend(
+            _node_allocatable_errors(
+                f"{path}.nodeAllocatableResources", device["nodeAllocatableResources"], capacity
+            )
+        )
     return errors
+
+
+def _positive_quantity_errors(path: str, value: object) -> list[str]:
+    try:
+        amount = parse_quantity(value)
+    except QuantityError as exc:
+        return [f"{path}: {exc}"]
+    return [] if amount > 0 else [f"{path}: must be positive"]
+
+
+def _node_allocatable_errors(
+    path: str, resources: object, capacity: Mapping[str, Any]
+) -> list[str]:
+    """validateNodeAllocatableResources (KEP-5517, 1.37 shape): node resource names as keys, a
+    ``mapping`` and/or an ``overhead`` each; a mapping names either an existing capacity with a
+    positive ``capacityMultiplier`` or a positive ``deviceMultiplier``."""
+    if not isinstance(resources, Mapping):
+        return [f"{path}: must be an object"]
+    errors: list[str] = []
+    for name, resource in resources.items():
+        where = f"{path}[{name}]"
+        if name not in _NODE_ALLOCATABLE_NAMES and not str(name).startswith(_HUGEPAGES_PREFIX):
+            errors.append(f"{where}: must be a node allocatable resource name")
+        if not isinstance(resource, Mapping):
+            errors.append(f"{where}: must be an object")
+            continue
+        mapping, overhead = resource.get("mapping"), resource.get("overhead")
+        if mapping is None and overhead is None:
+            errors.append(f"{where}: at least one of mapping or overhead must be set")
+        if mapping is not None:
+            errors.extend(_mapping_errors(f"{where}.mapping", mapping, capacity))
+        if overhead is not None:
+            if not isinstance(overhead, Mapping) or not (
+                "perPod" in overhead or "perContainer" in overhead
+            ):
+                errors.append(f"{where}.overhead: at least one of perPod or perContainer")
+                continue
+            for key in ("perPod", "perContainer"):
+                if key in overhead:
+                    amount = _parse_quantity(overhead[key])
+                    if amount is None or amount < 0:
+                        errors.append(f"{where}.overhead.{key}: must be a quantity >= 0")
+    return errors
+
+
+def _mapping_errors(path: str, mapping: object, capacity: Mapping[str, Any]) -> list[str]:
+    if not isinstance(mapping, Mapping):
+        return [f"{path}: must be an object"]
+    key = mapping.get("capacityKey")
+    set_fields = [k for k in ("capacityKey", "deviceMultiplier") if mapping.get(k) is not None]
+    if len(set_fields) != 1:
+        return [f"{path}: exactly one of capacityKey or deviceMultiplier is required"]
+    if key is not None:
+        errors: list[str] = []
+        if key not in capacity:
+            errors.append(f"{path}.capacityKey: {key!r} is not a capacity of the device")
+        if "capacityMultiplier" not in mapping:
+            errors.append(f"{path}.capacityMultiplier: required when capacityKey is set")
+        else:
+            where = f"{path}.capacityMultiplier"
+            errors.extend(_positive_quantity_errors(where, mapping["capacityMultiplier"]))
+        return errors
+    if "capacityMultiplier" in mapping:
+        return [f"{path}.capacityKey: required when capacityMultiplier is set"]
+    return _positive_quantity_errors(f"{path}.deviceMultiplier", mapping["deviceMultiplier"])
 
 
 def validate_slice(obj: Mapping[str, Any]) -> list[str]:

@@ -1,4 +1,5 @@
-"""The pure model of a node's CPUs: sockets, dies, clusters, cores, threads, NUMA nodes, L3 caches.
+"""The pure model of a node's CPUs: sockets, dies, clusters, cores, threads, NUMA nodes, L3 caches,
+and the PCIe root complexes local to them.
 
 Reading sysfs is the job of :mod:`dracpu.adapters.sysfs`; this module only holds the facts and
 the indexes derived from them, so that the allocator and the slice builder never look at files.
@@ -19,12 +20,16 @@ from typing import TypeVar
 from dracpu.core.cpuset import EMPTY, CpuSet
 from dracpu.errors import TopologyError
 
-__all__ = ["CoreKey", "CoreType", "CpuInfo", "Topology"]
+__all__ = ["NO_NUMA_NODE", "CoreKey", "CoreType", "CpuInfo", "Topology"]
 
 CoreKey = tuple[int, int, int, int]
 """(socket, die, cluster, core_id): unique across the machine."""
 
 K = TypeVar("K")
+
+# CpuInfo.numa_node of a CPU the kernel links to no NUMA node (no cpuN/nodeX entry, listed in no
+# node's cpulist: its node is not online). The kernel's own "no node" is NUMA_NO_NODE, -1 too.
+NO_NUMA_NODE = -1
 
 
 class CoreType(StrEnum):
@@ -44,7 +49,7 @@ class CpuInfo:
     die_id: int  # topology/die_id, 0 when absent
     cluster_id: int  # topology/cluster_id, -1 when absent or 65535 (no cluster)
     core_id: int  # topology/core_id, raw: repeats across sockets
-    numa_node: int  # the nodeX entry under cpuN/
+    numa_node: int  # the nodeX entry under cpuN/; NO_NUMA_NODE when there is none
     # cache indexK (level 3) id; the lowest CPU of its shared_cpu_list when there is no id
     # file (arm64); None: no L3 cache
     l3_id: int | None
@@ -62,12 +67,17 @@ class Topology:
     ``offline`` are CPUs the kernel knows (``present``) but that are not online; ``isolated`` are
     the kernel's ``isolcpus`` (a subset of the online CPUs we keep; isolated CPUs that are offline
     are dropped). ``smt_enabled`` is the node-wide SMT state published as ``dra.cpu/smtEnabled``.
+    ``pcie_roots``: PCIe root complexes by name (``pci0000:00``) and the online CPUs local to
+    each (empty when not read, see ``--expose-pcie-roots``). ``numa_in_sysfs`` is ``False`` when
+    the kernel has no NUMA support (no ``devices/system/node``) and every CPU was put on node 0.
     """
 
     cpus: Mapping[int, CpuInfo]
     smt_enabled: bool
     offline: CpuSet = EMPTY
     isolated: CpuSet = EMPTY
+    pcie_roots: Mapping[str, CpuSet] = field(default_factory=dict)
+    numa_in_sysfs: bool = True
 
     online: CpuSet = field(init=False)
     sockets: Mapping[int, CpuSet] = field(init=False)
@@ -92,6 +102,7 @@ class Topology:
         setattr_(self, "online", online)
         setattr_(self, "isolated", self.isolated & online)
         setattr_(self, "offline", self.offline - online)
+        setattr_(self, "pcie_roots", {k: v & online for k, v in sorted(self.pcie_roots.items())})
         setattr_(self, "sockets", sockets)
         setattr_(self, "numa_nodes", numa)
         setattr_(self, "l3_caches", l3)
@@ -112,6 +123,11 @@ class Topology:
             return self._core_of[cpu]
         except KeyError:
             raise TopologyError(f"cpu{cpu} is not an online CPU of this node") from None
+
+    @property
+    def without_numa_node(self) -> CpuSet:
+        """The online CPUs the kernel links to no NUMA node."""
+        return self.numa_nodes.get(NO_NUMA_NODE, EMPTY)
 
     @property
     def smt_width(self) -> int:
@@ -140,17 +156,6 @@ class Topology:
 
     def by_core_type(self, core_type: CoreType) -> CpuSet:
         return CpuSet(c.cpu_id for c in self.cpus.values() if c.core_type is core_type)
-
-    def sorted_siblings_adjacent(self, cpus: CpuSet) -> list[int]:
-        """``cpus`` ordered core by core, siblings adjacent; the cores ordered by their lowest
-        CPU *in* ``cpus`` (a core whose lowest CPU is left out sorts by its next one).
-
-        This is the order individual-mode devices are numbered in (``cpudev000`` ...), as
-        upstream ``cpuDeviceInfos`` sorts its core groups of non-reserved CPUs.
-        """
-        groups = [core & cpus for core in self.cores_of(cpus)]
-        groups.sort(key=CpuSet.min)
-        return [cpu for group in groups for cpu in group]
 
 
 def _group(infos: Iterable[CpuInfo], key: Callable[[CpuInfo], K]) -> dict[K, CpuSet]:

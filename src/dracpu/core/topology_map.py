@@ -1,4 +1,4 @@
-"""A text map of the node's CPUs for ``dracpu inspect`` (design §5). Pure text rendering.
+"""A text map of the node's CPUs for ``dracpu inspect``. Pure text rendering.
 
 The map nests sockets → NUMA nodes → L3 caches → cores; each core is one cell listing its
 threads (``0,32`` is the core of cpu0 and its SMT sibling cpu32), cells laid out in columns so a
@@ -10,8 +10,11 @@ threads (``0,32`` is the core of cpu0 and its SMT sibling cpu32), cells laid out
   with its claim UID prefix; only when the caller passes ``claimed``, which then also makes the
   map list the shared pool.
 
-Offline CPUs have no topology; they are listed once after the map. The last part summarises the
-devices (grouped: one line per device; individual: the numbering) and the ResourceSlices.
+CPUs the kernel links to no NUMA node are shown as their own group (no device publishes them).
+With ``--expose-pcie-roots`` each NUMA node lists the PCIe roots local to it. Offline CPUs have
+no topology; they are listed once after the map. The last part summarises the devices (grouped:
+one line per device; individual: the numbering), what on this node differs from the Go driver's
+slices (``docs/devices.md``), and the ResourceSlices.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from dracpu.core.cpuset import CpuSet
-from dracpu.core.slices import CAPACITY_CPU, Device
-from dracpu.core.topology import CoreType, Topology
+from dracpu.core.slices import ATTR_ISOLATED, CAPACITY_CPU, Device, SliceOptions
+from dracpu.core.topology import NO_NUMA_NODE, CoreType, Topology
 
 __all__ = ["claim_keys", "render_map"]
 
@@ -66,8 +69,12 @@ def render_map(
     devices: Sequence[Device],
     slices: Sequence[Mapping[str, Any]],
     claimed: Mapping[str, CpuSet] | None = None,
+    options: SliceOptions | None = None,
 ) -> str:
-    """Sockets → NUMA nodes → L3 caches → cores → threads, then the devices and slices."""
+    """Sockets → NUMA nodes → L3 caches → cores → threads, then the devices, the differences
+    from the Go driver and the slices. ``options``: the publication switches the slices were
+    built with (``None``: upstream's defaults)."""
+    options = options or SliceOptions()
     reserved_online = reserved & topology.online
     keys = claim_keys(claimed) if claimed is not None else {}
     key_of: dict[int, str] = {}
@@ -87,12 +94,19 @@ def render_map(
     lines = list(_header(topology, reserved_online, claimed is not None))
     lines.append("")
     machine_device = group_device.get(("machine", 0))
+    numa_ids = [n for n in topology.numa_nodes if n != NO_NUMA_NODE]
     lines.append(
         f"machine: {_count(len(topology.sockets), 'socket')}, "
-        f"{_count(len(topology.numa_nodes), 'numa node')}, "
+        f"{_count(len(numa_ids), 'numa node')}, "
         f"{_count(len(topology.l3_caches), 'l3 cache')}, {_count(len(topology.cores), 'core')}"
         + _device_note(machine_device)
     )
+    everywhere = [n for n, cpus in topology.pcie_roots.items() if cpus == topology.online]
+    if options.expose_pcie_roots:
+        if not topology.pcie_roots:
+            lines.append("  pcie roots: none found")
+        elif everywhere:
+            lines.append(f"  pcie roots local to every cpu: {', '.join(everywhere)}")
     cells_width = max(
         (len(",".join(mark(c) for c in core)) for core in topology.cores.values()), default=1
     )
@@ -102,12 +116,25 @@ def render_map(
             f"socket {socket_id}: cpus {socket_cpus}, "
             f"{_count(len(topology.cores_of(socket_cpus)), 'core')}{note}"
         )
-        for numa_id, numa_cpus in topology.numa_nodes.items():
+        # CPUs of no NUMA node after the nodes (their key, -1, sorts first)
+        for numa_id, numa_cpus in sorted(
+            topology.numa_nodes.items(), key=lambda item: item[0] == NO_NUMA_NODE
+        ):
             in_numa = numa_cpus & socket_cpus
             if not in_numa:
                 continue
-            note = _device_note(group_device.get(("numa", numa_id)))
-            lines.append(f"  numa {numa_id}: cpus {in_numa}{note}")
+            if numa_id == NO_NUMA_NODE:
+                lines.append(f"  no numa node: cpus {in_numa} (in no device but cpudevmachine)")
+            else:
+                note = _device_note(group_device.get(("numa", numa_id)))
+                lines.append(f"  numa {numa_id}: cpus {in_numa}{note}")
+            local = [
+                name
+                for name, cpus in topology.pcie_roots.items()
+                if name not in everywhere and not cpus.isdisjoint(in_numa)
+            ]
+            if local:
+                lines.append(f"    pcie roots: {', '.join(local)}")
             for label, cpus in _caches(topology, in_numa):
                 cores = [core & cpus for core in topology.cores_of(cpus)]
                 lines.append(f"    {label}: cpus {cpus}, {_count(len(cores), 'core')}")
@@ -125,6 +152,7 @@ def render_map(
         lines.extend(_claims(topology, reserved_online, claimed, keys))
     lines.append("")
     lines.extend(_devices_summary(devices))
+    lines.extend(_differences(topology, devices, slices, options))
     lines.extend(_slices_summary(slices))
     return "".join(folded + "\n" for line in lines for folded in _fold(line))
 
@@ -255,6 +283,42 @@ def _wrap(words: Sequence[str], *, indent: int) -> Iterator[str]:
         line = f"{line} {word}" if line else word
     if line:
         yield " " * indent + line
+
+
+def _differences(
+    topology: Topology,
+    devices: Sequence[Device],
+    slices: Sequence[Mapping[str, Any]],
+    options: SliceOptions,
+) -> Iterator[str]:
+    """What in these slices the Go driver would publish differently on this node."""
+    found: list[str] = []
+    if not topology.numa_in_sysfs:
+        found.append(
+            "the kernel has no NUMA nodes: every cpu is on node 0 (the Go driver skips every "
+            "cpu, publishing no device but cpudevmachine)"
+        )
+    if not devices:
+        found.append("no device: one empty ResourceSlice (the Go driver publishes none)")
+    elif devices[0].grouped:
+        policies = [
+            d.get("capacity", {}).get(CAPACITY_CPU, {}).get("requestPolicy")
+            for s in slices
+            for d in (s.get("spec") or {}).get("devices") or []
+        ]
+        if any(policies):
+            found.append(
+                f"{CAPACITY_CPU} requestPolicy: whole cpus, default all of them (Go driver: none, "
+                "fractions fail)"
+            )
+        found.append("dra.cpu/numIsolatedCPUs on every device (ours)")
+    elif any(d.attributes.get(ATTR_ISOLATED) is not None for d in devices):
+        found.append(f"{ATTR_ISOLATED} on every device (ours)")
+    if options.expose_pcie_roots:
+        found.append("pcieRoot is read on every architecture (the Go driver: on amd64 only)")
+    yield "compared with the Go driver:"
+    for line in found:
+        yield f"  - {line}"
 
 
 def _slices_summary(slices: Sequence[Mapping[str, Any]]) -> Iterator[str]:

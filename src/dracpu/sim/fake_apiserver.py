@@ -143,6 +143,9 @@ class RecordedRequest:
     query: Mapping[str, str]
     content_type: str
     status: int
+    headers: Mapping[str, str]
+    """The request's header fields as sent (names as the client spelled them; a repeated
+    field keeps its last value)."""
 
     @property
     def watch(self) -> bool:
@@ -727,7 +730,17 @@ class FakeApiServer:
             )
         finally:
             self.requests.append(
-                RecordedRequest(request.method, request.path, query, content_type, status)
+                RecordedRequest(
+                    request.method,
+                    request.path,
+                    query,
+                    content_type,
+                    status,
+                    {
+                        name.decode("latin-1"): value.decode("latin-1")
+                        for name, value in request.raw_headers
+                    },
+                )
             )
 
     async def _body(self, request: web.Request) -> Any:

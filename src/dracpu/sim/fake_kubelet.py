@@ -14,7 +14,11 @@ kubelet's rules (reference kubelet-and-k8s-api.md §1.4, §1.5, §2.3, §2.4):
 - calls: ``NodePrepareResources`` / ``NodeUnprepareResources`` of the negotiated version (or the
   one asked for) with the kubelet's 45 s deadline; an answer that misses a claim or names a
   claim that was not asked is a :class:`KubeletCallError` (the kubelet fails the pod's
-  preparation); a per-claim ``error`` is returned in :class:`PrepareResult`.
+  preparation); a per-claim ``error`` is returned in :class:`PrepareResult`;
+- device health (KEP-4680): :meth:`FakeKubelet.watch_health` opens ``NodeWatchResources`` as a
+  kubelet of the 1.37 cycle does (``v1.DRAResourceHealth`` if the plugin advertised it, else
+  ``v1alpha1``; none advertised: no stream), without a deadline, and hands over every list the
+  plugin sends (:class:`HealthWatch`).
 
 The calls are synchronous grpcio calls; ``a*`` methods run them in a worker thread
 (``anyio.to_thread``) so async tests and the simulator can drive the daemon on the same loop.
@@ -23,6 +27,7 @@ The calls are synchronous grpcio calls; ``a*`` methods run them in a worker thre
 from __future__ import annotations
 
 import os
+import queue
 import stat
 import threading
 import time
@@ -39,18 +44,25 @@ import grpc
 from dracpu.errors import DracpuError
 from dracpu.sim._pb2.dra.v1 import api_pb2 as dra_v1
 from dracpu.sim._pb2.dra.v1beta1 import api_pb2 as dra_v1beta1
+from dracpu.sim._pb2.dra_health.v1 import api_pb2 as health_v1
+from dracpu.sim._pb2.dra_health.v1alpha1 import api_pb2 as health_v1alpha1
 from dracpu.sim._pb2.pluginregistration.v1 import api_pb2 as reg
 
 __all__ = [
     "CALL_TIMEOUT",
     "DIAL_TIMEOUT",
     "GET_INFO_TIMEOUT",
+    "HEALTH_SERVICES",
     "KUBELET_SERVICES",
     "NOTIFY_TIMEOUT",
     "ClaimRef",
     "Device",
+    "DeviceHealthReport",
     "FakeKubelet",
     "FakeKubeletError",
+    "HealthList",
+    "HealthVersion",
+    "HealthWatch",
     "KubeletCallError",
     "PrepareResult",
     "Registration",
@@ -59,10 +71,14 @@ __all__ = [
 ]
 
 Version = Literal["v1", "v1beta1"]
+HealthVersion = Literal["v1", "v1alpha1"]
 
 # What a 1.34+ kubelet supports, most recent first (pkg/kubelet/cm/dra/plugin/dra_plugin.go
 # servicesSupportedByKubelet).
 KUBELET_SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+# The health services a kubelet of the 1.37 cycle consumes, in its preference order
+# (pkg/kubelet/cm/dra/plugin pickHealthService: v1 over v1alpha1, whatever the plugin's order).
+HEALTH_SERVICES = ("v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth")
 # The registration handler type of DRA drivers (k8s.io/kubelet pluginregistration constants.go).
 DRA_PLUGIN_TYPE = "DRAPlugin"
 # Kubelet timeouts (seconds): GetInfo (operation_generator.go, 1 s), dialing the registration
@@ -92,6 +108,15 @@ _DRA_PATHS: dict[tuple[Version, _DraMethod], str] = {
         "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodeUnprepareResources"
     ),
 }
+_HEALTH_VERSION: dict[str, HealthVersion] = {
+    "v1.DRAResourceHealth": "v1",
+    "v1alpha1.DRAResourceHealth": "v1alpha1",
+}
+_HEALTH_PATHS: dict[HealthVersion, str] = {
+    "v1": "/v1.DRAResourceHealth/NodeWatchResources",
+    "v1alpha1": "/v1alpha1.DRAResourceHealth/NodeWatchResources",
+}
+_HEALTH_MESSAGES: dict[HealthVersion, Any] = {"v1": health_v1, "v1alpha1": health_v1alpha1}
 _GET_INFO = "/pluginregistration.Registration/GetInfo"
 _NOTIFY = "/pluginregistration.Registration/NotifyRegistrationStatus"
 _MESSAGES: dict[Version, Any] = {"v1": dra_v1, "v1beta1": dra_v1beta1}
@@ -152,6 +177,129 @@ class Registration:
     supported_versions: tuple[str, ...]
     version: Version
     """The version the kubelet talks by default (the first of the plugin's list it knows)."""
+    health_version: HealthVersion | None = None
+    """The health service the kubelet watches (``None``: the plugin advertised none)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceHealthReport:
+    """One device of a health list, as the plugin sent it (``health``: the proto enum's name,
+    ``"HEALTHY"``, ``"UNHEALTHY"`` or ``"UNKNOWN"``)."""
+
+    pool_name: str
+    device_name: str
+    health: str
+    last_updated_time: int
+    health_check_timeout_seconds: int
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class HealthList:
+    """One ``NodeWatchResourcesResponse``: its devices in order, and when it arrived
+    (``time.monotonic()``)."""
+
+    devices: tuple[DeviceHealthReport, ...]
+    received: float
+
+    def health(self) -> dict[str, str]:
+        """``{device name: health}``."""
+        return {device.device_name: device.health for device in self.devices}
+
+    def unhealthy(self) -> dict[str, str]:
+        """``{device name: message}`` of the devices reported UNHEALTHY."""
+        return {d.device_name: d.message for d in self.devices if d.health == "UNHEALTHY"}
+
+
+@dataclass(frozen=True, slots=True)
+class _StreamEnd:
+    code: str  # the gRPC status code name, "OK" for a clean end
+    details: str
+
+
+class HealthWatch:
+    """One ``NodeWatchResources`` call, open until :meth:`close` (or the plugin ends it).
+
+    A thread reads the stream into a queue as the lists arrive, so waiting for the next one can
+    time out without losing any. A context manager; thread-safe for one reader.
+    """
+
+    def __init__(self, channel: Any, version: HealthVersion) -> None:
+        pb = _HEALTH_MESSAGES[version]
+        watch = channel.unary_stream(
+            _HEALTH_PATHS[version],
+            request_serializer=pb.NodeWatchResourcesRequest.SerializeToString,
+            response_deserializer=pb.NodeWatchResourcesResponse.FromString,
+        )
+        self.version: HealthVersion = version
+        self._call = watch(pb.NodeWatchResourcesRequest())  # no deadline, as the kubelet's
+        self._lists: queue.Queue[HealthList | _StreamEnd] = queue.Queue()
+        self._end: _StreamEnd | None = None
+        self._reader = threading.Thread(
+            target=self._read, name=f"fake-kubelet-health-{version}", daemon=True
+        )
+        self._reader.start()
+
+    def _read(self) -> None:
+        pb = _HEALTH_MESSAGES[self.version]
+        try:
+            for response in self._call:
+                devices = tuple(
+                    DeviceHealthReport(
+                        pool_name=d.device.pool_name,
+                        device_name=d.device.device_name,
+                        health=pb.HealthStatus.Name(d.health),
+                        last_updated_time=d.last_updated_time,
+                        health_check_timeout_seconds=d.health_check_timeout_seconds,
+                        message=d.message,
+                    )
+                    for d in response.devices
+                )
+                self._lists.put(HealthList(devices, time.monotonic()))
+        except grpc.RpcError as exc:
+            self._lists.put(_StreamEnd(_code(exc), _details(exc)))
+        else:
+            self._lists.put(_StreamEnd("OK", ""))
+
+    def next(self, timeout: float = 10.0) -> HealthList | None:
+        """The next list the plugin sends; ``None`` once the plugin has ended the call with OK.
+
+        Raises :class:`KubeletCallError` (with the code) when the call ended otherwise, and
+        :class:`FakeKubeletError` when nothing came within ``timeout`` seconds.
+        """
+        if self._end is None:
+            try:
+                item = self._lists.get(timeout=timeout)
+            except queue.Empty:
+                raise FakeKubeletError(f"no health list within {timeout:g} s") from None
+            if isinstance(item, HealthList):
+                return item
+            self._end = item
+        if self._end.code == "OK":
+            return None
+        raise KubeletCallError(
+            f"NodeWatchResources: {self._end.code}: {self._end.details}", code=self._end.code
+        )
+
+    async def anext(self, within: float = 10.0) -> HealthList | None:
+        """:meth:`next` (``timeout=within``) in a worker thread."""
+        return await anyio.to_thread.run_sync(self.next, within)
+
+    def close(self) -> None:
+        """Cancel the call (what the kubelet does when the plugin deregisters)."""
+        self._call.cancel()
+        self._reader.join(timeout=10.0)
+
+    def __enter__(self) -> HealthWatch:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
 
 
 def _target(path: Path) -> str:
@@ -180,12 +328,14 @@ class FakeKubelet:
         registry_dir: Path,
         *,
         services: Sequence[str] = KUBELET_SERVICES,
+        health_services: Sequence[str] = HEALTH_SERVICES,
         get_info_timeout: float = GET_INFO_TIMEOUT,
         dial_timeout: float = DIAL_TIMEOUT,
         call_timeout: float = CALL_TIMEOUT,
     ) -> None:
         self.registry_dir = registry_dir
         self.services = tuple(services)
+        self.health_services = tuple(health_services)
         self.get_info_timeout = get_info_timeout
         self.dial_timeout = dial_timeout
         self.call_timeout = call_timeout
@@ -317,12 +467,14 @@ class FakeKubelet:
         except grpc.FutureTimeoutError:
             channel.close()
             raise RegistrationRefused(f"cannot connect to endpoint {endpoint}") from None
+        health = next((h for h in self.health_services if h in versions), None)
         registration = Registration(
             driver=info.name,
             endpoint=endpoint,
             registration_socket=socket_path,
             supported_versions=versions,
             version=_SERVICE_VERSION[chosen],
+            health_version=None if health is None else _HEALTH_VERSION[health],
         )
         with self._lock:
             old = self._channels.pop(info.name, None)
@@ -455,6 +607,22 @@ class FakeKubelet:
         missing = len(asked) - len(set(keys))
         if missing > 0:
             raise KubeletCallError(f"{what} skipped {missing} ResourceClaims")
+
+    # --- device health ---------------------------------------------------------------------
+
+    def watch_health(
+        self, *, driver: str | None = None, version: HealthVersion | None = None
+    ) -> HealthWatch:
+        """Open ``NodeWatchResources`` in the version the registration chose (or ``version``);
+        :class:`FakeKubeletError` when the plugin advertised no health service."""
+        registration, channel = self._driver(driver)
+        chosen = version or registration.health_version
+        if chosen is None:
+            raise FakeKubeletError(
+                f"DRA driver {registration.driver} advertised no health service: "
+                f"{list(registration.supported_versions)}"
+            )
+        return HealthWatch(channel, chosen)
 
     # --- async wrappers --------------------------------------------------------------------
 

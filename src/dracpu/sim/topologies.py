@@ -3,9 +3,10 @@
 A :class:`MachineSpec` describes a machine as a hierarchy — sockets → dies → NUMA nodes → L3
 caches → clusters → cores → threads — plus the quirks real kernels show (``core_id`` repeating per
 socket, SMT siblings numbered ``+ncores`` apart, arm64 caches without ``id``, hybrid P/E cores,
-offline and isolated CPUs). :func:`write_sysfs` writes the files the kernel would show under
-``<root>/sys``; :func:`build_topology` builds the :class:`~dracpu.core.topology.Topology` the
-same machine must read as, without touching any file. Tests read the written tree with
+offline and isolated CPUs, CPUs whose NUMA node is not online) and its PCIe root complexes.
+:func:`write_sysfs` writes the files the kernel would show under ``<root>/sys``;
+:func:`build_topology` builds the :class:`~dracpu.core.topology.Topology` the same machine must
+read as, without touching any file. Tests read the written tree with
 :func:`dracpu.adapters.sysfs.read_topology` and compare it with :func:`build_topology`.
 
 :data:`FIXTURES` names the machines used by tests, benchmarks and ``dracpu sim --topology NAME``.
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Literal
 
 from dracpu.core.cpuset import EMPTY, CpuSet
-from dracpu.core.topology import CoreType, CpuInfo, Topology
+from dracpu.core.topology import NO_NUMA_NODE, CoreType, CpuInfo, Topology
 from dracpu.errors import ConfigError
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "L3Mode",
     "SMT_AUTO",
     "MachineSpec",
+    "PciRoot",
     "build_topology",
     "fixture",
     "write_sysfs",
@@ -48,6 +50,20 @@ E_CORES_PER_CLUSTER = 4
 NO_CLUSTER_RAW = 65535
 # smt_control value meaning "on when some core has 2+ threads, else notsupported".
 SMT_AUTO = "auto"
+
+
+# A PCIe root complex entry of /sys/devices: "pci" + "%04x:%02x" (domain, bus), as the kernel
+# names host bridges (drivers/pci/probe.c).
+_PCI_ROOT_NAME = re.compile(r"pci[0-9a-f]{4}:[0-9a-f]{2}")
+
+
+@dataclass(frozen=True, slots=True)
+class PciRoot:
+    """A PCIe root complex: its ``/sys/devices`` name and the NUMA node of its root bus
+    (``None``: no NUMA affinity, so the kernel calls every online CPU local to it)."""
+
+    name: str
+    numa: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +89,10 @@ class MachineSpec:
       ``devices/system/node`` and the ``cpuN/nodeX`` links (a kernel without CONFIG_NUMA).
     - ``offline`` CPUs are present but not online (no topology/cache directories);
       ``isolated`` is written verbatim to ``devices/system/cpu/isolated``.
+    - ``no_numa_node`` CPUs belong to a NUMA node that is not online: no ``cpuN/nodeX`` link, in
+      no node's ``cpulist`` (a node left with no CPU gets no ``nodeX`` directory).
+    - ``pci_roots`` are written as ``devices/pciDDDD:BB`` with the ``cpulistaffinity`` of their
+      root bus: the online CPUs of the root's NUMA node, or every online CPU.
     - ``smt_control``: the text of ``smt/control``; ``"auto"`` = ``on`` with SMT else
       ``notsupported``; ``None`` = no file.
     """
@@ -93,6 +113,8 @@ class MachineSpec:
     numa_sysfs: bool = True
     offline: CpuSet = EMPTY
     isolated: CpuSet = EMPTY
+    no_numa_node: CpuSet = EMPTY
+    pci_roots: tuple[PciRoot, ...] = ()
     smt_control: str | None = SMT_AUTO
     description: str = field(default="", compare=False)
 
@@ -129,8 +151,15 @@ class MachineSpec:
         if self.numa_per_die * self.dies_per_socket * self.sockets > 1 and not self.numa_sysfs:
             raise ConfigError("machine spec: several NUMA nodes need devices/system/node")
         total = self.cpu_count
-        if self.offline.mask >> total or self.isolated.mask >> total:
-            raise ConfigError(f"machine spec: offline/isolated CPUs beyond cpu{total - 1}")
+        if (self.offline | self.isolated | self.no_numa_node).mask >> total:
+            raise ConfigError(
+                f"machine spec: offline/isolated/no-NUMA-node CPUs beyond cpu{total - 1}"
+            )
+        if self.no_numa_node and not self.numa_sysfs:
+            raise ConfigError("machine spec: CPUs without a NUMA node need devices/system/node")
+        names = [root.name for root in self.pci_roots]
+        if len(set(names)) != len(names) or not all(map(_PCI_ROOT_NAME.fullmatch, names)):
+            raise ConfigError(f"machine spec: PCIe root names must be unique pciDDDD:BB: {names}")
         if len(self.offline) == total:
             raise ConfigError("machine spec: every CPU is offline")
 
@@ -271,8 +300,9 @@ def _l3_ids(layout: _Layout) -> dict[int, int]:
 # --- the model -----------------------------------------------------------------------------------
 
 
-def build_topology(spec: MachineSpec) -> Topology:
-    """The topology a correct sysfs reader must find in ``write_sysfs(spec, ...)``."""
+def build_topology(spec: MachineSpec, *, pcie_roots: bool = False) -> Topology:
+    """The topology a correct sysfs reader must find in ``write_sysfs(spec, ...)`` (with
+    ``pcie_roots``: when it also reads the PCIe roots)."""
     layout = _layout(spec)
     l3_ids = _l3_ids(layout) if spec.l3 != "none" else {}
     cpus: dict[int, CpuInfo] = {}
@@ -284,7 +314,7 @@ def build_topology(spec: MachineSpec) -> Topology:
             die_id=core.die,
             cluster_id=-1 if core.cluster == NO_CLUSTER_RAW else core.cluster,
             core_id=core.core_id,
-            numa_node=core.numa,
+            numa_node=NO_NUMA_NODE if cpu in spec.no_numa_node else core.numa,
             l3_id=l3_ids.get(core.l3),
             core_type=core.core_type,
         )
@@ -293,7 +323,23 @@ def build_topology(spec: MachineSpec) -> Topology:
         smt_enabled=_smt_enabled(spec, layout),
         offline=spec.offline,
         isolated=spec.isolated,
+        pcie_roots=_pci_affinity(spec, layout) if pcie_roots else {},
+        numa_in_sysfs=spec.numa_sysfs,
     )
+
+
+def _numa_cpus(spec: MachineSpec, layout: _Layout) -> dict[int, CpuSet]:
+    """NUMA node -> the online CPUs the kernel lists under it (nodes left empty included)."""
+    return {node: cpus - spec.no_numa_node for node, cpus in layout.group("numa").items()}
+
+
+def _pci_affinity(spec: MachineSpec, layout: _Layout) -> dict[str, CpuSet]:
+    """Root complex name -> its cpulistaffinity: the online CPUs of its node, or all of them."""
+    nodes = _numa_cpus(spec, layout)
+    return {
+        root.name: layout.online if root.numa is None else nodes.get(root.numa, EMPTY)
+        for root in spec.pci_roots
+    }
 
 
 def _smt_control_text(spec: MachineSpec) -> str | None:
@@ -422,21 +468,28 @@ def _sysfs_files(spec: MachineSpec) -> tuple[dict[str, str], dict[str, str]]:
             dies[die_key] = dies.get(die_key, 0) | 1 << cpu
 
     if spec.numa_sysfs:
-        node_ids = CpuSet(nodes)
-        put(f"{_NODE}/possible", node_ids)
+        # A node whose every CPU is in no_numa_node is not online: possible, but no directory.
+        listed = {n: cpus for n, cpus in _numa_cpus(spec, layout).items() if cpus or not nodes[n]}
+        node_ids = CpuSet(listed)
+        put(f"{_NODE}/possible", CpuSet(nodes))
         put(f"{_NODE}/online", node_ids)
-        put(f"{_NODE}/has_cpu", CpuSet(n for n, cpus in nodes.items() if cpus))
+        put(f"{_NODE}/has_cpu", CpuSet(n for n, cpus in listed.items() if cpus))
         put(f"{_NODE}/has_memory", node_ids)
-        for node, cpus in nodes.items():
+        for node, cpus in listed.items():
             put(f"{_NODE}/node{node}/cpulist", cpus)
             put(f"{_NODE}/node{node}/cpumap", _hex_mask(cpus, total))
+
+    for name, local in _pci_affinity(spec, layout).items():
+        bus = name.removeprefix("pci")
+        put(f"sys/devices/{name}/pci_bus/{bus}/cpulistaffinity", local)
+        put(f"sys/devices/{name}/pci_bus/{bus}/cpuaffinity", _hex_mask(local, total))
 
     for cpu in range(total):
         core = layout.core_of[cpu]
         base = f"{_CPU}/cpu{cpu}"
         if cpu:
             put(f"{base}/online", int(cpu in online))
-        if spec.numa_sysfs:
+        if spec.numa_sysfs and cpu not in spec.no_numa_node:
             links[f"{base}/node{core.numa}"] = f"../../node/node{core.numa}"
         if cpu not in online:
             continue  # the kernel removes topology/ and cache/ of an offline CPU
@@ -495,9 +548,19 @@ FIXTURES: dict[str, MachineSpec] = {
         l3_per_numa=2,
         cores_per_cluster=4,
         threads_per_core=2,
+        pci_roots=(
+            PciRoot("pci0000:00", 0),
+            PciRoot("pci0000:3a", 0),
+            PciRoot("pci0000:5d", 1),
+            PciRoot("pci0000:80", 2),
+            PciRoot("pci0000:ae", 3),
+            PciRoot("pci0000:d7", 3),
+            PciRoot("pci0001:00", None),
+        ),
         description=(
             "x86 server: 2 sockets x 2 NUMA x 2 L3 x 4 cores x SMT2 = 64 CPUs; core_id repeats "
-            "per socket; siblings are cpuN and cpuN+32"
+            "per socket; siblings are cpuN and cpuN+32; PCIe roots on every NUMA node (two on "
+            "nodes 0 and 3) and one without NUMA affinity"
         ),
     ),
     "hybrid-desktop": MachineSpec(
@@ -517,9 +580,10 @@ FIXTURES: dict[str, MachineSpec] = {
         l3="shared-cpu-list",
         die_id_file=False,
         smt_control="notsupported",
+        pci_roots=(PciRoot("pci0000:00", 0), PciRoot("pci0001:00", 1)),
         description=(
             "arm64 server: 1 socket x 2 NUMA x 1 L3 x 4 clusters x 4 cores = 32 CPUs, no SMT, "
-            "no cache id files (L3 named by its lowest CPU), no die_id"
+            "no cache id files (L3 named by its lowest CPU), no die_id; a PCIe root per node"
         ),
     ),
     "smt4": MachineSpec(
@@ -536,7 +600,30 @@ FIXTURES: dict[str, MachineSpec] = {
     "vm-2cpu": MachineSpec(
         cores_per_cluster=2,
         smt_control="notsupported",
-        description="a 2-vCPU virtual machine: 1 socket, 1 NUMA node, 1 L3, no SMT",
+        pci_roots=(PciRoot("pci0000:00", None),),
+        description=(
+            "a 2-vCPU virtual machine: 1 socket, 1 NUMA node, 1 L3, no SMT; one PCIe root "
+            "without NUMA affinity"
+        ),
+    ),
+    "knl-smt4": MachineSpec(
+        cores_per_cluster=16,
+        threads_per_core=4,
+        l3="none",
+        description=(
+            "Xeon Phi-like: 1 socket x 1 NUMA x 16 cores x SMT4 = 64 CPUs, siblings +16 apart "
+            "(cpu0,16,32,48 are core 0), no L3 cache"
+        ),
+    ),
+    "no-numa-node": MachineSpec(
+        numa_per_die=2,
+        cores_per_cluster=4,
+        threads_per_core=2,
+        no_numa_node=CpuSet.parse("4-7,12-15"),
+        description=(
+            "16-CPU SMT2 box (2 NUMA x 4 cores x SMT2, siblings +8) whose node 1 is not online: "
+            "cpu4-7,12-15 link to no NUMA node"
+        ),
     ),
     "offline-isolated": MachineSpec(
         numa_per_die=2,
@@ -555,9 +642,12 @@ FIXTURES: dict[str, MachineSpec] = {
         l3_per_numa=4,
         cores_per_cluster=16,
         threads_per_core=2,
+        pci_roots=tuple(
+            PciRoot(f"pci{n // 2:04x}:{0x80 * (n % 2):02x}", n // 2) for n in range(16)
+        ),
         description=(
             "benchmark machine: 2 sockets x 4 NUMA x 4 L3 x 16 cores x SMT2 = 1024 CPUs, "
-            "siblings +512"
+            "siblings +512; two PCIe roots per NUMA node"
         ),
     ),
 }

@@ -1,17 +1,30 @@
-"""Keep the CDI dir holding exactly the specs of the prepared claims (design §3, ``cdi_watcher``).
+"""Keep the CDI dir holding exactly the specs of the prepared claims.
 
 A spec of a prepared claim that someone deletes or edits is rewritten; a spec of ours that no
 prepared claim owns is removed; other vendors' files are never touched. :func:`reconcile` does one
-pass (the daemon also calls it at start-up); :func:`run` watches the dir with ``watchfiles.awatch``
-and reconciles the files named by each batch of events, plus a full pass every
-``resync_interval`` seconds.
+pass; :func:`run` watches the dir with ``watchfiles.awatch`` and reconciles the files named by
+each batch of events, plus a full pass every ``resync_interval`` seconds.
 
-Start-up: the task creates the dir, starts the watch and proves it is live by writing a probe file
-(``.dracpu-cdi-probe-*``, not ``.json``: runtimes ignore it) until the watch reports it; only then
-does it reconcile the whole dir and call ``task_status.started()``, so no change can fall between
-the first pass and the watch. If inotify reports nothing within ``probe_timeout`` (some
-filesystems, exhausted watches) it falls back to polling. When the dir is removed or replaced, the
-watch is restarted on the new dir.
+Start-up: the task creates the dir, proves that files can be created in it, starts the watch and
+proves it is live by writing a probe file (``.dracpu-cdi-probe-*``, not ``.json``: runtimes
+ignore it) until the watch reports it; only then does it reconcile the whole dir, so no change
+can fall between the first pass and the watch. If inotify reports nothing within
+``probe_timeout`` (some filesystems, exhausted watches) it falls back to polling. When the dir is
+removed or replaced, the watch is restarted on the new dir.
+
+A dir that cannot be used (read-only, full, not a directory, its parent read-only, a watch that
+reports nothing even when polling) is waited out, never a reason to exit: the daemon would crash
+loop as a DaemonSet, and while it is down the runtime creates containers without pinning. The
+task reports the condition on its ``health`` flag (``/readyz`` shows the reason; the daemon
+names the flag ``cdi-dir``), logs each change of it once
+(:class:`~dracpu.adapters.backoff.RetryLog`) and tries again with a short backoff; Prepare fails
+per claim meanwhile, with the file system's reason. Once files can be created again, the watch
+goes live and its first full pass writes every prepared claim's spec (those the start-up Resync
+could not write among them): the flag turns ready by itself. A live watch notices the dir turning
+unusable when a pass cannot write, or when a full pass finds its file system read-only or full
+(``statvfs``, which no runtime sees), and then waits it out the same way. ``task_status.started()``
+comes after the first attempt, whether the dir could be used or not: the DRA socket and the NRI
+plugin start after this task.
 
 Our own writes cause events too; they are harmless: temp files are filtered out, and a spec we just
 wrote compares equal on the next pass, so nothing is rewritten twice.
@@ -28,18 +41,22 @@ hold). A ``desired()`` that includes claims whose Prepare is in flight makes bot
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import math
 import os
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Protocol
 
 import anyio
 import anyio.abc
 from watchfiles import Change, awatch
 
 from dracpu.adapters import cdi_files
+from dracpu.adapters.backoff import RetryLog, backoff_delays
 from dracpu.core.cdi_spec import claim_uid_from_file_name, plan_reconcile
 from dracpu.core.cpuset import CpuSet
 from dracpu.errors import CdiError
@@ -51,6 +68,7 @@ __all__ = [
     "DEFAULT_RESYNC_INTERVAL",
     "DEFAULT_STEP_MS",
     "STALE_LEFTOVER_AGE",
+    "Health",
     "ReconcileReport",
     "reconcile",
     "reconcile_scan",
@@ -76,8 +94,10 @@ DEFAULT_ORPHAN_GRACE = 5.0
 DEFAULT_PROBE_TIMEOUT = 3.0
 # Interval between probe writes while waiting for the watch to see one.
 _PROBE_PERIOD = 0.1
-# Wait before retrying after the dir could not be watched or created (after start).
-_RETRY_DELAY = 1.0
+# Retries of a dir that cannot be used: quick at first (a mount being set up), then every 2 s at
+# most. A try is one failed file creation (no event for the runtimes' CDI watches), and every
+# Prepare fails until one works: the dir must be used again within seconds of its repair.
+_RETRY_DELAYS = partial(backoff_delays, initial=0.25, cap=2.0)
 # Poll period when inotify does not work, and the full-pass interval then (a poller cannot see a
 # spec that was written and deleted between two of its scans).
 _POLL_DELAY_MS = 300
@@ -121,8 +141,8 @@ def reconcile_scan(
     """
     existing: dict[str, bytes | None] = {}
     for uid, content in scan.specs.items():
-        if isinstance(content, CdiError):
-            logger.warning("unreadable CDI spec of claim %s: %s", uid, content)
+        if isinstance(content, CdiError):  # rewritten below; the report has it if that fails
+            logger.debug("unreadable CDI spec of claim %s: %s", uid, content)
             existing[uid] = None
         else:
             existing[uid] = content
@@ -183,7 +203,6 @@ def reconcile(
 ) -> ReconcileReport:
     """One synchronous pass: scan our files, then write/repair/remove so the dir matches.
 
-    At daemon start-up (before the DRA socket serves) every orphan can go: ``orphan_grace=0``.
     Raises :class:`CdiError` only when the dir itself cannot be listed; problems with single files
     are in the report. Run it in a worker thread from async code.
     """
@@ -193,24 +212,25 @@ def reconcile(
     )
 
 
-def _log_report(report: ReconcileReport) -> None:
-    if report.created or report.repaired or report.removed:
-        logger.info(
-            "CDI specs reconciled: created %s, repaired %s, removed orphans %s",
-            list(report.created),
-            list(report.repaired),
-            list(report.removed),
-        )
-    if report.deferred:
-        logger.debug("young orphan CDI specs left for a later pass: %s", list(report.deferred))
-    if report.removed_leftovers:
-        logger.info("removed stale CDI temp files %s", list(report.removed_leftovers))
-    for message in report.errors:
-        logger.error("CDI reconcile: %s", message)
+class Health(Protocol):
+    """Where the dir's condition goes (:class:`dracpu.tasks.http.ReadinessFlag` is one)."""
+
+    def set_ready(self) -> None: ...
+
+    def set_not_ready(self, reason: str) -> None: ...
+
+
+class _Ending(enum.Enum):
+    """Why :meth:`_Watch.watch_once` returned."""
+
+    REPLACED = enum.auto()  # the live watch's dir was removed or replaced: watch the new one
+    SILENT = enum.auto()  # the watch never reported the probe within probe_timeout
+    UNUSABLE = enum.auto()  # no file can be created in the dir (``_Watch.problem`` says why)
 
 
 class _Watch:
-    """State of one :func:`run`: the dir, the desired-claims provider and the tuning knobs."""
+    """State of one :func:`run`: the dir, the desired-claims provider, the tuning knobs, and
+    what the daemon sees of the dir (readiness, the log, ``started()``)."""
 
     def __init__(
         self,
@@ -222,6 +242,8 @@ class _Watch:
         resync_interval: float,
         probe_timeout: float,
         orphan_grace: float,
+        health: Health | None,
+        task_status: anyio.abc.TaskStatus[None],
     ) -> None:
         self.path = path
         self.desired = desired
@@ -231,10 +253,40 @@ class _Watch:
         self.resync_interval = resync_interval
         self.probe_timeout = probe_timeout
         self.orphan_grace = orphan_grace
+        self.health = health
+        self.task_status = task_status
+        self.started = False
         self.probe = cdi_files.probe_file_name()
         self.dir_text = str(path)
-        self.probe_error: CdiError | None = None
+        self.problem: str | None = None  # why the dir cannot be used, when it cannot
         self.live = False
+        self.log = RetryLog(logger, f"using CDI dir {path}")
+        self.errors_seen: frozenset[str] = frozenset()  # the last passes' errors, logged once
+
+    # --- what the daemon sees ------------------------------------------------------------------
+
+    def _start(self) -> None:
+        if not self.started:
+            self.started = True
+            self.task_status.started()
+
+    def usable(self) -> None:
+        """The watch is live and its first full pass is done."""
+        self.log.recovered()
+        if self.health is not None:
+            self.health.set_ready()
+        self._start()
+
+    def unusable(self, problem: str, retry_in: float) -> None:
+        """The dir cannot be used; the next try comes in ``retry_in`` seconds."""
+        self.log.failed(
+            f"{problem}; Prepare fails until then", retry_in=retry_in, level=logging.ERROR
+        )
+        if self.health is not None:
+            self.health.set_not_ready(problem)
+        self._start()
+
+    # --- the watch -----------------------------------------------------------------------------
 
     def wanted(self, change: Change, path: str) -> bool:
         """watchfiles filter: our spec files, our probe, and the dir itself."""
@@ -245,7 +297,8 @@ class _Watch:
 
     async def reconcile_pass(
         self, only: Collection[str] | None, *, orphan_grace: float | None = None
-    ) -> ReconcileReport:
+    ) -> bool:
+        """One pass; whether the dir is still usable (else :attr:`problem` says why)."""
         grace = self.orphan_grace if orphan_grace is None else orphan_grace
         try:
             scan = await anyio.to_thread.run_sync(lambda: cdi_files.scan_dir(self.path, only=only))
@@ -257,17 +310,44 @@ class _Watch:
             report = await anyio.to_thread.run_sync(
                 lambda: reconcile_scan(self.path, scan, snapshot, only=only, orphan_grace=grace)
             )
-        _log_report(report)
+        self.log_report(report, full=only is None)
         if self.on_report is not None:
             self.on_report(report)
-        return report
+        try:
+            if report.errors:  # a write failed: can files be created at all?
+                await anyio.to_thread.run_sync(cdi_files.check_writable, self.path, self.probe)
+            elif only is None:  # a full pass: the file system's state, without a write
+                await anyio.to_thread.run_sync(cdi_files.check_not_full, self.path)
+        except CdiError as exc:
+            self.problem = str(exc)
+            return False
+        return True
+
+    def log_report(self, report: ReconcileReport, *, full: bool) -> None:
+        """Log what a pass did; an error the previous passes logged already goes to DEBUG."""
+        if report.created or report.repaired or report.removed:
+            logger.info(
+                "CDI specs reconciled: created %s, repaired %s, removed orphans %s",
+                list(report.created),
+                list(report.repaired),
+                list(report.removed),
+            )
+        if report.deferred:
+            logger.debug("young orphan CDI specs left for a later pass: %s", list(report.deferred))
+        if report.removed_leftovers:
+            logger.info("removed stale CDI temp files %s", list(report.removed_leftovers))
+        for message in report.errors:
+            level = logging.DEBUG if message in self.errors_seen else logging.ERROR
+            logger.log(level, "CDI reconcile: %s", message)
+        errors = frozenset(report.errors)
+        self.errors_seen = errors if full else self.errors_seen | errors
 
     async def guard(self, seen: anyio.Event, stop: anyio.Event) -> None:
         """Write the probe until the watch reports it; then stay until the watch ends.
 
-        Sets ``stop`` (the watch's stop event) when the probe is not seen in time, and whenever
-        this task ends: watchfiles waits for changes in a worker thread that a cancellation cannot
-        interrupt, but the thread checks ``stop`` every ``step_ms``.
+        Sets ``stop`` (the watch's stop event) when the probe is not seen in time or cannot be
+        written, and whenever this task ends: watchfiles waits for changes in a worker thread
+        that a cancellation cannot interrupt, but the thread checks ``stop`` every ``step_ms``.
         """
         try:
             with anyio.move_on_after(self.probe_timeout):
@@ -275,7 +355,8 @@ class _Watch:
                     try:
                         await anyio.to_thread.run_sync(cdi_files.touch_probe, self.path, self.probe)
                     except CdiError as exc:
-                        self.probe_error = exc
+                        self.problem = str(exc)
+                        return
                     with anyio.move_on_after(_PROBE_PERIOD):
                         await seen.wait()
             if seen.is_set():
@@ -287,19 +368,21 @@ class _Watch:
         try:
             await anyio.to_thread.run_sync(cdi_files.remove_our_file, self.path, self.probe)
         except CdiError as exc:
-            logger.warning("CDI watcher: %s", exc)
+            logger.debug("CDI watcher: %s", exc)  # the dir's problem is reported already
 
-    async def watch_once(
-        self, polling: bool, task_status: anyio.abc.TaskStatus[None], first: bool
-    ) -> bool:
-        """Watch the dir until it is removed or replaced.
+    def begin(self) -> None:
+        """A new watch: not live, no problem known (the guard and the passes set them)."""
+        self.problem = None
+        self.live = False
 
-        Return ``True`` if the watch went live (probe seen), ``False`` if no probe event came
-        within ``probe_timeout``. Raises ``OSError`` when the watch cannot be set up.
+    async def watch_once(self, polling: bool) -> _Ending:
+        """Watch the dir until it is removed or replaced, or cannot be used.
+
+        :attr:`live` tells whether the watch went live (probe seen, first full pass done).
+        Raises ``OSError`` when the watch cannot be set up.
         """
         identity = await anyio.to_thread.run_sync(cdi_files.dir_identity, self.path)
-        self.probe_error = None
-        self.live = False
+        self.begin()
         seen = anyio.Event()
         stop = anyio.Event()
         # A poller misses a file created and removed between two scans: pass more often.
@@ -316,6 +399,7 @@ class _Watch:
             force_polling=polling,
             poll_delay_ms=_POLL_DELAY_MS,
         )
+        ending = _Ending.SILENT
         failure: OSError | None = None
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.guard, seen, stop)
@@ -323,17 +407,23 @@ class _Watch:
                 async with contextlib.aclosing(watcher):
                     async for changes in watcher:
                         if self.live:
-                            if not await self.handle(changes, identity):
+                            ending = await self.handle(changes, identity)
+                            if ending is not _Ending.SILENT:
                                 break
                         elif any(os.path.basename(p) == self.probe for _, p in changes):
                             self.live = True
                             seen.set()
                             await self.remove_probe()
-                            # The watch is live: a full pass. At start nothing is being prepared
-                            # yet (the DRA socket opens after this task started): no grace.
-                            await self.reconcile_pass(None, orphan_grace=0.0 if first else None)
-                            if first:
-                                task_status.started()
+                            # The watch is live: a full pass. Before started() nothing is being
+                            # prepared yet (the DRA socket opens after this task): no grace.
+                            grace = None if self.started else 0.0
+                            if not await self.reconcile_pass(None, orphan_grace=grace):
+                                ending = _Ending.UNUSABLE
+                                break
+                            self.usable()
+                    else:
+                        if self.live:  # the watch ended by itself: start it again
+                            ending = _Ending.REPLACED
             except OSError as exc:  # RustNotify: dir missing, no inotify watches left, ...
                 failure = exc
             tg.cancel_scope.cancel()  # ends the guard
@@ -341,18 +431,20 @@ class _Watch:
             await self.remove_probe()
         if failure is not None:
             raise failure
-        return self.live
+        if not self.live and self.problem is not None:
+            return _Ending.UNUSABLE  # the guard could not write the probe
+        return ending
 
-    async def handle(self, changes: set[tuple[Change, str]], identity: object) -> bool:
-        """Reconcile after a batch of events (or a timeout); ``False`` when the dir is gone."""
+    async def handle(self, changes: set[tuple[Change, str]], identity: object) -> _Ending:
+        """Reconcile after a batch of events (or a timeout); ``SILENT``: go on watching."""
         current = await anyio.to_thread.run_sync(cdi_files.dir_identity, self.path)
         if current != identity:
             logger.warning("CDI dir %s was removed or replaced", self.path)
-            return False
+            return _Ending.REPLACED
         only = self.named_claims(changes)
-        if only is None or only:
-            await self.reconcile_pass(only)
-        return True
+        if (only is None or only) and not await self.reconcile_pass(only):
+            return _Ending.UNUSABLE
+        return _Ending.SILENT
 
     def named_claims(self, changes: set[tuple[Change, str]]) -> set[str] | None:
         """Claim UIDs named by a batch; ``None`` (full pass) for a timeout or a dir event."""
@@ -380,17 +472,20 @@ async def run(
     orphan_grace: float = DEFAULT_ORPHAN_GRACE,
     force_polling: bool = False,
     on_report: Callable[[ReconcileReport], None] | None = None,
+    health: Health | None = None,
+    retry_delays: Callable[[], Iterator[float]] = _RETRY_DELAYS,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Watch ``cdi_dir`` forever, keeping our specs equal to ``desired()``.
 
     ``desired`` returns a snapshot ``{claim_uid: cpus}`` of the prepared claims; it is called on
     the event loop, after the files of a pass were read. ``on_report`` receives every pass's
-    report (metrics, tests). ``started()`` is called once the watch is proven live and the first
-    full pass is done. Raises :class:`CdiError` at start if the dir cannot be created or written.
+    report (metrics, tests). ``health`` is told whether the dir can be used, with the reason when
+    not; ``retry_delays`` makes the delays between tries of a dir that cannot. ``started()``
+    comes once the watch is live and the first full pass is done, or once the first try found
+    the dir unusable. Never raises for the dir's condition (see the module docstring).
     """
     path = Path(cdi_dir)
-    await anyio.to_thread.run_sync(cdi_files.ensure_dir, path)
     watch = _Watch(
         path,
         desired,
@@ -400,44 +495,42 @@ async def run(
         resync_interval,
         probe_timeout,
         orphan_grace,
+        health,
+        task_status,
     )
     polling = force_polling
-    first = True
+    delays: Iterator[float] | None = None
     while True:
-        problem: object = None
         try:
-            live = await watch.watch_once(polling, task_status, first)
-        except FileNotFoundError as exc:  # the dir vanished between ensure_dir and the watch
-            live, problem = False, exc
-        except OSError as exc:  # inotify unusable (no watches left, ...)
-            if polling:
-                live, problem = False, exc
-            else:
+            await anyio.to_thread.run_sync(cdi_files.check_writable, path, watch.probe)
+            ending = await watch.watch_once(polling)
+        except CdiError as exc:
+            problem = str(exc)
+        except OSError as exc:  # the watch could not be set up
+            if not polling and not isinstance(exc, FileNotFoundError):
                 logger.warning("cannot watch CDI dir %s with inotify (%s); polling", path, exc)
                 polling = True
                 continue
-        if live:
-            first = False
-        elif problem is None and watch.probe_error is None and not polling:
-            logger.warning(
-                "inotify reported no event in CDI dir %s within %.1f s; polling instead",
-                path,
-                probe_timeout,
-            )
-            polling = True
-            continue
+            problem = f"cannot watch CDI dir {str(path)!r}: {exc}"
         else:
-            problem = problem or watch.probe_error or "the watch reported no change"
-            if first and not isinstance(problem, FileNotFoundError):
-                raise CdiError(f"cannot watch CDI dir {str(path)!r}: {problem}")
-            logger.error(
-                "cannot watch CDI dir %s (%s); retrying in %.1f s", path, problem, _RETRY_DELAY
+            if watch.live:
+                delays = None  # it worked for a while: a new problem starts the backoff over
+            if ending is _Ending.REPLACED:
+                continue
+            if ending is _Ending.SILENT and not polling:
+                logger.warning(
+                    "inotify reported no event in CDI dir %s within %.1f s; polling instead",
+                    path,
+                    probe_timeout,
+                )
+                polling = True
+                continue
+            problem = watch.problem or (
+                f"the watch of CDI dir {str(path)!r} reported no change within "
+                f"{probe_timeout:g} s, even polling"
             )
-            await anyio.sleep(_RETRY_DELAY)
-        try:
-            await anyio.to_thread.run_sync(cdi_files.ensure_dir, path)
-        except CdiError as exc:
-            if first:
-                raise
-            logger.error("CDI watcher: %s; retrying in %.1f s", exc, _RETRY_DELAY)
-            await anyio.sleep(_RETRY_DELAY)
+        if delays is None:
+            delays = retry_delays()
+        delay = next(delays)
+        watch.unusable(problem, delay)
+        await anyio.sleep(delay)

@@ -1,29 +1,37 @@
-"""``/healthz``, ``/readyz`` and ``/metrics`` on ``--bind-address`` (design §3, §5).
+"""``/healthz``, ``/readyz`` and ``/metrics`` on ``--bind-address``, served by ``aiohttp.web``.
 
-A deliberately tiny HTTP/1.1 server on anyio's TCP listener: it is only ever asked by the
-kubelet's probes and by Prometheus, so it answers ``GET`` and ``HEAD`` of three paths, one
-request per connection (``Connection: close``), and refuses everything else with a clear status:
-404 for another path, 405 for another method, 400 for a malformed request, 431 for a head over
-:data:`MAX_REQUEST_BYTES`, 408 when the head does not arrive within :data:`READ_TIMEOUT`. No
-request body is read. Garbage from a peer never ends the server.
+Only the kubelet's probes and Prometheus ask, so the server answers ``GET`` and ``HEAD`` of three
+paths; aiohttp answers everything else: 404 for another path, 405 (with ``Allow``) for another
+method, 400 for a request that is not HTTP, and drops a peer that breaks the protocol, without
+ending the server. Requests are bounded by aiohttp's own settings (:data:`READ_TIMEOUT` to send a
+request head and between requests on a kept-alive connection, :data:`MAX_LINE_BYTES` per request
+line or header field, :data:`MAX_HEADERS` fields); no request body is read. Our answers are a few
+KiB, within the socket's send buffer, so a peer that does not read cannot hold a handler.
 
-- ``/healthz``: 200 while the process runs (the liveness probe).
+- ``/healthz``: 503 until every task has started once, then 200 for as long as the process runs
+  (the liveness probe). Upstream's ``/healthz`` does the same (``cmd/dracpu/app.go``: 503 until
+  the driver's ``Start`` returned), and its Helm chart uses it as the readiness probe too, so a
+  pod under that chart is not marked ready before the driver serves.
 - ``/readyz``: 200 once every task the supervisor started has reported ready, 503 before that,
   while a task reports not ready (e.g. the kubelet refused our registration) and while stopping.
   The body lists the tasks as the Kubernetes API server does (``[+]name ok`` / ``[-]name ...``).
 - ``/metrics``: Prometheus text format from a registry of our own
   (:func:`dracpu.tasks.metrics.build_registry`), never the process-global one.
+
+aiohttp runs on asyncio only, so this task does too (the daemon's backend).
 """
 
 from __future__ import annotations
 
-import errno
 import logging
-from dataclasses import dataclass
+import os
+import socket
 
 import anyio
-from anyio import TASK_STATUS_IGNORED, BrokenResourceError, ClosedResourceError, EndOfStream
-from anyio.abc import SocketAttribute, SocketListener, SocketStream, TaskGroup, TaskStatus
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from anyio import TASK_STATUS_IGNORED
+from anyio.abc import TaskStatus
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
@@ -31,10 +39,9 @@ from dracpu.config import BindAddress
 from dracpu.errors import DracpuError
 
 __all__ = [
-    "MAX_CONNECTIONS",
-    "MAX_REQUEST_BYTES",
+    "MAX_HEADERS",
+    "MAX_LINE_BYTES",
     "READ_TIMEOUT",
-    "WRITE_TIMEOUT",
     "Readiness",
     "ReadinessFlag",
     "run",
@@ -42,59 +49,19 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Upstream's HTTP server (cmd/dracpu/app.go): ReadHeaderTimeout 5 s, WriteTimeout 10 s.
+# Upstream's HTTP server (cmd/dracpu/app.go) has ReadHeaderTimeout 5 s. aiohttp's keep-alive
+# timeout starts when a connection opens and again after each answer, and closes a connection
+# that has not sent a whole request head by then.
 READ_TIMEOUT = 5.0
-WRITE_TIMEOUT = 10.0
-# A probe's request head is ~100 bytes, Prometheus' ~300; 8 KiB is the usual server limit.
-MAX_REQUEST_BYTES = 8192
-# After answering we shut our side down and read what the peer still sends (a body we ignore)
-# for at most this long / this much: closing with unread data would send a TCP reset, which can
-# destroy our response before the peer reads it ("lingering close", as Apache and nginx do).
-LINGER_TIMEOUT = 1.0
-LINGER_BYTES = 65536
-# Probes and scrapes come one at a time; more concurrent connections than this are refused at
-# once (closed) so that a flood cannot use up the daemon's file descriptors.
-MAX_CONNECTIONS = 64
-# accept() errors that mean "out of resources right now": wait and retry, as trio's
-# serve_listeners does (_highlevel_serve_listeners.py ACCEPT_CAPACITY_ERRNOS, SLEEP_TIME).
-ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
-ACCEPT_RETRY_DELAY = 0.1
-# accept() errors that concern the one connection being accepted, not the listener: the peer
-# reset it while it waited in the queue, a firewall refused it (EPERM), a network error was
-# pending on it. accept(2) (Linux notes) says to retry these like EAGAIN; trio's SocketListener
-# skips the same errnos (_ignorable_accept_errno_names). Only that connection is lost.
-ACCEPT_CONNECTION_ERRNOS = frozenset(
-    {
-        errno.EPERM,
-        errno.ECONNABORTED,
-        errno.ECONNRESET,
-        errno.EPROTO,
-        errno.ENETDOWN,
-        errno.ENETUNREACH,
-        errno.ENOPROTOOPT,
-        errno.EHOSTDOWN,
-        errno.EHOSTUNREACH,
-        errno.ENONET,
-        errno.EOPNOTSUPP,
-        errno.ENOSR,
-        errno.ESOCKTNOSUPPORT,
-        errno.EPROTONOSUPPORT,
-        errno.ETIMEDOUT,
-    }
-)
-
-_REASONS = {
-    200: "OK",
-    400: "Bad Request",
-    404: "Not Found",
-    405: "Method Not Allowed",
-    408: "Request Timeout",
-    431: "Request Header Fields Too Large",
-    500: "Internal Server Error",
-    503: "Service Unavailable",
-}
-_TEXT = "text/plain; charset=utf-8"
-_METHODS = (b"GET", b"HEAD")
+# A probe's request head is ~100 bytes, Prometheus' ~300: 8 KiB per line is the usual server
+# limit (aiohttp's default is 8190), and a dozen fields is plenty (aiohttp allows 128).
+MAX_LINE_BYTES = 8192
+MAX_HEADERS = 32
+# How long a stop waits for answers being written (probes are answered at once).
+_SHUTDOWN_SECONDS = 1.0
+# The paths served: /healthz and /metrics as upstream's server (cmd/dracpu/app.go), /readyz as
+# the Kubernetes API server's.
+_PATHS = ("/healthz", "/readyz", "/metrics")
 
 
 # --- readiness ----------------------------------------------------------------------------------
@@ -137,6 +104,16 @@ class Readiness:
     def __init__(self) -> None:
         self._flags: dict[str, ReadinessFlag] = {}
         self._stopping = False
+        self._started = False
+
+    @property
+    def started(self) -> bool:
+        """Every task has started once (``/healthz`` answers 200 from then on)."""
+        return self._started
+
+    def set_started(self) -> None:
+        """The supervisor started every task; stays true for the life of the process."""
+        self._started = True
 
     def flag(self, name: str, *, reason: str = "not started") -> ReadinessFlag:
         """The flag of task ``name``, created not-ready on first use (the same object after);
@@ -175,131 +152,72 @@ class Readiness:
 # --- the server ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class _Response:
-    status: int
-    body: bytes = b""
-    content_type: str = _TEXT
-    headers: tuple[tuple[str, str], ...] = ()
+class _PeerFaults(logging.Filter):
+    """aiohttp logs a request it cannot parse at ERROR with a traceback (``web_protocol``
+    ``RequestHandler.handle_error``), whatever sent it: a port scanner would fill the daemon's
+    log. Such a record (its exception an ``HttpProcessingError``: the peer's fault) becomes one
+    DEBUG line; a failure of ours (any other exception, a 500) stays an ERROR."""
 
-    def encode(self, *, head_only: bool = False) -> bytes:
-        lines = [
-            f"HTTP/1.1 {self.status} {_REASONS[self.status]}",
-            f"Content-Type: {self.content_type}",
-            f"Content-Length: {len(self.body)}",
-            "Connection: close",
-            *(f"{name}: {value}" for name, value in self.headers),
-        ]
-        head = ("\r\n".join(lines) + "\r\n\r\n").encode("ascii")
-        return head if head_only else head + self.body
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if not isinstance(error, HttpProcessingError):
+            return True
+        record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
+        record.msg = f"{record.msg}: %s"
+        record.args = (*(record.args if isinstance(record.args, tuple) else ()), error)
+        record.exc_info = record.exc_text = None
+        return _peer_logger.isEnabledFor(logging.DEBUG)
 
 
-def _text(status: int, text: str, *headers: tuple[str, str]) -> _Response:
-    return _Response(status, text.encode(), headers=headers)
+# aiohttp's server logs through this logger (the RequestHandler ``logger`` argument).
+_peer_logger = logging.getLogger(f"{__name__}.peer")
+_peer_logger.addFilter(_PeerFaults())
 
 
-@dataclass(frozen=True, slots=True)
-class _Request:
-    method: bytes
-    path: bytes
+def _application(readiness: Readiness, registry: CollectorRegistry) -> web.Application:
+    async def healthz(_: web.Request) -> web.Response:
+        if not readiness.started:
+            return web.Response(status=503, text="starting\n")
+        return web.Response(text="ok\n")
 
+    async def readyz(_: web.Request) -> web.Response:
+        return web.Response(status=200 if readiness.is_ready() else 503, text=readiness.report())
 
-def _parse_head(head: bytes) -> _Request | _Response:
-    """Parse the request line of a complete head (``METHOD SP target SP HTTP/1.x``)."""
-    line = head.split(b"\n", 1)[0].rstrip(b"\r")
-    parts = line.split(b" ")
-    if len(parts) != 3 or not parts[2].startswith(b"HTTP/1.") or not parts[1].startswith(b"/"):
-        return _text(400, "malformed request line\n")
-    method, target, _ = parts
-    if method not in _METHODS:
-        return _text(405, "only GET and HEAD are allowed\n", ("Allow", "GET, HEAD"))
-    return _Request(method, target.split(b"?", 1)[0])
-
-
-async def _read_head(stream: SocketStream) -> _Request | _Response | None:
-    """Read up to the blank line ending the head; ``None`` when the peer sent nothing."""
-    buffer = bytearray()
-    while True:
-        end = buffer.find(b"\r\n\r\n")
-        if end < 0:
-            end = buffer.find(b"\n\n")  # tolerate bare LF line ends, as most servers do
-        if 0 <= end <= MAX_REQUEST_BYTES:
-            return _parse_head(bytes(buffer[:end]))
-        if len(buffer) > MAX_REQUEST_BYTES:
-            return _text(431, f"request head over {MAX_REQUEST_BYTES} bytes\n")
+    async def metrics(_: web.Request) -> web.Response:
         try:
-            buffer += await stream.receive(MAX_REQUEST_BYTES)
-        except EndOfStream:
-            return _text(400, "incomplete request\n") if buffer else None
-
-
-class _Server:
-    def __init__(self, readiness: Readiness, registry: CollectorRegistry) -> None:
-        self._readiness = readiness
-        self._registry = registry
-        self._connections = 0
-
-    def _route(self, path: bytes) -> _Response:
-        if path == b"/healthz":
-            return _text(200, "ok\n")
-        if path == b"/readyz":
-            return _text(200 if self._readiness.is_ready() else 503, self._readiness.report())
-        if path == b"/metrics":
-            try:
-                body = generate_latest(self._registry)
-            except Exception:
-                logger.exception("collecting metrics failed")
-                return _text(500, "collecting metrics failed\n")
-            return _Response(200, body, content_type=CONTENT_TYPE_PLAIN_0_0_4)
-        return _text(404, "not found: try /healthz, /readyz or /metrics\n")
-
-    async def serve_listener(self, listener: SocketListener, tg: TaskGroup) -> None:
-        while True:
-            try:
-                stream = await listener.accept()
-            except OSError as exc:
-                if exc.errno in ACCEPT_CONNECTION_ERRNOS:
-                    logger.debug("a connection was lost before it was accepted: %s", exc)
-                    continue
-                if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
-                    raise
-                logger.error("accept failed (%s); retrying in %s s", exc, ACCEPT_RETRY_DELAY)
-                await anyio.sleep(ACCEPT_RETRY_DELAY)
-                continue
-            if self._connections >= MAX_CONNECTIONS:
-                logger.debug("over %d HTTP connections: one refused", MAX_CONNECTIONS)
-                await anyio.aclose_forcefully(stream)
-                continue
-            self._connections += 1
-            tg.start_soon(self._serve_connection, stream)
-
-    async def _serve_connection(self, stream: SocketStream) -> None:
-        try:
-            async with stream:
-                await self._exchange(stream)
-        except (BrokenResourceError, ClosedResourceError, EndOfStream, OSError):
-            pass  # the peer went away: nothing to answer
+            body = generate_latest(registry)
         except Exception:
-            # A bug of ours in one exchange must not end the daemon; it is logged loudly.
-            logger.exception("HTTP connection handler failed")
-        finally:
-            self._connections -= 1
+            logger.exception("collecting metrics failed")
+            return web.Response(status=500, text="collecting metrics failed\n")
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
 
-    async def _exchange(self, stream: SocketStream) -> None:
-        request: _Request | _Response | None = _text(408, "request head not received in time\n")
-        with anyio.move_on_after(READ_TIMEOUT):
-            request = await _read_head(stream)
-        if request is None:
-            return
-        response = request if isinstance(request, _Response) else self._route(request.path)
-        head_only = isinstance(request, _Request) and request.method == b"HEAD"
-        with anyio.move_on_after(WRITE_TIMEOUT):
-            await stream.send(response.encode(head_only=head_only))
-            await stream.send_eof()
-        with anyio.move_on_after(LINGER_TIMEOUT):
-            drained = 0
-            while drained < LINGER_BYTES:
-                drained += len(await stream.receive())
+    app = web.Application()
+    for path, handler in zip(_PATHS, (healthz, readyz, metrics), strict=True):
+        app.router.add_get(path, handler)  # HEAD too (allow_head)
+    return app
+
+
+async def _listen(bind: BindAddress) -> socket.socket:
+    """One listening socket for ``bind``, as Go's ``net.Listen`` makes it: ``:port`` on every
+    interface (dual-stack IPv6 where the host has it, else IPv4), a host name on the first of
+    its addresses."""
+    try:
+        if not bind.host:
+            if socket.has_dualstack_ipv6():
+                return socket.create_server(
+                    ("", bind.port), family=socket.AF_INET6, dualstack_ipv6=True
+                )
+            return socket.create_server(("", bind.port))
+        family, _, _, _, address = (
+            await anyio.getaddrinfo(
+                bind.host, bind.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )
+        )[0]
+        return socket.create_server(address[:2], family=family)
+    except OSError as exc:
+        # socket.create_server adds the address to strerror; the message names it already.
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise DracpuError(f"cannot listen on --bind-address {bind}: {reason}") from exc
 
 
 async def run(
@@ -314,23 +232,35 @@ async def run(
     Resource handling: the listening socket and every connection are closed on exit.
 
     Error handling: a failure to listen raises :class:`~dracpu.errors.DracpuError` naming the
-    address; per-connection errors are answered or dropped, never raised.
+    address; aiohttp answers or drops a connection that breaks HTTP, never raising here.
     """
+    runner = web.AppRunner(
+        _application(readiness, registry),
+        access_log=None,
+        handle_signals=False,
+        shutdown_timeout=_SHUTDOWN_SECONDS,
+        # aiohttp's per-connection settings (web_protocol.RequestHandler keyword arguments):
+        logger=_peer_logger,
+        keepalive_timeout=READ_TIMEOUT,
+        max_line_size=MAX_LINE_BYTES,
+        max_field_size=MAX_LINE_BYTES,
+        max_headers=MAX_HEADERS,
+    )
+    await runner.setup()
     try:
-        listener = await anyio.create_tcp_listener(
-            local_host=bind.host or None, local_port=bind.port
-        )
-    except OSError as exc:
-        raise DracpuError(f"cannot listen on --bind-address {bind}: {exc.strerror or exc}") from exc
-    server = _Server(readiness, registry)
-    async with listener, anyio.create_task_group() as tg:
-        port: int = listener.listeners[0].extra(SocketAttribute.local_port)
+        listening = await _listen(bind)
+        try:
+            await web.SockSite(runner, listening).start()
+        except BaseException:
+            listening.close()
+            raise
+        port: int = listening.getsockname()[1]
         logger.info("serving /healthz, /readyz and /metrics on %s", _describe(bind, port))
-        for socket_listener in listener.listeners:
-            # create_tcp_listener makes only SocketListeners (which have accept()).
-            assert isinstance(socket_listener, SocketListener)
-            tg.start_soon(server.serve_listener, socket_listener, tg)
         task_status.started(port)
+        await anyio.sleep_forever()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await runner.cleanup()
 
 
 def _describe(bind: BindAddress, port: int) -> str:

@@ -1,12 +1,12 @@
 """The DRA gRPC service the kubelet calls: ``NodePrepareResources`` / ``NodeUnprepareResources``.
 
 Served on ``<kubelet-root>/plugins/dra.cpu/dra.sock`` in both versions the kubelet speaks
-(reference kubelet-and-k8s-api.md §1): ``k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`` and
-``k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin``. Both go through one :class:`DraService`; the
-versions differ only in v1's ``Device.share_id``. Messages are read and written by the hand codec
-:mod:`dracpu.wire.dra` (a few microseconds instead of betterproto2's ~80 us per call); a request
-that does not decode fails the call with ``INVALID_ARGUMENT`` saying what is wrong, and the
-server keeps serving.
+(``k8s.io/kubelet`` ``pkg/apis/dra/v1`` and ``v1beta1``):
+``k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`` and ``k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin``,
+by grpclib (:func:`dracpu.adapters.grpc_unix.open_grpc_server`) with the betterproto2 messages
+and service bases of ``dracpu._gen.dra``. Both go through one :class:`DraService`; the versions
+differ only in v1's ``Device.share_id``. A request that does not decode fails the call with
+``INVALID_ARGUMENT`` saying what is wrong, and the server keeps serving.
 
 Prepare, for each claim of a call, concurrently (at most :data:`MAX_CONCURRENT_CLAIMS` claims at
 a time over all calls):
@@ -20,85 +20,83 @@ a time over all calls):
 3. answer one entry per claim: a device per result of ours, with the main request name (the
    Go helper strips ``/<subrequest>``; the kubelet matches containers by main request names),
    pool, device and the claim's CDI id ``dra.k8s.io/cpu=claim-<uid>``;
-4. best effort, record the cpuset in the claim's ``status.devices[].data`` (a failure is logged;
-   the claim stays prepared). This PATCH starts only once the WHOLE answer (message and
-   trailers) has been handed to the transport: each rpc method receives, prepares, answers with
-   :meth:`~dracpu.adapters.grpc_server.Call.reply` (which returns once head, message and
-   trailers are written), and only then starts the call's patches (held until then in a
-   :class:`DeferredPatches`), and then waits :data:`STATUS_PATCH_DELAY` more, so building and
-   sending the PATCH never competes with the answer nor with the kubelet taking it. If the
-   call ends without an answer (the kubelet went away, the deadline passed) the patches start
-   all the same: the claims ARE prepared here, so recording their cpusets is still right.
-   The patches run in tasks of the kubelet-plugin task's own task group (cancelled when the
-   task stops): the kubelet never waits for the API server's write. At most one patch per claim
-   runs at a time, in order: a new Prepare of the claim cancels its pending patch (started or
-   still held) and starts its own once that one has ended, and an Unprepare cancels it (the
-   claim no longer holds those CPUs here); the patch carries the claim's ``resourceVersion``,
-   so a write the API server still applies late can never overwrite a newer one. Beyond
-   :data:`MAX_PENDING_STATUS_PATCHES` pending patches (a slow API server) a Prepare waits for its
-   own patch before answering, as it did when patches were inline.
+4. best effort, record the cpuset in the claim's ``status.devices[].data``
+   (:mod:`dracpu.tasks.status_patches`), only once the WHOLE answer (message and trailers) has
+   been handed to the transport: the Prepare rpc method works on the call's grpclib stream,
+   sends the message and the trailers itself, and only then leaves the block of the call's
+   :class:`~dracpu.tasks.status_patches.DeferredPatches`, which starts the patches.
 
 A claim that cannot be prepared gets its own ``error`` string; the other claims of the call are
 still prepared, and the call itself never fails at the gRPC level for a claim's problem (the
 kubelet then retries only what failed). Unprepare sends
 :class:`~dracpu.core.commands.UnprepareClaim` per claim; the claim object is not read (it may
 be gone) and an unknown claim succeeds.
+
+The same socket serves the devices' health (``v1.DRAResourceHealth`` and
+``v1alpha1.DRAResourceHealth``, :mod:`dracpu.tasks.device_health`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import Any, ClassVar, Protocol, TypeVar
+from types import ModuleType
+from typing import Any, ClassVar, TypeVar
 
 import anyio
+import betterproto2
+import grpclib.const
+import grpclib.server
 from anyio import TASK_STATUS_IGNORED
-from anyio.abc import TaskGroup, TaskStatus
+from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
 
 from dracpu import DRIVER_NAME
-from dracpu.adapters.grpc_server import Call, Handler, Service, open_unix_server
+from dracpu._gen.dra import v1 as dra_v1
+from dracpu._gen.dra import v1beta1 as dra_v1beta1
+from dracpu.adapters.grpc_unix import (
+    Servable,
+    open_grpc_server,
+    receive_request,
+    with_stream_handlers,
+)
 from dracpu.core.cdi_spec import device_id
-from dracpu.core.claims import ClaimAllocation, device_status_patch, read_claim
+from dracpu.core.claims import ClaimAllocation, read_claim
 from dracpu.core.commands import Command, PrepareClaim, UnprepareClaim
-from dracpu.core.cpuset import CpuSet
 from dracpu.core.effects import ClaimPrepared, ClaimUnprepared
-from dracpu.errors import (
-    DracpuError,
-    GrpcError,
-    KubeAPIError,
-    KubeConflictError,
-    KubeNotFoundError,
-    LocalProtocolError,
-    RemoteProtocolError,
-)
+from dracpu.errors import DracpuError, KubeAPIError, KubeNotFoundError
 from dracpu.tasks import state_owner
-from dracpu.tasks.state_owner import Request
-from dracpu.wire.dra import (
-    ClaimRef,
-    PreparedDevice,
-    PrepareOutcome,
-    decode_prepare_request,
-    decode_unprepare_request,
-    encode_prepare_response,
-    encode_unprepare_response,
+from dracpu.tasks.device_health import (
+    DeviceHealthBoard,
+    HealthStreams,
+    ResourceHealthV1,
+    ResourceHealthV1alpha1,
 )
-from dracpu.wire.grpc import Status
+from dracpu.tasks.dra_cpu_metrics import DraCpuMetrics
+from dracpu.tasks.state_owner import Request
+from dracpu.tasks.status_patches import (
+    MAX_PENDING_STATUS_PATCHES,
+    STATUS_PATCH_DELAY,
+    STATUS_PATCH_TIMEOUT,
+    ClaimRef,
+    ClaimSource,
+    DeferredPatches,
+    StatusPatches,
+    log_context,
+)
 
 __all__ = [
     "MAX_CONCURRENT_CLAIMS",
     "MAX_PENDING_STATUS_PATCHES",
-    "SERVICE_V1",
-    "SERVICE_V1BETA1",
     "STATUS_PATCH_DELAY",
     "STATUS_PATCH_TIMEOUT",
     "ClaimRef",
     "ClaimSource",
-    "DeferredPatches",
     "DraPluginV1",
     "DraPluginV1beta1",
     "DraService",
@@ -110,100 +108,33 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # Claims handled at once over all calls: bounds the API GETs in flight. The kubelet sends one
-# call per pod admission with that pod's claims (reference §1.5), rarely more than a few; the
-# state owner serialises the rest anyway.
+# call per pod admission with that pod's claims of our driver (kubernetes
+# pkg/kubelet/cm/dra/manager.go PrepareResources), rarely more than a few; the state owner
+# serialises the rest anyway.
 MAX_CONCURRENT_CLAIMS = 16
-# Longest one best-effort status patch may take (seconds), a retry after a 409 included. It
-# also bounds how long a Prepare answered inline (too many pending patches) waits for it: the
-# kubelet gives the whole call 45 s (dra_plugin.go defaultClientCallTimeout).
-STATUS_PATCH_TIMEOUT = 5.0
-# Status patches pending after their Prepare was answered, at most; beyond, a Prepare waits for
-# its patch before answering (back pressure instead of an unbounded backlog). Far above what a
-# healthy API server leaves pending: the kubelet prepares one pod's claims per call and at most
-# MAX_CONCURRENT_CLAIMS claims are handled at once.
-MAX_PENDING_STATUS_PATCHES = 64
-# How long a background status patch waits after its call was answered (seconds). The kubelet
-# is woken by our answer on a unix socket, a "sync" wakeup that tends to put it on the CPU we
-# run on: work we start at once (the PATCH, ~1 ms of CPU with its JSON and HTTP) makes it wait
-# for that CPU. Measured with bench/bench_prepare.py: Prepare p50 5.3 ms with the PATCH at once,
-# 4.4 ms with this delay, 4.0 ms with no PATCH at all. Short enough that the status is recorded
-# long before the pod's containers are created.
-STATUS_PATCH_DELAY = 0.001
-# The gRPC services the kubelet calls: proto package + service name of proto/dra/v1 and
-# proto/dra/v1beta1/api.proto (reference §1.1), as the generated DraPluginBase registers them.
-SERVICE_V1 = "k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin"
-SERVICE_V1BETA1 = "k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin"
 
 T = TypeVar("T")
 
 
-class ClaimSource(Protocol):
-    """Where ResourceClaims come from (:class:`dracpu.adapters.kube.KubeClient` is one).
+@dataclass(frozen=True, slots=True)
+class PreparedDevice:
+    """A ``Device`` of a ``NodePrepareResourceResponse``: one device of a prepared claim, as the
+    kubelet stores it. ``share_id`` ``None``: absent (v1beta1 never carries it)."""
 
-    Errors are :class:`~dracpu.errors.KubeAPIError` subclasses (404: KubeNotFoundError)."""
-
-    async def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]: ...
-
-    async def patch_resource_claim_status(
-        self, namespace: str, name: str, patch: Mapping[str, Any]
-    ) -> dict[str, Any]: ...
-
-
-def _log_context(ref: ClaimRef) -> dict[str, str]:
-    return {"claim": f"{ref.namespace}/{ref.name}", "claim_uid": ref.uid}
+    request_names: tuple[str, ...]
+    pool_name: str
+    device_name: str
+    cdi_device_ids: tuple[str, ...]
+    share_id: str | None = None
 
 
-@dataclass(eq=False, slots=True)
-class _StatusPatch:
-    """A claim's status patch running after the answer. ``previous``: the claim's patch before
-    this one (this one starts once it has ended); ``scope`` cancels it; ``done`` is set once it
-    has ended, whatever the outcome (dropped unstarted included); ``started``: handed to the
-    task group (or dropped), never to be started again."""
+@dataclass(frozen=True, slots=True)
+class PrepareOutcome:
+    """A ``NodePrepareResourceResponse``: the answer for one claim, its devices or a non-empty
+    ``error``."""
 
-    ref: ClaimRef
-    obj: Mapping[str, Any]
-    allocation: ClaimAllocation
-    cpus: CpuSet
-    previous: _StatusPatch | None
-    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
-    done: anyio.Event = field(default_factory=anyio.Event)
-    started: bool = False
-
-
-class DeferredPatches:
-    """The status patches of one call, held until its answer is out.
-
-    Made by :meth:`DraService.deferred_patches` and given to :meth:`DraService.prepare`;
-    leaving its ``with`` block starts the held patches, however it is left (an answer that could
-    not be sent included). A patch scheduled after that starts at once.
-    """
-
-    __slots__ = ("_held", "_start_patch", "_started")
-
-    def __init__(self, start_patch: Callable[[_StatusPatch], None]) -> None:
-        self._start_patch = start_patch
-        self._held: list[_StatusPatch] = []
-        self._started = False
-
-    def _hold(self, patch: _StatusPatch) -> None:
-        if self._started:
-            self._start_patch(patch)
-        else:
-            self._held.append(patch)
-
-    def __enter__(self) -> DeferredPatches:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self._started = True
-        held, self._held = self._held, []
-        for patch in held:
-            self._start_patch(patch)
+    devices: tuple[PreparedDevice, ...] = ()
+    error: str = ""
 
 
 def _unique(refs: Iterable[ClaimRef]) -> list[ClaimRef]:
@@ -237,10 +168,9 @@ async def _each_claim(
 class DraService:
     """Prepare and Unprepare, independent of the gRPC version.
 
-    Inside :meth:`status_patches`, status patches run in the background (at most
-    ``max_pending_status_patches`` pending): started once the call's answer is out when
-    :meth:`prepare` is given a :class:`DeferredPatches`, else as soon as they are scheduled.
-    Outside it they run inline, before :meth:`prepare` returns.
+    :attr:`patches` records the prepared claims' cpusets in their status
+    (:class:`~dracpu.tasks.status_patches.StatusPatches`); a Prepare given a
+    :class:`~dracpu.tasks.status_patches.DeferredPatches` holds its claims' patches in it.
     """
 
     def __init__(
@@ -254,46 +184,23 @@ class DraService:
         status_patch_timeout: float = STATUS_PATCH_TIMEOUT,
         status_patch_delay: float = STATUS_PATCH_DELAY,
         max_pending_status_patches: int = MAX_PENDING_STATUS_PATCHES,
+        metrics: DraCpuMetrics | None = None,
     ) -> None:
         self._owner = owner
+        self._metrics = metrics  # told each claim's outcome (upstream's dra_cpu_* metrics)
         self._claims = claims
         self._node_name = node_name
         self._driver = driver
         self._max_concurrent = max_concurrent
-        self._status_patch_timeout = status_patch_timeout
-        self._status_patch_delay = status_patch_delay
         self._limiter: anyio.CapacityLimiter | None = None
-        self._background: TaskGroup | None = None  # runs the patches (inside status_patches)
-        self._stopped = False  # status_patches has ended: no more patches
-        self._max_pending = max_pending_status_patches
-        self._pending: dict[str, _StatusPatch] = {}  # the latest patch by claim UID
-
-    @asynccontextmanager
-    async def status_patches(self) -> AsyncIterator[None]:
-        """While the block runs, status patches run in the background, in a task group of the
-        caller's task. When it ends they are cancelled, those still held are dropped, and a
-        Prepare still answered afterwards (the server is stopping) records nothing."""
-        async with anyio.create_task_group() as background:
-            self._background = background
-            try:
-                yield
-            finally:
-                self._background = None
-                self._stopped = True
-                background.cancel_scope.cancel()
-                for patch in list(self._pending.values()):
-                    if not patch.started:  # held by a call still answering: never started
-                        patch.started = True
-                        self._finish(patch)
-
-    async def wait_status_patches(self) -> None:
-        """Wait until no status patch is pending (held, waiting or running)."""
-        while self._pending:
-            await next(iter(self._pending.values())).done.wait()
-
-    def deferred_patches(self) -> DeferredPatches:
-        """A holder for one call's status patches, to start once its answer is out."""
-        return DeferredPatches(self._start_patch)
+        self.patches = StatusPatches(
+            claims,
+            node_name,
+            driver=driver,
+            timeout=status_patch_timeout,
+            delay=status_patch_delay,
+            max_pending=max_pending_status_patches,
+        )
 
     def _slots(self) -> anyio.CapacityLimiter:
         # Created on first use: an anyio primitive needs the running event loop.
@@ -308,10 +215,19 @@ class DraService:
     ) -> dict[str, PrepareOutcome]:
         """Prepare every claim; one outcome per distinct claim UID. The claims' status patches
         are held in ``deferred`` (if given) until it starts them."""
-        return await _each_claim(refs, lambda ref: self._prepare_one(ref, deferred))
+        return await _each_claim(refs, lambda ref: self._prepare_measured(ref, deferred))
+
+    async def _prepare_measured(
+        self, ref: ClaimRef, deferred: DeferredPatches | None
+    ) -> PrepareOutcome:
+        started = time.monotonic()
+        outcome = await self._prepare_one(ref, deferred)
+        if self._metrics is not None:
+            self._metrics.prepared(ref.uid, not outcome.error, time.monotonic() - started)
+        return outcome
 
     async def _prepare_one(self, ref: ClaimRef, deferred: DeferredPatches | None) -> PrepareOutcome:
-        context = _log_context(ref)
+        context = log_context(ref)
         async with self._slots():
             try:
                 obj, allocation = await self._read(ref)
@@ -360,7 +276,7 @@ class DraService:
                 result.cpus,
                 extra={**context, "cpus": str(result.cpus)},
             )
-            await self._status_patch(ref, obj, allocation, result.cpus, deferred)
+            await self.patches.record(ref, obj, allocation, result.cpus, deferred)
         cdi_ids = (device_id(ref.uid),)
         return PrepareOutcome(
             devices=tuple(
@@ -390,139 +306,21 @@ class DraService:
         allocation = read_claim(obj, uid=ref.uid, pool=self._node_name, driver=self._driver)
         return obj, allocation
 
-    async def _status_patch(
-        self,
-        ref: ClaimRef,
-        obj: Mapping[str, Any],
-        allocation: ClaimAllocation,
-        cpus: CpuSet,
-        deferred: DeferredPatches | None,
-    ) -> None:
-        """Record the cpuset in the claim's status: in the background when a task group runs
-        the patches and fewer than the limit are pending (held in ``deferred`` until the answer
-        is out), else now (see the module docstring)."""
-        if self._stopped:
-            logger.debug(
-                "not recording the cpuset of claim %s/%s: stopping",
-                ref.namespace,
-                ref.name,
-                extra=_log_context(ref),
-            )
-            return
-        previous = self._pending.get(ref.uid)
-        if previous is not None:
-            previous.scope.cancel()  # this Prepare read the claim later: its patch wins
-        if self._background is None or (
-            previous is None and len(self._pending) >= self._max_pending
-        ):
-            await self._record_status(ref, obj, allocation, cpus)
-            return
-        patch = _StatusPatch(ref, obj, allocation, cpus, previous)
-        self._pending[ref.uid] = patch
-        if deferred is None:
-            self._start_patch(patch)
-        else:
-            deferred._hold(patch)
-
-    def _start_patch(self, patch: _StatusPatch) -> None:
-        """Hand a patch to the task group (drop it if the patches have ended meanwhile)."""
-        if patch.started:
-            return
-        patch.started = True
-        background = self._background
-        if background is None:  # stopping: record nothing
-            self._finish(patch)
-            return
-        background.start_soon(self._run_patch, patch)
-
-    def _finish(self, patch: _StatusPatch) -> None:
-        patch.done.set()
-        if self._pending.get(patch.ref.uid) is patch:
-            del self._pending[patch.ref.uid]
-
-    async def _run_patch(self, patch: _StatusPatch) -> None:
-        ref = patch.ref
-        try:
-            previous, patch.previous = patch.previous, None  # no chain of ended patches
-            if previous is not None:
-                await previous.done.wait()  # one patch of a claim at a time, in order
-            if patch.scope.cancel_called:  # cancelled before it could start
-                dropped = True
-            else:
-                with patch.scope:
-                    await anyio.sleep(self._status_patch_delay)  # the kubelet takes its answer
-                    await self._record_status(ref, patch.obj, patch.allocation, patch.cpus)
-                dropped = patch.scope.cancelled_caught
-            if dropped:
-                logger.debug(
-                    "status patch of claim %s/%s dropped: the claim was unprepared or prepared "
-                    "again",
-                    ref.namespace,
-                    ref.name,
-                    extra=_log_context(ref),
-                )
-        finally:
-            self._finish(patch)
-
-    async def _record_status(
-        self, ref: ClaimRef, obj: Mapping[str, Any], allocation: ClaimAllocation, cpus: CpuSet
-    ) -> None:
-        """Best effort: write ``data: {"cpuset": ...}`` into the claim's ``status.devices``."""
-        context = _log_context(ref)
-        with anyio.move_on_after(self._status_patch_timeout) as scope:
-            try:
-                if await self._patch_status(ref, obj, allocation, cpus):
-                    return
-                # 409: the claim changed since we read it (the kubelet or the scheduler wrote
-                # it); read it again and retry once.
-                obj = await self._claims.get_resource_claim(ref.namespace, ref.name)
-                allocation = read_claim(obj, uid=ref.uid, pool=self._node_name, driver=self._driver)
-                if not await self._patch_status(ref, obj, allocation, cpus):
-                    raise DracpuError("the claim keeps changing (409 conflict twice)")
-            except DracpuError as exc:
-                logger.warning(
-                    "claim %s/%s is prepared, but its status.devices could not be updated: %s",
-                    ref.namespace,
-                    ref.name,
-                    exc,
-                    extra=context,
-                )
-        if scope.cancelled_caught:
-            logger.warning(
-                "claim %s/%s is prepared, but updating its status.devices took over %g s",
-                ref.namespace,
-                ref.name,
-                self._status_patch_timeout,
-                extra=context,
-            )
-
-    async def _patch_status(
-        self, ref: ClaimRef, obj: Mapping[str, Any], allocation: ClaimAllocation, cpus: CpuSet
-    ) -> bool:
-        """Send the patch unless the status already says so; ``False`` on a 409 conflict."""
-        patch = device_status_patch(obj, allocation, cpus, driver=self._driver)
-        if patch is None:
-            return True
-        status = obj.get("status")
-        if isinstance(status, Mapping) and status.get("devices") == patch["status"]["devices"]:
-            return True  # a repeated Prepare: already recorded
-        try:
-            await self._claims.patch_resource_claim_status(ref.namespace, ref.name, patch)
-        except KubeConflictError:
-            return False
-        return True
-
     # --- unprepare -------------------------------------------------------------------------
 
     async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str]:
         """Unprepare every claim; an error string per distinct claim UID (``""``: done)."""
-        return await _each_claim(refs, self._unprepare_one)
+        return await _each_claim(refs, self._unprepare_measured)
+
+    async def _unprepare_measured(self, ref: ClaimRef) -> str:
+        error = await self._unprepare_one(ref)
+        if self._metrics is not None:
+            self._metrics.unprepared(ref.uid, not error)
+        return error
 
     async def _unprepare_one(self, ref: ClaimRef) -> str:
-        context = _log_context(ref)
-        pending = self._pending.get(ref.uid)
-        if pending is not None:
-            pending.scope.cancel()  # its cpuset is about to be freed: do not record it now
+        context = log_context(ref)
+        self.patches.drop(ref.uid)  # its cpuset is about to be freed: do not record it now
         try:
             result = await state_owner.request(self._owner, UnprepareClaim(ref.uid))
             if not isinstance(result, ClaimUnprepared):
@@ -557,73 +355,105 @@ class DraService:
 
 # --- the two gRPC versions ----------------------------------------------------------------------
 
-
-def _decode(call: Call, decode: Callable[[bytes], tuple[ClaimRef, ...]]) -> tuple[ClaimRef, ...]:
-    """The claims of the call's request; ``INVALID_ARGUMENT`` if it does not decode."""
-    try:
-        return decode(call.request)
-    except RemoteProtocolError as exc:
-        logger.warning("refusing a %s call: %s", call.path.rsplit("/", 1)[-1], exc)
-        raise GrpcError(Status.INVALID_ARGUMENT, str(exc)) from exc
+_CLAIM_FIELDS = ("namespace", "uid", "name")
 
 
-def _encode(call: Call, encode: Callable[[], bytes]) -> bytes:
-    try:
-        return encode()
-    except LocalProtocolError as exc:  # our bug: say so, keep serving
-        logger.error("cannot encode the %s answer: %s", call.path.rsplit("/", 1)[-1], exc)
-        raise GrpcError(Status.INTERNAL, f"cannot encode the answer: {exc}") from exc
+def _claim_refs(method: str, claims: Sequence[object]) -> list[ClaimRef]:
+    """The claims of a request. betterproto2 keeps a field sent with another wire type as a
+    value of another Python type (``claims=[1]``, ``uid=None``): such a claim is the kubelet's
+    error, ``INVALID_ARGUMENT``."""
+    refs = []
+    for index, claim in enumerate(claims):
+        values = [getattr(claim, name, None) for name in _CLAIM_FIELDS]
+        texts = [value for value in values if isinstance(value, str)]
+        if len(texts) != len(_CLAIM_FIELDS):
+            message = f"claims[{index}] is not a well-formed Claim: {repr(claim)[:200]}"
+            logger.warning("refusing a %s call: %s", method, message)
+            raise GRPCError(Status.INVALID_ARGUMENT, message)
+        refs.append(ClaimRef(*texts))
+    return refs
 
 
 class _DraPlugin:
-    """One version of ``DRAPlugin`` over :class:`DraService`: its rpc methods by path
-    (:meth:`methods`, for :func:`~dracpu.adapters.grpc_server.open_unix_server`).
+    """One version of ``DRAPlugin`` over :class:`DraService`: the generated service's rpc methods
+    (paths, message types) served by stream handlers of ours. Prepare needs the stream: it sends
+    the answer's message and trailers itself, then starts the status patches."""
 
-    Not the generated ``DraPluginBase``: that one is grpclib's and decodes and encodes
-    betterproto2 messages. The tests check that the method paths are the generated ones.
-    """
-
-    service_name: ClassVar[str]
+    api: ClassVar[ModuleType]  # the generated module: dracpu._gen.dra.v1 or .v1beta1
     share_ids: ClassVar[bool]  # the version's Device has share_id (field 5)
 
     def __init__(self, service: DraService) -> None:
         self._service = service
 
-    def methods(self) -> dict[str, Handler]:
-        prefix = f"/{self.service_name}/"
-        return {
-            prefix + "NodePrepareResources": self.node_prepare_resources,
-            prefix + "NodeUnprepareResources": self.node_unprepare_resources,
-        }
+    def __mapping__(self) -> dict[str, grpclib.const.Handler]:
+        generated: dict[str, grpclib.const.Handler] = self.api.DraPluginBase.__mapping__(self)
+        return with_stream_handlers(
+            generated,
+            {
+                "NodePrepareResources": self._node_prepare_resources,
+                "NodeUnprepareResources": self._node_unprepare_resources,
+            },
+        )
 
-    async def node_prepare_resources(self, call: Call) -> None:
-        """Prepare, answer (the whole answer is with the transport when ``reply`` returns),
-        THEN start the status patches."""
-        refs = _decode(call, decode_prepare_request)
-        with self._service.deferred_patches() as deferred:
+    async def _node_prepare_resources(self, stream: grpclib.server.Stream[Any, Any]) -> None:
+        """Prepare, answer (message and trailers are with the transport once
+        ``send_trailing_metadata`` returns), THEN start the status patches."""
+        request = await receive_request(stream)
+        refs = _claim_refs("NodePrepareResources", request.claims)
+        with self._service.patches.deferred() as deferred:
             outcomes = await self._service.prepare(refs, deferred=deferred)
-            call.reply(
-                _encode(call, lambda: encode_prepare_response(outcomes, share_ids=self.share_ids))
+            await stream.send_message(self._prepare_response(outcomes))
+            await stream.send_trailing_metadata()
+
+    async def _node_unprepare_resources(self, stream: grpclib.server.Stream[Any, Any]) -> None:
+        request = await receive_request(stream)
+        errors = await self._service.unprepare(
+            _claim_refs("NodeUnprepareResources", request.claims)
+        )
+        api = self.api
+        response: betterproto2.Message = api.NodeUnprepareResourcesResponse(
+            claims={
+                uid: api.NodeUnprepareResourceResponse(error=error) for uid, error in errors.items()
+            }
+        )
+        await stream.send_message(response)
+
+    def _prepare_response(self, outcomes: Mapping[str, PrepareOutcome]) -> betterproto2.Message:
+        api = self.api
+
+        def device(prepared: PreparedDevice) -> Any:
+            share = {"share_id": prepared.share_id} if self.share_ids else {}
+            return api.Device(
+                request_names=list(prepared.request_names),
+                pool_name=prepared.pool_name,
+                device_name=prepared.device_name,
+                cdi_device_ids=list(prepared.cdi_device_ids),
+                **share,
             )
 
-    async def node_unprepare_resources(self, call: Call) -> None:
-        refs = _decode(call, decode_unprepare_request)
-        errors = await self._service.unprepare(refs)
-        call.reply(_encode(call, lambda: encode_unprepare_response(errors)))
+        response: betterproto2.Message = api.NodePrepareResourcesResponse(
+            claims={
+                uid: api.NodePrepareResourceResponse(
+                    devices=[device(d) for d in outcome.devices], error=outcome.error
+                )
+                for uid, outcome in outcomes.items()
+            }
+        )
+        return response
 
 
-class DraPluginV1(_DraPlugin):
+class DraPluginV1(_DraPlugin, dra_v1.DraPluginBase):
     """``k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`` over :class:`DraService`."""
 
-    service_name = SERVICE_V1
+    api: ClassVar[ModuleType] = dra_v1
     share_ids = True
 
 
-class DraPluginV1beta1(_DraPlugin):
+class DraPluginV1beta1(_DraPlugin, dra_v1beta1.DraPluginBase):
     """``k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin`` over :class:`DraService` (no
     ``share_id``: the v1beta1 Device has no field 5)."""
 
-    service_name = SERVICE_V1BETA1
+    api: ClassVar[ModuleType] = dra_v1beta1
     share_ids = False
 
 
@@ -636,20 +466,25 @@ async def run(
     claims: ClaimSource,
     node_name: str,
     *,
+    health: DeviceHealthBoard,
     driver: str = DRIVER_NAME,
     max_pending_status_patches: int = MAX_PENDING_STATUS_PATCHES,
     status_patch_delay: float = STATUS_PATCH_DELAY,
+    metrics: DraCpuMetrics | None = None,
     task_status: TaskStatus[DraService] = TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the DRA socket at ``socket_path`` (v1 and v1beta1) until cancelled.
+    """Serve the DRA socket at ``socket_path`` (DRAPlugin v1 and v1beta1, DRAResourceHealth v1
+    and v1alpha1) until cancelled.
 
     ``owner``: this task's own clone of the state owner's command stream (closed on exit).
     ``claims``: where ResourceClaims are read and their status patched. ``node_name``: our pool.
+    ``health``: the devices' health the health streams send.
     Ready (``task_status.started(service)``) once the socket is listening.
 
-    Resource handling: the socket file is removed on exit; calls in flight are cancelled (the
-    kubelet retries them; a command the owner already received still completes), and so are the
-    status patches still pending (best effort).
+    Resource handling: the socket file is removed on exit; the health streams end with status
+    OK first, the other calls in flight are cancelled (the kubelet retries them; a command the
+    owner already received still completes), and so are the status patches still pending (best
+    effort).
     Error handling: a socket that cannot be made raises :class:`~dracpu.errors.DracpuError`
     before ``started``; a claim's problem is that claim's error string, and a request that does
     not decode fails that call alone (``INVALID_ARGUMENT``), never the task.
@@ -662,16 +497,24 @@ async def run(
             driver=driver,
             max_pending_status_patches=max_pending_status_patches,
             status_patch_delay=status_patch_delay,
+            metrics=metrics,
         )
-        handlers: list[Service] = [
-            DraPluginV1(service).methods(),
-            DraPluginV1beta1(service).methods(),
+        streams = HealthStreams(health, node_name)
+        plugins: list[Servable] = [
+            DraPluginV1(service),
+            DraPluginV1beta1(service),
+            ResourceHealthV1(streams),
+            ResourceHealthV1alpha1(streams),
         ]
         # The patches' task group inside the server: when it ends, later answers patch nothing.
+        # The health streams end (status OK) before the server cancels what is left.
         async with (
-            open_unix_server(handlers, socket_path, private_dir=True),
-            service.status_patches(),
+            open_grpc_server(plugins, socket_path, private_dir=True),
+            streams.ending(),
+            service.patches.running(),
         ):
-            logger.info("DRA socket %s is listening (v1, v1beta1)", socket_path)
+            logger.info(
+                "DRA socket %s is listening (v1, v1beta1; health v1, v1alpha1)", socket_path
+            )
             task_status.started(service)
             await anyio.sleep_forever()

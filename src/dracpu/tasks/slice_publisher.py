@@ -1,4 +1,4 @@
-"""Publish this node's devices as ResourceSlices and keep them published (design §3).
+"""Publish this node's devices as ResourceSlices and keep them published.
 
 One pool named after the node, slices built by :func:`dracpu.core.slices.build_resource_slices`
 (fixed names ``<node>-dra.cpu-NNN``), each owned by the Node (``ownerReferences`` with the
@@ -6,7 +6,8 @@ Node's UID, so the garbage collector removes them with the Node).
 
 A publish pass (:meth:`_Publisher.reconcile`) lists the slices of our driver on this node
 (field selector ``spec.driver=dra.cpu,spec.nodeName=<node>``; other drivers' slices are never
-looked at) and then, like the Go helper's controller (reference kubelet-and-k8s-api.md §5.2):
+looked at) and then, like the Go helper's controller (``k8s.io/dynamic-resource-allocation``
+``resourceslice/resourceslicecontroller.go``, ``syncPool``):
 
 1. deletes our slices that are not wanted: extra ones beyond the current count, and any other
    name (an older dracpu layout, the upstream driver's generated names), each with ``uid`` and
@@ -19,7 +20,8 @@ never goes backwards; every later change of the devices (or of the owner, or the
 bumps it again, and so does finding a slice of ours with a higher generation than ours. A pass
 that only repairs drift keeps the generation (the content stays the same).
 
-Consumable capacity: grouped devices carry ``requestPolicy`` (whole CPUs, default 1). A server
+Consumable capacity: grouped devices carry ``requestPolicy`` (whole CPUs, by default the whole
+group). A server
 without ``DRAConsumableCapacity`` (off by default before Kubernetes 1.36) drops
 ``requestPolicy`` and ``allowMultipleAllocations`` from what it stores; when a create or update
 answer shows that, the publisher switches to ``consumable_capacity=False`` for the rest of the
@@ -27,15 +29,23 @@ process's life and publishes again. The form the server stored is what later pas
 with, so dropped fields never look like drift.
 
 Drift: a watch on our slices (``KubeClient.watch_resource_slices``) wakes a pass when one of them
-is deleted (the kubelet wipes a node's slices when it restarts, reference §2.5), changed by
-someone else, or when a slice of ours appears that we do not want. Events caused by our own
-writes are recognised by their resourceVersion and ignored. A full pass also runs every
-``resync_interval`` seconds, whatever the watch says.
+is deleted (the kubelet wipes a node's slices when it restarts: ``pkg/kubelet/cm/dra/plugin/``
+``registration.go``, ``wipeResourceSlices``), changed by someone else, or when a slice of ours
+appears that we do not want. Events caused by our own writes are recognised by their
+resourceVersion and ignored. A full pass also runs every ``resync_interval`` seconds, whatever
+the watch says.
 
 Failures: every API error (5xx, 409 conflict, connection loss, even 4xx such as a missing RBAC
 permission an administrator may still fix) is logged and the pass is retried with capped
 exponential backoff; the task never ends because of the API. Only a bug-level error (an invalid
-node name) ends it.
+node name) ends it. While the server is unavailable (no answer, 5xx, 429) the delays are capped
+at :data:`UNAVAILABLE_RETRY_CAP`, and the wait ends at once when any request of this process
+works again (:meth:`KubeClient.on_success`: a Prepare's claim GET, the watch's relist), so the
+slices are back within seconds of the server's return: the scheduler places no new pod on the
+node without them. A republish request (SIGHUP) or a drift event ends any wait too. An error
+the server answered (403, 422, ...) is not cured by its return: those waits grow to 30 s. The
+log says each change once (:class:`~dracpu.adapters.backoff.RetryLog`): the first failure, a
+different one, the recovery; repeats go to DEBUG.
 
 Readiness: ``task_status.started()`` is called after the FIRST pass has been attempted, whether it
 succeeded or not (and at the latest after ``start_timeout`` seconds). Readiness of the DaemonSet
@@ -57,6 +67,7 @@ import logging
 import math
 from collections.abc import AsyncIterable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import anyio
@@ -64,15 +75,16 @@ import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from dracpu import DRIVER_NAME
-from dracpu.adapters.backoff import backoff_delays
+from dracpu.adapters.backoff import Pause, RetryLog, backoff_delays
 from dracpu.adapters.kube import LISTED, KubeClient, consumable_capacity_dropped
-from dracpu.core.slices import Device, build_resource_slices
+from dracpu.core.slices import Device, SliceOptions, build_resource_slices
 from dracpu.errors import DracpuError, KubeAPIError, KubeNotFoundError
 
 __all__ = [
     "DEFAULT_DEBOUNCE",
     "DEFAULT_RESYNC_INTERVAL",
     "DEFAULT_START_TIMEOUT",
+    "UNAVAILABLE_RETRY_CAP",
     "DesiredDevices",
     "PublisherSettings",
     "republish_channel",
@@ -94,6 +106,8 @@ DEFAULT_DEBOUNCE = 0.2
 DEFAULT_RESYNC_INTERVAL = 600.0
 # started() at the latest after this long, even if the first pass still hangs on the network.
 DEFAULT_START_TIMEOUT = 10.0
+# Upstream's defaults: no node-allocatable mapping, no PCIe roots.
+_UPSTREAM_DEFAULTS = SliceOptions()
 # Pending republish requests kept; more are merged into the pending ones.
 _REPUBLISH_BUFFER = 16
 # A watch that failed again within this long of its start continues its backoff; one that ran
@@ -101,6 +115,13 @@ _REPUBLISH_BUFFER = 16
 # about the watch. client-go's reflector does the same: "If we don't backoff for 2min, assume
 # API server is healthy and we reset the backoff" (NewExponentialBackoffManager(800ms, 30s, 2m)).
 _WATCH_BACKOFF_RESET = 120.0
+# The longest wait between two attempts while the API server is unavailable (no answer, 5xx,
+# 429). Nothing else may show that it is back (no Prepare comes while no pod can be scheduled
+# here), and the slices should be back within 5 s of its return (issue 15): this cap plus one
+# pass. One LIST per node every 2.4-3 s during an outage is a load the server's watch cache
+# serves; the kubelet's node lease retries up to every 7 s for comparison
+# (k8s.io/component-helpers/apimachinery/lease/controller.go, maxBackoff).
+UNAVAILABLE_RETRY_CAP = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +132,38 @@ class PublisherSettings:
     resync_interval: float = DEFAULT_RESYNC_INTERVAL
     start_timeout: float = DEFAULT_START_TIMEOUT
     backoff: Callable[[], Iterator[float]] = field(default=backoff_delays)
-    """A fresh iterator of retry delays (endless) after each success."""
+    """A fresh iterator of retry delays (endless) after each success: errors the server
+    answered (403, 409, 422, ...)."""
+    unavailable_backoff: Callable[[], Iterator[float]] = field(
+        default=partial(backoff_delays, cap=UNAVAILABLE_RETRY_CAP)
+    )
+    """The same while the server is unavailable (no answer, 5xx, 429)."""
+
+
+def _unavailable(error: KubeAPIError) -> bool:
+    """No answer, a server error or 429: the server is down or overloaded, not refusing us."""
+    return error.status is None or error.status == 429 or error.status >= 500
+
+
+class _Retries:
+    """The delays of one retry loop: a backoff per kind of failure, both reset on success."""
+
+    def __init__(self, settings: PublisherSettings) -> None:
+        self._settings = settings
+        self._answered: Iterator[float] | None = None
+        self._unavailable: Iterator[float] | None = None
+
+    def next_delay(self, error: KubeAPIError) -> float:
+        if _unavailable(error):
+            if self._unavailable is None:
+                self._unavailable = self._settings.unavailable_backoff()
+            return next(self._unavailable)
+        if self._answered is None:
+            self._answered = self._settings.backoff()
+        return next(self._answered)
+
+    def reset(self) -> None:
+        self._answered = self._unavailable = None
 
 
 def republish_channel() -> tuple[MemoryObjectSendStream[str], MemoryObjectReceiveStream[str]]:
@@ -173,9 +225,12 @@ def _without_generation(slices: Sequence[Mapping[str, Any]]) -> list[dict[str, A
 
 
 class _Publisher:
-    def __init__(self, kube: KubeClient, node_name: str, settings: PublisherSettings) -> None:
+    def __init__(
+        self, kube: KubeClient, node_name: str, options: SliceOptions, settings: PublisherSettings
+    ) -> None:
         self.kube = kube
         self.node_name = node_name
+        self.options = options
         self.settings = settings
         self.source: Callable[[], Sequence[Device]] | None = None
         self.devices: Sequence[Device] | None = None
@@ -189,11 +244,27 @@ class _Publisher:
         self.wake_send = wake_send
         self.wake_receive = wake_receive
         self.first_attempt = anyio.Event()
+        # The retry waits of the two loops, and whether each waits for the server's return.
+        self.publish_pause = Pause()
+        self.watch_pause = Pause()
+        self.publish_waits_for_server = False
+        self.watch_waits_for_server = False
+        self.publish_log = RetryLog(logger, "publishing ResourceSlices")
+        self.watch_log = RetryLog(logger, "watching ResourceSlices")
 
     # --- triggers ----------------------------------------------------------------------------
 
     def wake(self, reason: str, *, refresh: bool = False) -> None:
         self.wake_send.send_nowait((reason, refresh))
+        self.publish_pause.wake()  # a retry wait ends too: do what was asked now
+
+    def server_answered(self) -> None:
+        """A request of this process worked (:meth:`KubeClient.on_success`): the loops that
+        wait for the server's return retry now."""
+        if self.publish_waits_for_server:
+            self.publish_pause.wake()
+        if self.watch_waits_for_server:
+            self.watch_pause.wake()
 
     async def forward_desired(self, stream: AsyncIterable[Sequence[Device]]) -> None:
         async for devices in stream:
@@ -210,7 +281,7 @@ class _Publisher:
     async def main_loop(self) -> None:
         reasons: list[str] = ["start"]
         refresh = self.source is not None
-        delays: Iterator[float] | None = None
+        retries = _Retries(self.settings)
         while True:
             if not reasons:
                 with anyio.move_on_after(self.settings.resync_interval):
@@ -241,23 +312,21 @@ class _Publisher:
                 reasons = ["consumable capacity unsupported"]
                 continue
             except KubeAPIError as exc:
-                if delays is None:
-                    delays = self.settings.backoff()
-                delay = next(delays)
-                status = exc.status
+                delay = retries.next_delay(exc)
                 # 404: a slice vanished between our list and our write; relisting fixes it.
-                transient = status is None or status in (404, 409, 429) or status >= 500
-                logger.log(
-                    logging.WARNING if transient else logging.ERROR,
-                    "publishing ResourceSlices failed, retrying in %.1f s: %s",
-                    delay,
-                    exc,
-                )
+                transient = _unavailable(exc) or exc.status in (404, 409)
+                level = logging.WARNING if transient else logging.ERROR
+                self.publish_log.failed(exc, retry_in=delay, level=level)
                 self.first_attempt.set()
-                await anyio.sleep(delay)
-                reasons = ["retry"]
+                self.publish_waits_for_server = _unavailable(exc)
+                try:
+                    woken = await self.publish_pause.sleep(delay)
+                finally:
+                    self.publish_waits_for_server = False
+                reasons = ["retry, woken early" if woken else "retry"]
                 continue
-            delays = None
+            retries.reset()
+            self.publish_log.recovered()
             reasons = []
             self.first_attempt.set()
 
@@ -337,6 +406,7 @@ class _Publisher:
         return build_resource_slices(
             self.node_name,
             self.devices,
+            options=self.options,
             consumable_capacity=self.consumable,
             generation=0,
             owner_uid=self.owner_uid,
@@ -390,21 +460,28 @@ class _Publisher:
 
     async def watch_loop(self) -> None:
         await self.first_attempt.wait()
-        delays: Iterator[float] | None = None
+        retries = _Retries(self.settings)
         while True:
             began = anyio.current_time()
             try:
                 events = self.kube.watch_resource_slices(DRIVER_NAME, self.node_name)
                 async with contextlib.aclosing(events):
                     async for kind, obj in events:
+                        if kind != LISTED:  # the watch itself delivers: it works
+                            self.watch_log.recovered()
                         if self.drifted(kind, obj):
                             self.wake(f"{kind.lower()} {_name(obj)}".strip())
             except KubeAPIError as exc:
-                if delays is None or anyio.current_time() - began >= _WATCH_BACKOFF_RESET:
-                    delays = self.settings.backoff()
-                delay = next(delays)
-                logger.warning("watching ResourceSlices failed, again in %.1f s: %s", delay, exc)
-                await anyio.sleep(delay)
+                if anyio.current_time() - began >= _WATCH_BACKOFF_RESET:
+                    retries.reset()  # a new failure: said again even if it reads the same
+                    self.watch_log = RetryLog(logger, "watching ResourceSlices")
+                delay = retries.next_delay(exc)
+                self.watch_log.failed(exc, retry_in=delay)
+                self.watch_waits_for_server = _unavailable(exc)
+                try:
+                    await self.watch_pause.sleep(delay)
+                finally:
+                    self.watch_waits_for_server = False
 
 
 async def run(
@@ -412,16 +489,32 @@ async def run(
     node_name: str,
     desired: DesiredDevices,
     *,
+    options: SliceOptions = _UPSTREAM_DEFAULTS,
     republish: MemoryObjectReceiveStream[str] | None = None,
     settings: PublisherSettings = PublisherSettings(),
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Publish ``desired`` devices for ``node_name`` until cancelled (see the module docstring).
 
-    ``republish``: the receiving end of :func:`republish_channel`. ``started()`` comes after the
-    first publish attempt, successful or not, or after ``settings.start_timeout``.
+    ``options``: upstream's publication switches. ``republish``: the receiving end of
+    :func:`republish_channel`. ``started()`` comes after the first publish attempt, successful or
+    not, or after ``settings.start_timeout``.
     """
-    publisher = _Publisher(kube, node_name, settings)
+    publisher = _Publisher(kube, node_name, options, settings)
+    stop_listening = kube.on_success(publisher.server_answered)
+    try:
+        await _run(publisher, desired, republish, settings, task_status)
+    finally:
+        stop_listening()
+
+
+async def _run(
+    publisher: _Publisher,
+    desired: DesiredDevices,
+    republish: MemoryObjectReceiveStream[str] | None,
+    settings: PublisherSettings,
+    task_status: anyio.abc.TaskStatus[None],
+) -> None:
     async with publisher.wake_send, publisher.wake_receive, anyio.create_task_group() as tg:
         if callable(desired):
             publisher.source = desired

@@ -72,6 +72,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from types import MappingProxyType
 from typing import Generic, TypeVar
 
@@ -109,6 +110,7 @@ from dracpu.core.slices import Device, published_devices
 from dracpu.core.state import NodeState, apply, commit_phase, restore_state, rollback
 from dracpu.core.topology import Topology
 from dracpu.errors import CdiError, DracpuError
+from dracpu.tasks.device_health import DeviceHealthBoard
 from dracpu.tasks.slice_publisher import request_republish
 
 __all__ = [
@@ -258,6 +260,8 @@ class StateOwner:
         self._files_limiter = anyio.CapacityLimiter(1)
         self._state: NodeState | None = None
         self._devices: tuple[Device, ...] = ()
+        # The published devices' health (the DRA socket's health streams read it).
+        self.health = DeviceHealthBoard()
         # CDI writes (cpus) and deletes (None) of the command being applied, by claim UID.
         self._cdi_changes: dict[str, CpuSet | None] = {}
         self._applied = 0
@@ -493,9 +497,14 @@ class StateOwner:
             self._effects_failed += 1
             logger.error("%s: post-commit effects cut off after %g s", name, self._command_deadline)
 
+    def _set_devices(self, devices: Sequence[Device]) -> None:
+        """The devices to publish now; their health follows."""
+        self._devices = tuple(devices)
+        self.health.set_devices(self._devices)
+
     def _publish(self, topology: Topology) -> None:
         config = self.config
-        self._devices = tuple(
+        self._set_devices(
             published_devices(
                 topology,
                 reserved=config.reserved_cpus,
@@ -525,7 +534,8 @@ class StateOwner:
         """The start state (see the module docstring); raises DracpuError when the node cannot
         be read (topology, an unreadable checkpoint) or the adoption of CDI specs fails."""
         config = self.config
-        topology = await anyio.to_thread.run_sync(read_topology, config.host_root)
+        read = partial(read_topology, config.host_root, pcie_roots=config.expose_pcie_roots)
+        topology = await anyio.to_thread.run_sync(read)
         outside = config.reserved_cpus - topology.online
         if outside:
             logger.warning("reserved cpus %s are not online on this node; ignored", outside)
@@ -546,7 +556,7 @@ class StateOwner:
         )
         # The devices are known now, whatever happens to the Resync below (which publishes
         # them again): a publisher must never see an empty device list for a working node.
-        self._devices = tuple(node.devices.values())
+        self._set_devices(tuple(node.devices.values()))
         data = await anyio.to_thread.run_sync(self._files.restore_checkpoint)
         state, refused = restore_state(node, data)
         for uid, reason in refused:

@@ -12,7 +12,7 @@
 // Each line of stdin is a batch: a JSON list of calls.
 //
 //	[{"method": "/pkg.Service/Method", "request": "<hex>", "timeout_ms": 10000, "copies": 1,
-//	  "max_recv": 0, "wait_for_ready": false, "metadata": {"key": "value"}}, ...]
+//	  "max_recv": 0, "wait_for_ready": false, "metadata": {"key": "value"}, "messages": 0}, ...]
 //
 // The calls of a batch start together, each as "copies" concurrent invocations of the same
 // request; the next batch is read once the batch has ended. Every call of every batch goes over
@@ -21,12 +21,19 @@
 // "max_recv" raises grpc-go's receive limit (0: its default, 4 MiB); "wait_for_ready" makes a
 // call wait for a connection instead of failing fast; "metadata" adds request headers. Messages
 // are raw bytes: the codec passes them through untouched and the content-type stays
-// "application/grpc".
+// "application/grpc". "messages" > 0 makes the call server-streaming, as the kubelet's device
+// health watch (NodeWatchResources): the request is sent, the client half-closes, and up to
+// that many replies are read; then the client cancels the call, unless the server ended it
+// first.
 //
 // When a batch has ended, stdout gets one JSON line per invocation, in input order (copies in
 // order within a call), with the grpc-go status of the call (0 and "" on success):
 //
 //	{"call": 0, "copy": 0, "reply": "<hex>", "code": 0, "message": "", "elapsed_ms": 1.2}
+//
+// A streaming call has "replies" (hex, in order) instead of "reply", and "ended": true when
+// the server ended the stream (its status in "code" and "message"; 0 for a clean end), false
+// when the client stopped after "messages" replies.
 //
 // The client exits at the end of stdin.
 package main
@@ -57,15 +64,18 @@ type call struct {
 	MaxRecv      int               `json:"max_recv"`
 	WaitForReady bool              `json:"wait_for_ready"`
 	Metadata     map[string]string `json:"metadata"`
+	Messages     int               `json:"messages"`
 }
 
 type result struct {
-	Call      int     `json:"call"`
-	Copy      int     `json:"copy"`
-	Reply     string  `json:"reply"`
-	Code      uint32  `json:"code"`
-	Message   string  `json:"message"`
-	ElapsedMs float64 `json:"elapsed_ms"`
+	Call      int      `json:"call"`
+	Copy      int      `json:"copy"`
+	Reply     string   `json:"reply"`
+	Code      uint32   `json:"code"`
+	Message   string   `json:"message"`
+	ElapsedMs float64  `json:"elapsed_ms"`
+	Replies   []string `json:"replies,omitempty"`
+	Ended     bool     `json:"ended"`
 }
 
 // rawCodec sends and receives messages as they are: []byte in, *[]byte out.
@@ -90,22 +100,59 @@ func (rawCodec) Unmarshal(data []byte, v interface{}) error {
 
 func (rawCodec) Name() string { return "raw" }
 
-func invoke(conn *grpc.ClientConn, c call, request []byte) (reply []byte, err error) {
+// callContext is the call's deadline and metadata; callOptions its codec and limits.
+func callContext(c call) (context.Context, context.CancelFunc) {
 	timeout := time.Duration(c.TimeoutMs) * time.Millisecond
 	if c.TimeoutMs <= 0 {
 		timeout = 10 * time.Second
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
-	defer cancel()
 	for key, value := range c.Metadata {
 		ctx = metadata.AppendToOutgoingContext(ctx, key, value)
 	}
+	return ctx, cancel
+}
+
+func callOptions(c call) []grpc.CallOption {
 	options := []grpc.CallOption{grpc.ForceCodec(rawCodec{}), grpc.WaitForReady(c.WaitForReady)}
 	if c.MaxRecv > 0 {
 		options = append(options, grpc.MaxCallRecvMsgSize(c.MaxRecv))
 	}
-	err = conn.Invoke(ctx, c.Method, request, &reply, options...)
+	return options
+}
+
+func invoke(conn *grpc.ClientConn, c call, request []byte) (reply []byte, err error) {
+	ctx, cancel := callContext(c)
+	defer cancel()
+	err = conn.Invoke(ctx, c.Method, request, &reply, callOptions(c)...)
 	return reply, err
+}
+
+// watch makes a server-streaming call: its replies, whether the server ended it, and how.
+func watch(conn *grpc.ClientConn, c call, request []byte) (replies [][]byte, ended bool, err error) {
+	ctx, cancel := callContext(c)
+	defer cancel() // after c.Messages replies: the client cancels, as the kubelet does
+	desc := &grpc.StreamDesc{ServerStreams: true}
+	stream, err := conn.NewStream(ctx, desc, c.Method, callOptions(c)...)
+	if err != nil {
+		return nil, true, err
+	}
+	if err := stream.SendMsg(request); err != nil {
+		return nil, true, err
+	}
+	if err := stream.CloseSend(); err != nil {
+		return nil, true, err
+	}
+	for len(replies) < c.Messages {
+		var reply []byte
+		if err := stream.RecvMsg(&reply); err == io.EOF {
+			return replies, true, nil
+		} else if err != nil {
+			return replies, true, err
+		}
+		replies = append(replies, reply)
+	}
+	return replies, false, nil
 }
 
 func copies(c call) int {
@@ -134,10 +181,22 @@ func runBatch(conn *grpc.ClientConn, calls []call) []result {
 			go func(r *result, c call) {
 				defer running.Done()
 				start := time.Now()
-				reply, err := invoke(conn, c, request)
+				var err error
+				if c.Messages > 0 {
+					var replies [][]byte
+					replies, r.Ended, err = watch(conn, c, request)
+					r.Replies = make([]string, len(replies))
+					for i, reply := range replies {
+						r.Replies[i] = hex.EncodeToString(reply)
+					}
+				} else {
+					var reply []byte
+					reply, err = invoke(conn, c, request)
+					r.Reply = hex.EncodeToString(reply)
+				}
 				r.ElapsedMs = float64(time.Since(start).Microseconds()) / 1000
 				s := status.Convert(err)
-				r.Reply, r.Code, r.Message = hex.EncodeToString(reply), uint32(s.Code()), s.Message()
+				r.Code, r.Message = uint32(s.Code()), s.Message()
 			}(&results[len(results)-1], c)
 		}
 	}

@@ -8,6 +8,8 @@ Regenerate with scripts/gen_proto.py. Modules (proto file -> module):
 
     dra/v1/api.proto -> dracpu.sim._pb2.dra.v1.api_pb2
     dra/v1beta1/api.proto -> dracpu.sim._pb2.dra.v1beta1.api_pb2
+    dra_health/v1/api.proto -> dracpu.sim._pb2.dra_health.v1.api_pb2
+    dra_health/v1alpha1/api.proto -> dracpu.sim._pb2.dra_health.v1alpha1.api_pb2
     google/rpc/status.proto -> dracpu.sim._pb2.google.rpc.status_pb2
     nri/v1alpha1/api.proto -> dracpu.sim._pb2.nri.v1alpha1.api_pb2
     pluginregistration/v1/api.proto -> dracpu.sim._pb2.pluginregistration.v1.api_pb2

@@ -1,0 +1,1 @@
+"""Diagnostics of a running driver (``dracpu gatherinfo``)."""

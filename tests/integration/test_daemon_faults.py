@@ -1,0 +1,181 @@
+"""Conditions the real ``dracpu run`` process waits out instead of exiting: a read-only CDI dir
+at start, a missing NRI socket, an API server outage. Each test holds the condition, checks that
+the daemon is alive, says why it is not ready (``/readyz``, ``/metrics``) and keeps serving what
+it can, then lifts the condition and checks that the daemon recovers by itself within seconds.
+
+A DaemonSet whose process exits for such a condition crash-loops, and while it is down the runtime
+creates containers without pinning them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import anyio
+import pytest
+
+from dracpu.sim.fake_runtime import open_fake_runtime
+from dracpu.sim.faults import api_outage
+from dracpu.sim.node import NodeSim, open_node_sim
+from tests.integration.conftest import cpus, node_cpus
+from tests.mounts import read_only_bind
+
+pytestmark = pytest.mark.anyio
+
+# How long each condition is held, and how soon after it clears the daemon must be back.
+HELD = 10.0
+RECOVERY = 5.0
+# The API outage of the issue: 8 s, slices back within 5 s of the server's return.
+OUTAGE = 8.0
+
+
+async def _readyz(sim: NodeSim) -> tuple[int, str]:
+    try:
+        return await sim.daemon.get("/readyz")
+    except OSError:
+        return 0, ""
+
+
+async def _metric(sim: NodeSim, line_start: str) -> str:
+    """The ``/metrics`` line that starts with ``line_start``."""
+    _, body = await sim.daemon.get("/metrics")
+    found = [line for line in body.splitlines() if line.startswith(line_start)]
+    assert len(found) == 1, f"{line_start!r} in /metrics: {found}"
+    return found[0]
+
+
+async def _hold(sim: NodeSim, seconds: float, check: Callable[[int, str], None]) -> None:
+    """For ``seconds``: the daemon runs, and ``check(status, body)`` holds for ``/readyz``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert sim.daemon.exited() is None
+        check(*await _readyz(sim))
+        await anyio.sleep(0.25)
+
+
+async def _ready_within(sim: NodeSim, seconds: float) -> float:
+    """Wait for ``/readyz`` 200; the seconds it took (fails after ``seconds``)."""
+    start = time.monotonic()
+
+    async def ready() -> bool:
+        return (await _readyz(sim))[0] == 200
+
+    while not await ready():
+        assert sim.daemon.exited() is None
+        assert time.monotonic() - start < seconds, (await _readyz(sim))[1]
+        await anyio.sleep(0.05)
+    return time.monotonic() - start
+
+
+async def test_a_read_only_cdi_dir_at_start_is_waited_out() -> None:
+    async with open_node_sim() as sim:
+        await sim.wait_published()
+        kept = sim.allocate("kept", 2)
+        assert (await sim.prepare(kept))[kept.uid].error == ""
+        held = cpus(sim.cdi_cpus(kept.uid) or "")
+        assert await sim.stop_daemon() == 0
+        sim.paths.cdi_spec(kept.uid).unlink()  # a reboot empties /var/run/cdi
+        cdi = sim.paths.cdi_dir
+
+        with read_only_bind(cdi) as mount:
+            await sim.start_daemon(wait_ready=False)
+            reason = f"cannot create files in CDI dir {str(cdi)!r}: Read-only file system"
+
+            def only_the_cdi_dir(status: int, body: str) -> None:
+                assert status in (0, 503)
+                if "[+]slice-publisher ok" in body:  # every task started: only the dir is amiss
+                    assert [line for line in body.splitlines() if line.startswith("[-]")] == [
+                        f"[-]cdi-dir not ready: {reason}"
+                    ]
+
+            await _hold(sim, HELD, only_the_cdi_dir)
+            assert (await _readyz(sim))[0] == 503
+            assert await _metric(sim, 'dracpu_task_ready{task="cdi-dir"}') == (
+                'dracpu_task_ready{task="cdi-dir"} 0.0'
+            )
+            # Prepare fails per claim, saying why; nothing is held for the claim.
+            refused = sim.allocate("refused", 2)
+            error = (await sim.prepare(refused))[refused.uid].error
+            spec = cdi / f"dra.k8s.io-cpu_claim-{refused.uid}.json"
+            assert error == f"cannot write CDI spec {str(spec)!r}: Read-only file system"
+            # Said once, however many tries: the daemon's log is not flooded.
+            waiting = [m for m in sim.daemon.messages("error") if m.startswith("using CDI dir")]
+            assert len(waiting) == 1
+            assert waiting[0].startswith(f"using CDI dir {cdi} failed, retrying in ")
+            assert waiting[0].endswith(f": {reason}; Prepare fails until then")
+            assert not any(m.startswith("task ") for m in sim.daemon.messages("error"))
+
+            mount.set_read_only(False)
+            assert await _ready_within(sim, RECOVERY) < RECOVERY
+            # The restored claim's spec is back (the start-up could not write it), and both
+            # claims work now.
+            assert cpus(sim.cdi_cpus(kept.uid) or "") == held
+            assert (await sim.prepare(refused))[refused.uid].error == ""
+            got = cpus(sim.cdi_cpus(refused.uid) or "")
+            assert got
+            assert got.isdisjoint(held)
+            _, container = await sim.run_container("app", claims=[refused])
+            assert cpus(container.cpus) == got
+            assert any(
+                m.startswith(f"using CDI dir {cdi} works again after ")
+                for m in sim.daemon.messages("info")
+            )
+            assert await sim.stop_daemon() == 0
+
+
+async def test_a_missing_nri_socket_is_waited_out() -> None:
+    async with open_node_sim(start=False) as sim:
+        socket_path = sim.paths.root / "late-nri" / "nri.sock"  # no runtime listens here yet
+        socket_path.parent.mkdir()
+        sim.daemon_args.append(f"--nri-socket={socket_path}")
+        started = time.monotonic()
+        await sim.start_daemon(wait_ready=False)
+
+        def not_ready(status: int, body: str) -> None:
+            # The NRI task reports started 10 s after it began without a runtime, itself after
+            # the launch: within 10 s of the launch the daemon cannot be ready.
+            if time.monotonic() - started < HELD:
+                assert status in (0, 503)
+
+        await _hold(sim, HELD - 1.0, not_ready)
+        assert sim.daemon.exited() is None
+        assert await _metric(sim, "dracpu_nri_connected ") == "dracpu_nri_connected 0.0"
+        # The kubelet's side works meanwhile: a claim is prepared.
+        await sim.wait_published()
+        claim = sim.allocate("early", 2)
+        assert (await sim.prepare(claim))[claim.uid].error == ""
+        held = cpus(sim.cdi_cpus(claim.uid) or "")
+        assert any(
+            m.startswith(f"NRI: cannot connect to {socket_path} (attempt 1)")
+            for m in sim.daemon.messages("warning")
+        )
+
+        async with open_fake_runtime(socket_path, runtime_version="2.4.0") as runtime:
+            pod = runtime.add_pod("before", namespace="default")
+            shared = runtime.add_container(pod, "main", cpus="")
+            appeared = time.monotonic()
+            await runtime.wait_plugin(RECOVERY + 2.0)  # the reconnect backoff is capped at 5 s
+            assert time.monotonic() - appeared < RECOVERY + 2.0
+            # Synchronize pinned the container that ran before: the shared pool, not the claim.
+            assert cpus(runtime.containers[shared.id].cpus) == node_cpus(sim) - held
+            assert await _ready_within(sim, RECOVERY) < RECOVERY
+            assert await _metric(sim, "dracpu_nri_connected ") == "dracpu_nri_connected 1.0"
+            app = runtime.add_pod("app", namespace="default")
+            await runtime.run_pod_sandbox(app)
+            container = runtime.new_container(app, "main", env=sim.cdi_env(claim.uid))
+            await runtime.create_container(app, container)
+            assert cpus(runtime.containers[container.id].cpus) == held
+            assert await sim.stop_daemon() == 0
+
+
+async def test_slices_are_back_within_5s_of_an_8s_api_outage() -> None:
+    async with open_node_sim() as sim:
+        await sim.wait_published()
+        took = await api_outage(sim, OUTAGE)  # the same as bench/bench_soak.py's five
+        assert took < RECOVERY
+        # One line when publishing began to fail, one when it worked again.
+        failed = [m for m in sim.daemon.messages("warning") if "publishing ResourceSlices" in m]
+        back = [m for m in sim.daemon.messages("info") if "publishing ResourceSlices" in m]
+        assert [m.split(",")[0] for m in failed] == ["publishing ResourceSlices failed"]
+        assert [m.split(" after")[0] for m in back] == ["publishing ResourceSlices works again"]
+        assert sim.daemon.messages("error") == []

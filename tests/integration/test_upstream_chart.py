@@ -1,0 +1,153 @@
+"""Upstream's Helm chart, unchanged, with dracpu's image: the driver starts, serves and pins.
+
+kubernetes-sigs/dra-driver-cpu's chart (``deployment/helm/dra-driver-cpu/templates/
+daemonset.yaml``) runs the image's ``/dracpu`` with ``--v=<logLevel> --bind-address=:<port>
+--expose-pcie-roots=<bool>``, adds ``--kubelet-root-dir=<root>`` when the root is not the
+default and ``--config=/etc/dracpu/config.yaml`` when it renders a driver config, sets no node
+name (the hostname is used) and no kubeconfig (in-cluster service account), and mounts neither a
+state directory nor sysfs. :mod:`tests.integration.chart_scenario` builds exactly that in a
+private mount namespace and walks one claim through; here we check what it saw.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+DRACPU = Path(sys.executable).parent / "dracpu"  # the installed command (the image's /dracpu)
+
+
+def _missing() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (a private mount namespace for the chart's fixed paths)"
+    for tool in ("unshare", "mount", "setpriv", "openssl"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    if not DRACPU.exists():
+        return f"the dracpu command is not installed at {DRACPU}"
+    return None
+
+
+def _layout(tmp_path: Path) -> Path:
+    """The image's entry points: /dracpu and /dracpu-gatherinfo link to the installed command
+    (Containerfile: ln -s /opt/dracpu/bin/dracpu /dracpu)."""
+    layout = tmp_path / "layout"
+    layout.mkdir()
+    for name in ("dracpu", "dracpu-gatherinfo"):
+        (layout / name).symlink_to(DRACPU)
+    return layout
+
+
+def _run(tmp_path: Path, **params: Any) -> dict[str, Any]:
+    reason = _missing()
+    if reason is not None:
+        pytest.skip(reason)
+    params = {
+        "base": str(tmp_path),
+        "layout": str(_layout(tmp_path)),
+        "log_level": 4,
+        "expose_pcie_roots": False,
+        "no_capabilities": True,
+        **params,
+    }
+    result = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--mount-proc",
+         sys.executable, "-m", "tests.integration.chart_scenario", json.dumps(params)],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    seen: dict[str, Any] = json.loads(result.stdout.splitlines()[-1])
+    return seen
+
+
+def _check_the_node(seen: dict[str, Any], port_arg: str, devices: list[str]) -> dict[str, Any]:
+    log = "\n".join(seen["log"])
+    assert seen["readyz"][0] == 200, log[-3000:]
+    assert seen["healthz"] == [200, "ok\n"]
+    assert seen["devices"] == devices
+    assert seen["prepare_error"] == ""
+    assert seen["cdi_cpus"] == seen["container_cpus"]
+    assert len(_cpus(seen["cdi_cpus"])) == 4
+    assert seen["unprepare_error"] == ""
+    assert seen["exit"] == 0, log[-3000:]
+    # The chart mounts no state directory: the daemon says what that costs, once.
+    assert log.count("does not outlive this pod") == 1
+    assert "deprecated" not in log  # the chart passes no deprecated flag
+    # Root without a single capability (the hardened DaemonSet drops them all) was enough.
+    assert seen["capabilities"] == {
+        "CapPrm": "0000000000000000",
+        "CapEff": "0000000000000000",
+        "CapBnd": "0000000000000000",
+    }
+    metrics = set(seen["metrics"])
+    assert {
+        "dra_cpu_allocated_cpus 4.0",
+        "dra_cpu_resource_claims_active 1.0",
+        'dra_cpu_prepare_claims_total{result="success"} 1.0',
+        'dra_cpu_prepare_claims_total{result="error"} 0.0',
+        "dra_cpu_claim_allocated_cpus_count 1.0",
+    } <= metrics, sorted(metrics)
+    gather = seen["gatherinfo"]
+    assert gather["rc"] == 0, gather["err"]
+    assert gather["out"].startswith("---\n")
+    report: dict[str, Any] = yaml.safe_load(gather["out"])
+    assert report["layoutVersion"] == "v1"
+    assert report["driverConfig"]["bindAddress"] == port_arg
+    assert report["cpuDetails"]["topology"]["numCPUs"] == 64
+    claims = report["dracpu"]["checkpoint"]["claims"]
+    assert [(c["uid"], c["cpus"]) for c in claims] == [(seen["claim"], seen["cdi_cpus"])]
+    assert report["dracpu"]["cdiSpecs"] == {seen["claim"]: seen["cdi_cpus"]}
+    dump = report["dracpu"]["debugDump"]
+    pinned = {c["id"]: c["cpus"] for c in dump["containers"]}
+    assert pinned[seen["container"]] == seen["cdi_cpus"]
+    assert any("prepared claim default/chart" in line for line in dump["recentLog"])
+    return report
+
+
+def _cpus(text: str) -> set[int]:
+    out: set[int] = set()
+    for part in filter(None, text.split(",")):
+        low, _, high = part.partition("-")
+        out.update(range(int(low), int(high or low) + 1))
+    return out
+
+
+def test_the_charts_default_arguments(tmp_path: Path) -> None:
+    seen = _run(tmp_path, kubelet_root_dir="/var/lib/kubelet", config=None, gatherinfo="subcommand")
+    port = seen["args"][2].removeprefix("--bind-address=")
+    assert seen["args"] == [
+        "/dracpu",
+        "--v=4",
+        f"--bind-address={port}",
+        "--expose-pcie-roots=false",
+    ]
+    _check_the_node(seen, port, [f"cpudevnuma00{n}" for n in range(4)])
+
+
+def test_the_charts_arguments_with_a_kubelet_root_and_a_driver_config(tmp_path: Path) -> None:
+    config = 'apiVersion: v1alpha1\ncpuDeviceMode: grouped\ngroupBy: socket\nreservedCPUs: "0"\n'
+    seen = _run(
+        tmp_path, kubelet_root_dir="/var/lib/k8s/kubelet", config=config, gatherinfo="alias"
+    )
+    port = seen["args"][2].removeprefix("--bind-address=")
+    assert seen["args"] == [
+        "/dracpu",
+        "--v=4",
+        f"--bind-address={port}",
+        "--expose-pcie-roots=false",
+        "--kubelet-root-dir=/var/lib/k8s/kubelet",
+        "--config=/etc/dracpu/config.yaml",
+    ]
+    report = _check_the_node(seen, port, ["cpudevsocket000", "cpudevsocket001"])
+    assert report["driverConfig"]["groupBy"] == "socket"
+    assert report["driverConfig"]["reservedCPUs"] == "0"
+    assert report["driverConfig"]["kubeletRootDir"] == "/var/lib/k8s/kubelet"
