@@ -1,4 +1,4 @@
-"""End to end on the real ``dracpu run`` process with the simulator's peers (design §7).
+"""End to end on the real ``dracpu run`` process with the simulator's peers.
 
 * ``e2e.start_to_ready``: milliseconds from launching ``dracpu run`` to ``/readyz`` 200 on the
   simulated node, the fake kubelet's registration included (``rss_mib``: VmRSS when ready);

@@ -1,5 +1,6 @@
 """NRI plugin latency, as the runtime sees it: the fake runtime calls the real plugin task, which
-asks a real state owner (``NodeState`` of the ``big-1024`` machine; file effects are no-ops).
+asks the real state owner (restored from the sysfs tree of the ``big-1024`` machine; its CDI specs
+and checkpoint on tmpfs; container events have no file effects).
 
 * ``nri.create.shared.200``: the CreateContainer call (request sent -> reply decoded by the
   runtime: what the runtime's 2 s deadline applies to) for a container without claims, with
@@ -10,8 +11,10 @@ asks a real state owner (``NodeState`` of the ``big-1024`` machine; file effects
   runtime's own bookkeeping (applying 200 updates to its table);
 * ``nri.synchronize.500``: the Synchronize call after a reconnect, 500 containers in 100 pods
   (realistic env, labels, annotations, mounts), 40 of them with a claim;
-* ``nri.codec.*``: the pure codec alone (encode the 200-update reply, decode the 500-container
-  Synchronize), and betterproto2 encoding the same reply for comparison.
+* ``nri.codec.*``: the messages alone, through Google protobuf (upb): build and encode the
+  200-update reply; decode the 500-container Synchronize and read the fields we use
+  (``sync_decode``), and the same plus its translation to owner commands, each container's
+  ``DRA_CPUSET_*`` env parsed (``sync_read``).
 
 Plugin, state owner and fake runtime share one process and one event loop, so every figure
 includes the other side's CPU time (Google protobuf, the state machine). Run:
@@ -21,6 +24,7 @@ includes the other side's CPU time (Google protobuf, the state machine). Run:
 from __future__ import annotations
 
 import logging
+import shutil
 import sys
 import tempfile
 import time
@@ -36,18 +40,18 @@ from anyio.streams.memory import MemoryObjectSendStream
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._harness import emit, measure, percentiles
-from dracpu._gen.nri import v1alpha1 as gen
+from dracpu.adapters import nri_messages as messages
 from dracpu.config import Config
 from dracpu.core.commands import Command, DeviceResult, PrepareClaim
 from dracpu.core.cpuset import CpuSet
-from dracpu.core.effects import ClaimPrepared, Effect, UpdateContainers
-from dracpu.core.state import NodeConfig, NodeState, apply, rollback
+from dracpu.core.effects import ClaimPrepared, ContainerUpdate
+from dracpu.core.node_config import NodeConfig
 from dracpu.sim._pb2.nri.v1alpha1 import api_pb2 as pb
 from dracpu.sim.fake_runtime import FakePod, FakeRuntime, claim_env, open_fake_runtime
-from dracpu.sim.topologies import FIXTURES, build_topology
+from dracpu.sim.topologies import FIXTURES, write_sysfs
 from dracpu.tasks import nri_plugin
+from dracpu.tasks.nri_link import NriLink
 from dracpu.tasks.state_owner import Request, StateOwner, create_request_stream, request
-from dracpu.wire import nri
 
 __all__ = ["main"]
 
@@ -104,34 +108,38 @@ async def _prepare(send: OwnerSend, uid: str, device: str) -> CpuSet:
 
 @asynccontextmanager
 async def _node(
-    socket: Path,
+    base: Path,
 ) -> AsyncIterator[tuple[FakeRuntime, OwnerSend, NodeConfig, TaskGroup]]:
     """A fake runtime, a state owner over big-1024 and the plugin task (started by the caller)."""
-    topology = build_topology(FIXTURES["big-1024"])
-    config = NodeConfig.build(NODE, topology, reserved=CpuSet.parse("0,512"), pin_memory=True)
-    link = nri_plugin.NriLink()
-
-    async def execute(effect: Effect) -> None:
-        if isinstance(effect, UpdateContainers):
-            link.submit(effect)
-
+    host_root = base / "host"
+    if not host_root.exists():
+        write_sysfs(FIXTURES["big-1024"], host_root)
+    socket = base / "nri.sock"
+    config = Config(
+        node_name=NODE,
+        host_root=host_root,
+        reserved_cpus=CpuSet.parse("0,512"),
+        memory_pinning=True,
+        nri_socket=socket,
+        cdi_dir=base / "cdi",
+        state_dir=base / "state",
+    )
+    link = NriLink()
     send: OwnerSend
     send, receive = create_request_stream()
-    owner: StateOwner[NodeState, Command, Effect] = StateOwner(
-        receive, NodeState.initial(config), apply, execute, rollback=rollback
-    )
+    owner = StateOwner(config, receive, container_updates=link.submit)
     async with send, open_fake_runtime(socket) as runtime, anyio.create_task_group() as tg:
         await tg.start(owner.run)
-        run = partial(
-            nri_plugin.run, Config(node_name=NODE, nri_socket=socket), send.clone(), link=link
-        )
+        run = partial(nri_plugin.run, config, send.clone(), lambda: owner.state, link=link)
         tg.start_soon(run)  # connects once the caller has filled the runtime's table
-        yield runtime, send, config, tg
+        yield runtime, send, owner.state.config, tg
         tg.cancel_scope.cancel()
+    shutil.rmtree(base / "cdi", ignore_errors=True)
+    shutil.rmtree(base / "state", ignore_errors=True)
 
 
-async def _round_trips(socket: Path) -> None:
-    async with _node(socket) as (runtime, send, config, _):
+async def _round_trips(base: Path) -> None:
+    async with _node(base) as (runtime, send, config, _):
         shared_pod = runtime.add_pod("shared")
         for i in range(SHARED):
             runtime.add_container(shared_pod, f"s{i}", env=_env(i), cpus="0-1023")
@@ -194,8 +202,8 @@ def _emit_calls(runtime: FakeRuntime, name: str, n: int, **extra: object) -> Non
     emit(name, "ms", p50=round(p50, 3), p99=round(p99, 3), n=n, **extra)
 
 
-async def _synchronize(socket: Path) -> None:
-    async with _node(socket) as (runtime, send, config, _):
+async def _synchronize(base: Path) -> None:
+    async with _node(base) as (runtime, send, config, _):
         pods = _add_realistic(runtime, SYNC_PODS, SYNC_CONTAINERS - SYNC_CLAIMS)
         groups = sorted(config.devices)
         for i in range(SYNC_CLAIMS):
@@ -226,33 +234,14 @@ async def _synchronize(socket: Path) -> None:
 
 
 def _codec_figures() -> None:
-    updates = [nri.CpusetUpdate(f"{i:064x}", "1-511,513-1023") for i in range(SHARED)]
+    pool = CpuSet.parse("1-511,513-1023")
+    updates = [ContainerUpdate(f"{i:064x}", pool) for i in range(SHARED)]
+    cpus, mems = CpuSet.parse("2-3"), CpuSet.parse("0")
     measure(
         f"nri.codec.create_reply.{SHARED}",
-        lambda: nri.encode_create_container_response("2-3", "0", updates),
+        lambda: messages.create_container_response("new", cpus, mems, updates),
         n=300,
     )
-
-    def betterproto2() -> bytes:
-        cpu = gen.LinuxCpu(cpus="2-3", mems="0")
-        reply = gen.CreateContainerResponse(
-            adjust=gen.ContainerAdjustment(
-                linux=gen.LinuxContainerAdjustment(resources=gen.LinuxResources(cpu=cpu))
-            ),
-            update=[
-                gen.ContainerUpdate(
-                    container_id=u.container_id,
-                    linux=gen.LinuxContainerUpdate(
-                        resources=gen.LinuxResources(cpu=gen.LinuxCpu(cpus=u.cpus))
-                    ),
-                )
-                for u in updates
-            ],
-        )
-        return bytes(reply)
-
-    assert betterproto2() == nri.encode_create_container_response("2-3", "0", updates)
-    measure(f"nri.codec.betterproto2.create_reply.{SHARED}", betterproto2, n=30)
 
     request_pb = pb.SynchronizeRequest()
     for p in range(SYNC_PODS):
@@ -276,17 +265,24 @@ def _codec_figures() -> None:
         for m in range(8):
             container.mounts.add(destination=f"/m{m}", type="bind", source=f"/src/{m}")
     data = request_pb.SerializeToString()
-    measure(
-        f"nri.codec.sync_decode.{SYNC_CONTAINERS}",
-        lambda: nri.decode_synchronize_request(data),
-        n=30,
-        bytes=len(data),
-    )
+
+    def decode() -> int:
+        part = messages.read_synchronize(data)
+        fields = [(c.id, c.pod_sandbox_id, c.name, c.state, list(c.env)) for c in part.containers]
+        pods = [(p.id, p.name, p.uid, p.namespace) for p in part.pods]
+        return len(fields) + len(pods)
+
+    def read() -> int:
+        part = messages.read_synchronize(data)
+        return len(messages.synchronized_containers(part.pods, part.containers))
+
+    measure(f"nri.codec.sync_decode.{SYNC_CONTAINERS}", decode, n=30, bytes=len(data))
+    measure(f"nri.codec.sync_read.{SYNC_CONTAINERS}", read, n=30, bytes=len(data))
 
 
 async def _all(tmp: Path) -> None:
-    await _round_trips(tmp / "create.sock")
-    await _synchronize(tmp / "sync.sock")
+    await _round_trips(tmp)
+    await _synchronize(tmp)
 
 
 def main() -> None:

@@ -3,17 +3,18 @@
 Run: ``.venv/bin/python bench/bench_prepare.py [--n 1000] [--cdi-dir DIR] [--state-dir DIR]
 [--only api|memory|floors]`` (``--only``: run one part alone, e.g. to profile it).
 
-The daemon's prepare path runs in this process: the state owner with the node machine of
-``dracpu run`` (:class:`dracpu.tasks.node_machine.NodeMachine`: the real ``apply`` on the 64-CPU
-``dual-socket-smt2`` machine, the real CDI spec write and the real checkpoint slot write with
-``fdatasync``) and the DRA socket of :mod:`dracpu.tasks.kubelet_plugin` (grpclib, betterproto2).
-ResourceClaims come through the kube adapter (:func:`dracpu.adapters.kube.open_kube_client`,
-used only through its public interface) from the fake API server of :mod:`dracpu.sim` (aiohttp)
-served in this same process and event loop, so its request handling is counted in the daemon's
-time and CPU (a real API server runs elsewhere). Its job here is serving, not validating (the
-tests do that): the OpenAPI schema validation of written objects is off, the claim status
-PATCHes still really happen (``status_patches``). The client is grpcio (the kubelet's role) in
-its own process, as the kubelet is; each figure is the client-side latency of one call.
+The daemon's prepare path runs in this process: the state owner of ``dracpu run``
+(:class:`dracpu.tasks.state_owner.StateOwner`, restored from the sysfs tree of the 64-CPU
+``dual-socket-smt2`` machine: the real ``apply``, the real CDI spec write and the real checkpoint
+slot write with ``fdatasync``, off the event loop) and the DRA socket of
+:mod:`dracpu.tasks.kubelet_plugin` (grpclib, betterproto2). ResourceClaims come through the kube
+adapter (:func:`dracpu.adapters.kube.open_kube_client`, used only through its public interface)
+from the fake API server of :mod:`dracpu.sim` (aiohttp) served in this same process and event
+loop, so its request handling is counted in the daemon's time and CPU (a real API server runs
+elsewhere). Its job here is serving, not validating (the tests do that): the OpenAPI schema
+validation of written objects is off, the claim status PATCHes still really happen
+(``status_patches``). The client is grpcio (the kubelet's role) in its own process, as the
+kubelet is; each figure is the client-side latency of one call.
 
 As in production, CDI specs go to tmpfs (``/dev/shm``; ``/var/run/cdi`` is on ``/run``) and the
 checkpoint to a disk directory (``/var/tmp``; ``/var/lib/dracpu``); the figures name the file
@@ -84,16 +85,14 @@ from dracpu.config import Config
 from dracpu.core.checkpoint_schema import CheckpointData, PreparedClaim
 from dracpu.core.commands import Command
 from dracpu.core.cpuset import CpuSet
-from dracpu.core.state import NodeConfig, NodeState
 from dracpu.errors import KubeNotFoundError
 from dracpu.sim._pb2.dra.v1 import api_pb2 as dra_pb
 from dracpu.sim._pb2.pluginregistration.v1 import api_pb2 as reg_pb
 from dracpu.sim.fake_apiserver import build_resource_claim, open_fake_apiserver
-from dracpu.sim.topologies import FIXTURES, build_topology
+from dracpu.sim.topologies import FIXTURES, write_sysfs
 from dracpu.tasks import kubelet_plugin, registration
 from dracpu.tasks.kubelet_plugin import ClaimSource
-from dracpu.tasks.node_machine import NodeMachine
-from dracpu.tasks.state_owner import Request, create_request_stream
+from dracpu.tasks.state_owner import Request, StateOwner, create_request_stream
 
 __all__ = ["main"]
 
@@ -355,14 +354,14 @@ async def _get_floor(
 async def _node(
     base: Path, cdi_dir: Path, state_dir: Path, claims: ClaimSource
 ) -> AsyncIterator[Path]:
-    """The state owner (node machine) and the DRA socket; yields the socket's path."""
-    config = Config(node_name=NODE, cdi_dir=cdi_dir, state_dir=state_dir)
-    machine = NodeMachine(config)
-    state = NodeState.initial(NodeConfig.build(NODE, build_topology(FIXTURES[TOPOLOGY])))
+    """The state owner and the DRA socket; yields the socket's path."""
+    host_root = base / f"host-{uuid.uuid4()}"
+    write_sysfs(FIXTURES[TOPOLOGY], host_root)
+    config = Config(node_name=NODE, host_root=host_root, cdi_dir=cdi_dir, state_dir=state_dir)
     send: MemoryObjectSendStream[Request[Command]]
     receive: MemoryObjectReceiveStream[Request[Command]]
     send, receive = create_request_stream()
-    owner = machine.state_owner(receive, state)
+    owner = StateOwner(config, receive)
     socket_path = base / "kubelet" / "plugins" / "dra.cpu" / "dra.sock"
     with send, receive:
         async with anyio.create_task_group() as tg:

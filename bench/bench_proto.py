@@ -1,4 +1,4 @@
-"""Protobuf costs on the daemon's hot paths (betterproto2 generated code in dracpu._gen).
+"""Protobuf costs on the daemon's hot paths: betterproto2 (DRA) and Google protobuf (NRI).
 
 Run: ``.venv/bin/python bench/bench_proto.py``. Figures (ms, p50/p99):
 
@@ -7,9 +7,11 @@ Run: ``.venv/bin/python bench/bench_proto.py``. Figures (ms, p50/p99):
 * ``proto.dra_prepare_response_100.build_encode`` / ``.decode``: a NodePrepareResources reply
   for 100 claims (a pod with many claims, the large end);
 * ``proto.nri_create_container_request.decode``: what the CreateContainer hook parses first
-  (budget: the runtime drops a plugin after 2 s for the whole call);
+  (:func:`dracpu.adapters.nri_messages.read_container_event`; budget: the runtime drops a
+  plugin after 2 s for the whole call);
 * ``proto.nri_create_container_response_100_updates.build_encode``: pin one container and
-  shrink 100 shared containers in the same reply.
+  shrink 100 shared containers in the same reply
+  (:func:`dracpu.adapters.nri_messages.create_container_response`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._harness import measure
 from dracpu._gen.dra import v1 as dra_v1
-from dracpu._gen.nri import v1alpha1 as nri
+from dracpu._gen.pb2.nri.v1alpha1 import api_pb2 as nri
+from dracpu.adapters import nri_messages
+from dracpu.core.cpuset import CpuSet
+from dracpu.core.effects import ContainerUpdate
 
 __all__ = ["main"]
 
@@ -106,7 +111,7 @@ def build_create_container_request() -> nri.CreateContainerRequest:
                 namespaces=[nri.LinuxNamespace(type="network", path="/proc/1/ns/net")],
                 resources=nri.LinuxResources(
                     memory=nri.LinuxMemory(limit=nri.OptionalInt64(value=1 << 30)),
-                    cpu=nri.LinuxCpu(
+                    cpu=nri.LinuxCPU(
                         shares=nri.OptionalUInt64(value=4096),
                         quota=nri.OptionalInt64(value=400000),
                         period=nri.OptionalUInt64(value=100000),
@@ -119,24 +124,15 @@ def build_create_container_request() -> nri.CreateContainerRequest:
     )
 
 
-def build_create_container_response() -> nri.CreateContainerResponse:
-    shared = "0-3,8-131,136-255"
-    return nri.CreateContainerResponse(
-        adjust=nri.ContainerAdjustment(
-            linux=nri.LinuxContainerAdjustment(
-                resources=nri.LinuxResources(cpu=nri.LinuxCpu(cpus="4-7,132-135", mems="0"))
-            )
-        ),
-        update=[
-            nri.ContainerUpdate(
-                container_id=f"{index:064x}",
-                linux=nri.LinuxContainerUpdate(
-                    resources=nri.LinuxResources(cpu=nri.LinuxCpu(cpus=shared))
-                ),
-                ignore_failure=True,
-            )
-            for index in range(SHARED_CONTAINERS)
-        ],
+SHARED_POOL = CpuSet.parse("0-3,8-131,136-255")
+SHARED_UPDATES = [
+    ContainerUpdate(f"{index:064x}", SHARED_POOL) for index in range(SHARED_CONTAINERS)
+]
+
+
+def build_create_container_response() -> bytes:
+    return nri_messages.create_container_response(
+        "b" * 64, CpuSet.parse("4-7,132-135"), CpuSet.parse("0"), SHARED_UPDATES
     )
 
 
@@ -166,17 +162,17 @@ def main() -> None:
         n=SAMPLES,
         bytes=len(prepare_bytes),
     )
-    request_bytes = bytes(build_create_container_request())
+    request_bytes = build_create_container_request().SerializeToString()
     measure(
         "proto.nri_create_container_request.decode",
-        lambda: nri.CreateContainerRequest.parse(request_bytes),
+        lambda: nri_messages.read_container_event("CreateContainer", request_bytes),
         n=SAMPLES,
         bytes=len(request_bytes),
     )
-    response_bytes = bytes(build_create_container_response())
+    response_bytes = build_create_container_response()
     measure(
         "proto.nri_create_container_response_100_updates.build_encode",
-        lambda: bytes(build_create_container_response()),
+        build_create_container_response,
         n=SAMPLES,
         bytes=len(response_bytes),
     )

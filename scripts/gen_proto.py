@@ -4,20 +4,26 @@ Usage (from the repository root or anywhere)::
 
     .venv/bin/python scripts/gen_proto.py           # rewrite both trees
     .venv/bin/python scripts/gen_proto.py --check   # exit 1 (with a diff summary) if stale
-    .venv/bin/python scripts/gen_proto.py --only pb2 --check --pb2-out DIR   # one tree only
+    .venv/bin/python scripts/gen_proto.py --only sim --check --sim-out DIR   # one tree only
 
 Two trees come out of the same protos:
 
-* ``dracpu._gen``: betterproto2 messages + grpclib stubs, used by the daemon (below);
-* ``dracpu.sim._pb2``: Google ``protobuf`` messages (``*_pb2.py`` + ``*_pb2.pyi`` stubs) of
-  EVERY proto under ``proto/`` (including the ttrpc envelope
-  and ``google.rpc.Status``), used only by the simulator's independent peers (fake runtime, fake
-  kubelet), which must share no code with the daemon (design §7). One protoc run compiles them
-  all; the module path follows the proto path (``nri/v1alpha1/api.proto`` ->
-  ``dracpu.sim._pb2.nri.v1alpha1.api_pb2``), and the absolute imports protoc writes between our
-  protos (``from google.rpc import status_pb2``) are rewritten to point inside
-  ``dracpu.sim._pb2``; imports of ``google.protobuf`` (the runtime's well-known types) stay.
-  Any other import of a top-level name that is one of our proto directories fails loudly.
+* ``dracpu._gen``, the daemon's: betterproto2 messages + grpclib stubs of the kubelet's gRPC
+  APIs (below), and under ``dracpu._gen.pb2`` Google ``protobuf`` messages of the NRI API and
+  the ttrpc envelope (``ttrpc.Request``, ``ttrpc.Response``, ``google.rpc.Status``): the NRI
+  plugin's hot path runs on the upb runtime, whose encoder and decoder are written in C;
+* ``dracpu.sim._pb2``: Google ``protobuf`` messages of EVERY proto under ``proto/``, used only
+  by the simulator's independent peers (fake runtime, fake kubelet), which share no code with
+  the daemon (the fake runtime frames its messages itself).
+
+The ``*_pb2.py`` trees (with ``*_pb2.pyi`` stubs) come from one protoc run each; the module path
+follows the proto path (``nri/v1alpha1/api.proto`` -> ``<package>.nri.v1alpha1.api_pb2``), and
+the absolute imports protoc writes between our protos (``from google.rpc import status_pb2``)
+are rewritten to point inside the tree's package; imports of ``google.protobuf`` (the runtime's
+well-known types) stay. Any other import of a top-level name that is one of our proto
+directories fails loudly. Both pb2 trees register the same proto files in protobuf's default
+descriptor pool; the runtime accepts a file registered again with identical contents, which
+the ``--check`` freshness guarantees.
 
 Each ``proto/<api>/<version>/*.proto`` file is compiled on its own by grpcio-tools' protoc with
 the betterproto2-compiler plugin (``client_generation=async,server_generation=async``) and its
@@ -46,20 +52,29 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["API_PROTOS", "PB2_PACKAGE", "generate", "generate_pb2", "main"]
+__all__ = [
+    "API_PROTOS",
+    "DAEMON_PB2_PACKAGE",
+    "DAEMON_PB2_PROTOS",
+    "SIM_PB2_PACKAGE",
+    "generate",
+    "generate_pb2",
+    "main",
+]
 
 # Repository layout (design §4): protos in proto/, generated code committed in src/dracpu/_gen.
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = REPO_ROOT / "proto"
 GEN_ROOT = REPO_ROOT / "src" / "dracpu" / "_gen"
 # The Google-protobuf tree for the simulator's peers (committed, like _gen).
-PB2_ROOT = REPO_ROOT / "src" / "dracpu" / "sim" / "_pb2"
-PB2_PACKAGE = "dracpu.sim._pb2"
+SIM_PB2_ROOT = REPO_ROOT / "src" / "dracpu" / "sim" / "_pb2"
+SIM_PB2_PACKAGE = "dracpu.sim._pb2"
+# The daemon's Google-protobuf tree, a subpackage of _gen (written and checked with it).
+DAEMON_PB2_DIR = "pb2"
+DAEMON_PB2_PACKAGE = "dracpu._gen.pb2"
 
-# The proto files compiled into _gen (relative to proto/). The generated Python package of each
-# is named after its directory: dra/v1/api.proto -> dracpu._gen.dra.v1.
-# proto/ttrpc and proto/google are for test peers only (the ttrpc envelope is hand-encoded in
-# dracpu.wire), so they are not listed here.
+# The proto files compiled by betterproto2 into _gen (relative to proto/). The generated Python
+# package of each is named after its directory: dra/v1/api.proto -> dracpu._gen.dra.v1.
 API_PROTOS: tuple[str, ...] = (
     "dra/v1/api.proto",
     "dra/v1beta1/api.proto",
@@ -67,7 +82,12 @@ API_PROTOS: tuple[str, ...] = (
     "dra_health/v1alpha1/api.proto",
     "pluginregistration/v1/api.proto",
     "podresources/v1/api.proto",
+)
+# The proto files of the daemon's pb2 tree: the NRI API and the ttrpc envelope it travels in.
+DAEMON_PB2_PROTOS: tuple[str, ...] = (
+    "google/rpc/status.proto",
     "nri/v1alpha1/api.proto",
+    "ttrpc/request.proto",
 )
 
 # betterproto2-compiler options (betterproto2_compiler/settings.py, 0.10): async grpclib
@@ -87,9 +107,10 @@ _ANY_RELATIVE_IMPORT = re.compile(r"^\s*from \.", re.M)
 _GEN_HEADER = "# Generated by scripts/gen_proto.py from proto/. DO NOT EDIT.\n"
 _GEN_ROOT_INIT = (
     _GEN_HEADER
-    + '"""Code generated from proto/ by betterproto2-compiler (see scripts/gen_proto.py).\n\n'
-    + "Modules (Python path -> proto package):\n\n"
-    + "{modules}"
+    + '"""Code generated from proto/ (see scripts/gen_proto.py).\n\n'
+    + "betterproto2-compiler modules (Python path -> proto package):\n\n"
+    + "{modules}\n"
+    + "Google protobuf modules (proto file -> module): see dracpu._gen.pb2.\n"
     + '"""\n'
 )
 
@@ -97,11 +118,19 @@ _GEN_ROOT_INIT = (
 _PB2_HEADER = "# Generated by scripts/gen_proto.py from proto/ (Google protobuf). DO NOT EDIT.\n"
 _PB2_ROOT_INIT = (
     _PB2_HEADER
-    + '"""Google-protobuf and grpcio code generated from proto/ by grpcio-tools.\n\n'
-    + "For the simulator's independent peers only (fake runtime, fake kubelet): the daemon uses\n"
-    + "dracpu._gen. Regenerate with scripts/gen_proto.py. Modules (proto file -> module):\n\n"
+    + '"""Google-protobuf code generated from proto/ by grpcio-tools\' protoc.\n\n'
+    + "{purpose}\n"
+    + "Regenerate with scripts/gen_proto.py. Modules (proto file -> module):\n\n"
     + "{modules}"
     + '"""\n'
+)
+_SIM_PB2_PURPOSE = (
+    "For the simulator's independent peers only (fake runtime, fake kubelet): they share no\n"
+    "code with the daemon, whose own tree is dracpu._gen.\n"
+)
+_DAEMON_PB2_PURPOSE = (
+    "The daemon's NRI messages and ttrpc envelopes (dracpu.adapters.nri_messages and\n"
+    "dracpu.adapters.ttrpc_envelopes), on the protobuf runtime's upb backend.\n"
 )
 # protoc's import of another generated module: ``from a.b import c_pb2 as alias``.
 _PB2_IMPORT = re.compile(r"^from ([A-Za-z_][\w.]*) import (\w+_pb2)\b", re.M)
@@ -208,7 +237,14 @@ def generate() -> dict[str, bytes]:
         raise GenerationError("no proto files to compile")
     files["message_pool.py"] = message_pool
     files["__init__.py"] = _GEN_ROOT_INIT.format(modules="".join(modules)).encode("utf-8")
+    pb2 = generate_pb2(DAEMON_PB2_PACKAGE, DAEMON_PB2_PROTOS, _DAEMON_PB2_PURPOSE)
+    files.update((f"{DAEMON_PB2_DIR}/{rel}", data) for rel, data in pb2.items())
     return dict(sorted(files.items()))
+
+
+def generate_sim() -> dict[str, bytes]:
+    """The simulator's ``_pb2`` tree: every proto under ``proto/``."""
+    return generate_pb2(SIM_PB2_PACKAGE, tuple(_all_protos()), _SIM_PB2_PURPOSE)
 
 
 def _all_protos() -> list[str]:
@@ -222,13 +258,13 @@ def _well_known_include() -> Path:
     return Path(grpc_tools.__file__).resolve().parent / "_proto"
 
 
-def _rewrite_pb2_imports(source: str, rel: str, own_modules: frozenset[str]) -> str:
-    """Point protoc's absolute imports of our own modules into ``dracpu.sim._pb2``."""
+def _rewrite_pb2_imports(source: str, rel: str, own_modules: frozenset[str], target: str) -> str:
+    """Point protoc's absolute imports of our own modules into the package ``target``."""
 
     def replace(match: re.Match[str]) -> str:
         package, module = match.group(1), match.group(2)
         if f"{package}.{module}" in own_modules:
-            return f"from {PB2_PACKAGE}.{package} import {module}"
+            return f"from {target}.{package} import {module}"
         if package == _RUNTIME_PACKAGE or package.startswith(_RUNTIME_PACKAGE + "."):
             return match.group(0)
         raise GenerationError(f"{rel}: import of unknown generated module {package}.{module}")
@@ -244,9 +280,8 @@ def _rewrite_pb2_imports(source: str, rel: str, own_modules: frozenset[str]) -> 
     return new_source
 
 
-def generate_pb2() -> dict[str, bytes]:
-    """Compile every proto with Google's generators; return the ``_pb2`` tree {path: bytes}."""
-    protos = _all_protos()
+def generate_pb2(package: str, protos: tuple[str, ...], purpose: str) -> dict[str, bytes]:
+    """Compile ``protos`` with Google's generators into a tree for ``package``: {path: bytes}."""
     if not protos:
         raise GenerationError(f"no .proto files under {PROTO_ROOT}")
     with tempfile.TemporaryDirectory(prefix="dracpu-pb2-") as tmp:
@@ -276,7 +311,7 @@ def generate_pb2() -> dict[str, bytes]:
     for rel, source in raw.items():
         if not rel.endswith((".py", ".pyi")):
             raise GenerationError(f"protoc wrote an unexpected file {rel}")
-        files[rel] = _rewrite_pb2_imports(source, rel, own_modules).encode("utf-8")
+        files[rel] = _rewrite_pb2_imports(source, rel, own_modules, package).encode("utf-8")
     # Every directory is a regular package, so imports never depend on namespace packages.
     directories = {Path(rel).parent.as_posix() for rel in files}
     for directory in list(directories):
@@ -285,10 +320,11 @@ def generate_pb2() -> dict[str, bytes]:
     for directory in sorted(directories - {"", "."}):
         files[f"{directory}/__init__.py"] = _PB2_HEADER.encode("utf-8")
     modules = "".join(
-        f"    {proto} -> {PB2_PACKAGE}.{proto.removesuffix('.proto').replace('/', '.')}_pb2\n"
+        f"    {proto} -> {package}.{proto.removesuffix('.proto').replace('/', '.')}_pb2\n"
         for proto in protos
     )
-    files["__init__.py"] = _PB2_ROOT_INIT.format(modules=modules).encode("utf-8")
+    init = _PB2_ROOT_INIT.format(purpose=purpose, modules=modules)
+    files["__init__.py"] = init.encode("utf-8")
     return dict(sorted(files.items()))
 
 
@@ -365,26 +401,27 @@ def main(argv: list[str] | None = None) -> int:
         "--out",
         type=Path,
         default=GEN_ROOT,
-        help="betterproto2 tree to write or check (default: src/dracpu/_gen)",
+        help="the daemon's tree to write or check (default: src/dracpu/_gen)",
     )
     parser.add_argument(
-        "--pb2-out",
+        "--sim-out",
         type=Path,
-        default=PB2_ROOT,
-        help="Google-protobuf tree to write or check (default: src/dracpu/sim/_pb2)",
+        default=SIM_PB2_ROOT,
+        help="the simulator's Google-protobuf tree to write or check (default: "
+        "src/dracpu/sim/_pb2)",
     )
     parser.add_argument(
         "--only",
-        choices=("betterproto2", "pb2"),
+        choices=("gen", "sim"),
         default=None,
         help="handle only one of the two trees (default: both)",
     )
     args = parser.parse_args(argv)
     targets: list[tuple[str, Path, Callable[[], dict[str, bytes]]]] = []
-    if args.only in (None, "betterproto2"):
-        targets.append(("betterproto2", args.out, generate))
-    if args.only in (None, "pb2"):
-        targets.append(("pb2", args.pb2_out, generate_pb2))
+    if args.only in (None, "gen"):
+        targets.append(("gen", args.out, generate))
+    if args.only in (None, "sim"):
+        targets.append(("sim", args.sim_out, generate_sim))
     wanted: list[tuple[str, Path, dict[str, bytes]]] = []
     for name, out, build in targets:
         try:

@@ -1,38 +1,40 @@
-"""The supervisor with fake tasks, ``main`` in-process, and the real ``dracpu run`` process."""
+"""The supervisor with fake tasks, with the real state owner and signals tasks, and ``main``
+in-process. (The real ``dracpu run`` process is driven in tests/integration.)"""
 
 from __future__ import annotations
 
 import gc
-import http.client
 import json
 import logging
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
 from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from dracpu.config import BindAddress, Config
+from dracpu.core.commands import Command
 from dracpu.daemon import (
     EXIT_FAILURE,
     EXIT_OK,
     Shutdown,
-    StateMachine,
     TaskRun,
     TaskSpec,
     main,
     serve,
 )
 from dracpu.errors import DracpuError
+from dracpu.tasks import signals, state_owner
 from dracpu.tasks.http import Readiness
+from dracpu.tasks.state_owner import Request, StateOwner, create_request_stream
+from tests.fixtures import SysfsTrees
 
 # --- fake tasks ---------------------------------------------------------------------------------
 
@@ -310,23 +312,46 @@ def _restore_logging() -> Iterator[None]:
     root.handlers[:] = handlers
     root.setLevel(level)
     ours.setLevel(our_level)
+    # main() leaves the heap frozen (for a fast exit): give this process's later tests a
+    # collector that sees every object again (gc.get_referrers, as hypothesis uses, included).
+    gc.unfreeze()
+
+
+_KUBECONFIG = """\
+apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "https://127.0.0.1:1"}}]
+users: [{name: u, user: {token: t}}]
+contexts: [{name: x, context: {cluster: c, user: u}}]
+current-context: x
+"""
 
 
 @pytest.mark.usefixtures("_restore_logging")
-def test_main_returns_1_when_the_daemon_cannot_be_wired(capsys: pytest.CaptureFixture[str]) -> None:
-    def broken(config: Config) -> StateMachine[None, object]:
-        raise DracpuError("cannot read /sys/devices/system/cpu/online")
-
-    config = Config(node_name="n", bind_address=BindAddress("127.0.0.1", 0), log_format="json")
+def test_main_returns_1_when_the_node_cannot_be_restored(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(_KUBECONFIG)
+    config = Config(
+        node_name="n",
+        bind_address=BindAddress("127.0.0.1", 0),
+        log_format="json",
+        kubeconfig=kubeconfig,
+        host_root=tmp_path / "no-sysfs-here",
+        state_dir=tmp_path / "state",
+        cdi_dir=tmp_path / "cdi",
+    )
     assert gc.isenabled()
-    assert main(config, machine=broken) == EXIT_FAILURE
+    assert main(config) == EXIT_FAILURE
     assert gc.isenabled()  # main turns the collector off for the start-up only
     assert gc.get_freeze_count() > 0  # and leaves the heap frozen for a fast exit
     lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
-    assert lines[-1]["message"] == (
-        "dracpu failed to start: cannot read /sys/devices/system/cpu/online"
-    )
-    assert lines[-1]["level"] == "error"
+    failure = [line for line in lines if line["level"] == "error"]
+    assert [line["message"].split(":")[0] for line in failure] == ["task state-owner failed"]
+    assert "no-sysfs-here" in failure[0]["message"]
+    # The tasks before the owner (signals) were stopped; nothing after it started.
+    assert "task http" not in "".join(line["message"] for line in lines)
 
 
 def test_task_specs_take_partial_and_plain_functions() -> None:
@@ -337,122 +362,43 @@ def test_task_specs_take_partial_and_plain_functions() -> None:
     assert TaskSpec("x", run).run is plain
 
 
-# --- the real process ---------------------------------------------------------------------------
+# --- a crashing state owner -------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+@pytest.mark.anyio
+async def test_a_crashing_state_owner_stops_the_daemon_with_exit_1(
+    trees: SysfsTrees,
+    scratch: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    config = Config(
+        node_name="n",
+        host_root=trees.root("dual-socket-smt2"),
+        cdi_dir=scratch / "cdi",
+        state_dir=scratch / "state",
+    )
+    send: MemoryObjectSendStream[Request[Command]]
+    receive: MemoryObjectReceiveStream[Request[Command]]
+    send, receive = create_request_stream()
+    owner = StateOwner(config, receive)
+    shutdown = Shutdown()
 
+    async def run_signals(*, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
+        await signals.run(send.clone(), shutdown.request, task_status=task_status)
 
-def _get(port: int, path: str) -> tuple[int, str]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-    try:
-        conn.request("GET", path)
-        response = conn.getresponse()
-        return response.status, response.read().decode()
-    finally:
-        conn.close()
-
-
-def _wait_until(what: str, check: Callable[[], bool], proc: subprocess.Popen[str]) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"dracpu exited ({proc.returncode}) before {what}"
-        try:
-            if check():
-                return
-        except OSError:
-            pass  # not listening yet
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-class Daemon:
-    """``python -m dracpu run`` on temporary directories and a free port."""
-
-    def __init__(self, tmp_path: Path, *extra: str, argv: list[str] | None = None) -> None:
-        self.port = _free_port()
-        self.dirs = [tmp_path / d for d in ("state", "kubelet", "cdi", "nri")]
-        for directory in self.dirs:
-            directory.mkdir()
-        state, kubelet, cdi, nri = self.dirs
-        command = argv or [
-            sys.executable,
-            "-m",
-            "dracpu",
-            "run",
-            "--node-name=node-1",
-            f"--state-dir={state}",
-            f"--kubelet-root-dir={kubelet}",
-            f"--cdi-dir={cdi}",
-            f"--nri-socket={nri / 'nri.sock'}",
-            f"--bind-address=127.0.0.1:{self.port}",
-            "--log-format=json",
-            *extra,
-        ]
-        env = {k: v for k, v in os.environ.items() if k not in {"NODE_NAME", "HOST_ROOT"}}
-        self.proc = subprocess.Popen(
-            command, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env
-        )
-
-    def wait_ready(self) -> None:
-        _wait_until("/readyz 200", lambda: _get(self.port, "/readyz")[0] == 200, self.proc)
-
-    def stop(self, signum: signal.Signals) -> tuple[int, float, list[dict[str, object]]]:
-        """Send ``signum``; the exit code, the seconds it took and the JSON log lines."""
-        start = time.monotonic()
-        self.proc.send_signal(signum)
-        return self.finish(start)
-
-    def finish(self, start: float) -> tuple[int, float, list[dict[str, object]]]:
-        _, err = self.proc.communicate(timeout=30)
-        elapsed = time.monotonic() - start
-        return self.proc.returncode, elapsed, [json.loads(line) for line in err.splitlines()]
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.communicate()
-
-
-@pytest.fixture
-def daemons() -> Iterator[list[Daemon]]:
-    started: list[Daemon] = []
-    yield started
-    for daemon in started:
-        daemon.kill()
-
-
-_BUGGY_OWNER = """
-import sys
-from collections.abc import Sequence
-from dracpu.config import BindAddress, Config
-from dracpu.core.effects import Reply
-from dracpu.daemon import StateMachine, main, skeleton_machine
-
-def buggy(config: Config) -> StateMachine[None, Reply]:
-    def apply(state: None, command: object) -> tuple[None, Sequence[Reply]]:
+    def buggy(state: object, command: object) -> Any:
         raise RuntimeError("bug in apply")
-    return StateMachine(state=None, apply=apply, execute=skeleton_machine(config).execute)
 
-config = Config(node_name="n", bind_address=BindAddress("127.0.0.1", int(sys.argv[1])),
-                log_format="json")
-sys.exit(main(config, machine=buggy))
-"""
+    def hang_up() -> None:  # every task runs: the owner meets its bug at the next command
+        monkeypatch.setattr(state_owner, "apply", buggy)
+        os.kill(os.getpid(), signal.SIGHUP)
 
-
-def test_a_crashing_state_owner_exits_1(tmp_path: Path, daemons: list[Daemon]) -> None:
-    port = _free_port()
-    daemon = Daemon(tmp_path, argv=[sys.executable, "-c", _BUGGY_OWNER, str(port)])
-    daemon.port = port
-    daemons.append(daemon)
-    daemon.wait_ready()
-    code, elapsed, logs = daemon.stop(signal.SIGHUP)  # the resync hits the bug
-    assert code == 1
-    assert elapsed < 5
-    messages = [entry["message"] for entry in logs]
+    tasks = [TaskSpec("signals", run_signals), TaskSpec("state-owner", owner.run)]
+    with send, receive, caplog.at_level(logging.INFO, logger="dracpu"):
+        with anyio.fail_after(5):
+            code = await serve(tasks, readiness=Readiness(), shutdown=shutdown, on_running=hang_up)
+    assert code == EXIT_FAILURE
+    messages = [record.getMessage() for record in caplog.records]
     assert "task state-owner failed: RuntimeError: bug in apply" in messages
     assert "resync failed: Resync: internal error: RuntimeError('bug in apply')" in messages

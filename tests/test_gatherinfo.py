@@ -20,7 +20,8 @@ import yaml
 from dracpu.core.checkpoint_schema import CheckpointData, PreparedClaim, encode
 from dracpu.core.commands import Container
 from dracpu.core.cpuset import CpuSet
-from dracpu.core.state import ContainerRecord, NodeConfig, NodeState
+from dracpu.core.node_config import NodeConfig
+from dracpu.core.state import ContainerRecord, NodeState
 from dracpu.diagnostics import gatherinfo
 from dracpu.diagnostics.gatherinfo import (
     DriverProcess,

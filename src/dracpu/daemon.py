@@ -1,13 +1,13 @@
 """The supervisor of ``dracpu run``: one task group, start order, readiness, graceful stop.
 
-:func:`main` sets up logging and runs :func:`serve` on anyio's asyncio backend (the gRPC
-server's protocols and the file thread use asyncio directly, design §3) with the daemon's tasks,
-in this order (design §3):
+:func:`main` sets up logging and runs :func:`serve` on anyio's asyncio backend (grpclib and the
+gRPC server's protocols need asyncio; every other task needs only anyio) with the daemon's
+tasks, in this order:
 
 1. ``signals``: first, so that SIGTERM during a slow start already stops gracefully (a SIGHUP
    that arrives before the owner runs waits in the owner's queue);
 2. ``state-owner``: restores the node (topology, checkpoint, CDI specs: see
-   :class:`~dracpu.tasks.node_machine.NodeMachine`) before it reports ready, then is the one
+   :class:`~dracpu.tasks.state_owner.StateOwner`) before it reports ready, then is the one
    task that changes node state;
 3. ``http``: ``/healthz``, ``/readyz``, ``/metrics`` (ours and upstream's ``dra_cpu_*``);
    ``debug-dump``: writes ``<state-dir>/debug-dump.json`` at each SIGUSR1 (``gatherinfo``);
@@ -24,9 +24,9 @@ shared by the kubelet plugin (claims) and the slice publisher.
 
 Memory: the cyclic garbage collector is off during the start-up; once every task runs, the
 objects of the start-up (modules, the restored state, the clients) are frozen out of it
-(``gc.freeze``) and it is turned back on, so a full collection never walks them (no ~50 ms pause
-in a Prepare), and the heap is frozen again before :func:`main` returns, so the exit after
-SIGTERM skips the interpreter's collections over it (~0.2 s). (``podresources-sync`` has no task
+(``gc.freeze``) and it is turned back on, so a full collection never walks them (it would pause
+a Prepare; docs/performance.md), and the heap is frozen again before :func:`main` returns, so the
+exit after SIGTERM skips the interpreter's collections over it. (``podresources-sync`` has no task
 yet.)
 
 Each task is started with ``await tg.start(...)``; once it calls ``task_status.started()`` its
@@ -42,7 +42,7 @@ the state owner, which finishes the command in flight (bounded by its own deadli
 stop is bounded by :data:`STOP_TIMEOUT`; a second signal cancels everything at once. Tasks
 remove the sockets they created in their own ``finally``.
 
-Failure policy (design §3): a task that can recover (NRI disconnect, API errors) retries inside
+Failure policy: a task that can recover (NRI disconnect, API errors) retries inside
 itself. A task that raises after it started, or returns while no stop was asked, is logged (one
 line; the traceback at debug level) and stops the daemon the same graceful way; a task that
 raises before it started ends the start-up. Either way the exit code is 1, so the DaemonSet
@@ -53,29 +53,22 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from types import MappingProxyType
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Protocol
 
 import anyio
 from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-from prometheus_client.metrics_core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    InfoMetricFamily,
-    Metric,
-)
 
 from dracpu import __version__
 from dracpu.adapters.kube import KubeClient, open_kube_client
 from dracpu.config import Config
-from dracpu.core.commands import Command, Resync
-from dracpu.core.effects import Reply, Resynced
+from dracpu.core.commands import Command
 from dracpu.core.slices import SliceOptions
+from dracpu.core.state_values import NodeState
 from dracpu.errors import DracpuError, leaf_errors
 from dracpu.logs import setup_logging
 from dracpu.tasks import (
@@ -84,6 +77,7 @@ from dracpu.tasks import (
     device_health,
     http,
     kubelet_plugin,
+    metrics,
     nri_plugin,
     registration,
     signals,
@@ -92,9 +86,8 @@ from dracpu.tasks import (
 )
 from dracpu.tasks.dra_cpu_metrics import DraCpuMetrics
 from dracpu.tasks.http import Readiness
-from dracpu.tasks.node_machine import NodeMachine
-from dracpu.tasks.nri_plugin import NriLink
-from dracpu.tasks.state_owner import FollowUp, OwnerStatistics, Request, Rollback, StateOwner
+from dracpu.tasks.nri_link import NriLink
+from dracpu.tasks.state_owner import Request, StateOwner
 
 __all__ = [
     "EXIT_FAILURE",
@@ -104,12 +97,10 @@ __all__ = [
     "KUBELET_REGISTRATION",
     "STOP_TIMEOUT",
     "Shutdown",
-    "StateMachine",
     "TaskRun",
     "TaskSpec",
     "main",
     "serve",
-    "skeleton_machine",
 ]
 
 logger = logging.getLogger(__name__)
@@ -118,7 +109,7 @@ EXIT_OK = 0
 EXIT_FAILURE = 1  # a task failed: the DaemonSet restarts the pod
 EXIT_INTERRUPTED = 130  # Ctrl-C before the signal handlers were installed (128 + SIGINT)
 
-# A stop must end within the 5 s the daemon promises (design §3, issue 2); 4.5 s for the tasks
+# A stop must end within the 5 s the daemon promises; 4.5 s for the tasks
 # leaves half a second to close the event loop and exit. The kubelet waits 30 s by default
 # (terminationGracePeriodSeconds) before it kills the container.
 STOP_TIMEOUT = 4.5
@@ -127,9 +118,6 @@ STOP_TIMEOUT = 4.5
 KUBELET_REGISTRATION = "kubelet-registration"
 # The readiness flag that says whether CDI specs can be written (the CDI watcher's verdict).
 CDI_DIR = "cdi-dir"
-
-S = TypeVar("S")
-E = TypeVar("E")
 
 
 class TaskRun(Protocol):
@@ -315,137 +303,12 @@ async def _stop(running: Sequence[_Running], shutdown: Shutdown, stop_timeout: f
 # --- the daemon's tasks -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class StateMachine(Generic[S, E]):
-    """What the state owner runs: an initial state, the pure ``apply``, the effect executor and
-    the rollback / follow-up hooks (see :mod:`dracpu.tasks.state_owner`)."""
-
-    state: S
-    apply: Callable[[S, Command], tuple[S, Sequence[E]]]
-    execute: Callable[[E], Awaitable[object]]
-    rollback: Rollback[S, E] | None = None
-    follow_up: FollowUp[E, Command] | None = None
-
-
-MachineFactory = Callable[[Config], StateMachine[Any, Any]]
-"""A test seam of :func:`main`: builds the state machine that the core tasks run."""
-
-
-def skeleton_machine(config: Config) -> StateMachine[None, Reply]:
-    """A state machine without a node, for tests of the supervisor (``main(machine=...)``).
-
-    It holds no claims and refuses every command with an error, except Resync, which it
-    answers truthfully: no CDI spec to rewrite, no config change. The real node's machine is
-    :class:`~dracpu.tasks.node_machine.NodeMachine`.
-    """
-
-    def apply(state: None, command: Command) -> tuple[None, Sequence[Reply]]:
-        if isinstance(command, Resync):
-            return state, [Reply(Resynced(claims=0, config_changed=False))]
-        name = type(command).__name__
-        return state, [Reply(DracpuError(f"{name}: the node state is not wired in yet"))]
-
-    async def execute(effect: Reply) -> None:
-        raise DracpuError(f"no executor for {effect}")  # apply above returns only Replies
-
-    return StateMachine(state=None, apply=apply, execute=execute)
-
-
-def _core_tasks(
-    config: Config,
-    owner: StateOwner[Any, Command, Any],
-    send: MemoryObjectSendStream[Request[Command]],
-    readiness: Readiness,
-    shutdown: Shutdown,
-) -> list[TaskSpec]:
-    """Signals, a ready-made state owner and HTTP: what :func:`main` runs with an injected
-    state machine (no peers). A task that sends commands takes its own clone of ``send`` when
-    it starts (so a task that never starts leaves no stream open)."""
-
-    async def run_signals(*, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
-        await signals.run(send.clone(), shutdown.request, task_status=task_status)
-
-    registry = http.build_registry(readiness, owner.statistics)
-    return [
-        TaskSpec("signals", run_signals),
-        TaskSpec("state-owner", owner.run),
-        TaskSpec("http", partial(http.run, config.bind_address, readiness, registry)),
-    ]
-
-
-async def _serve(config: Config, factory: MachineFactory) -> int:
-    readiness = Readiness()
-    shutdown = Shutdown()
-    machine = factory(config)
-    send: MemoryObjectSendStream[Request[Command]]
-    receive: MemoryObjectReceiveStream[Request[Command]]
-    send, receive = state_owner.create_request_stream()
-    with send, receive:  # the owner closes `receive` itself; this covers a failed start
-        owner: StateOwner[Any, Command, Any] = StateOwner(
-            receive,
-            machine.state,
-            machine.apply,
-            machine.execute,
-            rollback=machine.rollback,
-            follow_up=machine.follow_up,
-        )
-        tasks = _core_tasks(config, owner, send, readiness, shutdown)
-        return await serve(tasks, readiness=readiness, shutdown=shutdown, on_running=_settle_heap)
-
-
 # --- the real node ------------------------------------------------------------------------------
-
-_NO_STATISTICS = OwnerStatistics(0, 0, 0, 0, MappingProxyType({}))
-
-
-class _NriCollector:
-    """``/metrics`` of the NRI side, read from :meth:`NriLink.status` at scrape time."""
-
-    def __init__(self, link: NriLink) -> None:
-        self._link = link
-
-    def collect(self) -> Iterable[Metric]:
-        status = self._link.status()
-        yield GaugeMetricFamily(
-            "dracpu_nri_connected",
-            "1 while a runtime has accepted our NRI registration.",
-            value=float(status.connected),
-        )
-        yield GaugeMetricFamily(
-            "dracpu_nri_synchronized",
-            "1 once the connected runtime's Synchronize was answered (every container pinned).",
-            value=float(status.synchronized),
-        )
-        yield CounterMetricFamily(
-            "dracpu_nri_connections",
-            "Synchronized NRI connections since the start (1 + reconnects).",
-            value=float(status.connections),
-        )
-        updates = CounterMetricFamily(
-            "dracpu_nri_unsolicited_updates",
-            "Unsolicited UpdateContainers (widening after Unprepare), by outcome.",
-            labels=["outcome"],
-        )
-        updates.add_metric(["sent"], float(status.unsolicited_sent))
-        updates.add_metric(["failed"], float(status.unsolicited_failed))
-        updates.add_metric(["dropped"], float(status.unsolicited_dropped))
-        yield updates
-        runtime = InfoMetricFamily("dracpu_nri_runtime", "The runtime on the NRI socket.")
-        runtime.add_metric(
-            [],
-            {
-                "name": status.runtime_name,
-                "version": status.runtime_version,
-                "nri_version": status.nri_version,
-                "unsolicited_updates": str(status.unsolicited_updates).lower(),
-            },
-        )
-        yield runtime
 
 
 class _Node:
-    """Everything the node's tasks share: config, streams, the state machine, the NRI link,
-    the republish channel, the Kubernetes client. :meth:`tasks` lists them in start order."""
+    """Everything the node's tasks share: config, streams, the state owner, the NRI link, the
+    republish channel, the Kubernetes client. :meth:`tasks` lists them in start order."""
 
     def __init__(
         self,
@@ -459,40 +322,33 @@ class _Node:
         self.config = config
         self.kube = kube
         self.send = send
-        self.receive = receive
         self.readiness = readiness
         self.shutdown = shutdown
         self.link = NriLink()
         self.republish_send, self.republish_receive = slice_publisher.republish_channel()
-        self.machine = NodeMachine(
-            config, republish=self.republish_send, update_containers=self.link.submit
+        self.owner = StateOwner(
+            config, receive, republish=self.republish_send, container_updates=self.link.submit
         )
-        self.owner: StateOwner[Any, Command, Any] | None = None
         self.metrics = DraCpuMetrics(self.node_state)
 
-    def node_state(self) -> Any:
-        """The state owner's state, ``None`` until the owner runs."""
-        return self.owner.state if self.owner is not None else None
+    def node_state(self) -> NodeState | None:
+        """The state owner's committed state, ``None`` until the owner has restored the node."""
+        try:
+            return self.owner.state
+        except DracpuError:
+            return None
 
     def close(self) -> None:
         self.republish_send.close()
         self.republish_receive.close()
 
-    def statistics(self) -> OwnerStatistics:
-        return self.owner.statistics() if self.owner is not None else _NO_STATISTICS
-
     async def run_signals(self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
         await signals.run(self.send.clone(), self.shutdown.request, task_status=task_status)
-
-    async def run_state_owner(self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
-        state = await self.machine.restore()
-        self.owner = owner = self.machine.state_owner(self.receive, state)
-        await owner.run(task_status=task_status)
 
     async def run_cdi_watcher(self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
         health = self.readiness.flag(CDI_DIR, reason="the CDI dir has not been tried yet")
         await cdi_watcher.run(
-            self.config.cdi_dir, self.machine.desired_specs, health=health, task_status=task_status
+            self.config.cdi_dir, self.owner.desired_specs, health=health, task_status=task_status
         )
 
     async def run_kubelet_plugin(
@@ -505,7 +361,7 @@ class _Node:
             self.kube,
             config.node_name,
             metrics=self.metrics,
-            health=self.machine.health,
+            health=self.owner.health,
             task_status=task_status,
         )
 
@@ -517,7 +373,7 @@ class _Node:
         self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED
     ) -> None:
         await device_health.watch_online(
-            self.config.host_root, self.machine.health, task_status=task_status
+            self.config.host_root, self.owner.health, task_status=task_status
         )
 
     async def run_registration(self, *, task_status: TaskStatus[Any] = TASK_STATUS_IGNORED) -> None:
@@ -531,7 +387,11 @@ class _Node:
 
     async def run_nri_plugin(self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
         await nri_plugin.run(
-            self.config, self.send.clone(), link=self.link, task_status=task_status
+            self.config,
+            self.send.clone(),
+            lambda: self.owner.state,
+            link=self.link,
+            task_status=task_status,
         )
 
     async def run_slice_publisher(
@@ -544,19 +404,18 @@ class _Node:
         await slice_publisher.run(
             self.kube,
             self.config.node_name,
-            self.machine.devices,
+            self.owner.devices,
             options=options,
             republish=self.republish_receive.clone(),
             task_status=task_status,
         )
 
     def tasks(self) -> list[TaskSpec]:
-        registry = http.build_registry(self.readiness, self.statistics)
-        registry.register(_NriCollector(self.link))
+        registry = metrics.build_registry(self.readiness, self.owner.statistics, self.link.status)
         registry.register(self.metrics)
         return [
             TaskSpec("signals", self.run_signals),
-            TaskSpec("state-owner", self.run_state_owner),
+            TaskSpec("state-owner", self.owner.run),
             TaskSpec("http", partial(http.run, self.config.bind_address, self.readiness, registry)),
             TaskSpec("debug-dump", self.run_debug_dump),
             TaskSpec("cdi-watcher", self.run_cdi_watcher),
@@ -588,25 +447,21 @@ async def _serve_node(config: Config) -> int:
 def _settle_heap() -> None:
     """Every task runs: the objects that exist now (modules, classes, the restored state, the
     clients) live as long as the process. Move them out of the collector's generations
-    (``gc.freeze``), so that no later full collection walks them (a pause of ~50 ms in a
-    Prepare otherwise), and turn the collector back on (:func:`main` turned it off for the
+    (``gc.freeze``), so that no later full collection walks them (a pause in a Prepare
+    otherwise), and turn the collector back on (:func:`main` turned it off for the
     start-up, which allocates for good: collections there find next to nothing)."""
     gc.freeze()
     gc.enable()
 
 
-def main(config: Config, *, machine: MachineFactory | None = None) -> int:
-    """Run the daemon until SIGTERM/SIGINT (exit 0) or a task failure (exit 1).
-
-    ``machine``: a test seam; when given, only the core tasks (signals, a state owner running
-    this machine, HTTP) run, with no peer (no kubelet, runtime or API server).
-    """
+def main(config: Config) -> int:
+    """Run the daemon until SIGTERM/SIGINT (exit 0) or a task failure (exit 1)."""
     collecting = gc.isenabled()
     gc.disable()  # until every task runs: _settle_heap
     try:
-        return _main(config, machine)
+        return _main(config)
     finally:
-        # The interpreter's collections at exit would walk the whole heap again: ~0.2 s of the
+        # The interpreter's collections at exit would walk the whole heap again: a slow part of the
         # stop after SIGTERM. Frozen objects are left to the OS with the process.
         gc.freeze()
         if collecting:
@@ -615,7 +470,7 @@ def main(config: Config, *, machine: MachineFactory | None = None) -> int:
             gc.disable()
 
 
-def _main(config: Config, machine: MachineFactory | None) -> int:
+def _main(config: Config) -> int:
     setup_logging(config.log_format, config.verbosity, vmodule=config.vmodule)
     logger.info(
         "dracpu %s starting on node %s (node name from %s; %s devices, group by %s, "
@@ -628,9 +483,7 @@ def _main(config: Config, machine: MachineFactory | None) -> int:
         config.reserved_cpus or "none",
     )
     try:
-        if machine is None:
-            return anyio.run(_serve_node, config, backend="asyncio")
-        return anyio.run(_serve, config, machine, backend="asyncio")
+        return anyio.run(_serve_node, config, backend="asyncio")
     except KeyboardInterrupt:
         logger.warning("interrupted before the signal handlers were installed")
         return EXIT_INTERRUPTED

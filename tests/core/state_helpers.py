@@ -22,8 +22,9 @@ from dracpu.core.effects import (
     WriteCdiSpec,
     WriteCheckpoint,
 )
+from dracpu.core.node_config import NodeConfig
 from dracpu.core.slices import CpuDeviceMode, GroupBy
-from dracpu.core.state import NodeConfig, NodeState, PreparedClaim, apply, commit_phase, rollback
+from dracpu.core.state import NodeState, PreparedClaim, apply, commit_phase, rollback
 from dracpu.core.topology import CpuInfo, Topology
 from dracpu.errors import CdiError, DracpuError
 
@@ -155,9 +156,9 @@ def run(state: NodeState, command: Command, disk: FakeDisk) -> tuple[NodeState, 
         try:
             disk.execute(effect)
         except DracpuError:
-            if isinstance(effect, UpdateContainers):
-                ids = tuple(u.container_id for u in effect.updates)
-                new, _ = apply(new, InvalidateContainers(ids))
+            if isinstance(effect, UpdateContainers):  # the runtime failed them: the NRI task
+                failed = tuple((u.container_id, u.seq) for u in effect.updates)  # tells us so
+                new, _ = apply(new, InvalidateContainers(failed))
     return new, reply.value
 
 

@@ -19,6 +19,7 @@ from dracpu.core.claims import (
 from dracpu.core.commands import DeviceResult, PrepareClaim
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.effects import ClaimPrepared, Reply
+from dracpu.core.node_config import NodeConfig
 from dracpu.core.slices import (
     CAPACITY_CPU,
     CpuDeviceMode,
@@ -26,7 +27,7 @@ from dracpu.core.slices import (
     build_resource_slices,
     published_devices,
 )
-from dracpu.core.state import NodeConfig, NodeState, apply
+from dracpu.core.state import NodeState, apply
 from dracpu.errors import ClaimError
 from dracpu.sim.apiserver_patch import apply_merge_patch
 from dracpu.sim.apiserver_validation import SchemaValidator, claim_status_errors

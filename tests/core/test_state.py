@@ -53,12 +53,12 @@ from dracpu.core.effects import (
     WriteCdiSpec,
     WriteCheckpoint,
 )
+from dracpu.core.node_config import NodeConfig
 from dracpu.core.slices import CpuDeviceMode, GroupBy
 from dracpu.core.state import (
     ClaimOwner,
     ContainerRecord,
     InvariantError,
-    NodeConfig,
     NodeState,
     PreparedClaim,
     apply,
@@ -367,7 +367,7 @@ def test_isolated_cpus_are_preparable_but_never_shared() -> None:
     state, _, _ = ok(state, individual(config, 1, [3]))
     _, value, _ = ok(state, CreateContainer(shared_container(1)))
     assert isinstance(value, ContainerPinned)
-    assert value.cpus == cpus("1-2,4-7,9-10,12-15")
+    assert value.pin.cpus == cpus("1-2,4-7,9-10,12-15")
 
 
 def test_prepare_that_would_empty_the_shared_pool_is_refused() -> None:
@@ -405,8 +405,9 @@ def test_isolated_cpus_do_not_keep_the_shared_pool_alive() -> None:
 def test_shared_container_gets_the_shared_pool() -> None:
     state = NodeState.initial(GROUPED)
     new, value, _ = ok(state, CreateContainer(shared_container(1)))
-    assert value == ContainerPinned("shared-1", cpus("1-7,9-15"), None, ())
+    assert value == ContainerPinned(ContainerUpdate("shared-1", cpus("1-7,9-15"), None, 1), ())
     assert new.shared == {"shared-1"}
+    assert (new.pin_seq, new.containers["shared-1"].seq) == (1, 1)
 
 
 def test_exclusive_container_gets_its_claim_and_shrinks_the_shared_ones() -> None:
@@ -416,40 +417,52 @@ def test_exclusive_container_gets_its_claim_and_shrinks_the_shared_ones() -> Non
     state, _, _ = ok(state, individual(INDIVIDUAL, 1, [4, 12]))
     state, value, effects = ok(state, CreateContainer(claim_container(state, 1, 1)))
     pool = cpus("1-3,5-7,9-11,13-15")
+    assert state.pin_seq == 3  # two shared containers created, then this one
     assert value == ContainerPinned(
-        "excl-1",
-        cpus("4,12"),
-        None,
-        (ContainerUpdate("shared-1", pool), ContainerUpdate("shared-2", pool)),
+        ContainerUpdate("excl-1", cpus("4,12"), None, 3),
+        (ContainerUpdate("shared-1", pool, None, 3), ContainerUpdate("shared-2", pool, None, 3)),
     )
     assert effects == [Reply(value)]
+    assert {cid: r.seq for cid, r in state.containers.items()} == {
+        "shared-1": 3,
+        "shared-2": 3,
+        "excl-1": 3,
+    }
     # the next container of either kind sends no update: everyone is where they belong
-    _, value, _ = ok(state, CreateContainer(shared_container(3)))
-    assert value == ContainerPinned("shared-3", pool, None, ())
+    new, value, _ = ok(state, CreateContainer(shared_container(3)))
+    assert value == ContainerPinned(ContainerUpdate("shared-3", pool, None, 4), ())
+    assert new.containers["shared-1"].seq == 3  # not moved: its decision stands
 
 
 def test_moved_shared_containers_get_the_values_the_constructors_build() -> None:
     """The records and updates of a pool move are built through the slot descriptors (faster):
     they must be the very values the dataclass constructors build, with every field set."""
-    assert [f.name for f in fields(ContainerRecord)] == ["container", "claims", "cpus", "mems"]
-    assert [f.name for f in fields(ContainerUpdate)] == ["container_id", "cpus", "mems"]
+    assert [f.name for f in fields(ContainerRecord)] == [
+        "container",
+        "claims",
+        "cpus",
+        "mems",
+        "seq",
+    ]
+    assert [f.name for f in fields(ContainerUpdate)] == ["container_id", "cpus", "mems", "seq"]
     assert not hasattr(ContainerRecord, "__post_init__")
     assert not hasattr(ContainerUpdate, "__post_init__")
     state = NodeState.initial(INDIVIDUAL)
     for n in (1, 2, 3):
         state, _, _ = ok(state, CreateContainer(shared_container(n)))
-    state, _, _ = ok(state, InvalidateContainers(("shared-2",)))  # cpus unknown: EMPTY
+    state, _, _ = ok(state, InvalidateContainers((("shared-2", 2),)))  # cpus unknown: EMPTY
     state, _, _ = ok(state, individual(INDIVIDUAL, 1, [4, 12]))
     new, value, _ = ok(state, CreateContainer(claim_container(state, 1, 1)))
     pool = cpus("1-3,5-7,9-11,13-15")
     assert isinstance(value, ContainerPinned)
     assert [u.container_id for u in value.updates] == ["shared-1", "shared-2", "shared-3"]
     for update in value.updates:
-        built = ContainerUpdate(update.container_id, pool)
+        built = ContainerUpdate(update.container_id, pool, None, new.pin_seq)
         assert type(update) is ContainerUpdate
         assert (update, hash(update), repr(update)) == (built, hash(built), repr(built))
         record = new.containers[update.container_id]
-        expected = ContainerRecord(state.containers[update.container_id].container, (), pool)
+        old = state.containers[update.container_id].container
+        expected = ContainerRecord(old, (), pool, None, new.pin_seq)
         assert type(record) is ContainerRecord
         assert (record, hash(record), repr(record)) == (expected, hash(expected), repr(expected))
         with pytest.raises(FrozenInstanceError):
@@ -466,7 +479,7 @@ def test_container_with_two_claims_gets_their_union() -> None:
     state, _, _ = ok(state, individual(INDIVIDUAL, 2, [6, 14]))
     _, value, _ = ok(state, CreateContainer(claim_container(state, 1, 1, 2)))
     assert isinstance(value, ContainerPinned)
-    assert value.cpus == cpus("4,6,14")
+    assert value.pin.cpus == cpus("4,6,14")
 
 
 def test_spoofed_env_naming_an_unprepared_claim_is_refused() -> None:
@@ -512,7 +525,7 @@ def test_claim_of_another_pod_is_refused_and_restart_in_the_same_pod_is_not() ->
     restarted = replace(first, id="excl-1-restarted")
     state, value, _ = ok(state, CreateContainer(restarted))
     assert isinstance(value, ContainerPinned)
-    assert value.cpus == cpus("4")
+    assert value.pin.cpus == cpus("4")
     state, _, _ = ok(state, RemoveContainer(restarted.id))
     state, _, _ = ok(state, UnprepareClaim(uid(1)))
     assert state.owners == {}
@@ -523,8 +536,12 @@ def test_update_container_answers_like_create() -> None:
     container = claim_container(state, 1, 1)
     state, created, _ = ok(state, CreateContainer(container))
     state2, updated, _ = ok(state, UpdateContainer(container))
-    assert created == updated
-    assert state2.containers == state.containers
+    assert isinstance(created, ContainerPinned)
+    assert isinstance(updated, ContainerPinned)
+    assert updated == replace(created, pin=replace(created.pin, seq=2))  # a new decision
+    assert state2.containers == {
+        cid: replace(record, seq=2) for cid, record in state.containers.items()
+    }
 
 
 def test_stop_widens_shared_containers_after_an_unprepare() -> None:
@@ -537,7 +554,8 @@ def test_stop_widens_shared_containers_after_an_unprepare() -> None:
     state, _, effects = ok(state, UnprepareClaim(uid(1)))
     assert not any(isinstance(e, UpdateContainers) for e in effects)  # runtime may deadlock
     state, value, _ = ok(state, StopContainer(excl.id))
-    assert value == ContainerForgotten(excl.id, (ContainerUpdate("shared-1", cpus("1-7,9-15")),))
+    update = ContainerUpdate("shared-1", cpus("1-7,9-15"), None, state.pin_seq)
+    assert value == ContainerForgotten(excl.id, (update,))
     assert excl.id not in state.containers
 
 
@@ -548,9 +566,11 @@ def test_remove_sends_no_update() -> None:
     excl = claim_container(state, 1, 1)
     state, _, _ = ok(state, CreateContainer(excl))
     state, _, _ = ok(state, UnprepareClaim(uid(1)))
+    before = state.pin_seq
     state, value, _ = ok(state, RemoveContainer(excl.id))
     assert value == ContainerForgotten(excl.id, ())
     assert state.containers["shared-1"].cpus == cpus("1-3,5-7,9-15")  # still to be widened
+    assert state.pin_seq == before  # no decision
 
 
 def test_unprepare_widens_at_once_when_the_runtime_allows_unsolicited_updates() -> None:
@@ -558,12 +578,15 @@ def test_unprepare_widens_at_once_when_the_runtime_allows_unsolicited_updates() 
     state, _, _ = ok(state, Synchronize((shared_container(1),), unsolicited_updates=True))
     state, _, _ = ok(state, individual(INDIVIDUAL, 1, [4]))
     state, _, _ = ok(state, CreateContainer(claim_container(state, 1, 1)))
+    before = state.pin_seq
     state, _, effects = ok(state, UnprepareClaim(uid(1)))
+    assert state.pin_seq == before + 1
     assert effects[2:] == [
         Reply(ClaimUnprepared(uid(1), cpus("4"))),
-        UpdateContainers((ContainerUpdate("shared-1", cpus("1-7,9-15")),)),
+        UpdateContainers((ContainerUpdate("shared-1", cpus("1-7,9-15"), None, state.pin_seq),)),
     ]
     assert state.containers["shared-1"].cpus == cpus("1-7,9-15")
+    assert state.containers["shared-1"].seq == state.pin_seq
     state, _, _ = ok(state, RuntimeDisconnected())
     assert not state.unsolicited_updates
 
@@ -578,9 +601,11 @@ def test_failed_unsolicited_update_is_sent_again() -> None:
     assert value == ClaimUnprepared(uid(1), cpus("4"))
     assert state.claims == {}  # committed despite the post-commit failure
     assert state.containers["shared-1"].cpus == CpuSet()  # unknown now
-    _, value, _ = ok(state, CreateContainer(shared_container(2)))
+    new, value, _ = ok(state, CreateContainer(shared_container(2)))
+    seq = new.pin_seq
     assert value == ContainerPinned(
-        "shared-2", cpus("1-7,9-15"), None, (ContainerUpdate("shared-1", cpus("1-7,9-15")),)
+        ContainerUpdate("shared-2", cpus("1-7,9-15"), None, seq),
+        (ContainerUpdate("shared-1", cpus("1-7,9-15"), None, seq),),
     )
 
 
@@ -594,11 +619,12 @@ def test_synchronize_repins_everything_and_confines_unverifiable_containers() ->
     state, value, _ = ok(state, Synchronize((plain, spoof, good, broken)))
     pool = cpus("1-3,5-7,9-11,13-15")
     assert isinstance(value, Synchronized)
+    assert state.pin_seq == 1
     assert value.updates == (
-        ContainerUpdate("broken", pool),
-        ContainerUpdate("excl-1", cpus("4,12")),
-        ContainerUpdate("shared-1", pool),
-        ContainerUpdate("spoof", pool),
+        ContainerUpdate("broken", pool, None, 1),
+        ContainerUpdate("excl-1", cpus("4,12"), None, 1),
+        ContainerUpdate("shared-1", pool, None, 1),
+        ContainerUpdate("spoof", pool, None, 1),
     )
     assert [r.container_id for r in value.rejected] == ["broken", "spoof"]
     assert "spoofed" in value.rejected[1].reason
@@ -629,17 +655,41 @@ def test_synchronize_mems_and_pinned_memory() -> None:
     assert value.mems == cpus("0-1")
     container = claim_container(state, 1, 1, 3)
     state, value, _ = ok(state, CreateContainer(container))
-    assert value == ContainerPinned("excl-1", cpus("2,4-5,7"), cpus("0-1"), ())
+    assert value == ContainerPinned(ContainerUpdate("excl-1", cpus("2,4-5,7"), cpus("0-1"), 1), ())
     _, value, _ = ok(state, Synchronize((container,)))
-    assert value == Synchronized((ContainerUpdate("excl-1", cpus("2,4-5,7"), cpus("0-1")),), (), ())
+    pin = ContainerUpdate("excl-1", cpus("2,4-5,7"), cpus("0-1"), 2)
+    assert value == Synchronized((pin,), (), ())
 
 
 def test_invalidate_containers_resends_on_the_next_event() -> None:
     state = NodeState.initial(GROUPED)
     state, _, _ = ok(state, CreateContainer(shared_container(1)))
-    state, _, _ = ok(state, InvalidateContainers(("shared-1", "unknown")))
-    _, value, _ = ok(state, StopContainer("nothing"))
-    assert value == ContainerForgotten("nothing", (ContainerUpdate("shared-1", cpus("1-7,9-15")),))
+    state, _, _ = ok(state, InvalidateContainers((("shared-1", 1), ("unknown", 1))))
+    assert state.containers["shared-1"].cpus == CpuSet()
+    new, value, _ = ok(state, StopContainer("nothing"))
+    update = ContainerUpdate("shared-1", cpus("1-7,9-15"), None, 2)
+    assert value == ContainerForgotten("nothing", (update,))
+    assert new.containers["shared-1"] == replace(
+        state.containers["shared-1"], cpus=update.cpus, seq=2
+    )
+
+
+def test_a_failed_pin_decided_anew_meanwhile_is_not_invalidated() -> None:
+    """The runtime failed the update of decision 2 after the owner decided 3 for the same
+    container (sent its own way): the newer pin stands; an exclusive container is never
+    invalidated (it gets no unsolicited update)."""
+    state = NodeState.initial(INDIVIDUAL)
+    state, _, _ = ok(state, Synchronize((shared_container(1),), unsolicited_updates=True))
+    state, _, _ = ok(state, individual(INDIVIDUAL, 1, [4]))
+    state, _, _ = ok(state, CreateContainer(claim_container(state, 1, 1)))  # decision 2
+    state, _, _ = ok(state, CreateContainer(shared_container(2)))  # decision 3
+    assert state.containers["shared-1"].seq == 2
+    same, value, _ = ok(state, InvalidateContainers((("shared-1", 1), ("excl-1", 2))))
+    assert value is None
+    assert same is state
+    gone, _, _ = ok(state, InvalidateContainers((("shared-1", 2),)))
+    assert gone.containers["shared-1"].cpus == CpuSet()
+    assert gone.containers["shared-1"].seq == 2
 
 
 # --- pod resources reconciliation ----------------------------------------------------------------

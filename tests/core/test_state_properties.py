@@ -37,9 +37,9 @@ from dracpu.core.commands import (
 )
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.effects import ClaimPrepared, ContainerPinned, Reply, WriteCdiSpec
+from dracpu.core.node_config import NodeConfig
 from dracpu.core.slices import CpuDeviceMode, GroupBy
 from dracpu.core.state import (
-    NodeConfig,
     NodeState,
     apply,
     check_invariants,
@@ -173,7 +173,10 @@ def draw_command(data: st.DataObject, state: NodeState) -> Command:
             adopted = CpuSet(data.draw(st.sets(st.integers(0, 16), max_size=3), label="cpus"))
             return AdoptClaims((AdoptedClaim(uid(n), adopted),))
         case "invalidate":
-            return InvalidateContainers((data.draw(container_ids, label="id"),))
+            failed = data.draw(container_ids, label="id")
+            record = state.containers.get(failed)
+            seq = data.draw(st.sampled_from([0, state.pin_seq, record.seq if record else 0]))
+            return InvalidateContainers(((failed, seq),))
         case "disconnect":
             return RuntimeDisconnected()
         case _:
@@ -203,13 +206,24 @@ def check_step(state: NodeState, command: Command, new: NodeState, value: object
         case CreateContainer(container=container) if isinstance(value, ContainerPinned):
             if container.claims:
                 expected = CpuSet.union(state.claims[c.claim_uid].cpus for c in container.claims)
-                assert value.cpus == expected
-                assert value.cpus.isdisjoint(new.shared_pool)
+                assert value.pin.cpus == expected
+                assert value.pin.cpus.isdisjoint(new.shared_pool)
             else:
-                assert value.cpus == state.shared_pool
-                assert value.cpus
+                assert value.pin.cpus == state.shared_pool
+                assert value.pin.cpus
+            # One new decision: every pin it answers with, and every record it moved, has it.
+            assert new.pin_seq == state.pin_seq + 1
+            assert {u.seq for u in (value.pin, *value.updates)} == {new.pin_seq}
+            for update in value.updates:
+                assert new.containers[update.container_id].pin() == update
         case _:
             pass
+    assert new.pin_seq >= state.pin_seq  # decisions are numbered in order
+    for cid, record in new.containers.items():
+        old = state.containers.get(cid)
+        if old is not None and (old.cpus, old.mems) != (record.cpus, record.mems):
+            # a pin changed by a decision (or unknown after a failed update of its own decision)
+            assert record.seq > old.seq or (not record.cpus and record.seq == old.seq)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -1,5 +1,5 @@
-"""Issue 5 on the real daemon: containers pinned through NRI by a fake runtime whose messages are
-Google-protobuf encoded (design §7): the claim's container gets exactly the claim's CPUs, shared
+"""Issue 5 on the real daemon: containers pinned through NRI by a fake runtime that frames its
+messages with code of its own: the claim's container gets exactly the claim's CPUs, shared
 containers shrink and widen again, a runtime restart is survived."""
 
 from __future__ import annotations

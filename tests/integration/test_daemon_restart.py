@@ -1,4 +1,4 @@
-"""Crash safety on the real daemon (design §3): claims survive SIGKILL through the checkpoint, the
+"""Crash safety on the real daemon: claims survive SIGKILL through the checkpoint, the
 CDI specs come back at start, a torn checkpoint slot falls back to the other slot, a corrupt
 checkpoint (both slots) is moved aside and the claims adopted from their CDI specs, and NRI
 ``Synchronize`` re-pins the running containers."""

@@ -152,7 +152,7 @@ async def test_old_kubelet_negotiates_v1beta1(tmp_path: Path) -> None:
 @pytest.mark.anyio
 async def test_watches_dracpu_s_device_health_in_both_versions(tmp_path: Path) -> None:
     async with daemon(tmp_path, FakeClaims()) as d:
-        board = d.node.machine.health
+        board = d.node.owner.health
         board.set_devices(d.node.config.devices.values())
         with FakeKubelet(d.registry) as kubelet:
             reg = await kubelet.aregister()

@@ -2,11 +2,13 @@
 
 Three independent checks:
 
-* its framing reproduces the golden vectors of ``reference/nri-ttrpc-cdi.md`` §4 in both
-  directions, and reads frames exactly as strictly as the Go runtime (§2.3);
-* a minimal plugin written here with ``dracpu.wire`` (our sans-IO mux/ttrpc) and betterproto2
-  messages from ``dracpu._gen`` registers, configures, synchronizes and pins containers through
-  the fake, whose messages are Google protobuf: the two implementations check each other;
+* its framing reproduces golden frames (ttrpc-rust's vectors and the bytes containerd/nri's Go
+  code writes) in both directions, and reads frames exactly as strictly as the Go runtime
+  (containerd/ttrpc ``channel.go`` through a 4096-byte ``bufio.Reader``);
+* a minimal plugin written here with ``dracpu.wire`` (our sans-IO mux/ttrpc framing) and the
+  daemon's envelope and message code registers, configures, synchronizes and pins containers
+  through the fake, which frames its messages with code of its own: the two framings check
+  each other;
 * the failure helpers (garbage, oversized frame, restart, timeouts) put on the socket exactly
   what they claim, observed with a raw socket peer that speaks golden bytes.
 """
@@ -18,15 +20,18 @@ import struct
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 
 import anyio
 import anyio.abc
 import pytest
+from google.protobuf.message import Message
 
-from dracpu._gen.nri import v1alpha1 as bp
+from dracpu._gen.pb2.nri.v1alpha1 import api_pb2 as bp
+from dracpu.adapters import ttrpc_envelopes as envelopes
+from dracpu.adapters.ttrpc_envelopes import Answer, Call
 from dracpu.core.cpuset import CpuSet
 from dracpu.errors import ConfigError
 from dracpu.sim import _nri_framing as framing
@@ -43,12 +48,13 @@ from dracpu.sim.fake_runtime import (
 )
 from dracpu.wire.events import NEED_DATA, ConnectionClosed, MuxFrame, TtrpcRequest, TtrpcResponse
 from dracpu.wire.mux import MuxConnection
-from dracpu.wire.ttrpc import Code, Role, TtrpcConnection
+from dracpu.wire.status import Code
+from dracpu.wire.ttrpc import Role, TtrpcConnection
 
 __all__: list[str] = []
 
 RUNTIME = "nri.pkg.api.v1alpha1.Runtime"
-# CREATE_CONTAINER | UPDATE_CONTAINER | STOP_CONTAINER | REMOVE_CONTAINER (reference §3.3)
+# CREATE_CONTAINER | UPDATE_CONTAINER | STOP_CONTAINER | REMOVE_CONTAINER (nri event.go bits)
 PINNING_EVENTS = 0x688
 STEP = 10.0  # seconds any single step of a test may take (2 shared cores)
 
@@ -57,7 +63,7 @@ def _hex(text: str) -> bytes:
     return bytes.fromhex(text)
 
 
-# reference/nri-ttrpc-cdi.md §4.2 (derived vectors) and §4.1 (ttrpc-rust).
+# Golden frames: the bytes containerd/nri's Go code writes, and ttrpc-rust's vectors.
 GOLDEN_REGISTER_SOCKET = _hex(
     "00 00 00 02 00 00 00 4d  00 00 00 43 00 00 00 01 01 00"
     "0a 1c 6e 72 69 2e 70 6b 67 2e 61 70 69 2e 76 31 61 6c 70 68 61 31 2e 52 75 6e 74 69 6d 65"
@@ -235,15 +241,15 @@ def test_nri_version_follows_the_runtime_release() -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# (b) a plugin built from dracpu.wire + betterproto2 against the fake
+# (b) a plugin built from dracpu.wire and the daemon's envelopes and messages against the fake
 
 Reply = bytes | tuple[int, str]
-Handler = Callable[[TtrpcRequest], Awaitable[Reply]]
+Handler = Callable[[Call], Awaitable[Reply]]
 _CLOSED = (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
 
 
 class WirePlugin:
-    """A minimal NRI plugin: ``dracpu.wire`` framing, betterproto2 messages, our event loop."""
+    """A minimal NRI plugin: ``dracpu.wire`` framing, the daemon's envelopes and messages."""
 
     def __init__(
         self, stream: anyio.abc.SocketStream, handlers: dict[str, Handler], tg: anyio.abc.TaskGroup
@@ -254,8 +260,8 @@ class WirePlugin:
         self.mux = MuxConnection()
         self.server = TtrpcConnection(Role.SERVER)  # conn 1: the runtime calls us
         self.client = TtrpcConnection(Role.CLIENT)  # conn 2: we call the runtime
-        self.requests: list[TtrpcRequest] = []
-        self.responses: dict[int, TtrpcResponse] = {}
+        self.requests: list[Call] = []
+        self.responses: dict[int, Answer] = {}
         self.waiters: dict[int, anyio.Event] = {}
         self.send_lock = anyio.Lock()
         self.closed = anyio.Event()
@@ -267,9 +273,10 @@ class WirePlugin:
         async with self.send_lock:
             await self.stream.send(self.mux.send(conn_id, message))
 
-    async def call(self, method: str, payload: bytes) -> TtrpcResponse | None:
+    async def call(self, method: str, payload: bytes) -> Answer | None:
         """One call on conn 2; None if the connection closed first."""
-        stream_id, message = self.client.send_request(RUNTIME, method, payload, 5_000_000_000)
+        data = envelopes.request_data(RUNTIME, method, payload, 5_000_000_000)
+        stream_id, message = self.client.send_request(data)
         waiter = self.waiters[stream_id] = anyio.Event()
         with suppress(*_CLOSED):
             await self._send(2, message)
@@ -299,24 +306,26 @@ class WirePlugin:
         conn.receive_data(frame.payload)
         while (event := conn.next_event()) is not NEED_DATA:
             if isinstance(event, TtrpcRequest):
-                self.requests.append(event)
-                self.tg.start_soon(self._handle, event)
+                call = envelopes.read_request(event)
+                self.requests.append(call)
+                self.tg.start_soon(self._handle, call)
             elif isinstance(event, TtrpcResponse):
-                self.responses[event.stream_id] = event
+                self.responses[event.stream_id] = envelopes.read_response(event)
                 self.waiters[event.stream_id].set()
             else:
                 raise AssertionError(f"unexpected ttrpc event {event!r}")
 
-    async def _handle(self, request: TtrpcRequest) -> None:
+    async def _handle(self, request: Call) -> None:
         handler = self.handlers.get(request.method)
         if handler is None:
             reply: Reply = (Code.UNIMPLEMENTED, f"method {request.method}")
         else:
             reply = await handler(request)
         if isinstance(reply, bytes):
-            message = self.server.send_response(request.stream_id, reply)
+            data = envelopes.response_data(reply)
         else:
-            message = self.server.send_error(request.stream_id, *reply)
+            data = envelopes.response_data(b"", *reply)
+        message = self.server.send_response(request.stream_id, data)
         with suppress(*_CLOSED):
             await self._send(1, message)
 
@@ -324,7 +333,7 @@ class WirePlugin:
 @asynccontextmanager
 async def open_wire_plugin(
     path: Path, handlers: dict[str, Handler], *, name: str = "dra.cpu", index: str = "00"
-) -> AsyncIterator[tuple[WirePlugin, TtrpcResponse | None]]:
+) -> AsyncIterator[tuple[WirePlugin, Answer | None]]:
     """Connect, serve conn 1, register on conn 2; yield the plugin and the RegisterPlugin reply."""
     stream = await anyio.connect_unix(path)
     try:
@@ -332,7 +341,7 @@ async def open_wire_plugin(
             plugin = WirePlugin(stream, handlers, tg)
             tg.start_soon(plugin.read_loop)
             request = bp.RegisterPluginRequest(plugin_name=name, plugin_idx=index)
-            reply = await plugin.call("RegisterPlugin", bytes(request))
+            reply = await plugin.call("RegisterPlugin", request.SerializeToString())
             try:
                 yield plugin, reply
             finally:
@@ -347,10 +356,14 @@ async def open_wire_plugin(
         await stream.aclose()
 
 
+def _b(message: Message) -> bytes:
+    return message.SerializeToString()
+
+
 def _update(container_id: str, cpus: CpuSet) -> bp.ContainerUpdate:
     return bp.ContainerUpdate(
         container_id=container_id,
-        linux=bp.LinuxContainerUpdate(resources=bp.LinuxResources(cpu=bp.LinuxCpu(cpus=str(cpus)))),
+        linux=bp.LinuxContainerUpdate(resources=bp.LinuxResources(cpu=bp.LinuxCPU(cpus=str(cpus)))),
     )
 
 
@@ -366,7 +379,7 @@ class Pinner:
         self.sync_chunks: list[bp.SynchronizeRequest] = []
 
     @staticmethod
-    def claimed(env: list[str]) -> CpuSet | None:
+    def claimed(env: Iterable[str]) -> CpuSet | None:
         sets = [
             CpuSet.parse(entry.partition("=")[2])
             for entry in env
@@ -390,14 +403,14 @@ class Pinner:
             "StateChange": self.state_change,
         }
 
-    async def configure(self, request: TtrpcRequest) -> Reply:
-        return bytes(bp.ConfigureResponse(events=self.events))
+    async def configure(self, request: Call) -> Reply:
+        return _b(bp.ConfigureResponse(events=self.events))
 
-    async def synchronize(self, request: TtrpcRequest) -> Reply:
-        chunk = bp.SynchronizeRequest.parse(request.payload)
+    async def synchronize(self, request: Call) -> Reply:
+        chunk = bp.SynchronizeRequest.FromString(request.payload)
         self.sync_chunks.append(chunk)
         if chunk.more:
-            return bytes(bp.SynchronizeResponse(more=True))
+            return _b(bp.SynchronizeResponse(more=True))
         for part in self.sync_chunks:
             for container in part.containers:
                 cpus = self.claimed(container.env)
@@ -406,10 +419,10 @@ class Pinner:
                 else:
                     self.exclusive[container.id] = cpus
         updates = [_update(cid, cpus) for cid, cpus in sorted(self.exclusive.items())]
-        return bytes(bp.SynchronizeResponse(update=updates + self.shared_updates()))
+        return _b(bp.SynchronizeResponse(update=updates + self.shared_updates()))
 
-    async def create_container(self, request: TtrpcRequest) -> Reply:
-        container = bp.CreateContainerRequest.parse(request.payload).container
+    async def create_container(self, request: Call) -> Reply:
+        container = bp.CreateContainerRequest.FromString(request.payload).container
         assert container is not None
         cpus = self.claimed(container.env)
         if cpus is None:
@@ -419,26 +432,26 @@ class Pinner:
             self.exclusive[container.id] = cpus
         adjust = bp.ContainerAdjustment(
             linux=bp.LinuxContainerAdjustment(
-                resources=bp.LinuxResources(cpu=bp.LinuxCpu(cpus=str(cpus)))
+                resources=bp.LinuxResources(cpu=bp.LinuxCPU(cpus=str(cpus)))
             )
         )
         reply = bp.CreateContainerResponse(adjust=adjust, update=self.shared_updates(container.id))
-        return bytes(reply)
+        return _b(reply)
 
-    async def update_container(self, request: TtrpcRequest) -> Reply:
-        container = bp.UpdateContainerRequest.parse(request.payload).container
+    async def update_container(self, request: Call) -> Reply:
+        container = bp.UpdateContainerRequest.FromString(request.payload).container
         assert container is not None
         cpus = self.exclusive.get(container.id, self.pool())
-        return bytes(bp.UpdateContainerResponse(update=[_update(container.id, cpus)]))
+        return _b(bp.UpdateContainerResponse(update=[_update(container.id, cpus)]))
 
-    async def stop_container(self, request: TtrpcRequest) -> Reply:
-        container = bp.StopContainerRequest.parse(request.payload).container
+    async def stop_container(self, request: Call) -> Reply:
+        container = bp.StopContainerRequest.FromString(request.payload).container
         assert container is not None
         self.exclusive.pop(container.id, None)
         self.shared.discard(container.id)
-        return bytes(bp.StopContainerResponse(update=self.shared_updates()))
+        return _b(bp.StopContainerResponse(update=self.shared_updates()))
 
-    async def state_change(self, request: TtrpcRequest) -> Reply:
+    async def state_change(self, request: Call) -> Reply:
         return b""
 
 
@@ -475,7 +488,7 @@ async def test_wire_plugin_pins_containers_through_the_fake(socket_path: Path) -
                 connection=1,
             )
             assert plugin.methods() == ["Configure", "Synchronize"]
-            configure = bp.ConfigureRequest.parse(plugin.requests[0].payload)
+            configure = bp.ConfigureRequest.FromString(plugin.requests[0].payload)
             assert configure == bp.ConfigureRequest(
                 runtime_name="containerd",
                 runtime_version="2.3.0",
@@ -489,9 +502,9 @@ async def test_wire_plugin_pins_containers_through_the_fake(socket_path: Path) -
             assert sync.pods[0].namespace == "shop"
             by_id = {c.id: c for c in sync.containers}
             assert by_id[db.id].env == ["DRA_CPUSET_u1=6-7"]
-            assert by_id[db.id].state == bp.ContainerState.CONTAINER_RUNNING
+            assert by_id[db.id].state == bp.CONTAINER_RUNNING
             assert by_id[sidecar.id].linux == bp.LinuxContainer(
-                resources=bp.LinuxResources(cpu=bp.LinuxCpu(cpus="0-7"))
+                resources=bp.LinuxResources(cpu=bp.LinuxCPU(cpus="0-7"))
             )
             # The Synchronize reply's updates reached the table.
             assert runtime.containers[db.id].cpus == "6-7"
@@ -501,9 +514,9 @@ async def test_wire_plugin_pins_containers_through_the_fake(socket_path: Path) -
             with anyio.fail_after(STEP):
                 reply = await runtime.create_container(pod, app)
             assert reply.adjust.linux.resources.cpu.cpus == "2-3"
-            created = bp.CreateContainerRequest.parse(_parsed(plugin, "CreateContainer")[0])
+            created = bp.CreateContainerRequest.FromString(_parsed(plugin, "CreateContainer")[0])
             assert created.container is not None
-            assert created.container.state == bp.ContainerState.CONTAINER_UNKNOWN
+            assert created.container.state == bp.CONTAINER_UNKNOWN
             assert created.container.env == ["DRA_CPUSET_u2=2-3", "PATH=/bin"]
             assert runtime.containers[app.id].cpus == "2-3"
             assert runtime.containers[app.id].state == g.CONTAINER_CREATED
@@ -519,7 +532,7 @@ async def test_wire_plugin_pins_containers_through_the_fake(socket_path: Path) -
 
             with anyio.fail_after(STEP):
                 await runtime.update_container(app.id, cpus="0-7")
-            asked = bp.UpdateContainerRequest.parse(_parsed(plugin, "UpdateContainer")[0])
+            asked = bp.UpdateContainerRequest.FromString(_parsed(plugin, "UpdateContainer")[0])
             assert asked.linux_resources is not None
             assert asked.linux_resources.cpu is not None
             assert asked.linux_resources.cpu.cpus == "0-7"
@@ -535,8 +548,8 @@ async def test_wire_plugin_pins_containers_through_the_fake(socket_path: Path) -
             assert app.id not in runtime.containers
             # NRI v0.12: the dedicated RPC first, StateChange after UNIMPLEMENTED.
             assert plugin.methods()[-2:] == ["RemoveContainer", "StateChange"]
-            event = bp.StateChangeEvent.parse(plugin.requests[-1].payload)
-            assert event.event == bp.Event.REMOVE_CONTAINER
+            event = bp.StateChangeEvent.FromString(plugin.requests[-1].payload)
+            assert event.event == bp.REMOVE_CONTAINER
             assert event.container is not None
             assert event.container.id == app.id
 
@@ -569,7 +582,7 @@ async def test_old_containerd_uses_state_change_and_the_old_event_mask(socket_pa
             with anyio.fail_after(STEP):
                 info = await runtime.wait_plugin(STEP)
             assert (info.events, info.requested_events) == (0x7FF, 0)
-            configure = bp.ConfigureRequest.parse(plugin.requests[0].payload)
+            configure = bp.ConfigureRequest.FromString(plugin.requests[0].payload)
             assert configure == bp.ConfigureRequest(
                 runtime_name="containerd", runtime_version="1.7.0"
             )
@@ -579,15 +592,15 @@ async def test_old_containerd_uses_state_change_and_the_old_event_mask(socket_pa
                 await runtime.start_container(app.id)
                 await runtime.remove_container(app.id)
             events = [
-                bp.StateChangeEvent.parse(r.payload).event
+                bp.StateChangeEvent.FromString(r.payload).event
                 for r in plugin.requests
                 if r.method == "StateChange"
             ]
             assert events == [
-                bp.Event.POST_CREATE_CONTAINER,
-                bp.Event.START_CONTAINER,
-                bp.Event.POST_START_CONTAINER,
-                bp.Event.REMOVE_CONTAINER,
+                bp.POST_CREATE_CONTAINER,
+                bp.START_CONTAINER,
+                bp.POST_START_CONTAINER,
+                bp.REMOVE_CONTAINER,
             ]
             assert "RemoveContainer" not in plugin.methods()
             assert plugin.methods().count("StopContainer") == 1  # removal stops it first
@@ -602,10 +615,10 @@ async def test_old_containerd_uses_state_change_and_the_old_event_mask(socket_pa
 
 @pytest.mark.anyio
 async def test_error_status_fails_the_creation_and_keeps_the_plugin(socket_path: Path) -> None:
-    async def refuse(request: TtrpcRequest) -> Reply:
+    async def refuse(request: Call) -> Reply:
         return (Code.FAILED_PRECONDITION, "claim u9 is not prepared")
 
-    async def fail_stop(request: TtrpcRequest) -> Reply:
+    async def fail_stop(request: Call) -> Reply:
         return (Code.INTERNAL, "stop went wrong")
 
     pinner = Pinner()
@@ -637,7 +650,7 @@ async def test_error_status_fails_the_creation_and_keeps_the_plugin(socket_path:
 
 @pytest.mark.anyio
 async def test_slow_plugin_is_closed_and_the_container_created_unpinned(socket_path: Path) -> None:
-    async def slow(request: TtrpcRequest) -> Reply:
+    async def slow(request: Call) -> Reply:
         await anyio.sleep(5)
         return b""
 
@@ -677,8 +690,8 @@ async def test_synchronize_in_chunks_with_more(socket_path: Path) -> None:
         assert {runtime.containers[i].cpus for i in ids} == {"0-7"}  # pool is everything
         assert [c.outcome for c in runtime.calls("Synchronize")] == ["ok", "ok", "ok"]
 
-    async def eager(request: TtrpcRequest) -> Reply:
-        return bytes(bp.SynchronizeResponse(update=[_update("x", CpuSet.parse("1"))], more=True))
+    async def eager(request: Call) -> Reply:
+        return _b(bp.SynchronizeResponse(update=[_update("x", CpuSet.parse("1"))], more=True))
 
     async with open_fake_runtime(socket_path, sync_chunk=1) as runtime:
         pod = runtime.add_pod()
@@ -721,17 +734,17 @@ async def test_unsolicited_update_containers(socket_path: Path) -> None:
                 await runtime.wait_plugin(STEP)
                 ok = await plugin.call(
                     "UpdateContainers",
-                    bytes(
+                    _b(
                         bp.UpdateContainersRequest(update=[_update(shared.id, CpuSet.parse("1-7"))])
                     ),
                 )
                 missing = await plugin.call(
                     "UpdateContainers",
-                    bytes(bp.UpdateContainersRequest(update=[_update("nope", CpuSet.parse("1"))])),
+                    _b(bp.UpdateContainersRequest(update=[_update("nope", CpuSet.parse("1"))])),
                 )
                 tolerated = bp.UpdateContainersRequest(update=[_update("nope", CpuSet.parse("1"))])
                 tolerated.update[0].ignore_failure = True
-                ignored = await plugin.call("UpdateContainers", bytes(tolerated))
+                ignored = await plugin.call("UpdateContainers", _b(tolerated))
         assert ok is not None
         assert (ok.status_code, ok.payload) == (0, b"")
         assert runtime.containers[shared.id].cpus == "1-7"
@@ -753,10 +766,10 @@ async def test_update_containers_from_inside_a_handler(
     plugin_box: list[WirePlugin] = []
     pinner = Pinner()
 
-    async def create_and_update(request: TtrpcRequest) -> Reply:
+    async def create_and_update(request: Call) -> Reply:
         shared_id = next(iter(pinner.shared))
         update = bp.UpdateContainersRequest(update=[_update(shared_id, CpuSet.parse("4-7"))])
-        reply = await plugin_box[0].call("UpdateContainers", bytes(update))
+        reply = await plugin_box[0].call("UpdateContainers", _b(update))
         statuses.append(-1 if reply is None else reply.status_code)
         return await pinner.create_container(request)
 

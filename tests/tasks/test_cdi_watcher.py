@@ -28,6 +28,7 @@ from dracpu.tasks import cdi_watcher
 from dracpu.tasks.cdi_watcher import ReconcileReport, reconcile
 from dracpu.tasks.http import ReadinessFlag
 from tests.mounts import read_only_bind
+from tests.tasks.both_backends import anyio_backend  # noqa: F401 (a fixture)
 
 A = "8ec6fd12-bb08-4936-a857-866f50153c21"
 B = "0b7e3a52-4c1f-4d7e-9a31-2f9a4c1d5e60"

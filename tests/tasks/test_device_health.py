@@ -313,12 +313,12 @@ async def test_the_dra_socket_serves_health_beside_prepare_and_ends_it_on_stop(
 ) -> None:
     with contextlib.ExitStack() as stack:
         async with running_node(tmp_path) as node:
-            node.machine.health.set_devices(node.config.devices.values())
+            node.owner.health.set_devices(node.config.devices.values())
             watch = stack.enter_context(watching(node.socket, "v1alpha1"))
             first = await _next(watch)
             assert first.health() == dict.fromkeys(NAMES, "HEALTHY")
             assert {d.pool_name for d in first.devices} == {NODE}
-            node.machine.health.set_online(MACHINE.online - CpuSet([40]))  # NUMA 1 (8 + 32)
+            node.owner.health.set_online(MACHINE.online - CpuSet([40]))  # NUMA 1 (8 + 32)
             assert (await _next(watch)).unhealthy() == {"cpudevnuma001": "cpu 40 is offline"}
         # running_node's exit cancelled the DRA task: the stream ended cleanly
         assert await watch.anext(WITHIN) is None

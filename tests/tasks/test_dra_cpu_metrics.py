@@ -13,7 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dracpu.core.checkpoint_schema import PreparedClaim
 from dracpu.core.cpuset import CpuSet
-from dracpu.core.state import NodeConfig, NodeState
+from dracpu.core.node_config import NodeConfig
+from dracpu.core.state import NodeState
 from dracpu.sim.topologies import build_topology, fixture
 from dracpu.tasks.dra_cpu_metrics import SPECS, DraCpuMetrics, descriptors
 

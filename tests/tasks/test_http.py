@@ -25,7 +25,8 @@ from dracpu import __version__
 from dracpu.config import BindAddress
 from dracpu.errors import DracpuError
 from dracpu.tasks import http as http_task
-from dracpu.tasks.http import Readiness, build_registry
+from dracpu.tasks.http import Readiness
+from dracpu.tasks.metrics import build_registry
 from dracpu.tasks.state_owner import OwnerStatistics
 
 pytestmark = pytest.mark.anyio

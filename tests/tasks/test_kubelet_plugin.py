@@ -38,9 +38,8 @@ from dracpu.core.commands import Command, DeviceResult, PrepareClaim
 from dracpu.core.cpuset import EMPTY, CpuSet
 from dracpu.core.effects import (
     ClaimPrepared,
-    Effect,
 )
-from dracpu.core.state import NodeConfig, NodeState
+from dracpu.core.node_config import NodeConfig
 from dracpu.errors import (
     CdiError,
     DracpuError,
@@ -51,9 +50,9 @@ from dracpu.errors import (
 from dracpu.sim.topologies import FIXTURES, build_topology
 from dracpu.tasks import kubelet_plugin
 from dracpu.tasks.kubelet_plugin import DraPluginV1, DraPluginV1beta1, DraService
-from dracpu.tasks.node_machine import NodeMachine
 from dracpu.tasks.state_owner import Request, StateOwner, create_request_stream
 from tests.peers import load_pb2, unix_target
+from tests.tasks.owner_files import host_root
 
 __all__ = [
     "NODE",
@@ -236,8 +235,7 @@ class RunningNode:
     cdi_dir: Path
     checkpoint: Path
     claims: FakeClaims
-    machine: NodeMachine
-    owner: StateOwner[NodeState, Command, Effect]
+    owner: StateOwner
     service: DraService
     config: NodeConfig = field(default_factory=node_config)
 
@@ -276,11 +274,17 @@ async def running_node(
     cdi_dir = tmp_path / "cdi"
     checkpoint = tmp_path / "state" / "checkpoint.json"
     sock = tmp_path / "kubelet" / "plugins" / DRIVER / "dra.sock"
-    # The daemon's own effect executor: real CDI specs and a real checkpoint.
-    machine = NodeMachine(Config(node_name=NODE, cdi_dir=cdi_dir, state_dir=checkpoint.parent))
+    # The daemon's own state owner, restored from the machine's sysfs tree: real CDI specs and
+    # a real checkpoint.
+    owner_config = Config(
+        node_name=NODE,
+        host_root=host_root("dual-socket-smt2"),
+        cdi_dir=cdi_dir,
+        state_dir=checkpoint.parent,
+    )
     claims = FakeClaims() if claims is None else claims
     send, receive = _command_stream()
-    owner = machine.state_owner(receive, NodeState.initial(config))
+    owner = StateOwner(owner_config, receive)
     with send, receive:
         async with anyio.create_task_group() as tg:
             if owner_running:
@@ -294,12 +298,12 @@ async def running_node(
                     send.clone(),
                     claims,
                     NODE,
-                    health=machine.health,
+                    health=owner.health,
                     max_pending_status_patches=max_pending_status_patches,
                     status_patch_delay=status_patch_delay,
                 )
             )
-            yield RunningNode(sock, cdi_dir, checkpoint, claims, machine, owner, service, config)
+            yield RunningNode(sock, cdi_dir, checkpoint, claims, owner, service, config)
             tg.cancel_scope.cancel()
 
 
@@ -934,7 +938,7 @@ async def _held(node: RunningNode, claim: Mapping[str, Any]) -> None:
     """Wait until ``claim`` (the node's first command) is prepared and its requester has the
     owner's answer, so that its status patch is held, and everything else is blocked."""
     with anyio.fail_after(10):
-        # The owner commits after the node machine's file thread wrote the checkpoint: no event
+        # The owner commits after its file thread wrote the checkpoint: no event
         # to wait for. Once committed, the answer is in the requester's stream.
         while node.owner.statistics().commands_applied < 1:  # noqa: ASYNC110
             await anyio.sleep(0.005)

@@ -1,5 +1,5 @@
-"""The NRI plugin task against the fake runtime (an independent peer encoding with Google protobuf)
-and a real state owner over a real ``NodeState`` of the ``dual-socket-smt2`` machine.
+"""The NRI plugin task against the fake runtime (an independent peer with its own framing) and a
+real state owner restored from the sysfs tree of the ``dual-socket-smt2`` machine.
 
 Each test asserts what the runtime ends up with: the cpusets in its container table, the calls
 and the bytes it saw, and whether the plugin stayed connected.
@@ -8,6 +8,7 @@ and the bytes it saw, and whether the plugin stayed connected.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import asynccontextmanager
@@ -20,24 +21,21 @@ import anyio
 import anyio.abc
 import pytest
 from anyio.streams.memory import MemoryObjectSendStream
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dracpu.config import Config
 from dracpu.core.commands import (
     Command,
     DeviceResult,
     PrepareClaim,
-    StopContainer,
     UnprepareClaim,
 )
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.effects import (
     ClaimPrepared,
-    ContainerUpdate,
-    Effect,
-    UpdateContainers,
-    WriteCdiSpec,
 )
-from dracpu.core.state import NodeConfig, NodeState, apply, rollback
+from dracpu.core.state import NodeState
 from dracpu.sim import _nri_framing as framing
 from dracpu.sim._pb2.nri.v1alpha1 import api_pb2 as pb
 from dracpu.sim.fake_runtime import (
@@ -50,16 +48,21 @@ from dracpu.sim.fake_runtime import (
 )
 from dracpu.sim.topologies import FIXTURES, build_topology
 from dracpu.tasks import nri_plugin
-from dracpu.tasks.nri_plugin import NriLink
+from dracpu.tasks.nri_link import NriLink
 from dracpu.tasks.state_owner import Request, StateOwner, create_request_stream, request
 from dracpu.wire.ttrpc import Code
 from tests.fixtures import scratch_dir
+from tests.tasks.both_backends import anyio_backend  # noqa: F401 (a fixture)
+from tests.tasks.owner_files import Files, host_root
 
 pytestmark = pytest.mark.anyio
+
 
 NODE = "node-a"
 RESERVED = CpuSet.parse("0,32")
 TOPOLOGY = build_topology(FIXTURES["dual-socket-smt2"])  # 64 CPUs, NUMA n = cpus 8n..8n+7 (+32)
+
+
 ALLOCATABLE = "1-31,33-63"
 UID_A = "aaaaaaaa-0000-4000-8000-000000000001"
 UID_B = "bbbbbbbb-0000-4000-8000-000000000002"
@@ -81,43 +84,13 @@ async def until(predicate: Callable[[], bool], what: str, timeout: float = 10.0)
     raise AssertionError(f"timed out waiting for {what}")
 
 
-class Executor:
-    """The owner's effect executor: files are only recorded; UpdateContainers goes to the link.
-
-    ``gates`` hold a claim's CDI write until the test opens them (to queue commands behind it).
-    """
-
-    def __init__(self, link: NriLink) -> None:
-        self.link = link
-        self.done: list[Effect] = []
-        self.gates: dict[str, anyio.Event] = {}
-        self.waiting: set[str] = set()
-
-    async def __call__(self, effect: Effect) -> None:
-        if isinstance(effect, UpdateContainers):
-            self.link.submit(effect)
-            return
-        if isinstance(effect, WriteCdiSpec) and effect.claim_uid in self.gates:
-            self.waiting.add(effect.claim_uid)
-            await self.gates[effect.claim_uid].wait()
-            self.waiting.discard(effect.claim_uid)
-        self.done.append(effect)
-
-    async def hold(self, node: Node, uid: str, device: str) -> anyio.Event:
-        """Start preparing ``uid`` and keep the owner busy in its CDI write until released."""
-        self.gates[uid] = gate = anyio.Event()
-        node.tg.start_soon(partial(node.prepare, uid, device))
-        await until(lambda: uid in self.waiting, f"the owner held on claim {uid}")
-        return gate
-
-
 @dataclass
 class Node:
     runtime: FakeRuntime
-    owner: StateOwner[NodeState, Command, Effect]
+    owner: StateOwner
     send: MemoryObjectSendStream[Request[Command]]
     link: NriLink
-    executor: Executor
+    files: Files
     socket: Path
     tg: anyio.abc.TaskGroup
     claims: dict[str, CpuSet] = field(default_factory=dict)
@@ -147,6 +120,14 @@ class Node:
     async def unprepare(self, uid: str) -> None:
         await request(self.send, UnprepareClaim(uid))
 
+    async def hold(self, uid: str, device: str) -> threading.Event:
+        """Start preparing ``uid`` and keep the owner busy in its CDI write (in its worker
+        thread) until the returned event is set (at the latest when the node closes)."""
+        gate = self.files.claim_gates[uid] = threading.Event()
+        self.tg.start_soon(partial(self.prepare, uid, device))
+        await until(lambda: uid in self.files.held_claims, f"the owner held on claim {uid}")
+        return gate
+
     def plugin(
         self, socket: Path | None = None, *, start_timeout: float = 5.0
     ) -> partial[Coroutine[Any, Any, None]]:
@@ -157,6 +138,7 @@ class Node:
             nri_plugin.run,
             config,
             self.send.clone(),
+            lambda: self.owner.state,
             link=self.link,
             delays=fast_delays,
             start_timeout=start_timeout,
@@ -187,15 +169,20 @@ async def open_node(
     pin_memory: bool = True,
     **runtime_options: object,
 ) -> AsyncIterator[Node]:
-    config = NodeConfig.build(NODE, TOPOLOGY, reserved=RESERVED, pin_memory=pin_memory)
     link = NriLink()
-    executor = Executor(link)
     send: MemoryObjectSendStream[Request[Command]]
     send, receive = create_request_stream()
-    owner: StateOwner[NodeState, Command, Effect] = StateOwner(
-        receive, NodeState.initial(config), apply, executor, rollback=rollback
-    )
     with scratch_dir("dracpu-nri-") as tmp:
+        config = Config(
+            node_name=NODE,
+            host_root=host_root("dual-socket-smt2"),
+            reserved_cpus=RESERVED,
+            memory_pinning=pin_memory,
+            cdi_dir=tmp / "cdi",
+            state_dir=tmp / "state",
+        )
+        files = Files(config)
+        owner = StateOwner(config, receive, container_updates=link.submit, files=files)
         socket = tmp / "nri.sock"
         async with (
             send,
@@ -203,7 +190,7 @@ async def open_node(
             anyio.create_task_group() as tg,
         ):
             await tg.start(owner.run)
-            node = Node(runtime, owner, send, link, executor, socket, tg)
+            node = Node(runtime, owner, send, link, files, socket, tg)
             if setup is not None:
                 setup(runtime)
             for uid, cpuset in prepared:
@@ -211,7 +198,11 @@ async def open_node(
             if start:
                 await node.start_plugin()
                 await runtime.wait_plugin(10)
-            yield node
+            try:
+                yield node
+            finally:
+                for gate in files.claim_gates.values():
+                    gate.set()  # no worker thread left waiting
             tg.cancel_scope.cancel()
 
 
@@ -493,7 +484,7 @@ async def test_event_reply_racing_a_queued_unsolicited_update() -> None:
         assert CpuSet.parse(node.pool) == CpuSet.parse(ALLOCATABLE) - held
 
 
-async def _claim_c_released_by_its_pod_and_the_owner_held(node: Node) -> anyio.Event:
+async def _claim_c_released_by_its_pod_and_the_owner_held(node: Node) -> threading.Event:
     """Claim C prepared, its container created and removed (an Unprepare C widens the shared
     containers), then the owner held in Prepare D's CDI write: the gate releases it."""
     await node.prepare(UID_C, "cpudevnuma002")
@@ -501,7 +492,7 @@ async def _claim_c_released_by_its_pod_and_the_owner_held(node: Node) -> anyio.E
     ctr_c = node.exclusive(pod_c, "app", UID_C)
     await node.runtime.create_container(pod_c, ctr_c)
     await node.runtime.remove_container(ctr_c.id)
-    return await node.executor.hold(node, UID_D, "cpudevnuma003")
+    return await node.hold(UID_D, "cpudevnuma003")
 
 
 async def _settled(node: Node) -> None:
@@ -514,82 +505,112 @@ async def _settled(node: Node) -> None:
     node.assert_shared_at(node.pool)
 
 
-# --- the ordering rules of the link, with a hand-driven owner -------------------------------------
+# --- the ordering property, over random interleavings -------------------------------------------
 
-POOL_OLD = CpuSet.parse("1-9")
-POOL_NEW = CpuSet.parse("1-20")
-
-
-async def _answer_one(
-    link: NriLink, *, submit_before_answer: bool
-) -> tuple[object, dict[str, object]]:
-    send: MemoryObjectSendStream[Request[Command]]
-    send, receive = create_request_stream()
-    result: list[tuple[object, dict[str, object]]] = []
-    effect = UpdateContainers((ContainerUpdate("shared-1", POOL_NEW),))
-
-    async def ask() -> None:
-        value, newer = await link._ask(send, StopContainer("x"))
-        result.append((value, dict(newer)))
-
-    async with send, receive, anyio.create_task_group() as tg:
-        tg.start_soon(ask)
-        req = await receive.receive()
-        if submit_before_answer:
-            link.submit(effect)  # the owner executed the effect of an earlier command
-        with req.reply:
-            req.reply.send_nowait("answered")
-        if not submit_before_answer:
-            link.submit(effect)  # the effect of a command the owner handled after ours
-    return result[0]
+# A step: (what, which claim, run it beside the next steps instead of awaiting it). A prepare run
+# beside holds the owner in its CDI write for a while, so the steps after it queue up behind it
+# and their answers, replies and unsolicited updates interleave.
+_STEPS = st.lists(
+    st.tuples(
+        st.sampled_from(["prepare", "create", "remove", "unprepare", "shared"]),
+        st.integers(0, 2),
+        st.booleans(),
+    ),
+    min_size=4,
+    max_size=12,
+)
+_DEVICES = ("cpudevnuma000", "cpudevnuma001", "cpudevnuma002")
+_CLAIMS = (UID_A, UID_B, UID_C)
 
 
-async def test_an_effect_executed_after_our_answer_supersedes_it() -> None:
-    link = NriLink()
-    link._go_live()
-    value, newer = await _answer_one(link, submit_before_answer=False)
-    assert value == "answered"
-    assert set(newer) == {"shared-1"}
-    pins = link._record(
-        {"shared-1": nri_plugin._Pin(POOL_OLD, None), "other": nri_plugin._Pin(POOL_OLD, None)},
-        newer,  # type: ignore[arg-type]
-    )
-    assert pins["shared-1"].cpus == POOL_NEW  # the reply carries the newer decision
-    assert link._pins["shared-1"].cpus == POOL_NEW
-    assert link._pins["other"].cpus == POOL_OLD
+async def _release_after(gate: threading.Event, seconds: float) -> None:
+    await anyio.sleep(seconds)
+    gate.set()
 
 
-async def test_an_effect_executed_before_our_answer_is_superseded_by_it() -> None:
-    link = NriLink()
-    link._go_live()
-    _, newer = await _answer_one(link, submit_before_answer=True)
-    assert newer == {}
-    pins = link._record({"shared-1": nri_plugin._Pin(POOL_OLD, None)}, {})
-    assert pins["shared-1"].cpus == POOL_OLD
-    assert link._pins["shared-1"].cpus == POOL_OLD
-    # The queued UpdateContainers is built from the newest decision when it is sent.
-    batch = await link._next_batch()
-    assert batch == [("shared-1", nri_plugin._Pin(POOL_OLD, None))]
+async def _play(steps: list[tuple[str, int, bool]], policy: str) -> None:
+    """Run ``steps`` against a fixed runtime (unsolicited updates on) whose UpdateContainers
+    waits for the event lock (``wait``, containerd) or does not (``serve``); at the end every
+    container must run on the owner's last decision for it."""
+    async with open_node(
+        setup=lambda rt: add_shared(rt, 3), nri_version="v0.12.1", updates_while_busy=policy
+    ) as node:
+        prepared: set[int] = set()
+        running: dict[int, FakeContainer] = {}
+        pods: dict[int, FakePod] = {}
+        busy: set[int] = set()
+
+        async def one(what: str, k: int, beside: bool) -> None:
+            try:
+                if what == "prepare":
+                    if beside:
+                        gate = node.files.claim_gates[_CLAIMS[k]] = threading.Event()
+                        tg.start_soon(_release_after, gate, 0.05)
+                    await node.prepare(_CLAIMS[k], _DEVICES[k], count=2)
+                elif what == "create":  # a claim is its pod's until Unprepare: one pod each
+                    if k not in pods:
+                        pods[k] = node.runtime.add_pod(f"claim-{k}")
+                    pod = pods[k]
+                    running[k] = node.exclusive(pod, "app", _CLAIMS[k])
+                    await node.runtime.create_container(pod, running[k])
+                elif what == "remove":
+                    await node.runtime.remove_container(running.pop(k).id)
+                else:
+                    await node.unprepare(_CLAIMS[k])
+                    pods.pop(k, None)
+            finally:
+                busy.discard(k)
+
+        async with anyio.create_task_group() as tg:
+            for what, k, beside in steps:
+                if what == "shared":
+                    pod = node.runtime.add_pod("more")
+                    ctr = node.runtime.new_container(pod, "s")
+                    tg.start_soon(partial(node.runtime.create_container, pod, ctr))
+                    continue
+                if k in busy:
+                    continue
+                ready = {
+                    "prepare": k not in prepared,
+                    "create": k in prepared and k not in running,
+                    "remove": k in running,
+                    "unprepare": k in prepared and k not in running,
+                }[what]
+                if not ready:
+                    continue
+                if what == "prepare":
+                    prepared.add(k)
+                elif what == "unprepare":
+                    prepared.discard(k)
+                busy.add(k)
+                if beside:
+                    tg.start_soon(one, what, k, beside)
+                else:
+                    await one(what, k, beside)
+
+        # Every container ends on the owner's last decision for it (prepares alone move no one:
+        # the shared containers follow the pool at the next event).
+        def decided() -> dict[str, str]:
+            return {c: str(r.cpus) for c, r in node.state.containers.items() if r.cpus}
+
+        def applied() -> dict[str, str]:
+            return {c: node.table()[c][0] for c in decided()}
+
+        await until(lambda: applied() == decided(), "every container on its last decision")
+        await anyio.sleep(0.2)  # a late UpdateContainers must not undo it
+        assert applied() == decided()
+        for k, container in running.items():
+            assert decided()[container.id] == str(node.claims[_CLAIMS[k]])
 
 
-async def test_a_pin_changed_in_flight_is_queued_again() -> None:
-    link = NriLink()
-    link._go_live()
-    link.submit(UpdateContainers((ContainerUpdate("a", POOL_NEW), ContainerUpdate("b", POOL_NEW))))
-    batch = await link._next_batch()
-    link._record({"a": nri_plugin._Pin(POOL_OLD, None)}, {})  # an event reply while in flight
-    link._batch_done(batch, frozenset())
-    assert list(link._queued) == ["a"]
-    link._batch_done([("b", nri_plugin._Pin(POOL_OLD, None))], frozenset({"b"}))
-    assert list(link._queued) == ["a"]  # failed ones are the owner's (InvalidateContainers)
-
-
-def test_effects_without_a_synchronized_runtime_are_dropped() -> None:
-    link = NriLink()
-    link.submit(UpdateContainers((ContainerUpdate("a", POOL_NEW),)))
-    assert link.status().unsolicited_dropped == 1
-    assert not link._queued
-    assert not link.status().connected
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("policy", ["wait", "serve"])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=_STEPS)
+def test_the_last_write_to_each_container_is_the_owners_last_decision(
+    backend: str, policy: str, steps: list[tuple[str, int, bool]]
+) -> None:
+    anyio.run(_play, steps, policy, backend=backend)
 
 
 # --- failures: the owner, the runtime, the socket -------------------------------------------------
@@ -597,7 +618,7 @@ def test_effects_without_a_synchronized_runtime_are_dropped() -> None:
 
 async def test_a_slow_owner_fails_creation_before_the_runtime_gives_up() -> None:
     async with open_node(plugin_timeout=0.8) as node:
-        gate = await node.executor.hold(node, UID_A, "cpudevnuma000")
+        gate = await node.hold(UID_A, "cpudevnuma000")
         pod = node.runtime.add_pod("p")
         ctr = node.runtime.new_container(pod, "app")
         with pytest.raises(PluginFailedError) as failed:

@@ -1,360 +1,445 @@
-"""The state owner against a small hand-written state machine (no NodeState needed).
+"""The state owner in-process: restore (checkpoint, adoption, resync), then serving commands with
+the real state machine on a written ``dual-socket-smt2`` sysfs tree and real CDI specs and
+checkpoint slots in scratch directories.
 
-The fake state is the tuple of the items of the commands committed so far; a command carries
-the exact effects its ``apply`` returns, so each test spells out the effect list it exercises.
+Faults are injected at the file layer (:class:`Files`, a :class:`NodeFiles` that can fail an
+effect or hold it in the worker thread until the test lets it go), the one place where the
+owner meets the disk.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
-from anyio import wait_all_tasks_blocked
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from dracpu.core.effects import Reply
-from dracpu.errors import AllocationError, DracpuError
-from dracpu.tasks import state_owner
-from dracpu.tasks.state_owner import (
-    PendingReply,
-    Request,
-    StateOwner,
-    create_request_stream,
-    request,
+from dracpu.adapters import cdi_files, checkpoint_file
+from dracpu.adapters.node_files import NodeFiles
+from dracpu.config import Config
+from dracpu.core.checkpoint_schema import CheckpointData, PreparedClaim, StoredCheckpoint, decode
+from dracpu.core.commands import (
+    Command,
+    Container,
+    CreateContainer,
+    DeviceResult,
+    PrepareClaim,
+    Resync,
+    Synchronize,
+    UnprepareClaim,
 )
+from dracpu.core.cpuset import CpuSet
+from dracpu.core.effects import (
+    ClaimPrepared,
+    ClaimUnprepared,
+    ContainerUpdate,
+    DeleteCdiSpec,
+    Effect,
+    PruneCdiSpecs,
+    PublishSlices,
+    UpdateContainers,
+    WriteCdiSpec,
+    WriteCheckpoint,
+)
+from dracpu.core.slices import CpuDeviceMode
+from dracpu.errors import CdiError, CheckpointError, ClaimError, DracpuError
+from dracpu.sim.topologies import FIXTURES, build_topology
+from dracpu.tasks import state_owner
+from dracpu.tasks.slice_publisher import republish_channel
+from dracpu.tasks.state_owner import Request, StateOwner, create_request_stream, request
+from tests.fixtures import SysfsTrees
+from tests.tasks.both_backends import anyio_backend  # noqa: F401 (a fixture)
+from tests.tasks.owner_files import Files
 
 pytestmark = pytest.mark.anyio
 
-State = tuple[str, ...]
+
+UID_A = "aaaaaaaa-0000-4000-8000-000000000001"
+UID_B = "bbbbbbbb-0000-4000-8000-000000000002"
+FOREIGN = "vendor.example-gpu.json"
+STEP = 10.0  # seconds any single wait of a test may take (2 shared cores)
+
+Send = MemoryObjectSendStream[Request[Command]]
+Receive = MemoryObjectReceiveStream[Request[Command]]
 
 
-@dataclass(frozen=True, slots=True)
-class Write:
-    """Succeeds; the executor records its name."""
-
-    name: str
-
-
-@dataclass(frozen=True, slots=True)
-class Fail:
-    """Raises DracpuError (after the executor recorded the attempt)."""
-
-    name: str
+def _config(trees: SysfsTrees, scratch: Path, **changes: object) -> Config:
+    values: dict[str, object] = {
+        "node_name": "node-a",
+        "host_root": trees.root("dual-socket-smt2"),
+        "cdi_dir": scratch / "cdi",
+        "state_dir": scratch / "state",
+    }
+    values.update(changes)
+    return Config(**values)  # type: ignore[arg-type]
 
 
-@dataclass(frozen=True, slots=True)
-class Block:
-    """Waits for ``gate``, then succeeds."""
-
-    name: str
-    gate: anyio.Event = field(compare=False, repr=False)
+def _checkpoint(config: Config, *claims: PreparedClaim) -> None:
+    data = CheckpointData({c.claim_uid: c for c in claims})
+    checkpoint_file.CheckpointStore(config.checkpoint_path).write(data)
 
 
-@dataclass(frozen=True, slots=True)
-class Bug:
-    """Raises a non-DracpuError: a bug in an executor."""
-
-    name: str
-
-
-Action = Write | Fail | Block | Bug
-Effect = Action | Reply  # what apply returns; the owner never passes a Reply to the executor
+def _saved(config: Config) -> dict[str, CpuSet]:
+    """The claims of the newest checkpoint on disk (there must be one)."""
+    stored = checkpoint_file.read_newest(config.checkpoint_path)
+    assert stored is not None, "no checkpoint written"
+    return {uid: claim.cpus for uid, claim in stored.data.claims.items()}
 
 
-@dataclass(frozen=True, slots=True)
-class Do:
-    """Commit ``item`` with these effects."""
-
-    item: str
-    effects: tuple[Effect, ...] = ()
-
-    @classmethod
-    def replying(cls, item: str, *before: Action) -> Do:
-        return cls(item, (*before, Reply(item)))
+def _specs(config: Config) -> dict[str, CpuSet | CdiError]:
+    return cdi_files.list_our_specs(config.cdi_dir)
 
 
-@dataclass(frozen=True, slots=True)
-class Explode:
-    """``apply`` raises ValueError (a bug)."""
+def _grouped(uid: str, count: int, device: str = "cpudevnuma000") -> PrepareClaim:
+    result = DeviceResult("cpus", "node-a", device, consumed_cpus=count)
+    return PrepareClaim(uid, "ns", "claim", (result,))
 
 
-@dataclass(frozen=True, slots=True)
-class Refuse:
-    """``apply`` raises DracpuError."""
+async def until(predicate: Callable[[], bool], what: str) -> None:
+    with anyio.move_on_after(STEP):
+        while not predicate():  # noqa: ASYNC110 (the worker thread has no event of ours)
+            await anyio.sleep(0.002)
+        return
+    raise AssertionError(f"timed out waiting for {what}")
 
 
-Command = Do | Explode | Refuse
+@dataclass
+class Node:
+    config: Config
+    owner: StateOwner
+    send: Send
+    files: Files
+    updates: list[UpdateContainers]
+    tg: anyio.abc.TaskGroup
+
+    async def ask(self, command: Command) -> object:
+        return await request(self.send, command)
+
+    def ran(self) -> list[type[Effect]]:
+        return [type(e) for e in self.files.ran]
 
 
-def apply(state: State, command: Command) -> tuple[State, Sequence[Effect]]:
-    match command:
-        case Do(item, effects):
-            return (*state, item), effects
-        case Explode():
-            raise ValueError("boom")
-        case Refuse():
-            raise DracpuError("refused")
-
-
-class Executor:
-    def __init__(self) -> None:
-        self.executed: list[str] = []
-        self.batches: list[list[str]] = []  # the effects of each execute_batch call
-
-    async def batch(self, effects: Sequence[Effect], started: list[Effect]) -> None:
-        """``execute_batch``: each effect in order, marked as begun first."""
-        self.batches.append([e.name for e in effects if not isinstance(e, Reply)])
-        for effect in effects:
-            started.append(effect)
-            await self(effect)
-
-    async def __call__(self, effect: Effect) -> None:
-        assert not isinstance(effect, Reply)
-        self.executed.append(effect.name)
-        match effect:
-            case Write():
-                pass
-            case Fail(name):
-                raise DracpuError(f"{name} failed")
-            case Block(gate=gate):
-                await gate.wait()
-            case Bug(name):
-                raise RuntimeError(name)
-
-
-def rollback(old: State, started: Sequence[Effect], error: DracpuError) -> list[Effect]:
-    undo = [Write(f"undo-{e.name}") for e in reversed(started) if not isinstance(e, Reply)]
-    return [*undo, Reply(error)]
-
-
-def follow_up(effect: Effect, error: DracpuError) -> Command | None:
-    return Do(f"after-{effect.name}") if isinstance(effect, Fail) else None
-
-
-Streams = tuple[
-    MemoryObjectSendStream[Request[Command]], MemoryObjectReceiveStream[Request[Command]]
-]
-
-
-def _owner(
+@asynccontextmanager
+async def running(
+    trees: SysfsTrees,
+    scratch: Path,
     *,
-    with_hooks: bool = True,
     deadline: float = state_owner.COMMAND_DEADLINE,
-    batching: bool = False,
-) -> tuple[StateOwner[State, Command, Effect], MemoryObjectSendStream[Request[Command]], Executor]:
-    streams: Streams = create_request_stream()
-    send, receive = streams
-    executor = Executor()
-    owner: StateOwner[State, Command, Effect] = StateOwner(
+    max_buffer_size: int = state_owner.COMMAND_QUEUE_SIZE,
+    **changes: object,
+) -> AsyncIterator[Node]:
+    """A restored owner serving commands; the effects of the restore are not in ``files.ran``."""
+    config = _config(trees, scratch, **changes)
+    files = Files(config)
+    updates: list[UpdateContainers] = []
+    send: Send
+    receive: Receive
+    send, receive = create_request_stream(max_buffer_size)
+    owner = StateOwner(
+        config,
         receive,
-        (),
-        apply,
-        executor,
-        rollback=rollback if with_hooks else None,
-        follow_up=follow_up if with_hooks else None,
+        container_updates=updates.append,
+        files=files,
         command_deadline=deadline,
-        execute_batch=executor.batch if batching else None,
     )
-    return owner, send, executor
-
-
-def _committed(owner: StateOwner[State, Command, Effect]) -> State:
-    return owner.state  # a call: mypy would narrow `owner.state` after the first assert
-
-
-async def test_effects_run_in_order_and_the_reply_commits() -> None:
-    owner, send, executor = _owner()
     async with send, anyio.create_task_group() as tg:
         await tg.start(owner.run)
-        command = Do("a", (Write("cdi"), Write("checkpoint"), Reply("done"), Write("widen")))
-        assert await request(send, command) == "done"
-        await wait_all_tasks_blocked()
-        assert executor.executed == ["cdi", "checkpoint", "widen"]
-        assert owner.state == ("a",)
-        stats = owner.statistics()
+        files.ran.clear()
+        files.on_loop.clear()
+        yield Node(config, owner, send, files, updates, tg)
+        tg.cancel_scope.cancel()
+
+
+async def _with_node(
+    trees: SysfsTrees, scratch: Path, body: Callable[[Node], Awaitable[None]]
+) -> None:
+    async with running(trees, scratch) as node:
+        await body(node)
+
+
+# --- serving: effects, reply, rollback ------------------------------------------------------------
+
+
+async def test_a_prepare_writes_its_spec_then_the_checkpoint_then_commits_and_answers(
+    trees: SysfsTrees, scratch: Path
+) -> None:
+    async with running(trees, scratch) as node:
+        prepared = await node.ask(_grouped(UID_A, 2))
+        assert isinstance(prepared, ClaimPrepared)
+        assert node.ran() == [WriteCdiSpec, WriteCheckpoint]
+        assert node.files.on_loop == [False, False]  # in a worker thread, both in one hop
+        assert node.owner.state.claims[UID_A].cpus == prepared.cpus
+        assert _specs(node.config) == {UID_A: prepared.cpus}
+        assert _saved(node.config) == {UID_A: prepared.cpus}
+        stats = node.owner.statistics()
         assert (stats.commands_applied, stats.commands_failed, stats.effects_failed) == (1, 0, 0)
-        assert dict(stats.by_command) == {("Do", "ok"): 1}
-        tg.cancel_scope.cancel()
+        assert dict(stats.by_command) == {("PrepareClaim", "ok"): 1}
+
+        node.files.ran.clear()
+        unprepared = await node.ask(UnprepareClaim(UID_A))
+        assert unprepared == ClaimUnprepared(UID_A, prepared.cpus)
+        assert node.ran() == [DeleteCdiSpec, WriteCheckpoint]
+        assert _specs(node.config) == {}
+        assert _saved(node.config) == {}
 
 
-async def test_an_error_reply_commits_and_is_raised_to_the_requester() -> None:
-    owner, send, _ = _owner()
-    error = AllocationError("only 2 cpus free")
-    async with send, anyio.create_task_group() as tg:
-        await tg.start(owner.run)
-        with pytest.raises(AllocationError) as info:
-            await request(send, Do("b", (Reply(error),)))
-        assert info.value is error
-        assert owner.state == ("b",)
-        assert dict(owner.statistics().by_command) == {("Do", "error"): 1}
-        tg.cancel_scope.cancel()
+async def test_a_refusal_of_the_state_machine_is_raised_to_the_requester_and_changes_nothing(
+    trees: SysfsTrees, scratch: Path
+) -> None:
+    async with running(trees, scratch) as node:
+        before = node.owner.state
+        with pytest.raises(ClaimError, match="is not published by this node"):
+            await node.ask(_grouped(UID_A, 2, device="cpudevnuma009"))
+        assert node.owner.state is before
+        assert node.files.ran == []
+        assert dict(node.owner.statistics().by_command) == {("PrepareClaim", "error"): 1}
 
 
-async def test_a_commit_phase_failure_keeps_the_old_state_and_rolls_back() -> None:
-    owner, send, executor = _owner()
-    async with send, anyio.create_task_group() as tg:
-        await tg.start(owner.run)
-        assert await request(send, Do.replying("a")) == "a"
-        failing = Do("b", (Write("cdi-b"), Fail("ckpt-b"), Write("never"), Reply("never")))
-        with pytest.raises(DracpuError, match=r"^ckpt-b failed$"):
-            await request(send, failing)
-        assert owner.state == ("a",)
-        assert executor.executed == ["cdi-b", "ckpt-b", "undo-ckpt-b", "undo-cdi-b"]
-        stats = owner.statistics()
+async def test_a_failed_checkpoint_write_keeps_the_old_state_and_puts_the_files_back(
+    trees: SysfsTrees, scratch: Path
+) -> None:
+    async with running(trees, scratch) as node:
+        first = await node.ask(_grouped(UID_A, 2))
+        assert isinstance(first, ClaimPrepared)
+        node.files.ran.clear()
+        node.files.failing.append(WriteCheckpoint)
+        with pytest.raises(CheckpointError, match="No space left on device"):
+            await node.ask(_grouped(UID_B, 3))
+        assert list(node.owner.state.claims) == [UID_A]
+        # The spec was written, the checkpoint failed; the rollback puts back the old files:
+        # the checkpoint first, then B's spec goes (newest first).
+        assert node.ran() == [WriteCdiSpec, WriteCheckpoint, WriteCheckpoint, DeleteCdiSpec]
+        assert _specs(node.config) == {UID_A: first.cpus}
+        assert _saved(node.config) == {UID_A: first.cpus}
+        stats = node.owner.statistics()
         assert (stats.commands_applied, stats.commands_failed, stats.effects_failed) == (1, 1, 1)
-        assert stats.by_command[("Do", "failed")] == 1
-        assert await request(send, Do.replying("c")) == "c"  # the owner goes on
-        assert _committed(owner) == ("a", "c")
-        tg.cancel_scope.cancel()
+        assert stats.by_command[("PrepareClaim", "failed")] == 1
+        assert isinstance(await node.ask(_grouped(UID_B, 3)), ClaimPrepared)  # the owner goes on
 
 
-async def test_without_a_rollback_hook_the_error_is_answered() -> None:
-    owner, send, executor = _owner(with_hooks=False)
-    async with send, anyio.create_task_group() as tg:
-        await tg.start(owner.run)
-        with pytest.raises(DracpuError, match=r"^cdi failed$"):
-            await request(send, Do("a", (Fail("cdi"), Reply("never"))))
-        assert owner.state == ()
-        assert executor.executed == ["cdi"]
-        tg.cancel_scope.cancel()
+async def test_a_failed_batch_leaves_no_trace_of_the_effects_that_never_began(
+    trees: SysfsTrees, scratch: Path
+) -> None:
+    async with running(trees, scratch) as node:
+        await node.ask(_grouped(UID_A, 2))
+        await node.ask(_grouped(UID_B, 2, device="cpudevnuma001"))
+        node.files.ran.clear()
+        node.files.failing.append(WriteCdiSpec)  # a Resync: every spec, then the prune
+        with pytest.raises(CheckpointError):
+            await node.ask(Resync())
+        # The first spec write failed: nothing after it began, nothing to undo but itself.
+        assert node.ran() == [WriteCdiSpec, WriteCdiSpec]
+        assert node.files.ran[0] == node.files.ran[1]
+        assert sorted(node.owner.desired_specs()) == sorted([UID_A, UID_B])
 
 
-async def test_a_dracpu_error_from_apply_is_answered_and_the_state_kept() -> None:
-    owner, send, _ = _owner()
-    async with send, anyio.create_task_group() as tg:
-        await tg.start(owner.run)
-        with pytest.raises(DracpuError, match=r"^refused$"):
-            await request(send, Refuse())
-        assert owner.state == ()
-        assert dict(owner.statistics().by_command) == {("Refuse", "failed"): 1}
-        tg.cancel_scope.cancel()
+async def test_a_post_commit_failure_keeps_the_new_state(
+    trees: SysfsTrees, scratch: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(effect: UpdateContainers) -> None:
+        raise DracpuError("the NRI task is gone")
+
+    async with running(trees, scratch) as node:
+        node.owner._container_updates = broken
+        shared = Container("shared", "pod-1", name="sidecar")
+        await node.ask(Synchronize((shared,), unsolicited_updates=True))
+        prepared = await node.ask(_grouped(UID_A, 2))
+        assert isinstance(prepared, ClaimPrepared)
+        env = f"DRA_CPUSET_{UID_A}={prepared.cpus}"
+        await node.ask(CreateContainer(Container.from_env("app", "pod-2", [env], name="app")))
+        narrowed = node.owner.state.containers["shared"].cpus
+        assert narrowed.isdisjoint(prepared.cpus)
+        with caplog.at_level(logging.ERROR, logger="dracpu.tasks.state_owner"):
+            assert await node.ask(UnprepareClaim(UID_A)) == ClaimUnprepared(UID_A, prepared.cpus)
+        # Committed and answered: the widening was decided even though it could not be handed on.
+        assert UID_A not in node.owner.state.claims
+        assert node.owner.state.containers["shared"].cpus == narrowed | prepared.cpus
+        assert node.owner.statistics().effects_failed == 1
+        assert "post-commit effect UpdateContainers failed: the NRI task is gone" in caplog.text
 
 
-async def test_a_post_commit_failure_keeps_the_new_state_and_applies_the_follow_up() -> None:
-    owner, send, executor = _owner()
-    async with send, anyio.create_task_group() as tg:
-        await tg.start(owner.run)
-        assert await request(send, Do("b", (Write("ckpt"), Reply("ok"), Fail("widen")))) == "ok"
-        assert await request(send, Do.replying("c")) == "c"
-        # The follow-up was applied right after "b", before the next request.
-        assert owner.state == ("b", "after-widen", "c")
-        assert executor.executed == ["ckpt", "widen"]
-        stats = owner.statistics()
-        assert (stats.commands_applied, stats.commands_failed, stats.effects_failed) == (3, 0, 1)
-        tg.cancel_scope.cancel()
+async def test_unsolicited_updates_go_to_the_nri_task_after_the_answer(
+    trees: SysfsTrees, scratch: Path
+) -> None:
+    async with running(trees, scratch) as node:
+        await node.ask(Synchronize((Container("shared", "pod-1"),), unsolicited_updates=True))
+        prepared = await node.ask(_grouped(UID_A, 2))
+        assert isinstance(prepared, ClaimPrepared)
+        env = f"DRA_CPUSET_{UID_A}={prepared.cpus}"
+        await node.ask(CreateContainer(Container.from_env("app", "pod-2", [env])))
+        assert node.updates == []
+        await node.ask(UnprepareClaim(UID_A))
+        [update] = node.updates
+        state = node.owner.state
+        assert update.updates == (ContainerUpdate("shared", state.shared_pool, None, 3),)
+        assert state.containers["shared"].seq == state.pin_seq == 3
 
 
-async def test_a_command_without_a_reply_is_answered_none_after_its_effects() -> None:
-    owner, send, executor = _owner()
-    async with send, anyio.create_task_group() as tg:
-        await tg.start(owner.run)
-        assert await request(send, Do("a", (Write("x"),))) is None
-        assert executor.executed == ["x"]
-        assert owner.state == ("a",)
-        tg.cancel_scope.cancel()
-
-
-async def test_a_cancelled_requester_never_crashes_the_owner() -> None:
-    owner, send, executor = _owner()
-    gate = anyio.Event()
-    async with send, anyio.create_task_group() as tg:
-        await tg.start(owner.run)
+async def test_a_cancelled_requester_never_disturbs_the_owner(
+    trees: SysfsTrees, scratch: Path
+) -> None:
+    async with running(trees, scratch) as node:
         requester = anyio.CancelScope()
 
         async def ask() -> None:
             with requester:
-                await request(send, Do.replying("slow", Block("cdi", gate)))
+                await node.ask(_grouped(UID_A, 2))
 
-        tg.start_soon(ask)
-        await wait_all_tasks_blocked()
-        assert executor.executed == ["cdi"]  # the owner is inside the slow effect
-        requester.cancel()
-        await wait_all_tasks_blocked()
+        with node.files.holding(WriteCheckpoint) as gate:
+            node.tg.start_soon(ask)
+            await until(lambda: WriteCheckpoint in node.files.held, "the held checkpoint")
+            requester.cancel()
+            await anyio.wait_all_tasks_blocked()
+            gate.set()
+        assert isinstance(await node.ask(_grouped(UID_B, 2)), ClaimPrepared)
         assert requester.cancelled_caught
-        gate.set()
-        assert await request(send, Do.replying("next")) == "next"
-        assert owner.state == ("slow", "next")  # the cancelled command was still applied
-        tg.cancel_scope.cancel()
+        assert sorted(node.owner.state.claims) == [UID_A, UID_B]  # the cancelled one applied
 
 
-async def test_a_hung_effect_is_cut_off_by_the_command_deadline() -> None:
-    owner, send, executor = _owner(deadline=0.2)
-    never = anyio.Event()
-    async with send, anyio.create_task_group() as tg:
-        await tg.start(owner.run)
-        with pytest.raises(DracpuError, match=r"^Block did not finish within 0.2 s$"):
-            await request(send, Do.replying("a", Write("cdi"), Block("nri", never)))
-        assert owner.state == ()
-        assert executor.executed == ["cdi", "nri", "undo-nri", "undo-cdi"]
-        assert await request(send, Do.replying("b")) == "b"
-        tg.cancel_scope.cancel()
+async def test_a_command_past_its_deadline_runs_no_further_effect_and_is_rolled_back(
+    trees: SysfsTrees, scratch: Path
+) -> None:
+    send, receive = republish_channel()
+    with send, receive:
+        async with running(trees, scratch, deadline=0.2) as node:
+            prepared = await node.ask(_grouped(UID_A, 2))
+            assert isinstance(prepared, ClaimPrepared)
+            node.owner._republish = send
+            node.files.ran.clear()
+            with node.files.holding(WriteCdiSpec) as gate:
+
+                async def release() -> None:
+                    await anyio.sleep(0.5)  # past the deadline: the write is waited for
+                    gate.set()
+
+                node.tg.start_soon(release)
+                message = (
+                    r"^the commit phase \(cut off after PruneCdiSpecs\) did not finish within "
+                    r"0.2 s$"
+                )
+                with pytest.raises(DracpuError, match=message):
+                    await node.ask(Resync())  # the specs and the prune, then the publish
+            # The hop that had begun ran to its end; the publish after it never began; the
+            # rollback rewrote the spec of the old state.
+            assert node.ran() == [WriteCdiSpec, PruneCdiSpecs, WriteCdiSpec]
+            with pytest.raises(anyio.WouldBlock):
+                receive.receive_nowait()
+            assert list(node.owner.state.claims) == [UID_A]
+            assert _specs(node.config) == {UID_A: prepared.cpus}
+            assert node.owner.statistics().effects_failed == 1
+            assert await node.ask(UnprepareClaim(UID_A)) == ClaimUnprepared(UID_A, prepared.cpus)
+            # A prepare is one hop: however slow, nothing comes after it to cut off.
+            with node.files.holding(WriteCheckpoint) as gate:
+                node.tg.start_soon(release)
+                assert isinstance(await node.ask(_grouped(UID_B, 2)), ClaimPrepared)
 
 
-async def test_a_stopping_owner_finishes_the_command_in_flight() -> None:
-    owner, send, executor = _owner()
-    gate = anyio.Event()
+async def test_a_stopping_owner_finishes_the_command_in_flight(
+    trees: SysfsTrees, scratch: Path
+) -> None:
+    config = _config(trees, scratch)
+    files = Files(config)
+    send: Send
+    receive: Receive
+    send, receive = create_request_stream()
+    owner = StateOwner(config, receive, files=files)
     answers: list[object] = []
     owner_scope = anyio.CancelScope()
 
-    async def run_owner() -> None:
+    async def run_owner(*, task_status: anyio.abc.TaskStatus[None]) -> None:
         with owner_scope:
-            await owner.run()
+            await owner.run(task_status=task_status)
 
     async def ask() -> None:
-        answers.append(await request(send, Do.replying("a", Block("ckpt", gate))))
+        answers.append(await request(send, _grouped(UID_A, 2)))
 
-    async with send, anyio.create_task_group() as tg:
-        tg.start_soon(run_owner)
-        tg.start_soon(ask)
-        await wait_all_tasks_blocked()
-        owner_scope.cancel()  # the stop arrives while the effect runs
-        await wait_all_tasks_blocked()
-        assert answers == []
-        gate.set()
-    assert answers == ["a"]
-    assert owner.state == ("a",)
-    assert executor.executed == ["ckpt"]
+    with files.holding(WriteCheckpoint) as gate:
+        async with send, anyio.create_task_group() as tg:
+            await tg.start(run_owner)
+            tg.start_soon(ask)
+            await until(lambda: WriteCheckpoint in files.held, "the held checkpoint")
+            owner_scope.cancel()  # the stop arrives while the effect runs
+            await anyio.wait_all_tasks_blocked()
+            assert answers == []
+            gate.set()
+    [prepared] = answers
+    assert isinstance(prepared, ClaimPrepared)
+    assert list(owner.state.claims) == [UID_A]
+    assert _saved(config) == {UID_A: prepared.cpus}
 
 
-async def test_a_bug_in_apply_is_answered_then_ends_the_owner() -> None:
-    owner, send, _ = _owner()
+async def _crash(
+    trees: SysfsTrees, scratch: Path, command: Command, bug: Callable[[Files], None]
+) -> tuple[pytest.ExceptionInfo[ExceptionGroup], object]:
+    """Restore an owner, plant ``bug``, send ``command`` with a reply stream of the test's own:
+    the group the owner's failure ends, and the answer the owner left in that stream."""
+    config = _config(trees, scratch)
+    files = Files(config)
+    send: Send
+    receive: Receive
+    send, receive = create_request_stream()
+    owner = StateOwner(config, receive, files=files)
     reply_send, reply_receive = anyio.create_memory_object_stream[object](1)
-    with reply_receive:
-        async with send:
-            await send.send(Request(Explode(), reply_send))
-            with pytest.raises(ExceptionGroup) as info:
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(owner.run)
-        assert info.group_contains(ValueError, match="^boom$")
+
+    async def serve_one() -> None:
+        async with anyio.create_task_group() as tg:
+            await tg.start(owner.run)
+            bug(files)
+            send.send_nowait(Request(command, reply_send))
+            await anyio.sleep_forever()  # the owner's failure ends the group
+
+    with reply_receive, reply_send, send:
+        with pytest.raises(ExceptionGroup) as info:
+            await serve_one()
         answer = reply_receive.receive_nowait()
+    return info, answer
+
+
+async def test_a_bug_in_apply_is_answered_then_ends_the_owner(
+    trees: SysfsTrees, scratch: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(state: object, command: object) -> Any:
+        raise ValueError("boom")
+
+    def plant(files: Files) -> None:
+        monkeypatch.setattr(state_owner, "apply", broken)
+
+    info, answer = await _crash(trees, scratch, UnprepareClaim(UID_A), plant)
+    assert info.group_contains(ValueError, match="^boom$")
     assert isinstance(answer, DracpuError)
-    assert str(answer) == "Explode: internal error: ValueError('boom')"
+    assert str(answer) == "UnprepareClaim: internal error: ValueError('boom')"
 
 
-async def test_a_bug_in_an_effect_is_answered_then_ends_the_owner() -> None:
-    owner, send, _ = _owner()
-    reply_send, reply_receive = anyio.create_memory_object_stream[object](1)
-    with reply_receive:
-        async with send:
-            await send.send(Request(Do.replying("a", Bug("cdi")), reply_send))
-            with pytest.raises(ExceptionGroup) as info:
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(owner.run)
-        assert info.group_contains(RuntimeError, match="^cdi$")
-        answer = reply_receive.receive_nowait()
+async def test_a_bug_in_an_effect_is_answered_then_ends_the_owner(
+    trees: SysfsTrees, scratch: Path
+) -> None:
+    info, answer = await _crash(
+        trees, scratch, _grouped(UID_A, 2), lambda files: files.bugs.append(WriteCheckpoint)
+    )
+    assert info.group_contains(RuntimeError, match="^bug in WriteCheckpoint$")
     assert isinstance(answer, DracpuError)
-    assert str(answer) == "Do: internal error in Bug: RuntimeError('cdi')"
-    assert owner.state == ()
+    assert str(answer) == "PrepareClaim: internal error: RuntimeError('bug in WriteCheckpoint')"
 
 
-async def test_requests_still_queued_when_the_owner_stops_are_refused() -> None:
-    owner, send, _ = _owner()
+async def test_requests_still_queued_when_the_owner_stops_are_refused(
+    trees: SysfsTrees, scratch: Path
+) -> None:
+    config = _config(trees, scratch)
+    send: Send
+    receive: Receive
+    send, receive = create_request_stream()
+    owner = StateOwner(config, receive)
     replies = [anyio.create_memory_object_stream[object](1) for _ in range(2)]
     async with send:
         for reply_send, _ in replies:
-            await send.send(Request(Do.replying("never"), reply_send))
+            await send.send(Request(UnprepareClaim(UID_A), reply_send))
         with anyio.CancelScope() as scope:
             scope.cancel()
             await owner.run()
@@ -362,22 +447,23 @@ async def test_requests_still_queued_when_the_owner_stops_are_refused() -> None:
         with reply_receive:
             answer = reply_receive.receive_nowait()
         assert isinstance(answer, DracpuError)
-        assert str(answer) == "the state owner stopped before handling Do"
-    assert owner.state == ()
+        assert str(answer) == "the state owner stopped before handling UnprepareClaim"
 
 
 async def test_request_when_the_owner_is_not_running() -> None:
-    streams: Streams = create_request_stream()
-    send, receive = streams
+    send: Send
+    receive: Receive
+    send, receive = create_request_stream()
     receive.close()
     async with send:
-        with pytest.raises(DracpuError, match="cannot send Do: the state owner is not running"):
-            await request(send, Do.replying("a"))
+        with pytest.raises(DracpuError, match="cannot send Resync: the state owner is not running"):
+            await request(send, Resync())
 
 
 async def test_request_when_the_owner_ends_without_answering() -> None:
-    streams: Streams = create_request_stream()
-    send, receive = streams
+    send: Send
+    receive: Receive
+    send, receive = create_request_stream()
 
     async def drop_one() -> None:
         async with receive:
@@ -386,166 +472,291 @@ async def test_request_when_the_owner_ends_without_answering() -> None:
 
     async with send, anyio.create_task_group() as tg:
         tg.start_soon(drop_one)
-        with pytest.raises(DracpuError, match="the state owner stopped before answering Do"):
-            await request(send, Do.replying("a"))
+        with pytest.raises(DracpuError, match="the state owner stopped before answering Resync"):
+            await request(send, Resync())
 
 
-async def test_a_request_is_handled_after_its_last_effect_and_before_the_next_request() -> None:
-    """PendingReply.handled, the NRI plugin's ordering guard: false while the owner runs the
-    request's effects (commit phase and post-commit), true before the owner takes the next one."""
-    streams: Streams = create_request_stream()
-    send, receive = streams
-    first, second = PendingReply(), PendingReply()
-    seen: list[tuple[str, bool, bool]] = []
-
-    async def execute(effect: Effect) -> None:
-        assert not isinstance(effect, Reply)
-        seen.append((effect.name, first.handled, second.handled))
-
-    owner: StateOwner[State, Command, Effect] = StateOwner(receive, (), apply, execute)
+async def test_the_command_stream_is_bounded_and_its_depth_reported(
+    trees: SysfsTrees, scratch: Path
+) -> None:
     answers: list[object] = []
+    async with running(trees, scratch, max_buffer_size=2) as node:
 
-    async def ask(command: Command, pending: PendingReply) -> None:
-        answers.append(await request(send, command, reply=pending))
+        async def ask(command: Command) -> None:
+            answers.append(await node.ask(command))
 
-    assert not first.handled
-    async with send, anyio.create_task_group() as tg:
-        tg.start_soon(ask, Do("a", (Write("a-before"), Reply("a"), Write("a-after"))), first)
-        await wait_all_tasks_blocked()
-        tg.start_soon(ask, Do("b", (Write("b-before"), Reply("b"), Write("b-after"))), second)
-        await wait_all_tasks_blocked()
-        assert not first.handled  # queued, not yet taken
-        await tg.start(owner.run)
-        await wait_all_tasks_blocked()
-        tg.cancel_scope.cancel()
-    assert answers == ["a", "b"]
-    assert seen == [
-        ("a-before", False, False),
-        ("a-after", False, False),  # answered, but the owner is not done with it yet
-        ("b-before", True, False),
-        ("b-after", True, False),
-    ]
-    assert all(p.handled for p in (first, second))
+        with node.files.holding(WriteCheckpoint) as gate:
+            node.tg.start_soon(ask, _grouped(UID_A, 2))
+            await until(lambda: WriteCheckpoint in node.files.held, "the held checkpoint")
+            for _ in range(3):
+                node.tg.start_soon(ask, UnprepareClaim(UID_B))
+            await anyio.wait_all_tasks_blocked()
+            assert node.owner.statistics().queue_depth == 2  # the third sender waits for room
+            gate.set()
+        await until(lambda: len(answers) == 4, "every answer")
+        assert node.owner.statistics().queue_depth == 0
 
 
-async def test_a_request_that_cannot_be_sent_is_handled() -> None:
-    streams: Streams = create_request_stream()
-    send, receive = streams
-    receive.close()
-    pending = PendingReply()
-    async with send:
-        with pytest.raises(DracpuError, match="the state owner is not running"):
-            await request(send, Do.replying("a"), reply=pending)
-    assert pending.handled
-
-
-async def test_the_command_stream_is_bounded_and_its_depth_reported() -> None:
-    streams: Streams = create_request_stream(max_buffer_size=2)
-    send, receive = streams
-    gate = anyio.Event()
-    owner: StateOwner[State, Command, Effect] = StateOwner(receive, (), apply, Executor())
-    answers: list[object] = []
-    async with send, anyio.create_task_group() as tg:
-        await tg.start(owner.run)
-
-        async def ask(item: str, *effects: Action) -> None:
-            answers.append(await request(send, Do.replying(item, *effects)))
-
-        tg.start_soon(ask, "slow", Block("x", gate))
-        await wait_all_tasks_blocked()
-        for item in ("q1", "q2", "q3"):
-            tg.start_soon(ask, item)
-        await wait_all_tasks_blocked()
-        assert owner.statistics().queue_depth == 2  # the third sender waits for room
-        gate.set()
-        await wait_all_tasks_blocked()
-        assert sorted(map(str, answers)) == ["q1", "q2", "q3", "slow"]
-        assert owner.statistics().queue_depth == 0
-        tg.cancel_scope.cancel()
-
-
-async def test_run_serves_until_every_sender_is_closed() -> None:
-    streams: Streams = create_request_stream()
-    send, receive = streams
-    executor = Executor()
-    owner: StateOwner[State, Command, Effect] = StateOwner(receive, (), apply, executor)
+async def test_run_serves_until_every_sender_is_closed(trees: SysfsTrees, scratch: Path) -> None:
+    config = _config(trees, scratch)
+    send: Send
+    receive: Receive
+    send, receive = create_request_stream()
+    owner = StateOwner(config, receive)
     async with anyio.create_task_group() as tg:
         await tg.start(owner.run)
         async with send:
-            assert await request(send, Do.replying("a", Write("w"))) == "a"
+            assert isinstance(await request(send, _grouped(UID_A, 1)), ClaimPrepared)
         # every send side closed: the owner's loop ends and run() returns by itself
-    assert executor.executed == ["w"]
+    assert list(owner.state.claims) == [UID_A]
 
 
-# --- the commit phase in one execute_batch call --------------------------------------------------
+# --- file effects in one hop; the CDI watcher's view -------------------------------------------
 
 
-async def test_a_batch_runs_the_commit_phase_in_one_call_then_the_rest_one_by_one() -> None:
-    owner, send, executor = _owner(batching=True)
+async def test_a_commit_phase_takes_one_hop_and_other_effects_split_it(
+    trees: SysfsTrees, scratch: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hops: list[list[type[Effect]]] = []
+    real = NodeFiles.run_batch
+
+    def counting(self: NodeFiles, batch: list[Effect], started: list[Effect]) -> None:
+        hops.append([type(e) for e in batch])
+        real(self, batch, started)
+
+    monkeypatch.setattr(NodeFiles, "run_batch", counting)
+    send, receive = republish_channel()
+    with send, receive:
+        async with running(trees, scratch) as node:
+            node.owner._republish = send
+            await node.ask(_grouped(UID_A, 2))
+            await node.ask(_grouped(UID_B, 2, device="cpudevnuma001"))
+            hops.clear()
+            await node.ask(Resync())
+            assert receive.receive_nowait() == "resync"
+    # Resync: the specs and the prune in one hop, the publish after it (on the event loop).
+    assert hops == [[WriteCdiSpec, WriteCdiSpec, PruneCdiSpecs]]
+
+
+async def test_desired_specs_follow_the_command_in_flight(trees: SysfsTrees, scratch: Path) -> None:
+    async with running(trees, scratch) as node:
+        # Prepare: the spec is written before the state commits; the watcher must keep it.
+        with node.files.holding(WriteCheckpoint) as gate:
+            node.tg.start_soon(node.ask, _grouped(UID_A, 2))
+            await until(lambda: WriteCheckpoint in node.files.held, "the held checkpoint")
+            assert UID_A not in node.owner.state.claims
+            spec = node.files.ran[0]
+            assert isinstance(spec, WriteCdiSpec)
+            assert node.owner.desired_specs() == {UID_A: spec.cpus}
+            gate.set()
+        await until(lambda: UID_A in node.owner.state.claims, "the commit")
+        assert node.owner.desired_specs() == {UID_A: spec.cpus}
+
+        # Unprepare: the spec is deleted before the state commits; the watcher must not put
+        # it back.
+        with node.files.holding(WriteCheckpoint) as gate:
+            node.tg.start_soon(node.ask, UnprepareClaim(UID_A))
+            await until(lambda: WriteCheckpoint in node.files.held, "the held checkpoint")
+            assert UID_A in node.owner.state.claims
+            assert node.owner.desired_specs() == {}
+            assert _specs(node.config) == {}
+            gate.set()
+        await until(lambda: not node.owner.state.claims, "the commit")
+        assert node.owner.desired_specs() == {}
+
+
+async def test_unsolicited_updates_without_an_nri_task_are_dropped(
+    trees: SysfsTrees, scratch: Path
+) -> None:
+    config = _config(trees, scratch, cpu_device_mode=CpuDeviceMode.INDIVIDUAL)
+    send: Send
+    receive: Receive
+    send, receive = create_request_stream()
+    owner = StateOwner(config, receive)
     async with send, anyio.create_task_group() as tg:
         await tg.start(owner.run)
-        command = Do("a", (Write("cdi"), Write("checkpoint"), Reply("done"), Write("widen")))
-        assert await request(send, command) == "done"
-        await wait_all_tasks_blocked()
-        assert executor.batches == [["cdi", "checkpoint"]]  # the post-commit effect is not in it
-        assert executor.executed == ["cdi", "checkpoint", "widen"]
-        assert owner.state == ("a",)
-        # A command with nothing before its Reply makes no batch call; one without a Reply
-        # batches all its effects and is answered None after them.
-        assert await request(send, Do.replying("b")) == "b"
-        assert await request(send, Do("c", (Write("x"), Write("y")))) is None
-        assert executor.batches == [["cdi", "checkpoint"], ["x", "y"]]
-        assert _committed(owner) == ("a", "b", "c")
-        stats = owner.statistics()
-        assert (stats.commands_applied, stats.commands_failed, stats.effects_failed) == (3, 0, 0)
+        assert len(owner.devices()) == 64  # 64 CPUs, individual devices, none reserved
+        await request(send, Synchronize((Container("s", "p"),), unsolicited_updates=True))
+        result = DeviceResult("cpus", "node-a", "cpudev002")
+        prepared = await request(send, PrepareClaim(UID_A, "ns", "c", (result,)))
+        assert isinstance(prepared, ClaimPrepared)
+        env = f"DRA_CPUSET_{UID_A}={prepared.cpus}"
+        await request(send, CreateContainer(Container.from_env("x", "q", [env])))
+        narrowed = owner.state.containers["s"].cpus
+        await request(send, UnprepareClaim(UID_A))  # widening with nowhere to go: logged only
+        assert owner.statistics().effects_failed == 0
+        assert owner.state.containers["s"].cpus == narrowed | prepared.cpus
         tg.cancel_scope.cancel()
 
 
-async def test_a_failed_batch_rolls_back_exactly_the_effects_it_began() -> None:
-    owner, send, executor = _owner(batching=True)
-    async with send, anyio.create_task_group() as tg:
-        await tg.start(owner.run)
-        assert await request(send, Do.replying("a")) == "a"
-        failing = Do("b", (Write("cdi-b"), Fail("ckpt-b"), Write("never"), Reply("never")))
-        with pytest.raises(DracpuError, match=r"^ckpt-b failed$"):
-            await request(send, failing)
-        assert owner.state == ("a",)
-        # "never" did not begin, so it is neither run nor undone; the rollback runs one by one.
-        assert executor.executed == ["cdi-b", "ckpt-b", "undo-ckpt-b", "undo-cdi-b"]
-        assert executor.batches == [["cdi-b", "ckpt-b", "never"]]
-        stats = owner.statistics()
-        assert (stats.commands_applied, stats.commands_failed, stats.effects_failed) == (1, 1, 1)
-        assert await request(send, Do.replying("c", Write("w"))) == "c"  # the owner goes on
-        assert _committed(owner) == ("a", "c")
-        tg.cancel_scope.cancel()
+# --- restore --------------------------------------------------------------------------------------
 
 
-async def test_a_batch_cut_off_by_the_deadline_rolls_back_what_began() -> None:
-    owner, send, executor = _owner(deadline=0.2, batching=True)
-    never = anyio.Event()
-    async with send, anyio.create_task_group() as tg:
-        await tg.start(owner.run)
-        command = Do.replying("a", Write("cdi"), Block("ckpt", never), Write("later"))
-        with pytest.raises(DracpuError, match=r"^Block did not finish within 0.2 s$"):
-            await request(send, command)
-        assert owner.state == ()
-        assert executor.executed == ["cdi", "ckpt", "undo-ckpt", "undo-cdi"]
-        assert owner.statistics().effects_failed == 1
-        assert await request(send, Do.replying("b")) == "b"
-        tg.cancel_scope.cancel()
+async def test_a_fresh_node_restores_empty_and_hands_its_devices_to_the_publisher(
+    trees: SysfsTrees, scratch: Path
+) -> None:
+    config = _config(trees, scratch)
+    send, receive = republish_channel()
+    requests: Send
+    owner_end: Receive
+    requests, owner_end = create_request_stream()
+    with send, receive, requests, owner_end:
+        owner = StateOwner(config, owner_end, republish=send)
+        state = await owner.restore()
+        assert dict(state.claims) == {}
+        assert [d.name for d in owner.devices()] == [f"cpudevnuma00{n}" for n in range(4)]
+        assert receive.receive_nowait() == "resync"
+    # nothing to persist yet: no slot written
+    assert not any(p.exists() for p in checkpoint_file.slot_paths(config.checkpoint_path))
 
 
-async def test_a_bug_in_a_batch_is_answered_then_ends_the_owner() -> None:
-    owner, send, _ = _owner(batching=True)
-    reply_send, reply_receive = anyio.create_memory_object_stream[object](1)
-    with reply_receive:
-        async with send:
-            await send.send(Request(Do.replying("a", Write("cdi"), Bug("ckpt")), reply_send))
-            with pytest.raises(ExceptionGroup) as info:
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(owner.run)
-        assert info.group_contains(RuntimeError, match="^ckpt$")
-        answer = reply_receive.receive_nowait()
-    assert isinstance(answer, DracpuError)
-    assert str(answer) == "Do: internal error in Bug: RuntimeError('ckpt')"
-    assert owner.state == ()
+def _owner(config: Config) -> StateOwner:
+    """An owner to restore only (its command stream is closed: it serves nothing)."""
+    send: Send
+    receive: Receive
+    send, receive = create_request_stream()
+    send.close()
+    receive.close()
+    return StateOwner(config, receive)
+
+
+async def test_restore_keeps_fitting_claims_drops_others_and_rewrites_specs(
+    trees: SysfsTrees, scratch: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = _config(trees, scratch, reserved_cpus=CpuSet.parse("0,32"))
+    _checkpoint(
+        config,
+        PreparedClaim(UID_A, CpuSet.parse("4-5"), "ns", "kept"),
+        PreparedClaim(UID_B, CpuSet.parse("0-1"), "ns", "dropped"),  # cpu0 is reserved now
+    )
+    cdi_files.write_spec(config.cdi_dir, UID_B, CpuSet.parse("0-1"))
+    (config.cdi_dir / FOREIGN).write_text("{}")
+    with caplog.at_level(logging.INFO, logger="dracpu"):
+        state = await _owner(config).restore()
+    assert {uid: c.cpus for uid, c in state.claims.items()} == {UID_A: CpuSet.parse("4-5")}
+    assert _saved(config) == {UID_A: CpuSet.parse("4-5")}  # the checkpoint equals the state
+    assert _specs(config) == {UID_A: CpuSet.parse("4-5")}
+    assert (config.cdi_dir / FOREIGN).read_text() == "{}"
+    assert any(
+        r.levelno == logging.ERROR and UID_B in r.getMessage() and "cpus 0" in r.getMessage()
+        for r in caplog.records
+    )
+
+
+async def test_restore_adopts_cdi_specs_the_checkpoint_lacks(
+    trees: SysfsTrees, scratch: Path
+) -> None:
+    config = _config(trees, scratch)
+    _checkpoint(config, PreparedClaim(UID_A, CpuSet.parse("4-5"), "ns", "known"))
+    cdi_files.write_spec(config.cdi_dir, UID_B, CpuSet.parse("8-9"))
+    clash = str(uuid.uuid4())
+    cdi_files.write_spec(config.cdi_dir, clash, CpuSet.parse("5-6"))  # overlaps claim A
+    state = await _owner(config).restore()
+    assert {uid: c.cpus for uid, c in state.claims.items()} == {
+        UID_A: CpuSet.parse("4-5"),
+        UID_B: CpuSet.parse("8-9"),
+    }
+    assert _saved(config) == {UID_A: CpuSet.parse("4-5"), UID_B: CpuSet.parse("8-9")}
+    assert sorted(_specs(config)) == sorted([UID_A, UID_B])
+
+
+async def test_a_failed_start_resync_keeps_the_claims_and_the_devices(
+    trees: SysfsTrees, scratch: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = _config(trees, scratch, cdi_dir=scratch / "not-a-dir")
+    config.cdi_dir.write_text("")  # every CDI write fails
+    _checkpoint(config, PreparedClaim(UID_A, CpuSet.parse("4-5"), "ns", "kept"))
+    owner = _owner(config)
+    state = await owner.restore()
+    assert list(state.claims) == [UID_A]
+    assert _saved(config) == {UID_A: CpuSet.parse("4-5")}
+    assert len(owner.devices()) == 4  # the publisher never sees an empty node
+    assert any(
+        r.levelno == logging.ERROR and r.getMessage().startswith("start-up Resync failed: ")
+        for r in caplog.records
+    )
+
+
+async def test_an_unreadable_checkpoint_fails_the_restore(trees: SysfsTrees, scratch: Path) -> None:
+    config = _config(trees, scratch)
+    config.checkpoint_path.mkdir(parents=True)  # a directory where the file should be
+    with pytest.raises(CheckpointError, match="cannot read checkpoint"):
+        await _owner(config).restore()
+
+
+async def test_a_missing_topology_fails_the_start(scratch: Path) -> None:
+    config = Config(node_name="n", host_root=scratch / "empty", cdi_dir=scratch / "cdi")
+    with pytest.raises(DracpuError):
+        await _owner(config).run()
+
+
+async def test_prepares_checkpoint_into_alternate_slots_and_a_restart_takes_the_newest(
+    trees: SysfsTrees, scratch: Path
+) -> None:
+    async with running(trees, scratch) as node:
+        await node.ask(_grouped(UID_A, 2))
+        await node.ask(_grouped(UID_B, 3))
+        state = node.owner.state
+    zero, one = checkpoint_file.slot_paths(node.config.checkpoint_path)
+    assert dict(decode(zero.read_bytes()).data.claims) == {UID_A: state.claims[UID_A]}
+    assert decode(one.read_bytes()) == StoredCheckpoint(state.checkpoint(), 2)
+    restarted = await _owner(node.config).restore()
+    assert dict(restarted.claims) == dict(state.claims)
+
+
+async def test_a_prepare_whose_checkpoint_write_was_torn_is_adopted_from_its_cdi_spec(
+    trees: SysfsTrees, scratch: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with running(trees, scratch) as node:
+        await node.ask(_grouped(UID_A, 2))
+        await node.ask(_grouped(UID_B, 3))
+        state = node.owner.state
+    config = node.config
+    # The power failed in the middle of B's checkpoint write (after its CDI spec was written):
+    # that write was never acknowledged, so the kubelet still thinks B is unprepared.
+    zero, one = checkpoint_file.slot_paths(config.checkpoint_path)
+    one.write_bytes(one.read_bytes()[:100])
+    with caplog.at_level(logging.WARNING, logger="dracpu"):
+        restarted = await _owner(config).restore()
+    assert {uid: c.cpus for uid, c in restarted.claims.items()} == {
+        uid: c.cpus for uid, c in state.claims.items()
+    }
+    assert restarted.claims[UID_A] == state.claims[UID_A]  # from the checkpoint, with results
+    assert restarted.claims[UID_B].results == ()  # adopted from its spec: the kubelet's retry
+    assert _saved(config) == {uid: c.cpus for uid, c in state.claims.items()}
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(f"using {zero} (sequence 1)" in m for m in messages)
+    assert any(
+        f"adopted 1 claims from CDI specs the checkpoint lacked: ['{UID_B}']" in m for m in messages
+    )
+
+
+async def test_a_failed_adoption_fails_the_start_and_keeps_the_specs(
+    trees: SysfsTrees, scratch: Path
+) -> None:
+    config = _config(trees, scratch)
+    _checkpoint(config, PreparedClaim(UID_A, CpuSet.parse("4-5"), "ns", "known"))
+    cdi_files.write_spec(config.cdi_dir, UID_B, CpuSet.parse("8-9"))  # only its spec knows it
+    before = _saved(config)
+    files = Files(config)
+    files.failing.append(WriteCheckpoint)
+    owner = _owner(config)
+    owner._files = files
+    with pytest.raises(DracpuError, match=r"start-up AdoptClaims failed, not starting: .*No space"):
+        await owner.restore()
+    # Neither rolled back nor pruned: the next start can still adopt the claim.
+    assert [type(e) for e in files.ran] == [WriteCdiSpec, WriteCheckpoint]
+    assert _specs(config) == {UID_B: CpuSet.parse("8-9")}
+    assert _saved(config) == before
+
+
+async def test_prune_removes_only_our_specs_that_are_not_kept(scratch: Path) -> None:
+    files = NodeFiles(scratch, scratch / "state" / "checkpoint.json")
+    for uid in (UID_A, UID_B):
+        cdi_files.write_spec(scratch, uid, CpuSet.parse("1"))
+    (scratch / FOREIGN).write_text("{}")
+    files.run(PruneCdiSpecs(frozenset({UID_A})))
+    assert _specs(Config(node_name="n", cdi_dir=scratch)) == {UID_A: CpuSet.parse("1")}
+    assert (scratch / FOREIGN).read_text() == "{}"
+    with pytest.raises(DracpuError, match="PublishSlices is not a file effect"):
+        files.run(PublishSlices(build_topology(FIXTURES["vm-2cpu"])))

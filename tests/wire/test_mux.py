@@ -107,7 +107,7 @@ def test_dropped_frames_are_counted() -> None:
     assert mux.dropped_frames == 2
 
 
-# --- the sending rule (reference §2.3) ---------------------------------------------------------
+# --- the sending rule (Go's bufio.Reader in ttrpc channel.go) -----------------------------------
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,12 @@
-"""Mux and ttrpc stacked as on the NRI socket: the reference's golden frames, both directions.
+"""Mux, ttrpc framing and the ttrpc envelopes stacked as on the NRI socket: golden frames, both
+directions.
 
 A plugin (conn 1 server, conn 2 client) and a fake runtime (conn 1 client, conn 2 server) are
-wired back to back, as h11's ``ConnectionPair``; every byte that crosses is compared with
-``reference/nri-ttrpc-cdi.md`` §4.2 and parsed back by the other side.
+wired back to back, as h11's ``ConnectionPair``; every byte that crosses is compared with frames
+written out from containerd/nri and containerd/ttrpc (the Go encoders' output for
+``RegisterPlugin``, ``Configure``, ``CreateContainer`` and error replies) and parsed back by the
+other side. The envelopes are :mod:`dracpu.adapters.ttrpc_envelopes` (Google protobuf) inside
+the sans-IO framing of :mod:`dracpu.wire`.
 """
 
 from __future__ import annotations
@@ -14,17 +18,28 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dracpu.adapters.ttrpc_envelopes import (
+    Answer,
+    Call,
+    read_request,
+    read_response,
+    request_data,
+    response_data,
+)
 from dracpu.errors import RemoteProtocolError
 from dracpu.wire.events import (
     NEED_DATA,
     ConnectionClosed,
     MuxFrame,
-    TtrpcBadRequest,
     TtrpcRequest,
     TtrpcResponse,
+    TtrpcStreamError,
 )
 from dracpu.wire.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN, MuxConnection
-from dracpu.wire.ttrpc import Code, Role, TtrpcConnection, TtrpcEvent
+from dracpu.wire.status import Code
+from dracpu.wire.ttrpc import Role, TtrpcConnection
+
+Event = Call | Answer | TtrpcStreamError | ConnectionClosed
 
 RUNTIME = "nri.pkg.api.v1alpha1.Runtime"
 PLUGIN = "nri.pkg.api.v1alpha1.Plugin"
@@ -40,20 +55,25 @@ class Side:
     def send_request(
         self, conn_id: int, service: str, method: str, payload: bytes, timeout_nano: int = 0
     ) -> bytes:
-        _, message = self.conns[conn_id].send_request(service, method, payload, timeout_nano)
+        data = request_data(service, method, payload, timeout_nano)
+        _, message = self.conns[conn_id].send_request(data)
         return self.mux.send(conn_id, message)
 
     def send_response(self, conn_id: int, stream_id: int, payload: bytes) -> bytes:
-        return self.mux.send(conn_id, self.conns[conn_id].send_response(stream_id, payload))
+        data = response_data(payload)
+        return self.mux.send(conn_id, self.conns[conn_id].send_response(stream_id, data))
 
     def send_error(self, conn_id: int, stream_id: int, code: int, message: str) -> bytes:
-        data = self.conns[conn_id].send_error(stream_id, code, message)
+        data = self.conns[conn_id].send_response(stream_id, response_data(b"", code, message))
         return self.mux.send(conn_id, data)
 
-    def receive(self, data: bytes) -> list[tuple[int, TtrpcEvent]]:
-        """Feed socket bytes; return the ttrpc events they complete, with their conn id."""
+    def receive(self, data: bytes) -> list[tuple[int, Event]]:
+        """Feed socket bytes; return the calls and answers they complete, with their conn id.
+
+        A request whose envelope does not decode comes back as the INVALID_ARGUMENT the server
+        owes it; a response whose envelope does not decode raises (the connection is lost)."""
         self.mux.receive_data(data)
-        events: list[tuple[int, TtrpcEvent]] = []
+        events: list[tuple[int, Event]] = []
         while True:
             frame = self.mux.next_event()
             if isinstance(frame, ConnectionClosed):
@@ -63,11 +83,22 @@ class Side:
                 self.conns[frame.conn_id].receive_data(frame.payload)
             for conn_id, conn in self.conns.items():
                 while (event := conn.next_event()) is not NEED_DATA:
-                    events.append((conn_id, event))
+                    events.append((conn_id, _decoded(event)))
                     if isinstance(event, ConnectionClosed):
                         break
             if frame is NEED_DATA or isinstance(frame, ConnectionClosed):
                 return events
+
+
+def _decoded(event: TtrpcRequest | TtrpcResponse | TtrpcStreamError | ConnectionClosed) -> Event:
+    if isinstance(event, TtrpcRequest):
+        try:
+            return read_request(event)
+        except RemoteProtocolError as exc:
+            return TtrpcStreamError(event.stream_id, Code.INVALID_ARGUMENT, str(exc))
+    if isinstance(event, TtrpcResponse):
+        return read_response(event)
+    return event
 
 
 def plugin() -> Side:
@@ -82,7 +113,7 @@ def hexb(text: str) -> bytes:
     return bytes.fromhex(text)
 
 
-# §4.2 vectors
+# Golden vectors: the bytes containerd/nri's Go plugin stub and runtime put on the socket.
 REGISTER_PLUGIN = hexb("0a 07 64 72 61 2d 63 70 75 12 02 39 30")
 REGISTER_REQUEST = hexb(
     "0a 1c 6e 72 69 2e 70 6b 67 2e 61 70 69 2e 76 31 61 6c 70 68 61 31 2e 52 75 6e 74 69 6d 65"
@@ -113,15 +144,12 @@ def test_register_plugin_golden_both_ways() -> None:
     )
     assert data == REGISTER_SOCKET
     assert r.receive(data) == [
-        (
-            RUNTIME_SERVICE_CONN,
-            TtrpcRequest(1, RUNTIME, "RegisterPlugin", REGISTER_PLUGIN, 5_000_000_000),
-        )
+        (RUNTIME_SERVICE_CONN, Call(1, RUNTIME, "RegisterPlugin", REGISTER_PLUGIN, 5_000_000_000))
     ]
     # The runtime's OK for Empty: no status, a 0-byte Response.
     reply = r.send_response(RUNTIME_SERVICE_CONN, 1, b"")
     assert reply == REGISTER_OK_SOCKET
-    assert p.receive(reply) == [(RUNTIME_SERVICE_CONN, TtrpcResponse(1, 0, "", b""))]
+    assert p.receive(reply) == [(RUNTIME_SERVICE_CONN, Answer(1, 0, "", b""))]
 
 
 def test_configure_and_create_container_replies_golden_both_ways() -> None:
@@ -131,7 +159,7 @@ def test_configure_and_create_container_replies_golden_both_ways() -> None:
         r.send_request(PLUGIN_SERVICE_CONN, PLUGIN, method, b"", 2 * 10**9)
         for method in ("Configure", "Synchronize", "CreateContainer")
     )
-    assert [(c, e.stream_id) for c, e in p.receive(calls) if isinstance(e, TtrpcRequest)] == [
+    assert [(c, e.stream_id) for c, e in p.receive(calls) if isinstance(e, Call)] == [
         (1, 1),
         (1, 3),
         (1, 5),
@@ -142,8 +170,8 @@ def test_configure_and_create_container_replies_golden_both_ways() -> None:
     assert create == CREATE_REPLY_SOCKET
     # Out of order, in one read: the runtime matches them by stream id.
     assert r.receive(create + configure) == [
-        (PLUGIN_SERVICE_CONN, TtrpcResponse(5, 0, "", CREATE_RESPONSE)),
-        (PLUGIN_SERVICE_CONN, TtrpcResponse(1, 0, "", CONFIGURE_RESPONSE)),
+        (PLUGIN_SERVICE_CONN, Answer(5, 0, "", CREATE_RESPONSE)),
+        (PLUGIN_SERVICE_CONN, Answer(1, 0, "", CONFIGURE_RESPONSE)),
     ]
     assert r.conns[PLUGIN_SERVICE_CONN].outstanding == {3}
 
@@ -158,7 +186,7 @@ def test_error_replies_golden_both_ways(code: Code, message: str, envelope: byte
     data = p.send_error(PLUGIN_SERVICE_CONN, 1, code, message)
     n = len(envelope)
     assert data == hexb(f"00000001 {n + 10:08x} {n:08x} 00000001 0200") + envelope
-    assert r.receive(data) == [(PLUGIN_SERVICE_CONN, TtrpcResponse(1, code, message, b""))]
+    assert r.receive(data) == [(PLUGIN_SERVICE_CONN, Answer(1, code, message, b""))]
 
 
 @pytest.mark.parametrize(
@@ -176,7 +204,7 @@ def test_nri_payload_vectors_are_carried_byte_exactly(
     caller, callee = (r, p) if conn_id == PLUGIN_SERVICE_CONN else (p, r)
     data = caller.send_request(conn_id, service, method, payload)
     assert payload in data
-    assert callee.receive(data) == [(conn_id, TtrpcRequest(1, service, method, payload))]
+    assert callee.receive(data) == [(conn_id, Call(1, service, method, payload))]
 
 
 def test_a_5000_byte_message_crosses_as_frames_of_4096_and_904() -> None:
@@ -191,11 +219,11 @@ def test_a_5000_byte_message_crosses_as_frames_of_4096_and_904() -> None:
     # Fed in the two frames' own pieces, then byte by byte: the same single response.
     for pieces in ([data[:4104], data[4104:]], [data[i : i + 1] for i in range(len(data))]):
         runtime_side = runtime()
-        runtime_side.conns[PLUGIN_SERVICE_CONN].send_request(PLUGIN, "Synchronize", b"")
-        events: list[tuple[int, TtrpcEvent]] = []
+        runtime_side.send_request(PLUGIN_SERVICE_CONN, PLUGIN, "Synchronize", b"")
+        events: list[tuple[int, Event]] = []
         for piece in pieces:
             events += runtime_side.receive(piece)
-        assert events == [(PLUGIN_SERVICE_CONN, TtrpcResponse(1, 0, "", payload))]
+        assert events == [(PLUGIN_SERVICE_CONN, Answer(1, 0, "", payload))]
 
 
 def test_eof_reaches_every_conn() -> None:
@@ -235,7 +263,7 @@ def test_interleaved_calls_on_both_conns_survive_any_chunking(
     expected_at_plugin, expected_at_runtime = [], []
     next_id = {PLUGIN_SERVICE_CONN: 1, RUNTIME_SERVICE_CONN: 1}
     for conn_id, method, payload in calls:
-        request = TtrpcRequest(next_id[conn_id], "svc", method, payload)
+        request = Call(next_id[conn_id], "svc", method, payload)
         next_id[conn_id] += 2
         if conn_id == PLUGIN_SERVICE_CONN:
             wire_to_plugin += r.send_request(conn_id, "svc", method, payload)
@@ -257,12 +285,10 @@ def test_interleaved_calls_on_both_conns_survive_any_chunking(
     )
     got = [e for chunk in split(replies_to_runtime, cuts) for e in r.receive(chunk)]
     assert got == [
-        (c, TtrpcResponse(e.stream_id, 0, "", e.payload)) for c, e in reversed(expected_at_plugin)
+        (c, Answer(e.stream_id, 0, "", e.payload)) for c, e in reversed(expected_at_plugin)
     ]
     got = [e for chunk in split(replies_to_plugin, cuts) for e in p.receive(chunk)]
-    assert got == [
-        (c, TtrpcResponse(e.stream_id, 0, "", e.payload)) for c, e in expected_at_runtime
-    ]
+    assert got == [(c, Answer(e.stream_id, 0, "", e.payload)) for c, e in expected_at_runtime]
     assert not any(conn.outstanding for side in (p, r) for conn in side.conns.values())
 
 
@@ -270,7 +296,7 @@ def test_interleaved_calls_on_both_conns_survive_any_chunking(
 @given(st.binary(max_size=300), st.lists(st.integers(0, 400), max_size=6))
 def test_garbage_on_the_socket_only_raises_peer_errors(data: bytes, cuts: list[int]) -> None:
     side = plugin()
-    side.conns[RUNTIME_SERVICE_CONN].send_request(RUNTIME, "RegisterPlugin", b"")
+    side.send_request(RUNTIME_SERVICE_CONN, RUNTIME, "RegisterPlugin", b"")
     with contextlib.suppress(RemoteProtocolError):
         for chunk in [*split(data, cuts), b""]:
             side.receive(chunk)
@@ -314,10 +340,10 @@ def test_framed_garbage_reaches_ttrpc_and_only_raises_peer_errors(
 ) -> None:
     side = plugin()
     for _ in range(3):  # responses on streams 1, 3 and 5 are expected on conn 2
-        side.conns[RUNTIME_SERVICE_CONN].send_request(RUNTIME, "RegisterPlugin", b"")
+        side.send_request(RUNTIME_SERVICE_CONN, RUNTIME, "RegisterPlugin", b"")
     allowed = {
-        PLUGIN_SERVICE_CONN: TtrpcRequest | TtrpcBadRequest | ConnectionClosed,
-        RUNTIME_SERVICE_CONN: TtrpcResponse | ConnectionClosed,
+        PLUGIN_SERVICE_CONN: Call | TtrpcStreamError | ConnectionClosed,
+        RUNTIME_SERVICE_CONN: Answer | TtrpcStreamError | ConnectionClosed,
     }
     with contextlib.suppress(RemoteProtocolError):
         for chunk in [*split(data, cuts), b""]:

@@ -1,4 +1,4 @@
-"""Commands: what the tasks ask the state owner to do (design §3).
+"""Commands: what the tasks ask the state owner to do.
 
 Every command is a frozen, slotted value. :func:`dracpu.core.state.apply` turns ``(state,
 command)`` into ``(new state, effects)``; exactly one of the effects is a
@@ -9,7 +9,7 @@ Who sends what:
 - the kubelet plugin: :class:`PrepareClaim`, :class:`UnprepareClaim`;
 - the NRI plugin: :class:`CreateContainer`, :class:`UpdateContainer`, :class:`StopContainer`,
   :class:`RemoveContainer`, :class:`Synchronize`, :class:`RuntimeDisconnected`,
-  :class:`InvalidateContainers` (an unsolicited ``UpdateContainers`` failed);
+  :class:`InvalidateContainers` (the runtime failed an unsolicited ``UpdateContainers``);
 - the pod-resources sync: :class:`PodsListed`;
 - the state owner itself at start and on SIGHUP: :class:`AdoptClaims`, :class:`Resync`.
 
@@ -21,15 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from dracpu.core.allocator import AllocationPolicy
 from dracpu.core.cdi_spec import parse_env
 from dracpu.core.cpuset import CpuSet
+from dracpu.core.node_config import NodeConfig
 from dracpu.errors import CdiError
-
-if TYPE_CHECKING:
-    from dracpu.core.allocator import AllocationPolicy
-    from dracpu.core.state import NodeConfig
 
 __all__ = [
     "AdoptClaims",
@@ -270,10 +267,12 @@ class RuntimeDisconnected:
 
 @dataclass(frozen=True, slots=True)
 class InvalidateContainers:
-    """An ``UpdateContainers`` call for these containers failed: their cpusets are unknown, so
-    the next reply that can carry updates sends them again."""
+    """The runtime failed an ``UpdateContainers`` of these ``(container id, seq)`` pins: each
+    such container's cpuset is unknown, unless the owner decided a newer pin for it meanwhile
+    (a higher seq, sent on its own way), so the next reply that can carry updates sends it
+    again."""
 
-    container_ids: tuple[str, ...]
+    failed: tuple[tuple[str, int], ...]
 
 
 Command = (

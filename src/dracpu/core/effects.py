@@ -1,4 +1,4 @@
-"""Effects: the I/O the state owner performs after a command was applied (design §3).
+"""Effects: the I/O the state owner performs after a command was applied.
 
 ``apply(state, command) -> (state, effects)`` is pure; the state owner executes the effects in
 order. :class:`Reply` is special: its value goes back to the requester's one-shot reply stream.
@@ -85,18 +85,23 @@ class WriteCheckpoint:
 
 @dataclass(frozen=True, slots=True)
 class ContainerUpdate:
-    """Set a container's ``cpuset.cpus`` (and ``cpuset.mems`` unless ``mems`` is ``None``)."""
+    """Set a container's ``cpuset.cpus`` (and ``cpuset.mems`` unless ``mems`` is ``None``).
+
+    ``seq``: the number of the owner's decision that chose this pin
+    (:attr:`dracpu.core.state.NodeState.pin_seq`): of two writes to a container, the one with
+    the higher number is the newer decision."""
 
     container_id: str
     cpus: CpuSet
     mems: CpuSet | None = None
+    seq: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class UpdateContainers:
-    """Unsolicited NRI ``Runtime/UpdateContainers`` (only from outside an NRI event handler).
-
-    On failure the owner applies :class:`~dracpu.core.commands.InvalidateContainers`."""
+    """Unsolicited NRI ``Runtime/UpdateContainers`` (only from outside an NRI event handler):
+    the NRI task queues these containers and sends each its pin from the committed state. When
+    the runtime fails them, it sends :class:`~dracpu.core.commands.InvalidateContainers`."""
 
     updates: tuple[ContainerUpdate, ...]
 
@@ -151,12 +156,10 @@ class ClaimsAdopted:
 
 @dataclass(frozen=True, slots=True)
 class ContainerPinned:
-    """Answer to CreateContainer/UpdateContainer: the container's cpuset and mems (``None``:
+    """Answer to CreateContainer/UpdateContainer: the container's own pin (``mems`` ``None``:
     leave mems alone) and the updates of *other* containers to send in the same response."""
 
-    container_id: str
-    cpus: CpuSet
-    mems: CpuSet | None
+    pin: ContainerUpdate
     updates: tuple[ContainerUpdate, ...]
 
 

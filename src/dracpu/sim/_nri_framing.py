@@ -1,9 +1,10 @@
 """The fake runtime's own NRI framing: mux frames, ttrpc messages and Go's reader constraints.
 
-This module shares no code with ``dracpu.wire`` on purpose (design §7): the fake runtime is the
-independent peer our NRI plugin is tested against, so its framing is written again from the
-facts in ``reference/nri-ttrpc-cdi.md`` §1-§2, and the ttrpc envelope (``ttrpc.Request`` /
-``ttrpc.Response``) is encoded with Google's protobuf runtime, not hand-encoded.
+This module shares no code with ``dracpu.wire`` on purpose: the fake runtime is the independent
+peer our NRI plugin is tested against, so its framing is written again from the facts of
+containerd/nri ``pkg/net/multiplex`` and containerd/ttrpc ``channel.go``, and the ttrpc envelope
+(``ttrpc.Request`` / ``ttrpc.Response``) is encoded with Google's protobuf runtime, from the
+simulator's own generated tree.
 
 Wire layout::
 
@@ -17,7 +18,7 @@ the first 4096 bytes and then the rest (a message never exceeds 10 + 4 MiB bytes
 Receiving (:class:`GoChannelReader`) models how the Go runtime reads one mux conn: ttrpc reads
 the 10-byte header, then the data, through a 4096-byte ``bufio.Reader`` over the mux conn, whose
 ``Read`` hands over one whole frame and fails with ENOMEM if the frame is larger than the buffer
-it reads into (§2.3). In strict mode a frame the Go runtime could not read kills the
+it reads into. In strict mode a frame the Go runtime could not read kills the
 connection with :class:`FramingError`, so a plugin that frames badly fails here as it would
 against containerd.
 """

@@ -1,4 +1,4 @@
-"""``dracpu sim``: a scripted demo of one exclusive claim on a simulated node (design §5, §7).
+"""``dracpu sim``: a scripted demo of one exclusive claim on a simulated node.
 
 It runs the REAL ``dracpu run`` on :func:`dracpu.sim.node.open_node_sim` and walks one claim
 through its life, checking every step and printing what happened:

@@ -15,8 +15,8 @@ KiB, within the socket's send buffer, so a peer that does not read cannot hold a
 - ``/readyz``: 200 once every task the supervisor started has reported ready, 503 before that,
   while a task reports not ready (e.g. the kubelet refused our registration) and while stopping.
   The body lists the tasks as the Kubernetes API server does (``[+]name ok`` / ``[-]name ...``).
-- ``/metrics``: Prometheus text format from a registry of our own (:func:`build_registry`), never
-  the process-global one.
+- ``/metrics``: Prometheus text format from a registry of our own
+  (:func:`dracpu.tasks.metrics.build_registry`), never the process-global one.
 
 aiohttp runs on asyncio only, so this task does too (the daemon's backend).
 """
@@ -25,23 +25,18 @@ from __future__ import annotations
 
 import logging
 import os
-import platform
 import socket
-from collections.abc import Callable, Iterable
 
 import anyio
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskStatus
-from prometheus_client import CollectorRegistry, Info, PlatformCollector, ProcessCollector
+from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from dracpu import __version__
 from dracpu.config import BindAddress
 from dracpu.errors import DracpuError
-from dracpu.tasks.state_owner import OwnerStatistics
 
 __all__ = [
     "MAX_HEADERS",
@@ -49,7 +44,6 @@ __all__ = [
     "READ_TIMEOUT",
     "Readiness",
     "ReadinessFlag",
-    "build_registry",
     "run",
 ]
 
@@ -153,67 +147,6 @@ class Readiness:
             lines.append("[-]shutdown: stopping")
         lines.append("readyz check passed" if self.is_ready() else "readyz check failed")
         return "\n".join(lines) + "\n"
-
-
-# --- metrics ------------------------------------------------------------------------------------
-
-
-class _DaemonCollector:
-    """Reads the owner's statistics and the readiness flags at scrape time."""
-
-    def __init__(
-        self, owner_statistics: Callable[[], OwnerStatistics] | None, readiness: Readiness
-    ) -> None:
-        self._owner_statistics = owner_statistics
-        self._readiness = readiness
-
-    def collect(self) -> Iterable[Metric]:
-        ready = GaugeMetricFamily(
-            "dracpu_task_ready", "1 when the task reports ready, else 0.", labels=["task"]
-        )
-        for flag in self._readiness.flags():
-            ready.add_metric([flag.name], 1.0 if flag.ready else 0.0)
-        yield ready
-        yield GaugeMetricFamily(
-            "dracpu_ready",
-            "1 when /readyz answers 200.",
-            value=1.0 if self._readiness.is_ready() else 0.0,
-        )
-        if self._owner_statistics is None:
-            return
-        stats = self._owner_statistics()
-        commands = CounterMetricFamily(
-            "dracpu_state_owner_commands",
-            "Commands handled by the state owner, by type and outcome (ok, error, failed).",
-            labels=["command", "outcome"],
-        )
-        for (command, outcome), count in sorted(stats.by_command.items()):
-            commands.add_metric([command, outcome], float(count))
-        yield commands
-        yield CounterMetricFamily(
-            "dracpu_state_owner_effects_failed",
-            "Effects (file writes, NRI updates, ...) that failed.",
-            value=float(stats.effects_failed),
-        )
-        yield GaugeMetricFamily(
-            "dracpu_state_owner_queue_depth",
-            "Commands waiting for the state owner.",
-            value=float(stats.queue_depth),
-        )
-
-
-def build_registry(
-    readiness: Readiness, owner_statistics: Callable[[], OwnerStatistics] | None = None
-) -> CollectorRegistry:
-    """Our own metrics registry: build info, process and Python metrics, readiness, owner."""
-    registry = CollectorRegistry()
-    Info("dracpu_build", "dracpu build information.", registry=registry).info(
-        {"version": __version__, "python_version": platform.python_version()}
-    )
-    ProcessCollector(registry=registry)
-    PlatformCollector(registry=registry)
-    registry.register(_DaemonCollector(owner_statistics, readiness))
-    return registry
 
 
 # --- the server ---------------------------------------------------------------------------------

@@ -1,41 +1,68 @@
-"""The state owner: the one task that changes node state (design §3).
+"""The state owner: the one task that holds and changes the node's state.
 
-Every other task sends it a :class:`Request` (a command plus a one-shot reply stream) over one
-bounded memory object stream; :func:`request` is the client side. The owner closes each request's
-reply stream right after that request's last effect, before it takes the next one
-(:attr:`PendingReply.handled`). For each request the owner
-calls the pure ``apply(state, command) -> (new_state, effects)`` and runs the effects in order:
+One module on purpose (longer than most): restoring the node, serving the commands and running
+their effects are one concept, kept in one place; what a command does to the state is
+:mod:`dracpu.core.state`, the file I/O :mod:`dracpu.adapters.node_files`.
 
-- a :class:`~dracpu.core.effects.Reply` **commits** the new state (it becomes the owner's state)
-  and sends its value to the requester;
-- any other effect is awaited through ``execute(effect)``; with an ``execute_batch`` the effects
-  before the Reply go to it together, in one call (``execute_batch(effects, started)``), so an
-  executor can run a Prepare's file writes in one worker-thread hop.
+:class:`StateOwner` restores the node at start, before it reports ready:
 
-The effects before the Reply are the commit phase, already in crash-safe order (write the CDI
-spec, then the checkpoint, then reply). If one of them fails, the owner keeps the OLD state, runs
-the undo effects of ``rollback(old_state, started_effects, error)`` (restore the files of the old
-state; their own failures are logged) and answers the requester with the error, then goes on with
-the next request: nothing was promised, and the checkpoint on disk still equals the state kept.
-Without a ``rollback`` the error is answered and the files are left to the next reconciliation.
-Effects after the Reply are post-commit (widening shared containers): their failure is logged and
-counted, the new state stays (the requester was already told, the checkpoint already holds it),
-and ``follow_up(effect, error)`` may name a command the owner applies itself right after (a
-failed ``UpdateContainers`` becomes ``InvalidateContainers``). A command whose effects hold no
-Reply commits after its last effect and is answered ``None``: every request gets one answer.
-This is the protocol :mod:`dracpu.core.state` describes (``commit_phase``, ``rollback``).
+1. read the topology under ``<host-root>/sys`` (in a worker thread) and build the
+   :class:`~dracpu.core.node_config.NodeConfig` (reserved CPUs, device mode, grouping, memory
+   pinning);
+2. load the checkpoint (missing: no claims; corrupt: moved aside, logged, no claims; unreadable:
+   :class:`~dracpu.errors.CheckpointError`, the start fails rather than forget claims) and keep
+   the claims that still fit the node (the others are logged and dropped from the checkpoint);
+3. adopt the claims whose CDI spec of ours exists but which the checkpoint lacks
+   (:class:`~dracpu.core.commands.AdoptClaims`: an upgrade from the upstream driver, a lost
+   checkpoint); if that fails the start fails, since the specs are the only record of them;
+4. :class:`~dracpu.core.commands.Resync`: rewrite the CDI spec of every prepared claim (a
+   reboot empties ``/var/run/cdi``), delete the specs of ours that no prepared claim owns, and
+   hand the devices to the slice publisher.
 
-Error handling: a :class:`~dracpu.errors.DracpuError` from ``apply`` or an effect is an expected
-failure (a bad claim, a full disk): answered, logged, counted. Any other exception is a bug: the
-requester is answered with a DracpuError wrapping it, then the exception ends the owner and with
-it the task group (the DaemonSet restarts the daemon, which restores the checkpoint).
+NRI ``Synchronize`` then re-pins every running container once the NRI task connects.
+
+Then it serves. Every other task sends it a :class:`Request` (a command plus a one-shot reply
+stream) over one bounded memory object stream; :func:`request` is the client side. For each
+request the owner runs the pure :func:`dracpu.core.state.apply` and the effects it returns, in
+order (:func:`dracpu.core.state.commit_phase` splits them):
+
+- the **commit phase**, in crash-safe order (Prepare: the CPUs are reserved in the new state,
+  then ``WriteCdiSpec`` -> ``WriteCheckpoint``; Unprepare: ``DeleteCdiSpec`` -> the CPUs are
+  freed in the new state -> ``WriteCheckpoint``). Each run of consecutive file effects goes to a
+  worker thread in one hop (``anyio.to_thread.run_sync`` with a ``CapacityLimiter(1)``: they
+  fsync, so never on the event loop), in order;
+- the **reply**: the new state becomes the owner's state, then the requester gets the value;
+- the **post-commit** effects (NRI ``UpdateContainers`` widening the shared containers after an
+  Unprepare): their failure is logged and counted, the new state stays (the requester was told,
+  the checkpoint holds it).
+
+If a commit-phase effect fails, the owner keeps the OLD state, runs the undo effects of
+:func:`dracpu.core.state.rollback` (the files of the old state put back; their own failures
+logged), answers the requester with the error and goes on: the checkpoint on disk still equals
+the state kept. The effects are: file effects through
+:class:`~dracpu.adapters.node_files.NodeFiles`, ``UpdateContainers`` handed to the NRI task
+(``container_updates``, which never blocks), ``PublishSlices`` (the devices of the topology,
+then a republish request to the slice publisher).
+
+Errors: a :class:`~dracpu.errors.DracpuError` from an effect is an expected failure (a full
+disk): answered, logged, counted (``apply`` answers bad input itself, with the old state). Any
+other exception is a bug: the requester is answered with a DracpuError wrapping it, then the
+exception ends the owner and with it the daemon (the DaemonSet restarts it, and the restore
+above starts from the checkpoint).
 
 Cancellation: a requester that is cancelled while waiting never disturbs the owner; its answer
-is dropped (``suppress(BrokenResourceError, ClosedResourceError)``). The owner runs one command's
-effects in a cancel scope shielded from outside cancellation but bounded by ``command_deadline``,
-so a stop lets the command in flight finish (or fail cleanly) and a hung effect cannot block the
-owner forever; a command cut off by the deadline fails like any other. Requests still queued when
-the owner stops are answered with an error, never left hanging.
+is dropped. One command's effects run in a cancel scope shielded from outside cancellation, so a
+stop lets the command in flight finish (or fail cleanly). A file write that has begun is always
+waited for, however long it takes (its outcome must be known before anything else touches the
+files); ``command_deadline`` bounds the rest: once it has passed, the next effect of the commit
+phase does not begin, and the command fails and is rolled back like any other. Requests still
+queued when the owner stops are answered with an error, never left hanging.
+
+:meth:`StateOwner.desired_specs` is the CDI watcher's view of which specs must exist: the
+committed claims, corrected by the CDI writes and deletes of the command being applied (the
+owner writes a claim's spec, and deletes one, before it commits the new state; without the
+correction the watcher would take a fresh spec for an orphan, or put back a spec an Unprepare
+just removed).
 """
 
 from __future__ import annotations
@@ -43,12 +70,15 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from types import MappingProxyType
 from typing import Generic, TypeVar
 
 import anyio
+import anyio.lowlevel
+import anyio.to_thread
 from anyio import (
     TASK_STATUS_IGNORED,
     BrokenResourceError,
@@ -59,18 +89,36 @@ from anyio import (
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from dracpu.core.effects import Reply
-from dracpu.errors import DracpuError
+from dracpu.adapters.node_files import FILE_EFFECTS, NodeFiles
+from dracpu.adapters.sysfs import read_topology
+from dracpu.config import Config
+from dracpu.core.commands import AdoptClaims, AdoptedClaim, Command, Resync
+from dracpu.core.cpuset import CpuSet
+from dracpu.core.effects import (
+    ClaimsAdopted,
+    DeleteCdiSpec,
+    Effect,
+    PublishSlices,
+    Reply,
+    Resynced,
+    UpdateContainers,
+    WriteCdiSpec,
+    WriteCheckpoint,
+)
+from dracpu.core.node_config import NodeConfig
+from dracpu.core.slices import Device, published_devices
+from dracpu.core.state import NodeState, apply, commit_phase, restore_state, rollback
+from dracpu.core.topology import Topology
+from dracpu.errors import CdiError, DracpuError
+from dracpu.tasks.device_health import DeviceHealthBoard
+from dracpu.tasks.slice_publisher import request_republish
 
 __all__ = [
     "COMMAND_DEADLINE",
     "COMMAND_QUEUE_SIZE",
-    "ExecuteBatch",
-    "FollowUp",
+    "ContainerUpdates",
     "OwnerStatistics",
-    "PendingReply",
     "Request",
-    "Rollback",
     "StateOwner",
     "create_request_stream",
     "request",
@@ -84,21 +132,74 @@ logger = logging.getLogger(__name__)
 COMMAND_QUEUE_SIZE = 64
 
 # Longest a command's effects may run. They are local file writes (CDI spec, checkpoint with
-# fsync) and NRI calls that the runtime itself times out at 2 s; 4 s leaves room for a slow
-# fsync and keeps a graceful stop within the daemon's 5 s.
+# fsync) and hand-offs to other tasks; 4 s leaves room for a slow fsync and keeps a graceful
+# stop within the daemon's 5 s.
 COMMAND_DEADLINE = 4.0
 
-S = TypeVar("S")
+# A claim's CDI change before a batch marked it: none (the key was absent).
+_UNMARKED = object()
+
 C = TypeVar("C")
-E = TypeVar("E")  # the effect type, Reply included (the owner never passes a Reply to execute)
+
+ContainerUpdates = Callable[[UpdateContainers], None]
+"""Takes the owner's unsolicited container updates without blocking and without failing (the
+NRI task's :meth:`~dracpu.tasks.nri_link.NriLink.submit`)."""
+
+
+# --- the requesters' side -------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class Request(Generic[C]):
-    """A command for the owner and the one-shot stream (buffer 1) its answer goes to."""
+    """A command for the owner (``C`` is :data:`~dracpu.core.commands.Command`) and the one-shot
+    stream (buffer 1) its answer goes to."""
 
     command: C
     reply: MemoryObjectSendStream[object]
+
+
+def create_request_stream(
+    max_buffer_size: int = COMMAND_QUEUE_SIZE,
+) -> tuple[MemoryObjectSendStream[Request[C]], MemoryObjectReceiveStream[Request[C]]]:
+    """The bounded command stream: give each sending task its own ``clone()`` of the send side."""
+    return anyio.create_memory_object_stream[Request[C]](max_buffer_size)
+
+
+async def request(send: MemoryObjectSendStream[Request[C]], command: C) -> object:
+    """Send ``command`` to the owner and wait for its answer.
+
+    Returns the answer's value; raises it when it is a :class:`~dracpu.errors.DracpuError`.
+    Raises DracpuError when the owner is not running or stops before answering. Cancelling the
+    caller is safe at any point: the owner still applies a command it received.
+    """
+    reply_send, reply_receive = anyio.create_memory_object_stream[object](1)
+    with reply_receive:
+        delivered = False
+        try:
+            try:  # queued at once when there is room: no event-loop round before it
+                send.send_nowait(Request(command, reply_send))
+            except WouldBlock:
+                await send.send(Request(command, reply_send))
+            delivered = True
+        except (BrokenResourceError, ClosedResourceError) as exc:
+            raise DracpuError(
+                f"cannot send {type(command).__name__}: the state owner is not running"
+            ) from exc
+        finally:
+            if not delivered:
+                reply_send.close()
+        try:
+            value = await reply_receive.receive()
+        except EndOfStream:
+            raise DracpuError(
+                f"the state owner stopped before answering {type(command).__name__}"
+            ) from None
+    if isinstance(value, DracpuError):
+        raise value
+    return value
+
+
+# --- the owner ------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,133 +211,77 @@ class OwnerStatistics:
     commands_failed: int
     """Commands answered with an error while the old state was kept."""
     effects_failed: int
-    """Effects that raised (commit phase and post-commit)."""
+    """Effects that raised (commit phase, rollback and post-commit)."""
     queue_depth: int
     """Requests waiting in the command stream now."""
     by_command: Mapping[tuple[str, str], int]
     """Commands handled, by (command type name, outcome). Outcomes: ``ok`` (committed, answered
     with a result), ``error`` (committed, answered with an error value ``apply`` chose) and
-    ``failed`` (not committed: ``apply`` raised or a commit-phase effect failed)."""
+    ``failed`` (not committed: a commit-phase effect failed)."""
 
 
-def create_request_stream(
-    max_buffer_size: int = COMMAND_QUEUE_SIZE,
-) -> tuple[MemoryObjectSendStream[Request[C]], MemoryObjectReceiveStream[Request[C]]]:
-    """The bounded command stream: give each sending task its own ``clone()`` of the send side."""
-    return anyio.create_memory_object_stream[Request[C]](max_buffer_size)
+class _CommitFailed(Exception):
+    """The commit phase failed (``error``) after the effects in ``started`` began."""
+
+    def __init__(self, error: DracpuError, started: list[Effect]) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.started = started
 
 
-class PendingReply:
-    """A requester's end of one request's one-shot reply stream; use it for one :func:`request`.
+class StateOwner:
+    """Holds the node state; :meth:`run` is the task (see the module docstring).
 
-    :func:`request` makes its own; a requester that must order the owner's effects against its
-    request passes one it made and watches :attr:`handled` (the NRI plugin does).
+    ``receive``: the receiving end of :func:`create_request_stream` (closed when :meth:`run`
+    ends). ``republish``: the sending end of the slice publisher's republish channel;
+    ``container_updates``: where ``UpdateContainers`` effects go (``None``: dropped with a debug
+    log, the next NRI ``Synchronize`` re-pins every container anyway). ``files``: the CDI specs
+    and the checkpoint (default: the config's directories).
     """
-
-    __slots__ = ("_receive", "_send")
-
-    def __init__(self) -> None:
-        self._send, self._receive = anyio.create_memory_object_stream[object](1)
-
-    @property
-    def handled(self) -> bool:
-        """The owner is done with the request: it answered and closed the reply stream.
-
-        The owner closes a request's reply stream right after the request's last effect, before
-        it takes the next request, so an effect the owner executes while this is true was decided
-        after the request's answer; one it executes while this is false was decided before the
-        answer or with it. True also once the request could not be sent.
-        """
-        return self._receive.statistics().open_send_streams == 0
-
-
-async def request(
-    send: MemoryObjectSendStream[Request[C]], command: C, *, reply: PendingReply | None = None
-) -> object:
-    """Send ``command`` to the owner and wait for its answer.
-
-    Returns the answer's value; raises it when it is a :class:`~dracpu.errors.DracpuError`.
-    Raises DracpuError when the owner is not running or stops before answering. Cancelling the
-    caller is safe at any point: the owner still applies a command it received. ``reply``: the
-    reply end to use (default: a new one); it is closed on return.
-    """
-    pending = PendingReply() if reply is None else reply
-    with pending._receive:
-        delivered = False
-        try:
-            try:  # queued at once when there is room: no event-loop round before it
-                send.send_nowait(Request(command, pending._send))
-            except WouldBlock:
-                await send.send(Request(command, pending._send))
-            delivered = True
-        except (BrokenResourceError, ClosedResourceError) as exc:
-            raise DracpuError(
-                f"cannot send {type(command).__name__}: the state owner is not running"
-            ) from exc
-        finally:
-            if not delivered:
-                pending._send.close()
-        try:
-            value = await pending._receive.receive()
-        except EndOfStream:
-            raise DracpuError(
-                f"the state owner stopped before answering {type(command).__name__}"
-            ) from None
-    if isinstance(value, DracpuError):
-        raise value
-    return value
-
-
-Rollback = Callable[[S, Sequence[E], DracpuError], Sequence[E]]
-"""``rollback(old_state, started_effects, error)``: effects that undo the commit-phase effects
-already started (the failed one included), ending with ``Reply(error)``
-(:func:`dracpu.core.state.rollback`)."""
-
-FollowUp = Callable[[E, DracpuError], C | None]
-"""``follow_up(effect, error)``: a command the owner applies itself after a post-commit effect
-failed (a failed ``UpdateContainers`` becomes ``InvalidateContainers``), or ``None``."""
-
-ExecuteBatch = Callable[[Sequence[E], list[E]], Awaitable[object]]
-"""``execute_batch(effects, started)``: run the commit phase's effects in order, as ``execute``
-would one by one, appending each to ``started`` just before it begins; on the first failure
-raise (the failed effect is the last one in ``started``; the ones after it never began)
-(:meth:`dracpu.tasks.node_machine.NodeMachine.execute_batch`)."""
-
-
-class StateOwner(Generic[S, C, E]):
-    """Owns the node state; :meth:`run` is the task. Read-only views: :attr:`state`,
-    :meth:`statistics`."""
 
     def __init__(
         self,
-        receive: MemoryObjectReceiveStream[Request[C]],
-        state: S,
-        apply: Callable[[S, C], tuple[S, Sequence[E]]],
-        execute: Callable[[E], Awaitable[object]],
+        config: Config,
+        receive: MemoryObjectReceiveStream[Request[Command]],
         *,
-        rollback: Rollback[S, E] | None = None,
-        follow_up: FollowUp[E, C] | None = None,
+        republish: MemoryObjectSendStream[str] | None = None,
+        container_updates: ContainerUpdates | None = None,
+        files: NodeFiles | None = None,
         command_deadline: float = COMMAND_DEADLINE,
-        execute_batch: ExecuteBatch[E] | None = None,
     ) -> None:
+        self.config = config
         self._receive = receive
-        self._state = state
-        self._apply = apply
-        self._execute = execute
-        self._execute_batch = execute_batch
-        self._rollback = rollback
-        self._follow_up = follow_up
+        self._republish = republish
+        self._container_updates = container_updates
+        self._files = NodeFiles(config.cdi_dir, config.checkpoint_path) if files is None else files
         self._command_deadline = command_deadline
-        self._follow_ups: list[C] = []
+        # The file effects run in anyio's worker threads, one hop at a time and in order: the
+        # owner awaits each hop, and this limiter keeps any other caller out of the way.
+        self._files_limiter = anyio.CapacityLimiter(1)
+        self._state: NodeState | None = None
+        self._devices: tuple[Device, ...] = ()
+        # The published devices' health (the DRA socket's health streams read it).
+        self.health = DeviceHealthBoard()
+        # CDI writes (cpus) and deletes (None) of the command being applied, by claim UID.
+        self._cdi_changes: dict[str, CpuSet | None] = {}
         self._applied = 0
         self._failed = 0
         self._effects_failed = 0
         self._by_command: Counter[tuple[str, str]] = Counter()
 
+    # --- what other tasks read -------------------------------------------------------------------
+
     @property
-    def state(self) -> S:
-        """The current (committed) state."""
+    def state(self) -> NodeState:
+        """The committed state; :class:`~dracpu.errors.DracpuError` before the restore read the
+        topology."""
+        if self._state is None:
+            raise DracpuError("the state owner has not restored the node yet")
         return self._state
+
+    def devices(self) -> Sequence[Device]:
+        """The devices to publish (the slice publisher's ``desired`` source)."""
+        return self._devices
 
     def statistics(self) -> OwnerStatistics:
         """A snapshot of the counters and the queue depth."""
@@ -248,21 +293,31 @@ class StateOwner(Generic[S, C, E]):
             by_command=MappingProxyType(dict(self._by_command)),
         )
 
+    def desired_specs(self) -> dict[str, CpuSet]:
+        """The CDI specs that must exist now: ``{claim UID: cpus}`` (the CDI watcher's view):
+        the committed claims, plus the specs the command in flight has written, minus the ones
+        it has deleted."""
+        state = self._state
+        desired = {} if state is None else {uid: c.cpus for uid, c in state.claims.items()}
+        for uid, cpus in self._cdi_changes.items():
+            if cpus is None:
+                desired.pop(uid, None)
+            else:
+                desired[uid] = cpus
+        return desired
+
+    # --- the task ------------------------------------------------------------------------------
+
     async def run(self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
-        """Serve requests until every send side of the stream is closed (or until cancelled).
-
-        Resource handling: closes the receive stream on exit, after answering each request
-        still queued with an error.
-
-        Error handling: see the module docstring; only bugs (non-DracpuError exceptions from
-        ``apply`` or an effect) escape, after the requester was answered.
-        """
+        """Restore the node, report ready, then serve requests until every send side of the
+        stream is closed (or until cancelled). On exit the requests still queued are answered
+        with an error and the receive stream is closed. Raises DracpuError when the node cannot
+        be restored (topology, an unreadable checkpoint, a failed adoption)."""
         try:
+            await self.restore()
             task_status.started()
             async for req in self._receive:
                 await self._handle(req)
-                while self._follow_ups:
-                    await self._handle_follow_up(self._follow_ups.pop(0))
         finally:
             self._refuse_queued()
             self._receive.close()
@@ -277,108 +332,39 @@ class StateOwner(Generic[S, C, E]):
                 name = type(req.command).__name__
                 _answer(req, DracpuError(f"the state owner stopped before handling {name}"))
 
-    async def _handle_follow_up(self, command: C) -> None:
-        """Apply a command of our own: nobody waits for its answer (its stream is closed)."""
-        reply_send, reply_receive = anyio.create_memory_object_stream[object](1)
-        reply_receive.close()
-        logger.info("applying %s after a failed effect", type(command).__name__)
-        await self._handle(Request(command, reply_send), follow_ups=False)
-
-    async def _handle(self, req: Request[C], *, follow_ups: bool = True) -> None:
-        name = type(req.command).__name__
-        # Closed after the last effect, before the next request: PendingReply.handled.
-        with req.reply:
+    async def _handle(self, req: Request[Command]) -> None:
+        command = req.command
+        name = type(command).__name__
+        with req.reply:  # closed once the owner is done with the request
+            old = self.state
             try:
-                new_state, effects = self._apply(self._state, req.command)
-            except DracpuError as exc:
-                self._fail(req, name, exc)
+                new, effects = self._apply(old, command)
+                commit, reply, after = commit_phase(effects)
+                with self._effects_scope() as scope:
+                    await self._commit(commit)
+                if scope.cancelled_caught:
+                    raise _CommitFailed(self._cut_off("the commit phase"), [])
+            except _CommitFailed as failed:
+                self._count_failed(name, failed.error)
+                await self._roll_back(name, old, failed.started, failed.error)
+                _answer(req, failed.error)
                 return
             except Exception as exc:
-                self._fail(req, name, DracpuError(f"{name}: internal error: {exc!r}"))
+                error = DracpuError(f"{name}: internal error: {exc!r}")
+                self._count_failed(name, error)
+                _answer(req, error)
                 raise
-            await self._run_effects(req, name, new_state, effects, follow_ups=follow_ups)
+            self._state = new
+            self._count_applied(name, reply.value)
+            _answer(req, reply.value)
+            await self._post_commit(name, after)
 
-    async def _run_effects(
-        self,
-        req: Request[C],
-        name: str,
-        new_state: S,
-        effects: Sequence[E],
-        *,
-        follow_ups: bool,
-    ) -> None:
-        committed = False
-        started: list[E] = []  # commit-phase effects begun, for the rollback
-        current: E | None = None  # the effect being executed
-        failure: DracpuError | None = None
-        rest: Sequence[E] = effects  # the effects left for the loop below
-        with self._effects_scope() as scope:
-            if self._execute_batch is not None:
-                batch = _before_reply(effects)
-                rest = effects[len(batch) :]
-                try:
-                    failure = await self._run_batch(req, name, batch, started)
-                finally:
-                    current = started[-1] if started else None
-            for effect in rest if failure is None else ():
-                if isinstance(effect, Reply):
-                    if committed:
-                        logger.error("%s: a second Reply was dropped: %r", name, effect.value)
-                    else:
-                        committed = True
-                        self._commit(req, name, new_state, effect.value)
-                    continue
-                if not committed:
-                    started.append(effect)
-                current = effect
-                try:
-                    await self._execute(effect)
-                except DracpuError as exc:
-                    self._effects_failed += 1
-                    if not committed:
-                        failure = exc
-                        break
-                    self._post_commit_failed(name, effect, exc, follow_ups=follow_ups)
-                except Exception as exc:
-                    self._effects_failed += 1
-                    if not committed:
-                        error = DracpuError(f"{name}: internal error in {_kind(effect)}: {exc!r}")
-                        self._fail(req, name, error)
-                    raise
-        if scope.cancelled_caught:
-            # The deadline cut off the last effect begun; whether it took place is unknown. (No
-            # effect begun: the batch was cut off before its first one, there is nothing to undo.)
-            self._effects_failed += 1
-            deadline = self._command_deadline
-            what = _kind(current) if current is not None else "the commit phase"
-            error = DracpuError(f"{what} did not finish within {deadline:g} s")
-            if committed:
-                assert current is not None  # committed: the loop below the batch ran an effect
-                self._post_commit_failed(name, current, error, follow_ups=follow_ups)
-                return
-            failure = error
-        if failure is not None:
-            await self._roll_back(req, name, started, failure)
-        elif not committed:
-            self._commit(req, name, new_state, None)
+    def _apply(self, state: NodeState, command: Command) -> tuple[NodeState, list[Effect]]:
+        """:func:`dracpu.core.state.apply`; a new command starts a new set of CDI changes."""
+        self._cdi_changes.clear()
+        return apply(state, command)
 
-    async def _run_batch(
-        self, req: Request[C], name: str, batch: Sequence[E], started: list[E]
-    ) -> DracpuError | None:
-        """The commit phase in one ``execute_batch`` call; its expected failure, if any."""
-        if not batch or self._execute_batch is None:
-            return None
-        try:
-            await self._execute_batch(batch, started)
-        except DracpuError as exc:
-            self._effects_failed += 1
-            return exc
-        except Exception as exc:
-            self._effects_failed += 1
-            what = _kind(started[-1]) if started else "the commit phase"
-            self._fail(req, name, DracpuError(f"{name}: internal error in {what}: {exc!r}"))
-            raise
-        return None
+    # --- effects -------------------------------------------------------------------------------
 
     def _effects_scope(self) -> anyio.CancelScope:
         """Shielded from outside cancellation, bounded by the command deadline."""
@@ -387,74 +373,288 @@ class StateOwner(Generic[S, C, E]):
             scope.deadline = anyio.current_time() + self._command_deadline
         return scope
 
-    def _post_commit_failed(
-        self, name: str, effect: E, error: DracpuError, *, follow_ups: bool
-    ) -> None:
-        logger.error("%s: post-commit effect %s failed: %s", name, _kind(effect), error)
-        if self._follow_up is None:
-            return
-        command = self._follow_up(effect, error)
-        if command is None:
-            return
-        if follow_ups:
-            self._follow_ups.append(command)
+    def _cut_off(self, what: str) -> DracpuError:
+        self._effects_failed += 1
+        return DracpuError(f"{what} did not finish within {self._command_deadline:g} s")
+
+    async def _commit(self, effects: Sequence[Effect]) -> None:
+        """The commit phase, in order, each run of consecutive file effects in one hop to a
+        worker thread; raises :class:`_CommitFailed` naming the effects that began (the failed
+        one last; the ones after it never began and left no trace, not even in
+        :meth:`desired_specs`). A hop that has begun is waited for; past the deadline, the next
+        effect does not begin."""
+        started: list[Effect] = []
+        index = 0
+        try:
+            while index < len(effects):
+                if started:
+                    await anyio.lowlevel.checkpoint_if_cancelled()
+                effect = effects[index]
+                if not isinstance(effect, FILE_EFFECTS):
+                    started.append(effect)
+                    self._run_now(effect)
+                    index += 1
+                    continue
+                end = index + 1
+                while end < len(effects) and isinstance(effects[end], FILE_EFFECTS):
+                    end += 1
+                await self._run_files(effects[index:end], started)
+                index = end
+        except DracpuError as error:
+            self._effects_failed += 1
+            raise _CommitFailed(error, started) from error
+        except anyio.get_cancelled_exc_class():
+            if started:  # the deadline passed; the effects begun have all run to their end
+                cut = self._cut_off(f"the commit phase (cut off after {_kind(started[-1])})")
+                raise _CommitFailed(cut, started) from None
+            raise
+
+    async def _run_files(self, batch: Sequence[Effect], started: list[Effect]) -> None:
+        """File effects in one hop to a worker thread; their CDI changes are marked before they
+        begin, and taken back for the ones that never began. A caller cancelled while the hop
+        runs still waits for it (anyio's default: the thread is not abandoned)."""
+        marks = [self._mark(effect) for effect in batch]
+        before = len(started)
+        try:
+            await anyio.to_thread.run_sync(
+                self._files.run_batch, batch, started, limiter=self._files_limiter
+            )
+        except BaseException:
+            for mark in reversed(marks[len(started) - before :]):  # newest first
+                if mark is not None:
+                    uid, previous = mark
+                    if previous is _UNMARKED:
+                        self._cdi_changes.pop(uid, None)
+                    else:
+                        assert previous is None or isinstance(previous, CpuSet)
+                        self._cdi_changes[uid] = previous
+            raise
+
+    def _mark(self, effect: Effect) -> tuple[str, object] | None:
+        """Record a CDI write/delete in :attr:`_cdi_changes`; the claim's previous mark."""
+        match effect:
+            case WriteCdiSpec(claim_uid=uid, cpus=cpus):
+                previous = self._cdi_changes.get(uid, _UNMARKED)
+                self._cdi_changes[uid] = cpus
+            case DeleteCdiSpec(claim_uid=uid):
+                previous = self._cdi_changes.get(uid, _UNMARKED)
+                self._cdi_changes[uid] = None
+            case _:
+                return None
+        return uid, previous
+
+    def _run_now(self, effect: Effect) -> None:
+        """An effect that hands something to another task: it never blocks."""
+        match effect:
+            case UpdateContainers():
+                if self._container_updates is None:
+                    logger.debug(
+                        "no NRI task: dropping updates of %d containers", len(effect.updates)
+                    )
+                else:
+                    self._container_updates(effect)
+            case PublishSlices(topology=topology):
+                self._publish(topology)
+            case _:
+                raise DracpuError(f"{_kind(effect)} is not an effect to run here")
+
+    async def _execute(self, effect: Effect) -> None:
+        """One effect, whatever its kind (rollback and post-commit effects)."""
+        if isinstance(effect, FILE_EFFECTS):
+            await self._run_files((effect,), [])
         else:
-            logger.error("%s: not applying %s (a follow-up of a follow-up)", name, command)
+            self._run_now(effect)
 
     async def _roll_back(
-        self, req: Request[C], name: str, started: Sequence[E], failure: DracpuError
+        self, name: str, old: NodeState, started: Sequence[Effect], error: DracpuError
     ) -> None:
-        """Keep the old state, run the rollback's undo effects, answer with the failure."""
-        self._count_failed(name, failure)
-        undo = self._rollback(self._state, started, failure) if self._rollback else ()
-        answered = False
-        try:
-            with self._effects_scope() as scope:
-                for effect in undo:
-                    if isinstance(effect, Reply):
-                        if not answered:
-                            answered = True
-                            _answer(req, effect.value)
-                        continue
-                    try:
-                        await self._execute(effect)
-                    except DracpuError as exc:
-                        self._effects_failed += 1
-                        logger.error("%s: rollback effect %s failed: %s", name, _kind(effect), exc)
-            if scope.cancelled_caught:
-                self._effects_failed += 1
-                logger.error(
-                    "%s: rollback did not finish within %g s", name, self._command_deadline
-                )
-        finally:
-            if not answered:
-                _answer(req, failure)
+        """Put back the files of ``old``; the undo effects' own failures are logged."""
+        with self._effects_scope() as scope:
+            for effect in rollback(old, started, error):
+                if isinstance(effect, Reply):
+                    continue  # the caller answers
+                try:
+                    await self._execute(effect)
+                except DracpuError as exc:
+                    self._effects_failed += 1
+                    logger.error("%s: rollback effect %s failed: %s", name, _kind(effect), exc)
+        if scope.cancelled_caught:
+            self._effects_failed += 1
+            logger.error("%s: rollback did not finish within %g s", name, self._command_deadline)
 
-    def _commit(self, req: Request[C], name: str, new_state: S, value: object) -> None:
-        self._state = new_state
+    async def _post_commit(self, name: str, effects: Sequence[Effect]) -> None:
+        """Effects after the reply: failures are logged and counted, the new state stays."""
+        if not effects:
+            return
+        with self._effects_scope() as scope:
+            for effect in effects:
+                try:
+                    await self._execute(effect)
+                except DracpuError as exc:
+                    self._effects_failed += 1
+                    logger.error("%s: post-commit effect %s failed: %s", name, _kind(effect), exc)
+        if scope.cancelled_caught:
+            self._effects_failed += 1
+            logger.error("%s: post-commit effects cut off after %g s", name, self._command_deadline)
+
+    def _set_devices(self, devices: Sequence[Device]) -> None:
+        """The devices to publish now; their health follows."""
+        self._devices = tuple(devices)
+        self.health.set_devices(self._devices)
+
+    def _publish(self, topology: Topology) -> None:
+        config = self.config
+        self._set_devices(
+            published_devices(
+                topology,
+                reserved=config.reserved_cpus,
+                mode=config.cpu_device_mode,
+                group_by=config.group_by,
+            )
+        )
+        if self._republish is not None:
+            request_republish(self._republish, "resync")
+
+    # --- counting --------------------------------------------------------------------------------
+
+    def _count_applied(self, name: str, value: object) -> None:
         self._applied += 1
         outcome = "error" if isinstance(value, BaseException) else "ok"
         self._by_command[name, outcome] += 1
         logger.debug("%s applied (%s)", name, outcome, extra={"command": name})
-        _answer(req, value)
-
-    def _fail(self, req: Request[C], name: str, error: DracpuError) -> None:
-        """Answer ``error`` and count the command as failed (the old state stays)."""
-        self._count_failed(name, error)
-        _answer(req, error)
 
     def _count_failed(self, name: str, error: DracpuError) -> None:
         self._failed += 1
         self._by_command[name, "failed"] += 1
         logger.warning("%s failed, state unchanged: %s", name, error, extra={"command": name})
 
+    # --- restore ---------------------------------------------------------------------------------
 
-def _before_reply(effects: Sequence[E]) -> Sequence[E]:
-    """The commit phase: the effects before the first Reply (all of them without one)."""
-    for index, effect in enumerate(effects):
-        if isinstance(effect, Reply):
-            return effects[:index]
-    return effects
+    async def restore(self) -> NodeState:
+        """The start state (see the module docstring); raises DracpuError when the node cannot
+        be read (topology, an unreadable checkpoint) or the adoption of CDI specs fails."""
+        config = self.config
+        read = partial(read_topology, config.host_root, pcie_roots=config.expose_pcie_roots)
+        topology = await anyio.to_thread.run_sync(read)
+        outside = config.reserved_cpus - topology.online
+        if outside:
+            logger.warning("reserved cpus %s are not online on this node; ignored", outside)
+        node = NodeConfig.build(
+            config.node_name,
+            topology,
+            reserved=config.reserved_cpus,
+            mode=config.cpu_device_mode,
+            group_by=config.group_by,
+            pin_memory=config.memory_pinning,
+        )
+        logger.info(
+            "topology: %d online cpus (%s), %d allocatable, %d devices",
+            len(topology.online),
+            topology.online,
+            len(node.allocatable),
+            len(node.devices),
+        )
+        # The devices are known now, whatever happens to the Resync below (which publishes
+        # them again): a publisher must never see an empty device list for a working node.
+        self._set_devices(tuple(node.devices.values()))
+        data = await anyio.to_thread.run_sync(self._files.restore_checkpoint)
+        state, refused = restore_state(node, data)
+        for uid, reason in refused:
+            claim = data.claims[uid]
+            logger.error(
+                "checkpointed claim %s (cpus %s, %s/%s) no longer fits this node and is dropped: "
+                "%s",
+                uid,
+                claim.cpus,
+                claim.namespace or "?",
+                claim.name or "?",
+                reason,
+                extra={"claim_uid": uid},
+            )
+        logger.info(
+            "restored %d prepared claims from %s", len(state.claims), config.checkpoint_path
+        )
+        self._state = state
+        adopted = await self._adopt()
+        if refused and not adopted:  # the checkpoint must hold exactly the claims we keep
+            try:
+                await self._execute(WriteCheckpoint(self.state.checkpoint()))
+            except DracpuError as error:
+                logger.error("start-up checkpoint write failed: %s", error)
+        await self._start_command(Resync())
+        return self.state
+
+    async def _adopt(self) -> bool:
+        """Adopt our CDI specs that the checkpoint lacks; whether the checkpoint was written."""
+        try:
+            specs = await anyio.to_thread.run_sync(self._files.our_specs)
+        except CdiError as exc:
+            logger.error("cannot look for CDI specs to adopt: %s", exc)
+            return False
+        claims = self.state.claims
+        candidates: list[AdoptedClaim] = []
+        for uid, cpus in sorted(specs.items()):
+            if uid in claims:
+                continue
+            if isinstance(cpus, CdiError):
+                logger.warning("CDI spec of claim %s cannot be adopted: %s", uid, cpus)
+                continue
+            candidates.append(AdoptedClaim(uid, cpus))
+        if not candidates:
+            return False
+        before = self.state
+        # The specs are the only record of these claims: if adopting them fails, starting
+        # anyway would prune them (the Resync below) and a rollback would delete them. Fail the
+        # start instead; the DaemonSet restarts us and the next try finds the specs untouched.
+        await self._start_command(AdoptClaims(tuple(candidates)), roll_back=False)
+        return self.state is not before
+
+    async def _start_command(self, command: Command, *, roll_back: bool = True) -> None:
+        """Apply ``command`` as :meth:`_handle` does, before anyone can send one: the commit
+        phase, then the new state, then the post-commit effects; on a failure the old state is
+        kept and rolled back (``roll_back``) or the failure raised (the start fails)."""
+        name = type(command).__name__
+        old = self.state
+        new, effects = self._apply(old, command)
+        commit, reply, after = commit_phase(effects)
+        try:
+            await self._commit(commit)
+        except _CommitFailed as failed:
+            if not roll_back:
+                raise DracpuError(
+                    f"start-up {name} failed, not starting: {failed.error}"
+                ) from failed.error
+            logger.error("start-up %s failed: %s", name, failed.error)
+            await self._roll_back(name, old, failed.started, failed.error)
+            return
+        self._state = new
+        _report(reply.value)
+        await self._post_commit(name, after)
+
+
+def _report(value: object) -> None:
+    """Log the answer to a start-up command."""
+    match value:
+        case ClaimsAdopted(adopted=adopted, rejected=rejected):
+            if adopted:
+                logger.warning(
+                    "adopted %d claims from CDI specs the checkpoint lacked: %s",
+                    len(adopted),
+                    list(adopted),
+                )
+            for uid, reason in rejected:
+                logger.error(
+                    "cannot adopt the CDI spec of claim %s: %s (the spec is removed)",
+                    uid,
+                    reason,
+                    extra={"claim_uid": uid},
+                )
+        case Resynced(claims=claims):
+            logger.info("CDI specs of %d prepared claims are in place", claims)
+        case DracpuError():
+            logger.error("start-up command refused: %s", value)
+        case _:
+            pass
 
 
 def _kind(effect: object) -> str:
@@ -462,7 +662,7 @@ def _kind(effect: object) -> str:
     return type(effect).__name__
 
 
-def _answer(req: Request[C], value: object) -> None:
+def _answer(req: Request[Command], value: object) -> None:
     # The requester may be gone (cancelled, closed its end): its answer is dropped, the owner
     # goes on. WouldBlock cannot happen for the first answer on a stream of buffer 1.
     try:

@@ -1,13 +1,14 @@
 """Events of the NRI wire protocols: what ``next_event()`` returns (h11 style).
 
 Two framing layers share one unix socket (containerd/nri ``pkg/net/multiplex``; containerd/ttrpc
-``channel.go``; see ``reference/nri-ttrpc-cdi.md`` §1-§2):
+``channel.go``):
 
 * the mux cuts the socket into frames ``conn_id u32 | length u32 | payload`` (big-endian) and
   yields :class:`MuxFrame`;
 * each mux connection carries a ttrpc byte stream of messages
   ``length u32 | stream_id u32 | type u8 | flags u8 | data`` (big-endian), yielding
-  :class:`TtrpcRequest`, :class:`TtrpcResponse` and :class:`TtrpcBadRequest`.
+  :class:`TtrpcRequest`, :class:`TtrpcResponse` and :class:`TtrpcStreamError`. The data of a
+  message is a protobuf envelope; the framing carries it as bytes.
 
 Events are frozen, slotted dataclasses compared by value. ``NEED_DATA`` is an identity sentinel
 (compare with ``is``): feed more bytes with ``receive_data``.
@@ -25,9 +26,9 @@ __all__ = [
     "MuxFrame",
     "NeedData",
     "Sentinel",
-    "TtrpcBadRequest",
     "TtrpcRequest",
     "TtrpcResponse",
+    "TtrpcStreamError",
 ]
 
 
@@ -55,8 +56,8 @@ class ConnectionClosed:
 class MuxFrame:
     """One frame of the NRI multiplexer: a chunk of the byte stream of ``conn_id``.
 
-    A frame is not a message: a ttrpc message may span two frames (§2.3), so feed ``payload``
-    to the ttrpc connection of ``conn_id``, which reassembles the stream.
+    A frame is not a message: a ttrpc message may span two frames (:mod:`dracpu.wire.mux`), so
+    feed ``payload`` to the ttrpc connection of ``conn_id``, which reassembles the stream.
     """
 
     conn_id: int
@@ -65,41 +66,36 @@ class MuxFrame:
 
 @dataclass(frozen=True, slots=True)
 class TtrpcRequest:
-    """A unary ttrpc call (message type 1) that a server must answer on ``stream_id``.
+    """A request message (type 1) that a server must answer on ``stream_id``.
 
-    ``payload`` is the serialized inner request (e.g. an NRI ``CreateContainerRequest``);
-    ``metadata`` holds the ``ttrpc.KeyValue`` pairs in wire order (unknown keys are ignorable).
+    ``data`` is the serialized ``ttrpc.Request`` envelope (service, method, the inner request,
+    timeout, metadata); its decoding is the envelope codec's (``dracpu.adapters``), not the
+    framing's.
     """
 
     stream_id: int
-    service: str
-    method: str
-    payload: bytes
-    timeout_nano: int = 0
-    metadata: tuple[tuple[str, str], ...] = ()
+    data: bytes
 
 
 @dataclass(frozen=True, slots=True)
 class TtrpcResponse:
-    """The answer (message type 2) to the request this client sent on ``stream_id``.
+    """The response message (type 2) to the request this client sent on ``stream_id``.
 
-    ``status_code`` 0 is success (Go servers omit the status, §1.4); anything else is a
-    google.rpc code with ``status_message``, and then ``payload`` is normally empty.
+    ``data`` is the serialized ``ttrpc.Response`` envelope (a ``google.rpc.Status`` and the
+    inner response).
     """
 
     stream_id: int
-    status_code: int
-    status_message: str
-    payload: bytes
+    data: bytes
 
 
 @dataclass(frozen=True, slots=True)
-class TtrpcBadRequest:
-    """A request the server cannot accept, yet must answer, as the Go server does.
+class TtrpcStreamError:
+    """A stream that the framing itself ended with a status, as the Go implementation does.
 
-    Emitted for a request longer than the 4 MiB limit (RESOURCE_EXHAUSTED, its bytes discarded)
-    and for one whose envelope does not parse (INVALID_ARGUMENT). The connection stays usable:
-    answer with ``send_error(stream_id, status_code, status_message)``.
+    Emitted for a message longer than the 4 MiB limit, once its bytes are discarded: a server
+    owes the peer this status as the request's answer (the connection stays usable), a client
+    reads it as the call's result.
     """
 
     stream_id: int

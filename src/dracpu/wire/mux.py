@@ -1,7 +1,6 @@
 """Sans-IO NRI multiplexer: the socket's bytes in, frames per logical connection out.
 
-containerd/nri ``pkg/net/multiplex`` runs several byte streams over one unix socket
-(``reference/nri-ttrpc-cdi.md`` §2)::
+containerd/nri ``pkg/net/multiplex`` runs several byte streams over one unix socket::
 
     +---------------------+--------------------------+-------------------------+
     | conn id u32 (BE)    | payload length u32 (BE)  | payload (length bytes)  |
@@ -17,11 +16,11 @@ zero-length frames (Go's ``Write(nil)``) carry nothing and are skipped; a frame 
 ``MAX_PAYLOAD_SIZE`` or EOF inside a frame raises :class:`RemoteProtocolError`, so at most one
 frame is ever buffered.
 
-Sending (:meth:`MuxConnection.send`) follows the rule the Go reader needs (§2.3): it reads the
-start of every ttrpc message through a 4096-byte ``bufio.Reader`` and fails with ENOMEM on a
-longer frame. So a message of at most 4096 bytes goes in one frame, a longer one in exactly two,
-the first 4096 bytes then the rest, which is what Go's own ``bufio.Writer`` produces. Two
-messages never share a frame.
+Sending (:meth:`MuxConnection.send`) follows the rule the Go reader needs: containerd/ttrpc
+``channel.go`` reads the start of every message through a 4096-byte ``bufio.Reader``, and the
+mux's ``Read`` fails with ENOMEM when a frame is longer than the buffer it is given. So a message
+of at most 4096 bytes goes in one frame, a longer one in exactly two, the first 4096 bytes then
+the rest, which is what Go's own ``bufio.Writer`` produces. Two messages never share a frame.
 """
 
 from __future__ import annotations

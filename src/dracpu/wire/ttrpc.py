@@ -1,6 +1,6 @@
-"""Sans-IO ttrpc: one connection's byte stream in, calls and answers out (containerd/ttrpc).
+"""Sans-IO ttrpc framing: one connection's byte stream in, messages out (containerd/ttrpc).
 
-Framing (``channel.go``; ``reference/nri-ttrpc-cdi.md`` §1)::
+Framing (``channel.go``)::
 
     +------------------+------------------+---------+----------+----------------------+
     | length u32 (BE)  | stream id u32    | type u8 | flags u8 | data (length bytes)  |
@@ -11,27 +11,31 @@ Framing (``channel.go``; ``reference/nri-ttrpc-cdi.md`` §1)::
 A client opens a stream per call with an odd id, 1, 3, 5, ... strictly increasing; the server
 answers once, on the same id, possibly out of order.
 
+This module is the framing and the stream rules only: a message's data (the protobuf envelope)
+goes in and comes out as bytes; :mod:`dracpu.adapters.ttrpc_envelopes` encodes and decodes it
+with Google's protobuf runtime. A server that cannot decode a request's envelope still owes the
+peer an answer on that stream (Go: INVALID_ARGUMENT "unmarshal request error"); a client that
+cannot decode a response's envelope must drop the connection.
+
 What happens on a violation, modelled on the Go implementation where it keeps the connection:
 
 * a message longer than 4 MiB: its bytes are discarded without buffering; a server then owes
-  the peer RESOURCE_EXHAUSTED "message length N exceed maximum message size of 4194304"
-  (event :class:`TtrpcBadRequest`), a client reports that status as the stream's response;
-* a request envelope that does not parse: a server owes INVALID_ARGUMENT (TtrpcBadRequest);
+  the peer RESOURCE_EXHAUSTED "message length N exceed maximum message size of 4194304", a
+  client reads that status as the stream's result (event :class:`TtrpcStreamError`);
 * a message type other than 1-3 sent to a server: ignored "for future compat", as Go does.
 
 Everything else (an even or reused stream id, a response to no outstanding request, data
-frames, a response envelope that does not parse, EOF inside a message) raises
-:class:`RemoteProtocolError`, and the connection stays broken: drop it. Go answers some of these
-with INVALID_ARGUMENT instead; a runtime that does them is broken, and NRI recovers by
-reconnecting. Sending what the protocol forbids raises :class:`LocalProtocolError` and changes
-nothing, so after an oversized response you can still ``send_error``.
+frames, EOF inside a message) raises :class:`RemoteProtocolError`, and the connection stays
+broken: drop it. Go answers some of these with INVALID_ARGUMENT instead; a runtime that does
+them is broken, and NRI recovers by reconnecting. Sending what the protocol forbids raises
+:class:`LocalProtocolError` and changes nothing, so after an oversized response the stream can
+still be answered with an error.
 """
 
 from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -41,11 +45,10 @@ from dracpu.wire.events import (
     NEED_DATA,
     ConnectionClosed,
     NeedData,
-    TtrpcBadRequest,
     TtrpcRequest,
     TtrpcResponse,
+    TtrpcStreamError,
 )
-from dracpu.wire.protowire import decode_request, decode_response, encode_request, encode_response
 from dracpu.wire.status import Code
 
 __all__ = [
@@ -88,7 +91,7 @@ class Role(enum.Enum):
     SERVER = "server"
 
 
-TtrpcEvent = TtrpcRequest | TtrpcResponse | TtrpcBadRequest | ConnectionClosed | NeedData
+TtrpcEvent = TtrpcRequest | TtrpcResponse | TtrpcStreamError | ConnectionClosed | NeedData
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +142,7 @@ class TtrpcConnection:
         self._eof = False
         self._error: str | None = None
         self._skip = 0  # bytes of an oversized or ignored message still to discard
-        self._after_skip: TtrpcBadRequest | TtrpcResponse | None = None
+        self._after_skip: TtrpcStreamError | None = None
         self._next_stream_id = FIRST_STREAM_ID  # client: id of the next request
         self._last_stream_id = 0  # server: highest request id seen
         self._outstanding: set[int] = set()  # streams still waiting for their response
@@ -235,78 +238,44 @@ class TtrpcConnection:
             self._fail(f"ttrpc: response on stream {stream_id}, which has no request outstanding")
         return True
 
-    def _oversized(self, length: int, stream_id: int) -> TtrpcBadRequest | TtrpcResponse:
+    def _oversized(self, length: int, stream_id: int) -> TtrpcStreamError:
         """What the stream gets for a message over the limit, once its bytes are discarded."""
-        status = _oversize_message(length)
         if self._role is Role.SERVER:
             self._last_stream_id = stream_id
             self._outstanding.add(stream_id)
-            return TtrpcBadRequest(stream_id, Code.RESOURCE_EXHAUSTED, status)
-        self._outstanding.discard(stream_id)
-        return TtrpcResponse(stream_id, Code.RESOURCE_EXHAUSTED, status, b"")
+        else:
+            self._outstanding.discard(stream_id)
+        return TtrpcStreamError(stream_id, Code.RESOURCE_EXHAUSTED, _oversize_message(length))
 
-    def _handle(
-        self, stream_id: int, data: bytes
-    ) -> TtrpcRequest | TtrpcResponse | TtrpcBadRequest:
-        """Decode a complete message whose header ``_check_header`` accepted."""
+    def _handle(self, stream_id: int, data: bytes) -> TtrpcRequest | TtrpcResponse:
+        """A complete message whose header ``_check_header`` accepted."""
         if self._role is Role.SERVER:
             self._last_stream_id = stream_id
             self._outstanding.add(stream_id)
-            try:
-                req = decode_request(data)
-            except RemoteProtocolError as exc:
-                # server.go: InvalidArgument "unmarshal request error: %v", connection kept.
-                return TtrpcBadRequest(
-                    stream_id, Code.INVALID_ARGUMENT, f"unmarshal request error: {exc}"
-                )
-            return TtrpcRequest(
-                stream_id, req.service, req.method, req.payload, req.timeout_nano, req.metadata
-            )
-        try:
-            resp = decode_response(data)
-        except RemoteProtocolError as exc:
-            self._fail(f"ttrpc: response on stream {stream_id} does not parse: {exc}")
+            return TtrpcRequest(stream_id, data)
         self._outstanding.discard(stream_id)
-        return TtrpcResponse(stream_id, resp.status_code, resp.status_message, resp.payload)
+        return TtrpcResponse(stream_id, data)
 
     # --- sending --------------------------------------------------------------------------
 
-    def send_request(
-        self,
-        service: str,
-        method: str,
-        payload: bytes,
-        timeout_nano: int = 0,
-        metadata: Sequence[tuple[str, str]] = (),
-    ) -> tuple[int, bytes]:
-        """Start a unary call; return its stream id and the message bytes to send."""
+    def send_request(self, data: bytes) -> tuple[int, bytes]:
+        """Start a unary call with the request envelope ``data``; its stream id and bytes."""
         if self._role is not Role.CLIENT:
             raise LocalProtocolError("ttrpc: a server connection cannot send requests")
         stream_id = self._next_stream_id
         if stream_id > MAX_STREAM_ID:
             raise LocalProtocolError("ttrpc: stream ids exhausted on this connection")
-        data = encode_request(service, method, payload, timeout_nano, metadata)
         message = _frame(stream_id, MessageType.REQUEST, data)
         self._next_stream_id += STREAM_ID_STEP
         self._outstanding.add(stream_id)
         return stream_id, message
 
-    def send_response(self, stream_id: int, payload: bytes) -> bytes:
-        """Answer the request on ``stream_id`` with success and ``payload``."""
+    def send_response(self, stream_id: int, data: bytes) -> bytes:
+        """Answer the request on ``stream_id`` with the response envelope ``data``."""
         self._check_answerable(stream_id)
-        message = _frame(stream_id, MessageType.RESPONSE, encode_response(payload))
+        message = _frame(stream_id, MessageType.RESPONSE, data)
         self._outstanding.discard(stream_id)
         return message
-
-    def send_error(self, stream_id: int, code: int, message: str) -> bytes:
-        """Answer the request on ``stream_id`` with an error status (``code`` != OK)."""
-        self._check_answerable(stream_id)
-        if code == Code.OK:
-            raise LocalProtocolError("ttrpc: send_error needs a non-OK code; use send_response")
-        data = encode_response(b"", code, message)
-        out = _frame(stream_id, MessageType.RESPONSE, data)
-        self._outstanding.discard(stream_id)
-        return out
 
     def _check_answerable(self, stream_id: int) -> None:
         if self._role is not Role.SERVER:

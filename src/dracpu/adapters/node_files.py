@@ -1,0 +1,99 @@
+"""The node state's files: CDI specs and the checkpoint, the way the state owner uses them.
+
+The state owner (:mod:`dracpu.tasks.state_owner`) runs the file effects of
+:mod:`dracpu.core.effects` (``WriteCdiSpec``, ``DeleteCdiSpec``, ``PruneCdiSpecs``,
+``WriteCheckpoint``) through :meth:`NodeFiles.run_batch`, and reads the files back at start
+(:meth:`NodeFiles.restore_checkpoint`, :meth:`NodeFiles.our_specs`). Every call blocks (a
+written checkpoint is ``fdatasync``-ed, a deleted spec's directory ``fsync``-ed): the owner makes
+them in a worker thread, never on the event loop. The formats and the crash-safety rules are
+:mod:`dracpu.adapters.cdi_files` and :mod:`dracpu.adapters.checkpoint_file`; failures are their
+:class:`~dracpu.errors.CdiError` and :class:`~dracpu.errors.CheckpointError`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+from dracpu.adapters import cdi_files, checkpoint_file
+from dracpu.core.checkpoint_schema import CheckpointData
+from dracpu.core.cpuset import CpuSet
+from dracpu.core.effects import (
+    DeleteCdiSpec,
+    Effect,
+    PruneCdiSpecs,
+    WriteCdiSpec,
+    WriteCheckpoint,
+)
+from dracpu.errors import CdiError, DracpuError
+
+__all__ = ["FILE_EFFECTS", "NodeFiles"]
+
+logger = logging.getLogger(__name__)
+
+# The effects that do file I/O (and fsync): run in a worker thread, never on the event loop.
+FILE_EFFECTS = (WriteCdiSpec, DeleteCdiSpec, PruneCdiSpecs, WriteCheckpoint)
+
+
+class NodeFiles:
+    """The CDI specs of our claims in ``cdi_dir`` and the checkpoint at ``checkpoint_path``."""
+
+    def __init__(self, cdi_dir: Path, checkpoint_path: Path) -> None:
+        self.cdi_dir = cdi_dir
+        self._checkpoint = checkpoint_file.CheckpointStore(checkpoint_path)
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self._checkpoint.path
+
+    def run_batch(self, batch: Sequence[Effect], started: list[Effect]) -> None:
+        """Run the file effects of ``batch`` in order, appending each to ``started`` just before
+        it begins: after a failure the last one in ``started`` is the one that failed, and the
+        ones after it never began."""
+        for effect in batch:
+            started.append(effect)
+            self.run(effect)
+
+    def run(self, effect: Effect) -> None:
+        """One file effect; raises :class:`~dracpu.errors.DracpuError` when it fails."""
+        match effect:
+            case WriteCdiSpec(claim_uid=uid, cpus=cpus):
+                cdi_files.write_spec(self.cdi_dir, uid, cpus)
+            case DeleteCdiSpec(claim_uid=uid):
+                cdi_files.delete_spec(self.cdi_dir, uid)
+            case PruneCdiSpecs(keep=keep):
+                removed = self._prune(keep)
+                if removed:
+                    logger.info("removed CDI specs no prepared claim owns: %s", removed)
+            case WriteCheckpoint(checkpoint=data):
+                self._checkpoint.write(data)
+            case _:
+                raise DracpuError(f"{type(effect).__name__} is not a file effect")
+
+    def restore_checkpoint(self) -> CheckpointData:
+        """The newest valid checkpoint (missing: no claims; corrupt: moved aside, no claims);
+        :class:`~dracpu.errors.CheckpointError` when a slot cannot be read at all."""
+        return self._checkpoint.restore()
+
+    def our_specs(self) -> dict[str, CpuSet | CdiError]:
+        """Our CDI specs by claim UID: the cpuset each holds, or why it cannot be read."""
+        return cdi_files.list_our_specs(self.cdi_dir)
+
+    def _prune(self, keep: frozenset[str]) -> list[str]:
+        """Delete our specs whose claim is not in ``keep``; the removed claim UIDs.
+
+        Raises :class:`CdiError` naming every spec that could not be removed (after trying all).
+        """
+        scan = cdi_files.scan_dir(self.cdi_dir)
+        removed: list[str] = []
+        errors: list[str] = []
+        for uid in sorted(scan.specs.keys() - keep):
+            try:
+                if cdi_files.delete_spec(self.cdi_dir, uid):
+                    removed.append(uid)
+            except CdiError as exc:
+                errors.append(str(exc))
+        if errors:
+            raise CdiError("; ".join(errors))
+        return removed

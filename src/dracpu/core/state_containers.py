@@ -1,0 +1,284 @@
+"""The node state's containers: what the runtime's NRI events do to it (a part of
+:func:`dracpu.core.state.apply`).
+
+Each command that pins containers is one decision with the next number, ``state.pin_seq + 1``,
+stamped on every record it changes and every update it answers with: the NRI task uses the
+numbers to keep the last write that reaches each container the owner's last decision, whatever
+order the runtime applies an event reply and an unsolicited update in
+(:mod:`dracpu.tasks.nri_link`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
+from types import MappingProxyType
+from typing import Any
+
+from dracpu.core.commands import Container, Synchronize
+from dracpu.core.cpuset import EMPTY, CpuSet
+from dracpu.core.effects import (
+    ContainerForgotten,
+    ContainerPinned,
+    ContainerRejected,
+    ContainerUpdate,
+    Effect,
+    Reply,
+    Synchronized,
+    UpdateContainers,
+)
+from dracpu.core.state_values import ClaimOwner, ContainerRecord, NodeState, mutable
+from dracpu.errors import ClaimConflictError, ClaimError, DracpuError, InsufficientCpusError
+
+__all__ = [
+    "create_container",
+    "forget_container",
+    "invalidate",
+    "synchronize",
+    "unsolicited_widening",
+]
+
+
+def _verify(
+    state: NodeState, container: Container, owners: Mapping[str, ClaimOwner]
+) -> tuple[CpuSet, CpuSet | None]:
+    """The CPUs and mems of a container with claims; raises when its env cannot be trusted."""
+    what = container.describe()
+    if container.env_error is not None:
+        raise ClaimError(f"{what}: {container.env_error}")
+    cpus = EMPTY
+    mems: CpuSet | None = None
+    me = ClaimOwner(container.pod_uid, container.name)
+    for env in container.claims:
+        claim = state.claims.get(env.claim_uid)
+        if claim is None:
+            raise ClaimError(
+                f"{what}: its env names claim {env.claim_uid}, which this node has not prepared "
+                "(stale or spoofed DRA_CPUSET env)"
+            )
+        if claim.cpus != env.cpus:
+            raise ClaimError(
+                f"{what}: its env says claim {env.claim_uid} has cpus {env.cpus}, but the claim "
+                f"is prepared with cpus {claim.cpus} (spoofed DRA_CPUSET env)"
+            )
+        owner = owners.get(env.claim_uid)
+        if owner is not None and owner != me:
+            raise ClaimConflictError(
+                f"{what}: claim {env.claim_uid} is already used by container "
+                f"{owner.container_name} of pod {owner.pod_uid}; claims cannot be shared"
+            )
+        cpus |= claim.cpus
+        if claim.mems is not None:
+            mems = claim.mems if mems is None else mems | claim.mems
+    return cpus, mems
+
+
+def _shared_updates(
+    containers: dict[str, ContainerRecord],
+    shared: Iterable[str],
+    pool: CpuSet,
+    seq: int,
+    skip: str = "",
+) -> list[ContainerUpdate]:
+    """Move every shared container (but ``skip``) whose cpuset is not ``pool`` to it, in
+    decision ``seq``, updating the records in ``containers`` in place; the updates to send.
+    Nothing when the pool is empty.
+
+    The loop of a CreateContainer that moves hundreds of containers: records already at the
+    pool are kept (compared by mask, no ``CpuSet.__eq__`` call) and the new values are built by
+    :func:`_moved_record` and :func:`_pool_update`, not by the dataclass constructors.
+    """
+    updates: list[ContainerUpdate] = []
+    if not pool:
+        return updates
+    mask = pool.mask
+    for cid in sorted(shared):
+        record = containers[cid]
+        if record.cpus.mask != mask and cid != skip:
+            containers[cid] = _moved_record(record, pool, seq)
+            updates.append(_pool_update(cid, pool, seq))
+    return updates
+
+
+# A frozen dataclass's constructor sets each field through object.__setattr__; setting the slots
+# through their descriptors builds the same value faster. Guarded by bench/bench_state.py
+# (state.create_container: 200 shared containers moved; the figures are in
+# docs/performance.md). Only for these two classes, which have no __post_init__;
+# tests/core/test_state.py checks their fields and that the values equal the constructors'.
+_new = object.__new__
+_SetSlot = Callable[[object, Any], None]
+
+
+def _slot_setter(cls: type[ContainerRecord] | type[ContainerUpdate], name: str) -> _SetSlot:
+    setter: _SetSlot = vars(cls)[name].__set__
+    return setter
+
+
+_set_record_container = _slot_setter(ContainerRecord, "container")
+_set_record_claims = _slot_setter(ContainerRecord, "claims")
+_set_record_cpus = _slot_setter(ContainerRecord, "cpus")
+_set_record_mems = _slot_setter(ContainerRecord, "mems")
+_set_record_seq = _slot_setter(ContainerRecord, "seq")
+_set_update_id = _slot_setter(ContainerUpdate, "container_id")
+_set_update_cpus = _slot_setter(ContainerUpdate, "cpus")
+_set_update_mems = _slot_setter(ContainerUpdate, "mems")
+_set_update_seq = _slot_setter(ContainerUpdate, "seq")
+
+
+def _moved_record(record: ContainerRecord, cpus: CpuSet, seq: int) -> ContainerRecord:
+    """``ContainerRecord(record.container, record.claims, cpus, record.mems, seq)``."""
+    moved: ContainerRecord = _new(ContainerRecord)
+    _set_record_container(moved, record.container)
+    _set_record_claims(moved, record.claims)
+    _set_record_cpus(moved, cpus)
+    _set_record_mems(moved, record.mems)
+    _set_record_seq(moved, seq)
+    return moved
+
+
+def _pool_update(container_id: str, pool: CpuSet, seq: int) -> ContainerUpdate:
+    """``ContainerUpdate(container_id, pool, None, seq)``."""
+    update: ContainerUpdate = _new(ContainerUpdate)
+    _set_update_id(update, container_id)
+    _set_update_cpus(update, pool)
+    _set_update_mems(update, None)
+    _set_update_seq(update, seq)
+    return update
+
+
+def create_container(state: NodeState, container: Container) -> tuple[NodeState, list[Effect]]:
+    """CreateContainer / UpdateContainer: pin the container (its claims' CPUs, or the shared
+    pool) and, in the same reply, move the other shared containers to the pool."""
+    if not container.id:
+        raise ClaimError(f"{container.describe()}: no container id")
+    seq = state.pin_seq + 1
+    containers = mutable(state.containers)
+    shared = set(state.shared)
+    shared.discard(container.id)
+    containers.pop(container.id, None)
+    owners = state.owners
+    pool = state.shared_pool
+    if container.exclusive or container.env_error is not None:
+        cpus, mems = _verify(state, container, state.owners)
+        uids = tuple(env.claim_uid for env in container.claims)
+        me = ClaimOwner(container.pod_uid, container.name)
+        if any(owners.get(uid) != me for uid in uids):
+            new_owners = mutable(owners)
+            new_owners.update((uid, me) for uid in uids)
+            owners = MappingProxyType(new_owners)
+        containers[container.id] = ContainerRecord(container, uids, cpus, mems, seq)
+    else:
+        if not pool:
+            raise InsufficientCpusError(
+                f"{container.describe()}: the shared pool is empty (every allocatable CPU is "
+                "held by a claim); refusing a container that would run unconfined"
+            )
+        cpus, mems = pool, None
+        containers[container.id] = ContainerRecord(container, (), pool, None, seq)
+        shared.add(container.id)
+    updates = _shared_updates(containers, shared, pool, seq, skip=container.id)
+    new = replace(
+        state,
+        containers=MappingProxyType(containers),
+        shared=frozenset(shared),
+        owners=owners,
+        pin_seq=seq,
+    )
+    pin = ContainerUpdate(container.id, cpus, mems, seq)
+    return new, [Reply(ContainerPinned(pin, tuple(updates)))]
+
+
+def forget_container(
+    state: NodeState, container_id: str, *, send_updates: bool
+) -> tuple[NodeState, list[Effect]]:
+    """StopContainer (``send_updates``: its reply may widen the shared containers) or
+    RemoveContainer: forget the container; its claims stay prepared until Unprepare."""
+    containers = mutable(state.containers)
+    containers.pop(container_id, None)
+    shared = state.shared - {container_id}
+    seq = state.pin_seq + 1
+    updates = _shared_updates(containers, shared, state.shared_pool, seq) if send_updates else []
+    new = replace(
+        state,
+        containers=MappingProxyType(containers),
+        shared=shared,
+        pin_seq=seq if updates else state.pin_seq,
+    )
+    return new, [Reply(ContainerForgotten(container_id, tuple(updates)))]
+
+
+def synchronize(state: NodeState, command: Synchronize) -> tuple[NodeState, list[Effect]]:
+    """Synchronize: the runtime's containers replace what we knew, each pinned anew."""
+    seq = state.pin_seq + 1
+    pool = state.shared_pool
+    containers: dict[str, ContainerRecord] = {}
+    shared: set[str] = set()
+    owners = mutable(state.owners)  # owners stay until Unprepare (upstream ClaimTracker.Cleanup)
+    updates: list[ContainerUpdate] = []
+    rejected: list[ContainerRejected] = []
+    unpinned: list[str] = []
+    for container in sorted(command.containers, key=lambda c: c.id):
+        if not container.id or container.id in containers:
+            rejected.append(ContainerRejected(container.id, "missing or duplicate container id"))
+            continue
+        if container.exclusive or container.env_error is not None:
+            try:
+                cpus, mems = _verify(state, container, owners)
+            except DracpuError as error:
+                rejected.append(ContainerRejected(container.id, str(error)))
+            else:
+                uids = tuple(env.claim_uid for env in container.claims)
+                me = ClaimOwner(container.pod_uid, container.name)
+                owners.update((uid, me) for uid in uids)
+                containers[container.id] = ContainerRecord(container, uids, cpus, mems, seq)
+                updates.append(ContainerUpdate(container.id, cpus, mems, seq))
+                continue
+        # Shared, or claims that cannot be verified: confined to the shared pool (fail closed).
+        shared.add(container.id)
+        containers[container.id] = ContainerRecord(container, (), pool, None, seq)
+        if pool:
+            updates.append(ContainerUpdate(container.id, pool, None, seq))
+        else:
+            unpinned.append(container.id)
+    new = replace(
+        state,
+        containers=MappingProxyType(containers),
+        shared=frozenset(shared),
+        owners=MappingProxyType(owners),
+        unsolicited_updates=command.unsolicited_updates,
+        pin_seq=seq,
+    )
+    return new, [Reply(Synchronized(tuple(updates), tuple(rejected), tuple(unpinned)))]
+
+
+def invalidate(
+    state: NodeState, failed: Iterable[tuple[str, int]]
+) -> tuple[NodeState, list[Effect]]:
+    """The runtime failed these pins: a shared container whose record still holds the failed
+    decision gets an unknown cpuset, which the next reply that can carry updates sends again.
+    (A container decided anew meanwhile keeps that newer pin: it goes its own way; an exclusive
+    container never gets unsolicited updates.)"""
+    containers = mutable(state.containers)
+    changed = False
+    for cid, seq in failed:
+        record = containers.get(cid)
+        if record is not None and cid in state.shared and record.seq == seq:
+            containers[cid] = replace(record, cpus=EMPTY)
+            changed = True
+    if not changed:
+        return state, [Reply(None)]
+    return replace(state, containers=MappingProxyType(containers)), [Reply(None)]
+
+
+def unsolicited_widening(state: NodeState) -> tuple[NodeState, list[Effect]]:
+    """Post-commit updates moving shared containers to the (wider) pool, when the runtime
+    takes unsolicited updates; otherwise they catch up at the next container event."""
+    if not state.unsolicited_updates or not state.shared:
+        return state, []
+    containers = mutable(state.containers)
+    seq = state.pin_seq + 1
+    updates = _shared_updates(containers, state.shared, state.shared_pool, seq)
+    if not updates:
+        return state, []
+    new = replace(state, containers=MappingProxyType(containers), pin_seq=seq)
+    return new, [UpdateContainers(tuple(updates))]

@@ -1,0 +1,115 @@
+"""The values of the node state: :class:`NodeState` and what it holds.
+
+Frozen and slotted; :func:`dracpu.core.state.apply` builds new ones, never changes one. The
+mappings are read-only views (``MappingProxyType``) of dicts no one else holds; a transition
+copies one with :func:`mutable`, changes the copy and wraps it again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TypeVar
+
+from dracpu.core.checkpoint_schema import CheckpointData, PreparedClaim
+from dracpu.core.commands import Container
+from dracpu.core.cpuset import EMPTY, CpuSet
+from dracpu.core.effects import ContainerUpdate
+from dracpu.core.node_config import NodeConfig
+
+__all__ = ["ClaimOwner", "ContainerRecord", "NodeState", "mutable"]
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def mutable(mapping: Mapping[K, V]) -> dict[K, V]:
+    """A new dict with the items of ``mapping`` (one of the state's read-only mappings).
+
+    ``dict(proxy)`` reads a ``MappingProxyType`` item by item through the mapping protocol;
+    ``proxy.copy()`` copies the dict behind it in one call.
+    """
+    if isinstance(mapping, (MappingProxyType, dict)):
+        copied = mapping.copy()
+        if type(copied) is dict:
+            return copied
+    return dict(mapping)
+
+
+def _no_claims() -> Mapping[str, PreparedClaim]:
+    return MappingProxyType({})
+
+
+def _no_containers() -> Mapping[str, ContainerRecord]:
+    return MappingProxyType({})
+
+
+def _no_owners() -> Mapping[str, ClaimOwner]:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimOwner:
+    """The one (pod, container name) allowed to use a claim until it is unprepared."""
+
+    pod_uid: str
+    container_name: str
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerRecord:
+    """A container the runtime told us about, and its pin.
+
+    ``claims``: the claims it verifiably uses (empty: a shared container). ``cpus``/``mems``:
+    the pin the owner last decided for it, which the NRI task sends to the runtime (in an event
+    reply or an unsolicited update); ``cpus`` empty: unknown (never set, or the runtime failed
+    the update that carried it), so the next reply that can carry updates sets it. ``seq``: the
+    number of that decision (:attr:`NodeState.pin_seq`).
+    """
+
+    container: Container
+    claims: tuple[str, ...]
+    cpus: CpuSet
+    mems: CpuSet | None = None
+    seq: int = 0
+
+    def pin(self) -> ContainerUpdate:
+        """The container's pin as an update to send."""
+        return ContainerUpdate(self.container.id, self.cpus, self.mems, self.seq)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeState:
+    """Everything the state owner knows. Treat as immutable: ``apply`` builds a new one.
+
+    ``claimed`` is the union of the claims' CPUs; ``shared`` the ids of the shared containers;
+    ``owners`` who uses each claim; ``unlisted`` the claims missing from the last pod-resources
+    listing; ``unsolicited_updates`` whether the runtime takes plugin-initiated updates;
+    ``pin_seq`` the number of the last decision that pinned containers (it only grows: the NRI
+    task orders the writes that reach the runtime by it).
+    """
+
+    config: NodeConfig
+    claims: Mapping[str, PreparedClaim] = field(default_factory=_no_claims)
+    claimed: CpuSet = EMPTY
+    containers: Mapping[str, ContainerRecord] = field(default_factory=_no_containers)
+    shared: frozenset[str] = frozenset()
+    owners: Mapping[str, ClaimOwner] = field(default_factory=_no_owners)
+    unlisted: frozenset[str] = frozenset()
+    unsolicited_updates: bool = False
+    pin_seq: int = 0
+
+    @classmethod
+    def initial(cls, config: NodeConfig) -> NodeState:
+        """No claims, no containers."""
+        return cls(config=config)
+
+    @property
+    def shared_pool(self) -> CpuSet:
+        """The CPUs of every container without a claim: allocatable - claimed - isolated."""
+        return self.config.shareable - self.claimed
+
+    def checkpoint(self) -> CheckpointData:
+        """What to persist (the claims; shares the read-only mapping, copies nothing)."""
+        return CheckpointData(self.claims)
