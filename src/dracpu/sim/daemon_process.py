@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+import aiohttp
 import anyio
 import anyio.abc
 
@@ -42,22 +43,21 @@ class SimError(DracpuError):
 
 
 async def http_get(port: int, path: str, *, timeout: float = 5.0) -> tuple[int, str]:  # noqa: ASYNC109
-    """``GET http://127.0.0.1:<port><path>``: (status, body). Raises ``OSError`` when nothing
-    listens and :class:`SimError` on a malformed answer or a timeout."""
-    with anyio.fail_after(timeout):
-        async with await anyio.connect_tcp("127.0.0.1", port) as stream:
-            await stream.send(
-                f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode()
-            )
-            data = b""
-            with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
-                while True:
-                    data += await stream.receive()
-    head, _, body = data.partition(b"\r\n\r\n")
-    parts = head.split(b" ", 2)
-    if len(parts) < 2 or not parts[1].isdigit():
-        raise SimError(f"GET {path} on port {port}: malformed answer {data[:80]!r}")
-    return int(parts[1]), body.decode("utf-8", "replace")
+    """``GET http://127.0.0.1:<port><path>`` with aiohttp's client: (status, body). Raises
+    ``OSError`` when nothing listens and :class:`SimError` on a malformed answer or a timeout."""
+    url = f"http://127.0.0.1:{port}{path}"
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
+            session.get(url) as response,
+        ):
+            return response.status, await response.text(errors="replace")
+    except aiohttp.ClientOSError:
+        raise  # an OSError: nothing listens (yet), or the connection broke
+    except TimeoutError as exc:
+        raise SimError(f"GET {path} on port {port}: no answer within {timeout:g} s") from exc
+    except aiohttp.ClientError as exc:  # not HTTP, a head aiohttp cannot parse, no answer
+        raise SimError(f"GET {path} on port {port}: no valid answer: {exc!r}") from exc
 
 
 async def wait_until(
