@@ -146,35 +146,34 @@ def _cpus(text: str) -> set[int]:
     return out
 
 
-def test_the_charts_default_arguments(tmp_path: Path) -> None:
-    seen = _run(tmp_path, kubelet_root_dir="/var/lib/kubelet", config=None, gatherinfo="subcommand")
+def _check_the_chart_run(seen: dict[str, Any], root: str, config: str | None) -> None:
+    """The chart's arguments were passed verbatim and the node worked under them."""
     port = seen["args"][2].removeprefix("--bind-address=")
     assert seen["args"] == [
         "/dracpu",
         "--v=4",
         f"--bind-address={port}",
         "--expose-pcie-roots=false",
+        *([f"--kubelet-root-dir={root}"] if root != "/var/lib/kubelet" else []),
+        *(["--config=/etc/dracpu/config.yaml"] if config else []),
     ]
-    _check_the_node(seen, port, [f"cpudevnuma00{n}" for n in range(4)])
+    devices = ["cpudevsocket000", "cpudevsocket001"] if config else None
+    report = _check_the_node(seen, port, devices or [f"cpudevnuma00{n}" for n in range(4)])
+    assert report["driverConfig"]["kubeletRootDir"] == root
+    assert report["driverConfig"]["groupBy"] == ("socket" if config else "numanode")
+    assert report["driverConfig"].get("reservedCPUs", "") == ("0" if config else "")
 
 
-def test_the_charts_arguments_with_a_kubelet_root_and_a_driver_config(tmp_path: Path) -> None:
-    seen = _run(
-        tmp_path, kubelet_root_dir="/var/lib/k8s/kubelet", config=CONFIG, gatherinfo="alias"
-    )
-    port = seen["args"][2].removeprefix("--bind-address=")
-    assert seen["args"] == [
-        "/dracpu",
-        "--v=4",
-        f"--bind-address={port}",
-        "--expose-pcie-roots=false",
-        "--kubelet-root-dir=/var/lib/k8s/kubelet",
-        "--config=/etc/dracpu/config.yaml",
-    ]
-    report = _check_the_node(seen, port, ["cpudevsocket000", "cpudevsocket001"])
-    assert report["driverConfig"]["groupBy"] == "socket"
-    assert report["driverConfig"]["reservedCPUs"] == "0"
-    assert report["driverConfig"]["kubeletRootDir"] == "/var/lib/k8s/kubelet"
+@pytest.mark.parametrize(
+    "root", ["/var/lib/kubelet", "/var/lib/k8s/kubelet"], ids=["root", "other-root"]
+)
+@pytest.mark.parametrize("config", [None, CONFIG], ids=["no-config", "config"])
+def test_the_charts_arguments(tmp_path: Path, root: str, config: str | None) -> None:
+    # The chart passes --kubelet-root-dir only for a root other than the default, --config only
+    # when it renders a driver config; gatherinfo is run under both of upstream's names.
+    gatherinfo = "subcommand" if (config is None) == (root == "/var/lib/kubelet") else "alias"
+    seen = _run(tmp_path, kubelet_root_dir=root, config=config, gatherinfo=gatherinfo)
+    _check_the_chart_run(seen, root, config)
 
 
 @pytest.mark.parametrize("config", [None, CONFIG], ids=["no-config", "config"])
@@ -198,16 +197,4 @@ def test_the_charts_arguments_on_the_built_image(config: str | None) -> None:
         )
     finally:
         shutil.rmtree(base)
-    port = seen["args"][2].removeprefix("--bind-address=")
-    assert seen["args"] == [
-        "/dracpu",
-        "--v=4",
-        f"--bind-address={port}",
-        "--expose-pcie-roots=false",
-        f"--kubelet-root-dir={root}",
-        *(["--config=/etc/dracpu/config.yaml"] if config else []),
-    ]
-    devices = ["cpudevsocket000", "cpudevsocket001"] if config else None
-    report = _check_the_node(seen, port, devices or [f"cpudevnuma00{n}" for n in range(4)])
-    assert report["driverConfig"]["kubeletRootDir"] == root
-    assert report["driverConfig"]["groupBy"] == ("socket" if config else "numanode")
+    _check_the_chart_run(seen, root, config)
