@@ -2,7 +2,7 @@
 pinned and hashed inputs, with upstream's entry points.
 
 Building the image needs podman or docker and the network (``just image``); these tests read the
-files instead. Measured images are in docs/performance.md.
+files instead. Measured images are in docs/image.md.
 """
 
 from __future__ import annotations

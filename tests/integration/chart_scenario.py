@@ -13,6 +13,12 @@ server over TLS, the runtime on the NRI socket, the kubelet) run here; the drive
 chart's arguments verbatim, and without any capability (``setpriv``: an empty bounding set, no
 new privileges), as the hardened DaemonSet runs it.
 
+With ``image`` set, the driver is that image instead, run by podman as the chart's pod would
+be (host network and UTS namespace, no capability, no new privileges, the chart's mounts as
+volumes, the image's own ``/dracpu``): then nothing is mounted here and the kubelet root is the
+test's directory at the same path inside and out (``--kubelet-root-dir``, as the chart renders a
+non-default ``kubeletRootDir``), so that the plugin's socket paths mean the same on both sides.
+
 It walks one claim through the node and prints one JSON object of what it saw; the test
 asserts on it. Everything it starts is stopped before it exits.
 """
@@ -104,9 +110,36 @@ def _chart_args(params: dict[str, Any], port: int) -> list[str]:
     return args
 
 
+def _podman_run(params: dict[str, Any], paths: SimPaths, base: Path, args: list[str]) -> list[str]:
+    """``podman run`` of the image as the chart's pod: its volumes, hostNetwork, the args."""
+    volumes = {
+        paths.kubelet_root: params["kubelet_root_dir"],
+        paths.cdi_dir: "/var/run/cdi",
+        paths.nri_socket.parent: "/var/run/nri",
+        paths.host_root / "sys": "/sys",  # the chart mounts none: the container sees the node's
+        base / "serviceaccount": str(SERVICE_ACCOUNT),
+    }
+    if params["config"] is not None:
+        volumes[base / "config.yaml"] = "/etc/dracpu/config.yaml"
+    command = ["podman", "run", "--rm", "--name", params["container"], "--pull", "never",
+               "--network", "host", "--uts", "host", "--cap-drop", "all",
+               "--security-opt", "no-new-privileges"]  # fmt: skip
+    for source, target in volumes.items():
+        command += ["--volume", f"{source}:{target}:z"]
+    for name in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):
+        command += ["--env", name]
+    return [*command, params["image"], *args]
+
+
+def _in_container(params: dict[str, Any], command: list[str]) -> list[str]:
+    if params.get("image"):
+        return ["podman", "exec", params["container"], *command]
+    layout = Path(params["layout"])
+    return [str(layout / Path(command[0]).name), *command[1:]]
+
+
 async def scenario(params: dict[str, Any]) -> dict[str, Any]:
     base = Path(params["base"])
-    layout = Path(params["layout"])
     paths = SimPaths(base / "node")
     for directory in (paths.kubelet_root, paths.cdi_dir, paths.nri_socket.parent, paths.logs):
         directory.mkdir(parents=True, exist_ok=True)
@@ -115,25 +148,33 @@ async def scenario(params: dict[str, Any]) -> dict[str, Any]:
     ca, cert, key = _pki(base)
     server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server.load_cert_chain(cert, key)
-    _setup_mounts(base, paths, params["kubelet_root_dir"], params["config"])
+    image = params.get("image")
+    if image:
+        (base / "serviceaccount").mkdir()
+        if params["config"] is not None:
+            (base / "config.yaml").write_text(params["config"])
+    else:
+        _setup_mounts(base, paths, params["kubelet_root_dir"], params["config"])
+    service_account = base / "serviceaccount" if image else SERVICE_ACCOUNT
+    nri_socket = paths.nri_socket if image else Path("/var/run/nri/nri.sock")
     node_name = socket.gethostname().lower()  # the chart sets no node name: the hostname
     port = _free_port()
     seen: dict[str, Any] = {"node": node_name}
     async with (
         open_fake_apiserver(ssl_context=server, kubeconfig_dir=base) as api,
-        open_fake_runtime(Path("/var/run/nri/nri.sock")) as runtime,
+        open_fake_runtime(nri_socket) as runtime,
     ):
         api.add_node(node_name)
-        shutil.copy(ca, SERVICE_ACCOUNT / "ca.crt")
-        (SERVICE_ACCOUNT / "token").write_text("chart-test-token")
-        (SERVICE_ACCOUNT / "namespace").write_text("kube-system")
+        shutil.copy(ca, service_account / "ca.crt")
+        (service_account / "token").write_text("chart-test-token")
+        (service_account / "namespace").write_text("kube-system")
         env = {k: v for k, v in os.environ.items() if k not in {"NODE_NAME", "HOST_ROOT"}}
         env["KUBERNETES_SERVICE_HOST"] = "127.0.0.1"
         env["KUBERNETES_SERVICE_PORT"] = api.url.rsplit(":", 1)[1]
         args = _chart_args(params, port)
         seen["args"] = args
-        command = [str(layout / "dracpu"), *args[1:]]
-        if params["no_capabilities"]:
+        command = _podman_run(params, paths, base, args) if image else _in_container(params, args)
+        if params["no_capabilities"] and not image:
             command = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs",
                        *command]  # fmt: skip
         log_path = base / "daemon.log"
@@ -147,7 +188,7 @@ async def scenario(params: dict[str, Any]) -> dict[str, Any]:
                 walked = await _walk(params, node_name, api, runtime, kubelet, paths, spec, port,
                                      daemon)  # fmt: skip
                 seen.update(walked)
-                seen["capabilities"] = _capabilities(process.pid)
+                seen["capabilities"] = await _capabilities(params, process.pid)
             finally:
                 if process.returncode is None:
                     process.send_signal(signal.SIGTERM)
@@ -157,8 +198,13 @@ async def scenario(params: dict[str, Any]) -> dict[str, Any]:
     return seen
 
 
-def _capabilities(pid: int) -> dict[str, str]:
-    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+async def _capabilities(params: dict[str, Any], pid: int) -> dict[str, str]:
+    """The driver's capability sets (in the image: of the container's first process)."""
+    if params.get("image"):
+        answer = await anyio.run_process(_in_container(params, ["cat", "/proc/1/status"]))
+        status = answer.stdout.decode().splitlines()
+    else:
+        status = (await anyio.Path(f"/proc/{pid}/status").read_text()).splitlines()
     return {
         line.split(":")[0]: line.split()[1]
         for line in status
@@ -222,11 +268,11 @@ async def _walk(
     ]  # fmt: skip
     # As upstream's troubleshooting guide runs it (kubectl exec <pod> -- /dracpu gatherinfo):
     # the driver is found by its process name, in the namespace's own process table.
-    layout = Path(params["layout"])
-    command = (
-        [str(layout / "dracpu"), "gatherinfo", "--stdout"]
+    command = _in_container(
+        params,
+        ["/dracpu", "gatherinfo", "--stdout"]
         if params["gatherinfo"] == "subcommand"
-        else [str(layout / "dracpu-gatherinfo"), "--stdout"]
+        else ["/dracpu-gatherinfo", "--stdout"],
     )
     with anyio.fail_after(60):
         gather = await anyio.run_process(command, check=False)

@@ -7,6 +7,11 @@ default and ``--config=/etc/dracpu/config.yaml`` when it renders a driver config
 name (the hostname is used) and no kubeconfig (in-cluster service account), and mounts neither a
 state directory nor sysfs. :mod:`tests.integration.chart_scenario` builds exactly that in a
 private mount namespace and walks one claim through; here we check what it saw.
+
+The same runs on a built image (``just image``) when ``DRACPU_TEST_IMAGE`` names it (e.g.
+``DRACPU_TEST_IMAGE=dracpu:dev``): podman runs the image's own ``/dracpu`` as the chart's pod.
+Building needs the network and a pullable base, so CI runs the layout instead (the image's
+links to the installed command, below); docs/image.md has the measured runs.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +30,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 DRACPU = Path(sys.executable).parent / "dracpu"  # the installed command (the image's /dracpu)
+IMAGE = os.environ.get("DRACPU_TEST_IMAGE", "")  # an image built by `just image`
+# The driver config of upstream's chart (`driverConfig` values, rendered into the ConfigMap).
+CONFIG = 'apiVersion: v1alpha1\ncpuDeviceMode: grouped\ngroupBy: socket\nreservedCPUs: "0"\n'
 
 
 def _missing() -> str | None:
@@ -34,6 +43,20 @@ def _missing() -> str | None:
             return f"{tool} is not installed"
     if not DRACPU.exists():
         return f"the dracpu command is not installed at {DRACPU}"
+    return None
+
+
+def _missing_image() -> str | None:
+    if not IMAGE:
+        return "DRACPU_TEST_IMAGE is not set (build one with `just image`, then name it there)"
+    if os.geteuid() != 0:
+        return "needs root (podman with the host's network and bind mounts)"
+    for tool in ("podman", "openssl"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    exists = subprocess.run(["podman", "image", "exists", IMAGE], capture_output=True, check=False)
+    if exists.returncode != 0:
+        return f"podman has no image {IMAGE}"
     return None
 
 
@@ -48,22 +71,24 @@ def _layout(tmp_path: Path) -> Path:
 
 
 def _run(tmp_path: Path, **params: Any) -> dict[str, Any]:
-    reason = _missing()
+    reason = _missing_image() if params.get("image") else _missing()
     if reason is not None:
         pytest.skip(reason)
     params = {
         "base": str(tmp_path),
-        "layout": str(_layout(tmp_path)),
         "log_level": 4,
         "expose_pcie_roots": False,
         "no_capabilities": True,
         **params,
     }
-    result = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--mount-proc",
-         sys.executable, "-m", "tests.integration.chart_scenario", json.dumps(params)],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
-    )  # fmt: skip
+    scenario = [sys.executable, "-m", "tests.integration.chart_scenario", json.dumps(params)]
+    if not params.get("image"):
+        params["layout"] = str(_layout(tmp_path))
+        scenario[-1] = json.dumps(params)
+        namespaces = ["unshare", "--mount", "--propagation", "private", "--pid", "--fork",
+                      "--mount-proc"]  # fmt: skip
+        scenario = [*namespaces, *scenario]
+    result = subprocess.run(scenario, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stderr[-4000:]
     seen: dict[str, Any] = json.loads(result.stdout.splitlines()[-1])
     return seen
@@ -121,33 +146,55 @@ def _cpus(text: str) -> set[int]:
     return out
 
 
-def test_the_charts_default_arguments(tmp_path: Path) -> None:
-    seen = _run(tmp_path, kubelet_root_dir="/var/lib/kubelet", config=None, gatherinfo="subcommand")
+def _check_the_chart_run(seen: dict[str, Any], root: str, config: str | None) -> None:
+    """The chart's arguments were passed verbatim and the node worked under them."""
     port = seen["args"][2].removeprefix("--bind-address=")
     assert seen["args"] == [
         "/dracpu",
         "--v=4",
         f"--bind-address={port}",
         "--expose-pcie-roots=false",
+        *([f"--kubelet-root-dir={root}"] if root != "/var/lib/kubelet" else []),
+        *(["--config=/etc/dracpu/config.yaml"] if config else []),
     ]
-    _check_the_node(seen, port, [f"cpudevnuma00{n}" for n in range(4)])
+    devices = ["cpudevsocket000", "cpudevsocket001"] if config else None
+    report = _check_the_node(seen, port, devices or [f"cpudevnuma00{n}" for n in range(4)])
+    assert report["driverConfig"]["kubeletRootDir"] == root
+    assert report["driverConfig"]["groupBy"] == ("socket" if config else "numanode")
+    assert report["driverConfig"].get("reservedCPUs", "") == ("0" if config else "")
 
 
-def test_the_charts_arguments_with_a_kubelet_root_and_a_driver_config(tmp_path: Path) -> None:
-    config = 'apiVersion: v1alpha1\ncpuDeviceMode: grouped\ngroupBy: socket\nreservedCPUs: "0"\n'
-    seen = _run(
-        tmp_path, kubelet_root_dir="/var/lib/k8s/kubelet", config=config, gatherinfo="alias"
-    )
-    port = seen["args"][2].removeprefix("--bind-address=")
-    assert seen["args"] == [
-        "/dracpu",
-        "--v=4",
-        f"--bind-address={port}",
-        "--expose-pcie-roots=false",
-        "--kubelet-root-dir=/var/lib/k8s/kubelet",
-        "--config=/etc/dracpu/config.yaml",
-    ]
-    report = _check_the_node(seen, port, ["cpudevsocket000", "cpudevsocket001"])
-    assert report["driverConfig"]["groupBy"] == "socket"
-    assert report["driverConfig"]["reservedCPUs"] == "0"
-    assert report["driverConfig"]["kubeletRootDir"] == "/var/lib/k8s/kubelet"
+@pytest.mark.parametrize(
+    "root", ["/var/lib/kubelet", "/var/lib/k8s/kubelet"], ids=["root", "other-root"]
+)
+@pytest.mark.parametrize("config", [None, CONFIG], ids=["no-config", "config"])
+def test_the_charts_arguments(tmp_path: Path, root: str, config: str | None) -> None:
+    # The chart passes --kubelet-root-dir only for a root other than the default, --config only
+    # when it renders a driver config; gatherinfo is run under both of upstream's names.
+    gatherinfo = "subcommand" if (config is None) == (root == "/var/lib/kubelet") else "alias"
+    seen = _run(tmp_path, kubelet_root_dir=root, config=config, gatherinfo=gatherinfo)
+    _check_the_chart_run(seen, root, config)
+
+
+@pytest.mark.parametrize("config", [None, CONFIG], ids=["no-config", "config"])
+def test_the_charts_arguments_on_the_built_image(config: str | None) -> None:
+    reason = _missing_image()
+    if reason is not None:
+        pytest.skip(reason)
+    # The kubelet root is a directory of the test, at the same path in the container and here
+    # (the chart passes --kubelet-root-dir for any root but the default); a short one, for the
+    # 107-byte limit of the socket paths under it.
+    base = Path(tempfile.mkdtemp(prefix="dracpu-chart-", dir="/tmp"))
+    root = str(base / "node" / "kubelet")
+    try:
+        seen = _run(
+            base,
+            image=IMAGE,
+            container=base.name,
+            kubelet_root_dir=root,
+            config=config,
+            gatherinfo="subcommand" if config is None else "alias",
+        )
+    finally:
+        shutil.rmtree(base)
+    _check_the_chart_run(seen, root, config)
