@@ -105,10 +105,11 @@ from dracpu.core.effects import (
     WriteCdiSpec,
     WriteCheckpoint,
 )
+from dracpu.core.health import reported_devices
 from dracpu.core.node_config import NodeConfig
-from dracpu.core.slices import Device, published_devices
+from dracpu.core.reconfigure import stranded_claims
+from dracpu.core.slices import Device
 from dracpu.core.state import NodeState, apply, commit_phase, restore_state, rollback
-from dracpu.core.topology import Topology
 from dracpu.errors import CdiError, DracpuError
 from dracpu.tasks.device_health import DeviceHealthBoard
 from dracpu.tasks.slice_publisher import request_republish
@@ -355,6 +356,7 @@ class StateOwner:
                 _answer(req, error)
                 raise
             self._state = new
+            self._follow_health(old, new)
             self._count_applied(name, reply.value)
             _answer(req, reply.value)
             await self._post_commit(name, after)
@@ -453,8 +455,8 @@ class StateOwner:
                     )
                 else:
                     self._container_updates(effect)
-            case PublishSlices(topology=topology):
-                self._publish(topology)
+            case PublishSlices(devices=devices):
+                self._publish(devices)
             case _:
                 raise DracpuError(f"{_kind(effect)} is not an effect to run here")
 
@@ -497,23 +499,24 @@ class StateOwner:
             self._effects_failed += 1
             logger.error("%s: post-commit effects cut off after %g s", name, self._command_deadline)
 
-    def _set_devices(self, devices: Sequence[Device]) -> None:
-        """The devices to publish now; their health follows."""
-        self._devices = tuple(devices)
-        self.health.set_devices(self._devices)
-
-    def _publish(self, topology: Topology) -> None:
-        config = self.config
-        self._set_devices(
-            published_devices(
-                topology,
-                reserved=config.reserved_cpus,
-                mode=config.cpu_device_mode,
-                group_by=config.group_by,
-            )
-        )
+    def _publish(self, devices: tuple[Device, ...]) -> None:
+        """The devices to publish now (the publisher reads them at the republish it is asked
+        for); their health follows the committed state (:meth:`_follow_health`)."""
+        self._devices = devices
         if self._republish is not None:
             request_republish(self._republish, "resync")
+
+    def _follow_health(self, old: NodeState, new: NodeState) -> None:
+        """Tell the health board the devices to report when the committed state changed them:
+        a new node config (a SIGHUP read the topology and the config file again; its topology's
+        online CPUs too), or other claims on CPUs that went offline
+        (:func:`dracpu.core.health.reported_devices`). Every other command costs two compares."""
+        config = new.config
+        if config is old.config and not (config.held and new.claimed != old.claimed):
+            return
+        online = None if config.topology is old.config.topology else config.topology.online
+        devices = reported_devices(config.devices.values(), config.held, new.claimed)
+        self.health.set_devices(devices, online=online)
 
     # --- counting --------------------------------------------------------------------------------
 
@@ -556,9 +559,19 @@ class StateOwner:
         )
         # The devices are known now, whatever happens to the Resync below (which publishes
         # them again): a publisher must never see an empty device list for a working node.
-        self._set_devices(tuple(node.devices.values()))
+        self._devices = tuple(node.devices.values())
         data = await anyio.to_thread.run_sync(self._files.restore_checkpoint)
         state, refused = restore_state(node, data)
+        self.health.set_devices(reported_devices(self._devices, state.config.held, state.claimed))
+        for stranded in stranded_claims(state.claims, state.claimed - state.config.allocatable):
+            logger.warning(
+                "claim %s (%s) holds cpus %s, which are offline: kept whole, its devices are "
+                "reported unhealthy until they are back online or the claim is unprepared",
+                stranded.claim_uid,
+                stranded.name or "adopted",
+                stranded.offline,
+                extra={"claim_uid": stranded.claim_uid},
+            )
         for uid, reason in refused:
             claim = data.claims[uid]
             logger.error(
@@ -628,6 +641,7 @@ class StateOwner:
             await self._roll_back(name, old, failed.started, failed.error)
             return
         self._state = new
+        self._follow_health(old, new)
         _report(reply.value)
         await self._post_commit(name, after)
 
