@@ -22,7 +22,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from anyio.streams.memory import MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from dracpu.adapters.sysfs import read_topology
 from dracpu.config import Config, add_run_arguments, load_config
@@ -250,6 +250,8 @@ async def running(host: Host, scratch: Path) -> AsyncIterator[Running]:
     """The state owner restored from ``host`` (individual devices, reserved 0,32), the signals
     task with a reloader, and what the slice publisher is asked."""
     source = _source(host, scratch)
+    send: MemoryObjectSendStream[Request[Command]]
+    receive: MemoryObjectReceiveStream[Request[Command]]
     send, receive = create_request_stream()
     republish_send, republish_receive = republish_channel()
     asked: list[str] = []
