@@ -22,32 +22,41 @@ __all__ = ["set_offline"]
 
 
 def set_offline(spec: MachineSpec, root: Path, offline: CpuSet) -> MachineSpec:
-    """Make the tree under ``root/sys`` (written for ``spec``, any CPUs offline) that of the
-    same machine with exactly ``offline`` offline; the new spec. Raises
-    :class:`~dracpu.errors.ConfigError` when ``offline`` is every CPU or beyond the machine."""
+    """Make the tree under ``root/sys``, written for ``spec``, that of the same machine with
+    exactly ``offline`` offline; the new spec. Only the files that differ are written (a
+    1024-CPU tree has 22k files). Raises :class:`~dracpu.errors.ConfigError` when ``offline``
+    is every CPU or beyond the machine."""
     new = replace(spec, offline=offline)
+    old_files, old_links = sysfs_tree(spec)
     files, links = sysfs_tree(new)
     base = os.fspath(root).rstrip("/") + "/"
     for rel, text in files.items():
+        if old_files.get(rel) == text:
+            continue
         path = base + rel
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        temporary = f"{os.path.dirname(path)}/.{os.path.basename(path)}.new"
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        temporary = f"{directory}/.{os.path.basename(path)}.new"
         with open(temporary, "w", encoding="ascii") as out:
             out.write(text)
         os.replace(temporary, path)
     for rel, target in links.items():
-        if not os.path.lexists(base + rel):
+        if old_links.get(rel) != target:
+            if os.path.lexists(base + rel):
+                os.unlink(base + rel)
             os.symlink(target, base + rel)
-    _remove_stale(base + "sys", base, set(files) | set(links))
+    stale = (old_files.keys() - files.keys()) | (old_links.keys() - links.keys())
+    for rel in stale:
+        os.unlink(base + rel)
+    for directory in sorted({os.path.dirname(rel) for rel in stale}, key=len, reverse=True):
+        _remove_empty(base, directory)
     return new
 
 
-def _remove_stale(top: str, base: str, keep: set[str]) -> None:
-    """Remove the files under ``top`` that the new tree lacks, then the emptied directories."""
-    for dirpath, dirnames, filenames in os.walk(top, topdown=False):
-        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
-            path = os.path.join(dirpath, name)
-            if path.removeprefix(base) not in keep:
-                os.unlink(path)
-        if dirpath != top and not os.listdir(dirpath):
-            os.rmdir(dirpath)
+def _remove_empty(base: str, directory: str) -> None:
+    """Remove ``directory`` and its parents below ``sys`` as long as they are empty."""
+    while directory.count("/") > 0 and os.path.isdir(base + directory):
+        if os.listdir(base + directory):
+            return
+        os.rmdir(base + directory)
+        directory = os.path.dirname(directory)
