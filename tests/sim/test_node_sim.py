@@ -115,8 +115,9 @@ def test_dracpu_sim_walks_a_claim_through_the_node(capsys: pytest.CaptureFixture
     # cpu 63 goes offline: unhealthy within the second, then SIGHUP shrinks NUMA node 3
     assert titles[7] == "[8] cpu 63 goes offline (CPU hotplug in the fake sysfs), then SIGHUP"
     assert any(
-        line.startswith('    kubelet health stream (v1): cpudevnuma003 UNHEALTHY, "cpu 63 is '
-        'offline" (')
+        line.startswith(
+            '    kubelet health stream (v1): cpudevnuma003 UNHEALTHY, "cpu 63 is offline" ('
+        )
         for line in out
     )
     assert "    SIGHUP: ResourceSlices republished, pool generation 1 -> 2" in out
