@@ -325,3 +325,34 @@ async def test_a_cpu_offline_plus_sighup_reaches_the_health_stream_within_a_seco
         "spec and its containers' cpuset are unchanged) and its devices are reported unhealthy "
         "until the cpus are back online or the claim is unprepared"
     ) in warnings
+
+
+async def test_a_restart_keeps_a_claim_whose_cpu_is_offline_and_reports_it(
+    host: Host, scratch: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    source = _source(host, scratch)
+    claim_uid = "aaaaaaaa-0000-4000-8000-000000000002"
+    async with running(host, scratch) as node:
+        held = {d.cpus.min(): d.name for d in node.owner.devices()}[6]
+        result = DeviceResult("cpus", NODE, held)
+        await request(node.send, PrepareClaim(claim_uid, "ns", "kept", (result,)))
+    host.offline("6")
+    send: MemoryObjectSendStream[Request[Command]]
+    receive: MemoryObjectReceiveStream[Request[Command]]
+    send, receive = create_request_stream()
+    with send, receive:
+        owner = StateOwner(source.loaded, receive)
+        await owner.restore()
+    assert owner.state.claims[claim_uid].cpus == CpuSet([6])
+    assert all(6 not in d.cpus for d in owner.devices())
+    # (a restart numbers the devices afresh: the claim's device name, from its results, is
+    # reported for its offline CPU)
+    _, health = owner.health.snapshot()
+    assert [(h.device, h.status, h.message) for h in health if h.message] == [
+        (held, "Unhealthy", "cpu 6 is offline")
+    ]
+    assert (
+        f"claim ns/kept ({claim_uid}) holds cpus 6, which are offline: it keeps them (its CDI "
+        "spec and its containers' cpuset are unchanged) and its devices are reported unhealthy "
+        "until the cpus are back online or the claim is unprepared"
+    ) in [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

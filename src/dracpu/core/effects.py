@@ -215,6 +215,15 @@ class StrandedClaim:
     name: str
     offline: CpuSet
 
+    def warning(self) -> str:
+        """The warning the daemon logs for such a claim."""
+        return (
+            f"claim {self.name or 'name unknown'} ({self.claim_uid}) holds cpus {self.offline}, "
+            "which are offline: it keeps them (its CDI spec and its containers' cpuset are "
+            "unchanged) and its devices are reported unhealthy until the cpus are back online "
+            "or the claim is unprepared"
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class NodeChanged:

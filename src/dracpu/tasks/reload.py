@@ -195,12 +195,4 @@ def report(result: object) -> None:
     if changed is None:
         return
     for claim in changed.stranded:
-        logger.warning(
-            "claim %s (%s) holds cpus %s, which are offline: it keeps them (its CDI spec and its "
-            "containers' cpuset are unchanged) and its devices are reported unhealthy until the "
-            "cpus are back online or the claim is unprepared",
-            claim.name or "name unknown",
-            claim.claim_uid,
-            claim.offline,
-            extra={"claim_uid": claim.claim_uid},
-        )
+        logger.warning("%s", claim.warning(), extra={"claim_uid": claim.claim_uid})

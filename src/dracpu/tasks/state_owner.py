@@ -11,7 +11,9 @@ their effects are one concept, kept in one place; what a command does to the sta
    pinning);
 2. load the checkpoint (missing: no claims; corrupt: moved aside, logged, no claims; unreadable:
    :class:`~dracpu.errors.CheckpointError`, the start fails rather than forget claims) and keep
-   the claims that still fit the node (the others are logged and dropped from the checkpoint);
+   the claims that still fit the node (the others are logged and dropped from the checkpoint; a
+   claim holding CPUs that are offline now is kept whole, with a warning: its devices are
+   reported unhealthy);
 3. adopt the claims whose CDI spec of ours exists but which the checkpoint lacks
    (:class:`~dracpu.core.commands.AdoptClaims`: an upgrade from the upstream driver, a lost
    checkpoint); if that fails the start fails, since the specs are the only record of them;
@@ -41,8 +43,10 @@ If a commit-phase effect fails, the owner keeps the OLD state, runs the undo eff
 logged), answers the requester with the error and goes on: the checkpoint on disk still equals
 the state kept. The effects are: file effects through
 :class:`~dracpu.adapters.node_files.NodeFiles`, ``UpdateContainers`` handed to the NRI task
-(``container_updates``, which never blocks), ``PublishSlices`` (the devices of the topology,
-then a republish request to the slice publisher).
+(``container_updates``, which never blocks), ``PublishSlices`` (the node config's devices, then
+a republish request to the slice publisher). After each commit the health board gets the
+devices to report when the node config changed (a SIGHUP's ``Resync``) or the claims on CPUs
+that went offline did (:meth:`StateOwner._follow_health`).
 
 Errors: a :class:`~dracpu.errors.DracpuError` from an effect is an expected failure (a full
 disk): answered, logged, counted (``apply`` answers bad input itself, with the old state). Any
@@ -562,16 +566,10 @@ class StateOwner:
         self._devices = tuple(node.devices.values())
         data = await anyio.to_thread.run_sync(self._files.restore_checkpoint)
         state, refused = restore_state(node, data)
-        self.health.set_devices(reported_devices(self._devices, state.config.held, state.claimed))
+        reported = reported_devices(self._devices, state.config.held, state.claimed)
+        self.health.set_devices(reported, online=topology.online)
         for stranded in stranded_claims(state.claims, state.claimed - state.config.allocatable):
-            logger.warning(
-                "claim %s (%s) holds cpus %s, which are offline: kept whole, its devices are "
-                "reported unhealthy until they are back online or the claim is unprepared",
-                stranded.claim_uid,
-                stranded.name or "adopted",
-                stranded.offline,
-                extra={"claim_uid": stranded.claim_uid},
-            )
+            logger.warning("%s", stranded.warning(), extra={"claim_uid": stranded.claim_uid})
         for uid, reason in refused:
             claim = data.claims[uid]
             logger.error(
