@@ -22,6 +22,7 @@ import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import NoReturn
 
@@ -272,8 +273,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from dracpu.config import load_config
     from dracpu.daemon import main as daemon_main
     from dracpu.logs import setup_logging
+    from dracpu.tasks.reload import ConfigSource
 
-    config = load_config(args, os.environ)
+    environ = dict(os.environ)
+    config = load_config(args, environ)
+    source = ConfigSource(config, partial(load_config, args, environ))
     unmatched = setup_logging(config.log_format, config.verbosity, vmodule=config.vmodule)
     for notice in config.notices:
         logger.warning("%s", notice)
@@ -301,7 +305,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             root,
         )
         config = replace(config, host_root=root)
-    return daemon_main(config)
+        source = replace(source, overlay=overlay.files)
+    return daemon_main(config, source)
 
 
 def _cmd_gatherinfo(args: argparse.Namespace) -> int:

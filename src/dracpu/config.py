@@ -77,6 +77,7 @@ __all__ = [
     "Config",
     "LogFormat",
     "add_run_arguments",
+    "changed_settings",
     "go_style_flags",
     "load_config",
     "read_yaml_mapping",
@@ -872,3 +873,26 @@ def _check_socket_paths(config: Config, sources: Mapping[str, str]) -> None:
                 f"{source}: {what} path {_show(str(path))} is {size} bytes, over the "
                 f"{UNIX_PATH_MAX}-byte limit of a Unix socket path"
             )
+
+
+def changed_settings(old: Config, new: Config) -> list[tuple[str, str, str, str]]:
+    """The settings whose value differs between two loads (a SIGHUP reads them again), in the
+    order of the settings: (the Config field, how a user names it: its config-file key, else
+    its flag; the old value, the new value, as an error line shows them)."""
+    changed: list[tuple[str, str, str, str]] = []
+    for setting in _SETTINGS:
+        if not setting.stored:
+            continue
+        before, after = getattr(old, setting.name), getattr(new, setting.name)
+        if before != after:
+            label = setting.key if setting.key is not None else str(setting.flag)
+            changed.append((setting.name, label, _shown_setting(before), _shown_setting(after)))
+    return changed
+
+
+def _shown_setting(value: object) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, (Path, CpuSet, BindAddress)) or type(value) in (CpuDeviceMode, GroupBy):
+        return _show(str(value))
+    return _show(value)

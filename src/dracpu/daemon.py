@@ -5,7 +5,9 @@ gRPC server's protocols need asyncio; every other task needs only anyio) with th
 tasks, in this order:
 
 1. ``signals``: first, so that SIGTERM during a slow start already stops gracefully (a SIGHUP
-   that arrives before the owner runs waits in the owner's queue);
+   that arrives before the owner runs waits in the owner's queue); a SIGHUP reads the settings
+   (the :class:`~dracpu.tasks.reload.ConfigSource` :func:`main` is given) and the topology
+   again (:mod:`dracpu.tasks.reload`);
 2. ``state-owner``: restores the node (topology, checkpoint, CDI specs: see
    :class:`~dracpu.tasks.state_owner.StateOwner`) before it reports ready, then is the one
    task that changes node state;
@@ -87,6 +89,7 @@ from dracpu.tasks import (
 from dracpu.tasks.dra_cpu_metrics import DraCpuMetrics
 from dracpu.tasks.http import Readiness
 from dracpu.tasks.nri_link import NriLink
+from dracpu.tasks.reload import ConfigSource, Reloader
 from dracpu.tasks.state_owner import Request, StateOwner
 
 __all__ = [
@@ -318,8 +321,10 @@ class _Node:
         receive: MemoryObjectReceiveStream[Request[Command]],
         readiness: Readiness,
         shutdown: Shutdown,
+        source: ConfigSource | None = None,
     ) -> None:
         self.config = config
+        self.source = source
         self.kube = kube
         self.send = send
         self.readiness = readiness
@@ -343,7 +348,10 @@ class _Node:
         self.republish_receive.close()
 
     async def run_signals(self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
-        await signals.run(self.send.clone(), self.shutdown.request, task_status=task_status)
+        reloader = Reloader(self.config, self.source)
+        await signals.run(
+            self.send.clone(), self.shutdown.request, reloader=reloader, task_status=task_status
+        )
 
     async def run_cdi_watcher(self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
         health = self.readiness.flag(CDI_DIR, reason="the CDI dir has not been tried yet")
@@ -427,7 +435,7 @@ class _Node:
         ]
 
 
-async def _serve_node(config: Config) -> int:
+async def _serve_node(config: Config, source: ConfigSource | None) -> int:
     readiness = Readiness()
     shutdown = Shutdown()
     send: MemoryObjectSendStream[Request[Command]]
@@ -435,7 +443,7 @@ async def _serve_node(config: Config) -> int:
     send, receive = state_owner.create_request_stream()
     with send, receive:  # the owner closes `receive` itself; this covers a failed start
         async with open_kube_client(config.kubeconfig) as kube:
-            node = _Node(config, kube, send, receive, readiness, shutdown)
+            node = _Node(config, kube, send, receive, readiness, shutdown, source)
             try:
                 return await serve(
                     node.tasks(), readiness=readiness, shutdown=shutdown, on_running=_settle_heap
@@ -454,12 +462,13 @@ def _settle_heap() -> None:
     gc.enable()
 
 
-def main(config: Config) -> int:
-    """Run the daemon until SIGTERM/SIGINT (exit 0) or a task failure (exit 1)."""
+def main(config: Config, source: ConfigSource | None = None) -> int:
+    """Run the daemon until SIGTERM/SIGINT (exit 0) or a task failure (exit 1); ``source``:
+    where a SIGHUP reads the settings again (``None``: it reads only the topology)."""
     collecting = gc.isenabled()
     gc.disable()  # until every task runs: _settle_heap
     try:
-        return _main(config)
+        return _main(config, source)
     finally:
         # The interpreter's collections at exit would walk the whole heap again: a slow part of the
         # stop after SIGTERM. Frozen objects are left to the OS with the process.
@@ -470,7 +479,7 @@ def main(config: Config) -> int:
             gc.disable()
 
 
-def _main(config: Config) -> int:
+def _main(config: Config, source: ConfigSource | None) -> int:
     setup_logging(config.log_format, config.verbosity, vmodule=config.vmodule)
     logger.info(
         "dracpu %s starting on node %s (node name from %s; %s devices, group by %s, "
@@ -483,7 +492,7 @@ def _main(config: Config) -> int:
         config.reserved_cpus or "none",
     )
     try:
-        return anyio.run(_serve_node, config, backend="asyncio")
+        return anyio.run(_serve_node, config, source, backend="asyncio")
     except KeyboardInterrupt:
         logger.warning("interrupted before the signal handlers were installed")
         return EXIT_INTERRUPTED

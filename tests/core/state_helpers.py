@@ -23,7 +23,7 @@ from dracpu.core.effects import (
     WriteCheckpoint,
 )
 from dracpu.core.node_config import NodeConfig
-from dracpu.core.slices import CpuDeviceMode, GroupBy
+from dracpu.core.slices import CpuDeviceMode, Device, GroupBy
 from dracpu.core.state import NodeState, PreparedClaim, apply, commit_phase, rollback
 from dracpu.core.topology import CpuInfo, Topology
 from dracpu.errors import CdiError, DracpuError
@@ -38,6 +38,7 @@ __all__ = [
     "run",
     "topology16",
     "uid",
+    "without",
 ]
 
 NODE = "node-1"
@@ -51,9 +52,26 @@ def cpus(text: str) -> CpuSet:
     return CpuSet.parse(text)
 
 
-def topology16(isolated: str = "") -> Topology:
+def topology16(isolated: str = "", offline: str = "") -> Topology:
     """1 socket, 2 NUMA nodes (one L3 each) x 4 cores x SMT2: core c = cpus c and c+8;
-    NUMA 0 = cpus 0-3,8-11, NUMA 1 = cpus 4-7,12-15."""
+    NUMA 0 = cpus 0-3,8-11, NUMA 1 = cpus 4-7,12-15; the ``offline`` ones present but not
+    online."""
+    return without(_full16(isolated), cpus(offline))
+
+
+def without(topology: Topology, offline: CpuSet) -> Topology:
+    """``topology`` with the ``offline`` CPUs taken offline (as sysfs read again shows it)."""
+    return Topology(
+        {cpu: info for cpu, info in topology.cpus.items() if cpu not in offline},
+        smt_enabled=topology.smt_enabled,
+        offline=topology.offline | (offline & topology.online),
+        isolated=topology.isolated - offline,
+        pcie_roots=topology.pcie_roots,
+        numa_in_sysfs=topology.numa_in_sysfs,
+    )
+
+
+def _full16(isolated: str) -> Topology:
     infos = {
         cpu: CpuInfo(
             cpu_id=cpu,
@@ -105,7 +123,7 @@ class FakeDisk:
 
     cdi: dict[str, CpuSet] = field(default_factory=dict)
     checkpoint: bytes = field(default_factory=lambda: encode(CheckpointData(), 1))
-    slices: Topology | None = None
+    slices: tuple[Device, ...] | None = None
     fail_at: int | None = None
     executed: int = 0
     sent_updates: list[ContainerUpdate] = field(default_factory=list)
@@ -127,8 +145,8 @@ class FakeDisk:
                     del self.cdi[key]
             case WriteCheckpoint(checkpoint=data):
                 self.checkpoint = encode(data, decode(self.checkpoint).sequence + 1)
-            case PublishSlices(topology=topology):
-                self.slices = topology
+            case PublishSlices(devices=devices):
+                self.slices = devices
             case UpdateContainers(updates=updates):
                 self.sent_updates.extend(updates)
             case Reply():

@@ -18,6 +18,7 @@ from dracpu.core.health import (
     HealthStatus,
     assess,
     offline_message,
+    reported_devices,
 )
 from dracpu.core.slices import CpuDeviceMode, Device, GroupBy, published_devices
 from dracpu.core.topology import Topology
@@ -237,3 +238,34 @@ def test_unhealthy_exactly_when_a_published_cpu_is_offline(
             assert set(CpuSet.parse(listed)) == lost
         else:
             assert entry.message == ""
+
+
+# --- the devices reported after a SIGHUP ----------------------------------------------------------
+
+
+def test_reported_devices_keep_the_offline_cpus_claims_hold() -> None:
+    numa = _devices(MACHINE, CpuDeviceMode.GROUPED)
+    assert reported_devices(numa, {}, CpuSet([1, 2])) == tuple(numa)
+    # cpu 5 (NUMA 0, claimed) and cpu 9 (NUMA 1, free) went offline; the devices were published
+    # again without them; individual device cpudev999 stood for cpu 40 (claimed, offline)
+    online = MACHINE.online - CpuSet([5, 9, 40])
+    again = _devices(without(MACHINE, CpuSet([5, 9, 40])), CpuDeviceMode.GROUPED)
+    held = {"cpudevnuma000": CpuSet([5]), "cpudevnuma001": CpuSet([9]), "cpudev999": CpuSet([40])}
+    reported = reported_devices(again, held, claimed=CpuSet([5, 6, 40]))
+    assert [d.name for d in reported] == [d.name for d in again] + ["cpudev999"]
+    assert reported[0].cpus == again[0].cpus | CpuSet([5])
+    assert reported[1] == again[1]  # cpu 9 is held by no claim: the group is as published
+    health = assess(reported, online, now=START)
+    assert _unhealthy(health) == {
+        "cpudevnuma000": "cpu 5 is offline",
+        "cpudev999": "cpu 40 is offline",
+    }
+
+
+def without(topology: Topology, offline: CpuSet) -> Topology:
+    return Topology(
+        {cpu: info for cpu, info in topology.cpus.items() if cpu not in offline},
+        smt_enabled=topology.smt_enabled,
+        offline=topology.offline | offline,
+        isolated=topology.isolated,
+    )

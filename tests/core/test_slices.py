@@ -47,6 +47,7 @@ from dracpu.core.slices import (
     SliceOptions,
     build_resource_slices,
     devices_by_name,
+    individual_numbering,
     max_devices_per_slice,
     published_devices,
     slice_name,
@@ -256,6 +257,35 @@ def test_reserved_full_core_is_left_out_and_numbering_restarts() -> None:
     assert numbering(devices)[:2] == [1, 33]
     assert len(devices) == 62
     assert "cpudev062" not in devices
+
+
+def test_individual_numbering_keeps_each_cpus_number_across_topology_changes() -> None:
+    machine = build_topology(FIXTURES["dual-socket-smt2"])
+    fresh = individual_numbering(machine, reserved=CpuSet([0]))
+    upstream = devices_of("dual-socket-smt2", INDIVIDUAL, reserved="0")
+    assert {cpu_of(d): int(name[len("cpudev") :]) for name, d in upstream.items()} == fresh
+    # cpu 33 goes offline, cpu 0 is no longer reserved: 33 keeps its number unpublished, every
+    # other CPU keeps its own, cpu 0 gets the next number after all of them
+    spec = dataclasses.replace(FIXTURES["dual-socket-smt2"], offline=CpuSet([33]))
+    later = individual_numbering(build_topology(spec), reserved=CpuSet(), previous=fresh)
+    assert later == {**fresh, 0: 63}
+    devices = published_devices(
+        build_topology(spec),
+        reserved=CpuSet(),
+        mode=INDIVIDUAL,
+        group_by=GroupBy.NUMANODE,
+        numbering=later,
+    )
+    names = {d.name: cpu_of(d) for d in devices}
+    assert names["cpudev063"] == 0
+    assert f"cpudev{fresh[33]:03d}" not in names
+    assert all(names[f"cpudev{number:03d}"] == cpu for cpu, number in later.items() if cpu != 33)
+    assert [d.name for d in devices] == sorted(names)  # publication order is number order
+    # a numbering that lacks a published CPU is a bug of the caller, not a silent renumbering
+    with pytest.raises(TopologyError, match="cpus 0 have no individual device number"):
+        published_devices(
+            machine, reserved=CpuSet(), mode=INDIVIDUAL, group_by=GroupBy.NUMANODE, numbering=fresh
+        )
 
 
 def test_dual_socket_grouped_by_numa_and_socket() -> None:

@@ -48,7 +48,15 @@ from dracpu.core.state import (
 )
 from dracpu.errors import DracpuError
 from dracpu.sim.topologies import FIXTURES, build_topology
-from tests.core.state_helpers import NODE, FakeDisk, config_for, disk_matches, run, uid
+from tests.core.state_helpers import (
+    NODE,
+    FakeDisk,
+    config_for,
+    disk_matches,
+    run,
+    uid,
+    without,
+)
 
 __all__: list[str] = []
 
@@ -58,7 +66,7 @@ CONTAINERS = 6
 
 def configs() -> dict[str, NodeConfig]:
     box = build_topology(FIXTURES["offline-isolated"])
-    return {
+    built = {
         "individual": config_for(CpuDeviceMode.INDIVIDUAL, isolated="3,11"),
         "numa": config_for(isolated="6"),
         "machine": config_for(group_by=GroupBy.MACHINE, reserved="", pin_memory=True),
@@ -67,9 +75,13 @@ def configs() -> dict[str, NodeConfig]:
             NODE, box, reserved=CpuSet.parse("1,9"), mode=CpuDeviceMode.INDIVIDUAL
         ),
     }
+    # Each config under a node name of its own, so that a drawn Resync finds its machine.
+    return {name: replace(config, node_name=f"node-{name}") for name, config in built.items()}
 
 
 CONFIGS = configs()
+# The machine of each config (by node name): a drawn Resync takes some of its CPUs offline.
+MACHINES = {config.node_name: config.topology for config in CONFIGS.values()}
 
 
 def draw_prepare(data: st.DataObject, state: NodeState) -> Command:
@@ -89,9 +101,9 @@ def draw_prepare(data: st.DataObject, state: NodeState) -> Command:
             cpuset = None
             if data.draw(st.integers(0, 5), label="explicit") == 0:
                 cpuset = CpuSet(data.draw(st.sets(st.integers(0, 16), max_size=4)))
-            results.append(DeviceResult(f"r{i}", NODE, name, count, cpuset))
+            results.append(DeviceResult(f"r{i}", config.node_name, name, count, cpuset))
         else:
-            results.append(DeviceResult(f"r{i}", NODE, name))
+            results.append(DeviceResult(f"r{i}", config.node_name, name))
     policy = data.draw(
         st.sampled_from(
             [
@@ -180,7 +192,28 @@ def draw_command(data: st.DataObject, state: NodeState) -> Command:
         case "disconnect":
             return RuntimeDisconnected()
         case _:
-            return Resync()
+            return draw_resync(data, state)
+
+
+def draw_resync(data: st.DataObject, state: NodeState) -> Resync:
+    """A plain Resync, or a SIGHUP's: CPUs of the machine offline or back, other isolated CPUs,
+    other reserved CPUs, memory pinning on or off (each drawn or left out)."""
+    if data.draw(st.booleans(), label="plain"):
+        return Resync()
+    machine = MACHINES[state.config.node_name]
+    cpu_ids = sorted(machine.online)
+    topology = None
+    if data.draw(st.booleans(), label="topology"):
+        offline = CpuSet(data.draw(st.sets(st.sampled_from(cpu_ids), max_size=5), label="off"))
+        if offline == machine.online:
+            offline = CpuSet(cpu_ids[1:])
+        isolated = CpuSet(data.draw(st.sets(st.sampled_from(cpu_ids), max_size=3), label="iso"))
+        topology = without(replace(machine, isolated=isolated), offline)
+    reserved = None
+    if data.draw(st.booleans(), label="reserved"):
+        reserved = CpuSet(data.draw(st.sets(st.sampled_from(cpu_ids), max_size=4), label="rsv"))
+    pin = data.draw(st.sampled_from([None, True, False]), label="pin memory")
+    return Resync(topology, reserved, pin)
 
 
 def check_step(state: NodeState, command: Command, new: NodeState, value: object) -> None:
@@ -192,11 +225,12 @@ def check_step(state: NodeState, command: Command, new: NodeState, value: object
         case PrepareClaim(claim_uid=claim_uid) if isinstance(value, ClaimPrepared):
             if value.cpus:
                 assert new.claims[claim_uid].cpus == value.cpus
-                assert value.cpus <= state.config.allocatable
                 before = state.claims.get(claim_uid)
                 if before is not None:
-                    assert before.cpus == value.cpus  # idempotent: the same CPUs
+                    # idempotent: the same CPUs (with any that went offline since: rule 2)
+                    assert before.cpus == value.cpus
                 else:
+                    assert value.cpus <= state.config.allocatable
                     assert value.cpus.isdisjoint(state.claimed)
         case UnprepareClaim(claim_uid=claim_uid):
             assert claim_uid not in new.claims
@@ -242,7 +276,7 @@ def test_random_commands_keep_the_invariants_and_the_disk(name: str, data: st.Da
         new, effects = apply(state, command)
         assert sum(isinstance(e, Reply) for e in effects) == 1
         commit, reply, _ = commit_phase(effects)
-        check_invariants(new)
+        check_invariants(new, state)
         check_step(state, command, new, reply.value)
         rewritten = isinstance(command, PrepareClaim) and command.claim_uid in state.claims
         if rewritten and not isinstance(reply.value, DracpuError):

@@ -79,7 +79,7 @@ async def test_ready_with_every_task_then_sighup_resyncs_and_sigterm_stops_withi
         assert await sim.stop_daemon(signal.SIGTERM) == 0
         assert time.monotonic() - start < 5
         messages = sim.daemon.messages()
-        assert "resync done: Resynced(claims=0, config_changed=False)" in messages
+        assert "resync done: CDI specs of 0 prepared claims rewritten; node unchanged" in messages
         assert "SIGTERM received: stopping" in messages
         assert messages[-2:] == ["stopping (SIGTERM)", "stopped"]
         assert sim.daemon.messages("error") == []

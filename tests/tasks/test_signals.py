@@ -46,11 +46,11 @@ async def test_sighup_resyncs_and_sighups_during_a_resync_are_coalesced(
                     await anyio.sleep(0.01)
         assert receive.statistics().current_buffer_used == 0  # nothing new while in flight
         with first.reply:
-            first.reply.send_nowait(Resynced(claims=0, config_changed=False))
+            first.reply.send_nowait(Resynced(claims=0))
         with anyio.fail_after(5):
             second = await receive.receive()  # the three SIGHUPs became one more resync
         with second.reply:
-            second.reply.send_nowait(Resynced(claims=0, config_changed=False))
+            second.reply.send_nowait(Resynced(claims=0))
         await anyio.wait_all_tasks_blocked()
         assert receive.statistics().current_buffer_used == 0
         assert stops == []

@@ -5,6 +5,7 @@ server ends up storing."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -502,6 +503,26 @@ async def test_republish_request_rereads_the_devices() -> None:
         await until(lambda: len(published_names(api)) == 64, "individual devices published")
         expected_pool(api, current["devices"])
         assert generations(api) == {2}
+
+
+@pytest.mark.anyio
+async def test_a_republish_request_does_not_wait_for_the_debounce() -> None:
+    # A kubelet wipe (one DELETE per slice) waits out the debounce; a republish request (one per
+    # SIGHUP) is one event and goes out at once.
+    current = {"devices": devices()}
+    send, receive = republish_channel()
+    slow = dataclasses.replace(FAST, debounce=60.0)
+    async with send, connected() as (api, kube), anyio.create_task_group() as tg:
+        desired = lambda: current["devices"]  # noqa: E731
+        await tg.start(
+            functools.partial(
+                slice_publisher.run, kube, NODE, desired, settings=slow, republish=receive
+            )
+        )
+        current["devices"] = devices(CpuDeviceMode.INDIVIDUAL)
+        request_republish(send, "SIGHUP")
+        await until(lambda: len(published_names(api)) == 64, "republished", seconds=10.0)
+        tg.cancel_scope.cancel()
 
 
 @pytest.mark.anyio

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from dracpu.core.allocator import AllocationPolicy
 from dracpu.core.cdi_spec import parse_env
 from dracpu.core.cpuset import CpuSet
-from dracpu.core.node_config import NodeConfig
+from dracpu.core.topology import Topology
 from dracpu.errors import CdiError
 
 __all__ = [
@@ -143,10 +143,20 @@ class PodsListed:
 @dataclass(frozen=True, slots=True)
 class Resync:
     """SIGHUP or start: rewrite every CDI spec, prune the CDI specs no claim owns, republish the
-    slices. ``config``: a new node config (topology change); refused if a prepared claim would
-    hold a CPU that is no longer allocatable."""
+    slices.
 
-    config: NodeConfig | None = None
+    A SIGHUP also brings what it read again (``None``: unchanged): ``topology`` (sysfs),
+    ``reserved`` and ``pin_memory`` (the config file). The node config is then built again
+    (:mod:`dracpu.core.reconfigure`): CPUs that went offline or online, or changed isolation,
+    change the devices and the shared pool. A claim keeps a CPU that went offline (its devices
+    turn unhealthy). A ``reserved`` that would take a CPU a claim holds, or leave no CPU for
+    the shared containers, is not applied (the reply says why); a topology that leaves no CPU
+    for the shared containers refuses the whole command.
+    """
+
+    topology: Topology | None = None
+    reserved: CpuSet | None = None
+    pin_memory: bool | None = None
 
 
 # --- containers -----------------------------------------------------------------------------------

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from dracpu.core.checkpoint_schema import CheckpointData
 from dracpu.core.commands import DeviceResult
-from dracpu.core.cpuset import CpuSet
-from dracpu.core.topology import Topology
+from dracpu.core.cpuset import EMPTY, CpuSet
+from dracpu.core.slices import Device
 
 __all__ = [
     "ClaimPrepared",
@@ -32,11 +32,13 @@ __all__ = [
     "ContainerUpdate",
     "DeleteCdiSpec",
     "Effect",
+    "NodeChanged",
     "PodsReconciled",
     "PruneCdiSpecs",
     "PublishSlices",
     "Reply",
     "Resynced",
+    "StrandedClaim",
     "Synchronized",
     "UpdateContainers",
     "WriteCdiSpec",
@@ -108,9 +110,9 @@ class UpdateContainers:
 
 @dataclass(frozen=True, slots=True)
 class PublishSlices:
-    """Publish the devices of this topology (the config's reserved CPUs left out)."""
+    """Publish these devices (the node config's, in publication order); their health follows."""
 
-    topology: Topology
+    devices: tuple[Device, ...]
 
 
 Effect = (
@@ -204,8 +206,117 @@ class PodsReconciled:
 
 
 @dataclass(frozen=True, slots=True)
+class StrandedClaim:
+    """A prepared claim holding CPUs that are offline now: kept whole (its CDI spec and its
+    containers' cpuset unchanged), its devices reported unhealthy. ``name``: ``namespace/name``
+    (empty for a claim adopted from a CDI spec and not prepared again since)."""
+
+    claim_uid: str
+    name: str
+    offline: CpuSet
+
+    def warning(self) -> str:
+        """The warning the daemon logs for such a claim."""
+        return (
+            f"claim {self.name or 'name unknown'} ({self.claim_uid}) holds cpus {self.offline}, "
+            "which are offline: it keeps them (its CDI spec and its containers' cpuset are "
+            "unchanged) and its devices are reported unhealthy until the cpus are back online "
+            "or the claim is unprepared"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class NodeChanged:
+    """What a SIGHUP's Resync changed in the node config; empty values: no change.
+
+    ``went_online`` / ``went_offline``: CPUs; ``isolated`` / ``unisolated``: CPUs that joined or
+    left the kernel's isolated set; ``reserved``: (before, after) when the reserved CPUs
+    changed, ``reserved_refused`` why the reserved CPUs asked for were not applied;
+    ``pin_memory``: the new default when it changed. ``added`` / ``removed``: device names;
+    ``resized``: grouped devices whose ``dra.cpu/cpu`` capacity changed; ``updated``: devices
+    whose attributes changed otherwise. ``republished``: the devices changed, so the slices go
+    out again with the pool generation bumped. ``stranded``: every claim holding offline CPUs.
+    """
+
+    went_online: CpuSet = EMPTY
+    went_offline: CpuSet = EMPTY
+    isolated: CpuSet = EMPTY
+    unisolated: CpuSet = EMPTY
+    reserved: tuple[CpuSet, CpuSet] | None = None
+    reserved_refused: str = ""
+    pin_memory: bool | None = None
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    resized: tuple[str, ...] = ()
+    updated: tuple[str, ...] = ()
+    republished: bool = False
+    stranded: tuple[StrandedClaim, ...] = ()
+
+    def parts(self) -> list[str]:
+        """The changes in words, for the daemon's one log line."""
+        parts: list[str] = []
+        for cpus, what in (
+            (self.went_offline, "went offline"),
+            (self.went_online, "came online"),
+            (self.isolated, "became isolated"),
+            (self.unisolated, "are no longer isolated"),
+        ):
+            if cpus:
+                parts.append(f"cpus {cpus} {what}")
+        if self.reserved is not None:
+            before, after = self.reserved
+            parts.append(f"reserved cpus {before or 'none'} -> {after or 'none'}")
+        if self.reserved_refused:
+            parts.append(f"reserved cpus not changed: {self.reserved_refused}")
+        if self.pin_memory is not None:
+            parts.append(f"memory pinning of new claims {'on' if self.pin_memory else 'off'}")
+        for names, what in (
+            (self.added, "added"),
+            (self.removed, "removed"),
+            (self.resized, "resized"),
+            (self.updated, "with new attributes"),
+        ):
+            if names:
+                parts.append(f"devices {what}: {_names(names)}")
+        if self.republished:
+            parts.append("slices republished (new pool generation)")
+        if self.stranded:
+            held = ", ".join(
+                f"{claim.name or claim.claim_uid} (cpus {claim.offline})" for claim in self.stranded
+            )
+            parts.append(f"claims holding offline cpus: {held}")
+        return parts
+
+
+# Device names shown in a log line; a 1024-CPU node can add or remove hundreds at once.
+_NAMES_SHOWN = 8
+
+
+def _names(names: tuple[str, ...]) -> str:
+    shown = ", ".join(names[:_NAMES_SHOWN])
+    more = len(names) - _NAMES_SHOWN
+    return f"{shown} and {more} more" if more > 0 else shown
+
+
+@dataclass(frozen=True, slots=True)
 class Resynced:
-    """Answer to Resync: how many CDI specs were rewritten; whether the config changed."""
+    """Answer to Resync: how many CDI specs were rewritten; what a SIGHUP changed (``None``:
+    nothing was read again); the shared containers moved to the new pool at once
+    (``repinned``, unsolicited updates) or waiting for their next event (``waiting``: the
+    runtime does not take unsolicited updates)."""
 
     claims: int
-    config_changed: bool
+    changed: NodeChanged | None = None
+    repinned: int = 0
+    waiting: int = 0
+
+    def describe(self) -> str:
+        """One line: everything that changed."""
+        parts = [f"CDI specs of {self.claims} prepared claims rewritten"]
+        changes = [] if self.changed is None else self.changed.parts()
+        parts.extend(changes or ["node unchanged"])
+        if self.repinned:
+            parts.append(f"{self.repinned} shared containers re-pinned")
+        if self.waiting:
+            parts.append(f"{self.waiting} shared containers get the new pool at their next event")
+        return "; ".join(parts)

@@ -16,10 +16,15 @@ Offline CPUs are never published (:func:`dracpu.core.slices.published_devices` b
 from the online CPUs only), so devices built from a fresh topology are all HEALTHY: a machine
 booted with ``nosmt``, or with CPUs taken offline on purpose, has no unhealthy device. A device
 turns UNHEALTHY when one of its CPUs goes offline while it stays published, and HEALTHY again
-when the CPU comes back. Publishing the devices again from a topology read after the change
-ends it the other way: the individual device of an offline CPU no longer exists (the kubelet,
-told the complete list, takes a device left out for Unknown after its timeout), and a group
-comes back HEALTHY with a smaller capacity.
+when the CPU comes back.
+
+A SIGHUP publishes the devices again from a topology read after the change: the individual
+device of an offline CPU is no longer published and a group shrinks. What the kubelet is told
+is :func:`reported_devices`: the published devices, and the devices of CPUs that went offline
+while a claim held them (``NodeConfig.held``), as long as the claim holds them. Such a device
+stays UNHEALTHY for the pods using it, instead of vanishing from the list (the kubelet would
+show Unknown after its timeout) or turning HEALTHY with the CPU gone (a group). A device no
+claim holds is simply left out (no pod shows it).
 
 ``since``: the Unix time (seconds) at which the device's health (status or message) last
 changed, or at which the device was first assessed: ``DeviceHealth.last_updated_time`` of the
@@ -28,8 +33,8 @@ kubelet's API.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from dracpu.core.cpuset import CpuSet
@@ -41,6 +46,7 @@ __all__ = [
     "HealthStatus",
     "assess",
     "offline_message",
+    "reported_devices",
 ]
 
 # k8s.io/kubelet pkg/apis/dra-health/v1/api.proto DeviceHealth.message: "Maximum length is 1024
@@ -102,3 +108,28 @@ def assess(
         since = old.since if old is not None and unchanged else now
         assessed.append(DeviceHealth(device.name, status, message, since))
     return tuple(assessed)
+
+
+def reported_devices(
+    devices: Iterable[Device], held: Mapping[str, CpuSet], claimed: CpuSet
+) -> tuple[Device, ...]:
+    """The devices whose health the kubelet is told: ``devices`` (the published ones, in their
+    order), each with the ``held`` CPUs a claim still holds (``claimed``) added to its CPUs,
+    then the held devices that are not published while a claim holds one of their CPUs (by
+    name; such a device carries only its name and those CPUs)."""
+    if not held:
+        return tuple(devices)
+    reported: list[Device] = []
+    seen: set[str] = set()
+    for device in devices:
+        seen.add(device.name)
+        lost = held.get(device.name, _NONE) & claimed
+        reported.append(replace(device, cpus=device.cpus | lost) if lost else device)
+    for name in sorted(held.keys() - seen):
+        lost = held[name] & claimed
+        if lost:
+            reported.append(Device(name, lost, {}, {}, grouped=False))
+    return tuple(reported)
+
+
+_NONE = CpuSet()

@@ -1,7 +1,7 @@
 """What the state machine knows about the node: topology, published devices, reserved CPUs.
 
-Its own module so that :mod:`dracpu.core.commands` (``Resync`` carries a new config),
-:mod:`dracpu.core.state` and the tasks can all name it without importing each other.
+Its own module so that :mod:`dracpu.core.state`, :mod:`dracpu.core.reconfigure` (a SIGHUP's
+``Resync`` builds a new one) and the tasks can all name it without importing each other.
 """
 
 from __future__ import annotations
@@ -12,10 +12,24 @@ from types import MappingProxyType
 
 from dracpu.core.allocator import AllocationPolicy
 from dracpu.core.cpuset import EMPTY, CpuSet
-from dracpu.core.slices import CpuDeviceMode, Device, GroupBy, published_devices
+from dracpu.core.slices import (
+    CpuDeviceMode,
+    Device,
+    GroupBy,
+    individual_numbering,
+    published_devices,
+)
 from dracpu.core.topology import Topology
 
 __all__ = ["NodeConfig"]
+
+
+def _no_numbers() -> Mapping[int, int]:
+    return MappingProxyType({})
+
+
+def _no_held() -> Mapping[str, CpuSet]:
+    return MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +39,12 @@ class NodeConfig:
     ``devices``: the published devices by name (:func:`dracpu.core.slices.published_devices`).
     ``policy``: the default allocation policy of grouped claims; ``pin_memory``: pin the
     containers of a claim to the NUMA nodes of its CPUs unless the claim says otherwise.
+    ``mode`` / ``group_by``: how the devices were built (a Resync builds them again alike).
+    ``numbering``: individual mode, the device number of every CPU numbered by this process
+    (:func:`dracpu.core.slices.individual_numbering`), published now or not.
+    ``held``: devices (by name, as published before) whose CPUs went offline while a claim held
+    them, and those CPUs (:mod:`dracpu.core.reconfigure`): the devices' health is still reported
+    while a claim holds such a CPU (:func:`dracpu.core.health.reported_devices`).
     """
 
     node_name: str
@@ -33,12 +53,18 @@ class NodeConfig:
     reserved: CpuSet = EMPTY
     policy: AllocationPolicy = field(default_factory=AllocationPolicy)
     pin_memory: bool = False
+    mode: CpuDeviceMode = CpuDeviceMode.GROUPED
+    group_by: GroupBy = GroupBy.NUMANODE
+    numbering: Mapping[int, int] = field(default_factory=_no_numbers)
+    held: Mapping[str, CpuSet] = field(default_factory=_no_held)
     allocatable: CpuSet = field(init=False)
     shareable: CpuSet = field(init=False)
 
     def __post_init__(self) -> None:
         allocatable = self.topology.online - self.reserved
         object.__setattr__(self, "devices", MappingProxyType(dict(self.devices)))
+        object.__setattr__(self, "numbering", MappingProxyType(dict(self.numbering)))
+        object.__setattr__(self, "held", MappingProxyType(dict(self.held)))
         object.__setattr__(self, "allocatable", allocatable)
         object.__setattr__(self, "shareable", allocatable - self.topology.isolated)
 
@@ -53,9 +79,22 @@ class NodeConfig:
         group_by: GroupBy = GroupBy.NUMANODE,
         policy: AllocationPolicy | None = None,
         pin_memory: bool = False,
+        numbering: Mapping[int, int] | None = None,
     ) -> NodeConfig:
-        """The config with the devices this node publishes in ``mode``/``group_by``."""
-        devices = published_devices(topology, reserved=reserved, mode=mode, group_by=group_by)
+        """The config with the devices this node publishes in ``mode``/``group_by``;
+        ``numbering``: the individual device numbers given before (see
+        :func:`~dracpu.core.slices.individual_numbering`), ``None`` at start."""
+        mode = CpuDeviceMode(mode)
+        numbers: dict[int, int] = {}
+        if mode is CpuDeviceMode.INDIVIDUAL:
+            numbers = individual_numbering(topology, reserved=reserved, previous=numbering)
+        devices = published_devices(
+            topology,
+            reserved=reserved,
+            mode=mode,
+            group_by=group_by,
+            numbering=numbers if mode is CpuDeviceMode.INDIVIDUAL else None,
+        )
         return cls(
             node_name=node_name,
             topology=topology,
@@ -63,4 +102,22 @@ class NodeConfig:
             reserved=reserved,
             policy=AllocationPolicy() if policy is None else policy,
             pin_memory=pin_memory,
+            mode=mode,
+            group_by=GroupBy(group_by),
+            numbering=numbers,
+        )
+
+    def rebuild(self, topology: Topology, *, reserved: CpuSet, pin_memory: bool) -> NodeConfig:
+        """The config of the same node in the same device mode after a SIGHUP: the devices of
+        ``topology`` without ``reserved``, every individual device keeping its number
+        (``held`` is left empty: :mod:`dracpu.core.reconfigure` knows the claims)."""
+        return NodeConfig.build(
+            self.node_name,
+            topology,
+            reserved=reserved,
+            mode=self.mode,
+            group_by=self.group_by,
+            policy=self.policy,
+            pin_memory=pin_memory,
+            numbering=self.numbering,
         )

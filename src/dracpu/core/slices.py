@@ -111,6 +111,7 @@ __all__ = [
     "SliceOptions",
     "build_resource_slices",
     "devices_by_name",
+    "individual_numbering",
     "max_devices_per_slice",
     "published_devices",
     "slice_name",
@@ -251,20 +252,52 @@ class SliceOptions:
 
 
 def published_devices(
-    topology: Topology, *, reserved: CpuSet, mode: CpuDeviceMode, group_by: GroupBy
+    topology: Topology,
+    *,
+    reserved: CpuSet,
+    mode: CpuDeviceMode,
+    group_by: GroupBy,
+    numbering: Mapping[int, int] | None = None,
 ) -> list[Device]:
     """The devices this node publishes, in publication (and allocation priority) order.
 
     ``reserved`` CPUs are never published; reserved CPUs that are not online are ignored.
     ``group_by`` only matters in grouped mode. Devices carry ``pcieRoot`` when the topology has
-    PCIe roots. Raises :class:`TopologyError` when a device would carry more attribute values
-    than the apiserver accepts (a machine with that many PCIe roots).
+    PCIe roots. ``numbering`` (individual mode): the device number of each CPU, from
+    :func:`individual_numbering`; ``None``: upstream's enumeration of this topology. Raises
+    :class:`TopologyError` when a device would carry more attribute values than the apiserver
+    accepts (a machine with that many PCIe roots).
     """
     allocatable = topology.online - reserved
     roots = _PcieRoots(topology.pcie_roots)
     if CpuDeviceMode(mode) is CpuDeviceMode.INDIVIDUAL:
-        return _individual_devices(topology, allocatable, roots)
+        return _individual_devices(topology, allocatable, roots, numbering)
     return _grouped_devices(topology, allocatable, GroupBy(group_by), roots)
+
+
+def individual_numbering(
+    topology: Topology, *, reserved: CpuSet, previous: Mapping[int, int] | None = None
+) -> dict[int, int]:
+    """The number of each CPU's individual device (``cpudevNNN``).
+
+    Without ``previous``: upstream's enumeration of the published CPUs (the module docstring).
+    With ``previous``, the numbering of the devices published before by this process (a SIGHUP
+    that found CPUs offline, online or no longer reserved): a CPU keeps the number it had, so
+    that a device name never changes its CPU while the scheduler's allocations name it; a CPU
+    numbered for the first time gets the next number after every number given so far, in
+    upstream's order. The result keeps every entry of ``previous``, published now or not: a CPU
+    that comes back gets its name back, and no number is given twice.
+    """
+    order = _individual_order(topology, topology.online - reserved)
+    if not previous:
+        return {cpu: number for number, cpu in enumerate(order)}
+    numbering = dict(previous)
+    following = max(numbering.values(), default=-1) + 1
+    for cpu in order:
+        if cpu not in numbering:
+            numbering[cpu] = following
+            following += 1
+    return numbering
 
 
 def devices_by_name(devices: Iterable[Device]) -> dict[str, Device]:
@@ -342,11 +375,24 @@ def _add_pcie_roots(
         )
 
 
-def _individual_devices(topology: Topology, allocatable: CpuSet, roots: _PcieRoots) -> list[Device]:
+def _individual_devices(
+    topology: Topology,
+    allocatable: CpuSet,
+    roots: _PcieRoots,
+    numbering: Mapping[int, int] | None,
+) -> list[Device]:
     smt = topology.smt_enabled
     isolated = topology.isolated
+    order = _individual_order(topology, allocatable)
+    if numbering is None:
+        numbered = list(enumerate(order))
+    else:
+        missing = [cpu for cpu in order if cpu not in numbering]
+        if missing:
+            raise TopologyError(f"cpus {CpuSet(missing)} have no individual device number")
+        numbered = sorted((numbering[cpu], cpu) for cpu in order)
     devices: list[Device] = []
-    for index, cpu in enumerate(_individual_order(topology, allocatable)):
+    for index, cpu in numbered:
         info = topology.info(cpu)
         name = f"{_PREFIX_CPU}{index:03d}"
         attributes: dict[str, AttributeValue] = {

@@ -9,8 +9,12 @@ Rules (each checked by :func:`check_invariants` after every command in the prope
 
 1. No CPU is held by two claims; ``claimed`` is the union of the claims' CPUs, kept
    incrementally (an apply never recomputes it over all claims).
-2. Claims hold only allocatable CPUs: online and not reserved. Reserved CPUs are in no claim
-   and never in the shared pool.
+2. Claims hold only allocatable CPUs (online and not reserved), with one exception: a CPU
+   that went offline while a claim held it (found by a SIGHUP's ``Resync`` or at restore)
+   stays in the claim, which is never shrunk behind its pod's back; such CPUs count as
+   claimed and are in no device and not in the shared pool. No other command makes a claim
+   hold a CPU that is not allocatable (:func:`check_invariants` with ``previous``). Reserved
+   CPUs are in no claim and never in the shared pool.
 3. The shared pool is ``allocatable - claimed - isolated``: isolated CPUs are never shared.
 4. The shared pool is never emptied while shared containers exist: a Prepare (or adoption, or
    topology change) that would empty it is refused. A shared container is never created with
@@ -85,6 +89,7 @@ from dracpu.core.effects import (
     WriteCheckpoint,
 )
 from dracpu.core.node_config import NodeConfig
+from dracpu.core.reconfigure import held_at_restore
 from dracpu.core.state_claims import adopt, pods_listed, prepare, resync, unprepare
 from dracpu.core.state_containers import (
     create_container,
@@ -158,22 +163,29 @@ def restore_state(
     config: NodeConfig, data: CheckpointData
 ) -> tuple[NodeState, tuple[tuple[str, str], ...]]:
     """The state after a restart: the checkpoint's claims that still fit the node, and the
-    refused ones with the reason (a CPU now reserved or offline; the owner logs them)."""
+    refused ones with the reason (a CPU now reserved, or one the node does not have; the owner
+    logs them). A claim holding CPUs that are offline now is kept whole (rule 2), its devices
+    in ``config.held`` (:func:`dracpu.core.reconfigure.held_at_restore`)."""
     claims: dict[str, PreparedClaim] = {}
     claimed = EMPTY
     rejected: list[tuple[str, str]] = []
+    known = config.topology.online | config.topology.offline
     for uid in sorted(data.claims):
         claim = data.claims[uid]
         if uid != claim.claim_uid or not claim.cpus or not is_valid_claim_uid(uid):
             rejected.append((uid, "malformed record"))
-        elif not claim.cpus <= config.allocatable:
-            outside = claim.cpus - config.allocatable
-            rejected.append((uid, f"cpus {outside} are not allocatable (reserved or offline)"))
+        elif not claim.cpus.isdisjoint(config.reserved):
+            rejected.append((uid, f"cpus {claim.cpus & config.reserved} are reserved"))
+        elif not claim.cpus <= known:
+            rejected.append((uid, f"cpus {claim.cpus - known} are not present on this node"))
         elif not claim.cpus.isdisjoint(claimed):
             rejected.append((uid, f"cpus {claim.cpus & claimed} are held by another claim"))
         else:
             claims[uid] = claim
             claimed |= claim.cpus
+    held = held_at_restore(config, claims.values())
+    if held:
+        config = replace(config, held=held)
     state = NodeState(config=config, claims=MappingProxyType(claims), claimed=claimed)
     return state, tuple(rejected)
 
@@ -212,7 +224,7 @@ def rollback(old: NodeState, started: Sequence[Effect], error: DracpuError) -> l
             case PublishSlices():
                 if "slices" not in seen:
                     seen.add("slices")
-                    undo.append(PublishSlices(old.config.topology))
+                    undo.append(PublishSlices(tuple(old.config.devices.values())))
             case PruneCdiSpecs() | UpdateContainers() | Reply():
                 pass  # prune removes orphans only; the others are never in the commit phase
             case _:
@@ -224,8 +236,11 @@ def rollback(old: NodeState, started: Sequence[Effect], error: DracpuError) -> l
 # --- invariants -----------------------------------------------------------------------------------
 
 
-def check_invariants(state: NodeState) -> None:
-    """Raise :class:`InvariantError` naming the first broken rule (recomputes everything)."""
+def check_invariants(state: NodeState, previous: NodeState | None = None) -> None:
+    """Raise :class:`InvariantError` naming the first broken rule (recomputes everything).
+
+    ``previous``: the state the command was applied to; then also no CPU that is not
+    allocatable joins a claim (only a topology change may leave one in a claim, rule 2)."""
 
     def fail(message: str) -> None:
         raise InvariantError(message)
@@ -245,10 +260,19 @@ def check_invariants(state: NodeState) -> None:
     claimed = CpuSet.from_mask(union)
     if claimed != state.claimed:
         fail(f"claimed mask {state.claimed} != union of the claims {claimed}")
-    if not claimed <= config.allocatable:
-        fail(f"claims hold non-allocatable cpus {claimed - config.allocatable}")
     if not claimed.isdisjoint(config.reserved):
         fail(f"claims hold reserved cpus {claimed & config.reserved}")
+    if previous is not None:  # (no reserved CPU is claimed: the others are offline, rule 2)
+        joined = claimed - previous.claimed - config.allocatable
+        if joined:
+            fail(f"cpus {joined} joined a claim but are not allocatable")
+    for name, lost in config.held.items():
+        if not lost.isdisjoint(config.topology.online):
+            fail(
+                f"device {name} is held for cpus {lost & config.topology.online}, which are online"
+            )
+        if name in config.devices and not lost.isdisjoint(config.devices[name].cpus):
+            fail(f"device {name} is published with cpus it is held for: {lost}")
     pool = config.topology.online - config.reserved - config.topology.isolated - claimed
     if state.shared_pool != pool:
         fail(f"shared pool {state.shared_pool} != online - reserved - isolated - claimed {pool}")

@@ -35,10 +35,12 @@ from dracpu.core.effects import (
     PublishSlices,
     Reply,
     Resynced,
+    UpdateContainers,
     WriteCdiSpec,
     WriteCheckpoint,
 )
 from dracpu.core.node_config import NodeConfig
+from dracpu.core.reconfigure import reconfigure
 from dracpu.core.slices import Device
 from dracpu.core.state_containers import unsolicited_widening
 from dracpu.core.state_values import NodeState, mutable
@@ -378,26 +380,23 @@ def adopt(state: NodeState, command: AdoptClaims) -> tuple[NodeState, list[Effec
 
 def resync(state: NodeState, command: Resync) -> tuple[NodeState, list[Effect]]:
     new = state
-    changed = command.config is not None and command.config != state.config
-    if command.config is not None and changed:
-        config = command.config
-        outside = state.claimed - config.allocatable
-        if outside:
-            raise ClaimConflictError(
-                f"cannot take the new topology: cpus {outside} of claim "
-                f"{_holder(state, outside)} are no longer allocatable; unprepare it first"
-            )
-        if state.shared and not (config.shareable - state.claimed):
-            raise InsufficientCpusError(
-                "cannot take the new topology: it leaves no CPU for the shared containers"
-            )
+    changed = None
+    if (
+        command.topology is not None
+        or command.reserved is not None
+        or command.pin_memory is not None
+    ):
+        config, changed = reconfigure(state, command)
         new = replace(state, config=config)
     new, after = unsolicited_widening(new)
+    repinned = sum(len(e.updates) for e in after if isinstance(e, UpdateContainers))
+    pool = new.shared_pool
+    waiting = sum(1 for cid in new.shared if pool and new.containers[cid].cpus != pool)
     uids = sorted(new.claims)
     return new, [
         *(WriteCdiSpec(uid, new.claims[uid].cpus) for uid in uids),
         PruneCdiSpecs(frozenset(uids)),
-        PublishSlices(new.config.topology),
-        Reply(Resynced(len(uids), changed)),
+        PublishSlices(tuple(new.config.devices.values())),
+        Reply(Resynced(len(uids), changed, repinned, waiting)),
         *after,
     ]

@@ -12,7 +12,11 @@ through its life, checking every step and printing what happened:
    and every shared container shrinks to the rest;
 7. the pod ends and the kubelet unprepares the claim: the CDI spec goes and the shared
    containers get the CPUs back (at once when the runtime's NRI takes unsolicited updates, else
-   at the next container event, which the demo then causes).
+   at the next container event, which the demo then causes);
+8. a CPU goes offline in the fake sysfs: the kubelet's health stream reports its device
+   unhealthy within a second; SIGHUP: the daemon reads the topology again and republishes the
+   slices (the device gone, or the group's capacity one smaller, a new pool generation), and
+   the health stream follows (:func:`_hotplug`).
 
 A step whose outcome is not the expected one stops the demo with exit code 1 and says what was
 wrong. ``-o json`` prints one JSON document instead of the transcript.
@@ -33,6 +37,7 @@ from dracpu.core.allocator import describe_plan
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.slices import CpuDeviceMode, GroupBy
 from dracpu.errors import DracpuError, leaf_errors
+from dracpu.sim.fake_kubelet import HealthList, HealthWatch
 from dracpu.sim.node import (
     DEFAULT_RUNTIME_VERSION,
     DEFAULT_TOPOLOGY,
@@ -54,6 +59,9 @@ STATUS_TIMEOUT = 5.0
 WIDEN_TIMEOUT = 5.0
 # With an old runtime: how long the demo checks that nothing widens before the next event.
 DEFERRED_CHECK = 0.3
+# How long the health stream and the republish after a CPU goes offline may take (the online
+# CPUs are read every second; a 1024-CPU node's slices take a few hundred ms).
+HOTPLUG_TIMEOUT = 15.0
 DEMO_NAMESPACE = "demo"
 
 
@@ -134,6 +142,7 @@ async def run_demo(options: DemoOptions, emit: Callable[[Step], None]) -> list[S
         create_step, pod = await _create(sim, claim, held)
         done(create_step)
         done(await _unprepare(sim, claim, pod, held))
+        done(await _hotplug(sim, options))
         if options.keep:
             done(Step("Files kept", [f"node files and daemon logs in {sim.paths.root}"]))
     return steps
@@ -321,6 +330,86 @@ async def _unprepare(sim: NodeSim, claim: Any, pod: Any, held: CpuSet) -> Step:
         f"The pod ends; kubelet NodeUnprepareResources; shared containers widened {how}",
         lines,
         {"widened": how, "shared": {cid: sim.cpus_of(cid) for cid in narrow}},
+    )
+
+
+def _capacities(devices: list[dict[str, Any]]) -> dict[str, str]:
+    """Each published device with its ``dra.cpu/cpu`` capacity (individual: ``1``)."""
+    return {
+        d["name"]: (d.get("capacity") or {}).get("dra.cpu/cpu", {}).get("value", "1")
+        for d in devices
+    }
+
+
+async def _health(watch: HealthWatch, done: Callable[[HealthList], bool], what: str) -> HealthList:
+    deadline = time.monotonic() + HOTPLUG_TIMEOUT
+    while time.monotonic() < deadline:
+        health = await watch.anext(HOTPLUG_TIMEOUT)
+        _expect(health is not None, "the daemon ended the health stream")
+        assert health is not None
+        if done(health):
+            return health
+    raise SimError(f"the health stream did not report {what} within {HOTPLUG_TIMEOUT:g} s")
+
+
+async def _hotplug(sim: NodeSim, options: DemoOptions) -> Step:
+    cpu = max(sim.topology.online - _cpus(options.reserved))
+    before = _capacities(sim.published())
+    generation = max(int(s["spec"]["pool"]["generation"]) for s in sim.slices())
+    with sim.kubelet.watch_health() as watch:
+        first = await _health(watch, lambda h: not h.unhealthy(), "every device healthy")
+        offline = time.monotonic()
+        sim.set_offline(sim.spec.offline | CpuSet([cpu]))
+        broken = await _health(watch, lambda h: bool(h.unhealthy()), "an unhealthy device")
+        seconds = broken.received - offline
+        sim.sighup()
+        await wait_until(
+            "the republished ResourceSlices",
+            lambda: max(int(s["spec"]["pool"]["generation"]) for s in sim.slices()) > generation,
+            timeout=HOTPLUG_TIMEOUT,
+        )
+        after = _capacities(await sim.wait_published())
+        healed = await _health(watch, lambda h: h.devices != broken.devices, "the new devices")
+    _expect(len(sim.slices()) > 0, "no ResourceSlice after the republish")
+    gone = sorted(before.keys() - after.keys())
+    resized = sorted(n for n in after if n in before and after[n] != before[n])
+    _expect(bool(gone or resized), f"the slices did not change after cpu {cpu} went offline")
+    [(device, message)] = broken.unhealthy().items()
+    lines = [
+        f'kubelet health stream ({watch.version}): {device} UNHEALTHY, "{message}" '
+        f"({seconds:.1f} s after the CPU went offline, before any signal)",
+        f"SIGHUP: ResourceSlices republished, pool generation {generation} -> "
+        f"{max(int(s['spec']['pool']['generation']) for s in sim.slices())}",
+    ]
+    lines += [f"  {name}: removed (its CPU is offline)" for name in gone]
+    lines += [f"  {name}: dra.cpu/cpu {before[name]} -> {after[name]}" for name in resized]
+    lines.append(
+        f"kubelet health stream: {len(healed.devices)} devices (was {len(first.devices)}), "
+        f"{len(healed.unhealthy())} unhealthy"
+    )
+    shared = sim.shared_ids()
+    if shared and await _unsolicited_updates(sim):
+        await wait_until(
+            "the shared containers to leave the offline CPU",
+            lambda: all(cpu not in _cpus(sim.cpus_of(cid)) for cid in shared),
+            timeout=HOTPLUG_TIMEOUT,
+        )
+        lines += [
+            f"{_container_label(sim, cid):<26} cpus -> {sim.cpus_of(cid)} (re-pinned at once)"
+            for cid in shared
+        ]
+    elif shared:
+        lines.append("shared containers get the new pool at their next container event")
+    return Step(
+        f"cpu {cpu} goes offline (CPU hotplug in the fake sysfs), then SIGHUP",
+        lines,
+        {
+            "cpu": cpu,
+            "unhealthy": broken.unhealthy(),
+            "removed": gone,
+            "resized": {name: [before[name], after[name]] for name in resized},
+            "healthAfter": healed.health(),
+        },
     )
 
 

@@ -389,6 +389,17 @@ class FakeApiServer:
             and (node_name is None or _dig(obj, ("spec", "nodeName")) == node_name)
         ]
 
+    def pool_generations(
+        self, *, driver: str | None = None, node_name: str | None = None
+    ) -> list[int]:
+        """The pool generation of each stored slice (cheap: no copies), in name order."""
+        return [
+            int(_dig(obj, ("spec", "pool", "generation")) or 0)
+            for name, obj in sorted(self._slices.items())
+            if (driver is None or _dig(obj, ("spec", "driver")) == driver)
+            and (node_name is None or _dig(obj, ("spec", "nodeName")) == node_name)
+        ]
+
     def slice_names(self, *, driver: str | None = None, node_name: str | None = None) -> list[str]:
         """The names of the stored slices (cheap: no copies), sorted."""
         return [

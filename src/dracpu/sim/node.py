@@ -50,6 +50,7 @@ import anyio
 import anyio.abc
 
 from dracpu import DRIVER_NAME
+from dracpu.core.cpuset import CpuSet
 from dracpu.core.slices import CpuDeviceMode, GroupBy
 from dracpu.core.topology import Topology
 from dracpu.sim.daemon_process import (
@@ -62,6 +63,7 @@ from dracpu.sim.daemon_process import (
 from dracpu.sim.fake_apiserver import FakeApiServer, build_resource_claim, open_fake_apiserver
 from dracpu.sim.fake_kubelet import ClaimRef, FakeKubelet, PrepareResult, Registration
 from dracpu.sim.fake_runtime import FakeContainer, FakePod, FakeRuntime, open_fake_runtime
+from dracpu.sim.hotplug import set_offline
 from dracpu.sim.topologies import MachineSpec, build_topology, fixture, write_sysfs
 
 __all__ = [
@@ -260,6 +262,18 @@ class NodeSim:
         """Stop (SIGTERM) or crash (SIGKILL) the daemon and start a new one; seconds to ready."""
         await (self.daemon.kill() if kill else self.daemon.stop())
         return await self.start_daemon(register=register)
+
+    def sighup(self) -> None:
+        """Send SIGHUP to the daemon: it reads its config file and the topology again."""
+        self.daemon.process.send_signal(signal.SIGHUP)
+
+    # --- the machine ---------------------------------------------------------------------------
+
+    def set_offline(self, cpus: CpuSet) -> None:
+        """CPU hotplug: exactly ``cpus`` are offline from now on in the node's sysfs
+        (:func:`dracpu.sim.hotplug.set_offline`); :attr:`topology` follows."""
+        self.spec = set_offline(self.spec, self.paths.host_root, cpus)
+        self.topology = build_topology(self.spec)
 
     # --- the API server: slices and claims ---------------------------------------------------
 

@@ -37,6 +37,7 @@ __all__ = [
     "PciRoot",
     "build_topology",
     "fixture",
+    "sysfs_tree",
     "write_sysfs",
 ]
 
@@ -397,6 +398,12 @@ def write_sysfs(
             os.makedirs(prefix + parent, exist_ok=True)
             made.add(parent)
         os.symlink(target, prefix + rel)
+
+
+def sysfs_tree(spec: MachineSpec) -> tuple[dict[str, str], dict[str, str]]:
+    """What :func:`write_sysfs` writes: (path -> text, symlink path -> target), the paths
+    relative to the host root (:mod:`dracpu.sim.hotplug` rewrites a tree with it)."""
+    return _sysfs_files(spec)
 
 
 def _omitted(rel: str, patterns: list[re.Pattern[str]]) -> bool:

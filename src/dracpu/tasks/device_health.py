@@ -25,9 +25,12 @@ What it sends, on every call:
 
 The health itself (:func:`dracpu.core.health.assess`): a device is UNHEALTHY when a CPU it was
 published with is not online. :class:`DeviceHealthBoard` is the seam that holds it: the devices
-come from whoever computes them (:class:`~dracpu.tasks.node_machine.NodeMachine`, at restore and
-at each publication), the online CPUs from :func:`watch_online` (the daemon's ``device-health``
-task reads them every :data:`ONLINE_POLL_INTERVAL`), and every stream wakes up on a change.
+come from the state owner (:class:`~dracpu.tasks.state_owner.StateOwner`: at restore, and
+whenever a command changes the node config or the claims on CPUs that went offline, e.g. a
+SIGHUP that read the topology again: :func:`dracpu.core.health.reported_devices`), the online
+CPUs from :func:`watch_online` (the daemon's ``device-health`` task reads them every
+:data:`ONLINE_POLL_INTERVAL`) and from the topology a SIGHUP read, and every stream wakes up on
+a change.
 
 The kubelet ends the call when it deregisters the plugin, and forgets the driver's health
 whenever a stream ends (it opens a new one after 5 s). When the DRA socket stops,
@@ -101,8 +104,8 @@ END_TIMEOUT = 0.5
 
 class DeviceHealthBoard:
     """The health of the published devices, and a signal when it changes: the seam between what
-    knows the devices (:meth:`set_devices`: :class:`~dracpu.tasks.node_machine.NodeMachine`
-    whenever it computes them), what knows the online CPUs (:meth:`set_online`:
+    knows the devices (:meth:`set_devices`: :class:`~dracpu.tasks.state_owner.StateOwner`
+    whenever they change), what knows the online CPUs (:meth:`set_online`:
     :func:`watch_online`) and the health streams (:meth:`snapshot`, :meth:`wait_newer`).
 
     Each setter keeps the latest value of its side and assesses the devices again
@@ -119,9 +122,12 @@ class DeviceHealthBoard:
         self._generation = 0
         self._changed: anyio.Event | None = None  # made by the first waiter (needs a loop)
 
-    def set_devices(self, devices: Iterable[Device]) -> None:
-        """The devices published now, each with the CPUs it was built from."""
+    def set_devices(self, devices: Iterable[Device], *, online: CpuSet | None = None) -> None:
+        """The devices to report now, each with the CPUs it stands for; ``online``: the online
+        CPUs as a topology read just now found them (one assessment for both)."""
         self._devices = tuple(devices)
+        if online is not None:
+            self._online = online
         self._assess()
 
     def set_online(self, online: CpuSet) -> None:

@@ -1,9 +1,12 @@
 """Signals: SIGHUP resyncs, SIGTERM and SIGINT stop the daemon (design §3).
 
-- ``SIGHUP`` sends :class:`~dracpu.core.commands.Resync` to the state owner (rewrite CDI specs,
-  prune orphans, republish slices). The request runs beside the signal loop, so a slow owner
-  never delays a stop; SIGHUPs that arrive while a resync is running are coalesced into one
-  more resync after it.
+- ``SIGHUP`` reads the settings and the topology again (:class:`~dracpu.tasks.reload.Reloader`)
+  and sends the :class:`~dracpu.core.commands.Resync` it builds to the state owner (the node
+  config built again, CDI specs rewritten, orphans pruned, slices republished, shared
+  containers re-pinned), then logs the answer in one line (:func:`dracpu.tasks.reload.report`).
+  Without a reloader it sends a plain ``Resync()``. The resync runs beside the signal loop, so
+  a slow owner never delays a stop; SIGHUPs that arrive while a resync is running are
+  coalesced into one more resync after it.
 - ``SIGTERM`` / ``SIGINT`` call ``stop(reason)``: the supervisor stops the tasks in reverse start
   order within its grace period. A second one calls ``stop`` again, which the supervisor takes
   as "stop now".
@@ -22,6 +25,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from dracpu.core.commands import Command, Resync
 from dracpu.errors import DracpuError
+from dracpu.tasks.reload import Reloader, report
 from dracpu.tasks.state_owner import Request, request
 
 __all__ = ["run"]
@@ -32,8 +36,11 @@ logger = logging.getLogger(__name__)
 class _Resyncer:
     """At most one Resync in flight; a SIGHUP meanwhile asks for exactly one more."""
 
-    def __init__(self, owner: MemoryObjectSendStream[Request[Command]]) -> None:
+    def __init__(
+        self, owner: MemoryObjectSendStream[Request[Command]], reloader: Reloader | None
+    ) -> None:
         self._owner = owner
+        self._reloader = reloader
         self._running = False
         self._again = False
 
@@ -51,11 +58,13 @@ class _Resyncer:
                 self._again = False
                 logger.info("SIGHUP: resync requested")
                 try:
-                    result = await request(self._owner, Resync())
+                    reloader = self._reloader
+                    command = Resync() if reloader is None else await reloader.command()
+                    result = await request(self._owner, command)
                 except DracpuError as exc:
                     logger.warning("resync failed: %s", exc)
                 else:
-                    logger.info("resync done: %s", result)
+                    report(result)
                 if not self._again:
                     return
         finally:
@@ -66,9 +75,11 @@ async def run(
     owner: MemoryObjectSendStream[Request[Command]],
     stop: Callable[[str], None],
     *,
+    reloader: Reloader | None = None,
     task_status: TaskStatus[None] = TASK_STATUS_IGNORED,
 ) -> None:
-    """Handle SIGHUP, SIGTERM and SIGINT until cancelled.
+    """Handle SIGHUP, SIGTERM and SIGINT until cancelled; ``reloader`` builds a SIGHUP's
+    Resync (``None``: a plain ``Resync()``).
 
     Resource handling: ``owner`` (give this task its own clone) is closed on exit; the signal
     handlers are removed on exit, restoring the default ones.
@@ -78,7 +89,7 @@ async def run(
     async with owner:
         with anyio.open_signal_receiver(signal.SIGHUP, signal.SIGTERM, signal.SIGINT) as signals:
             async with anyio.create_task_group() as tg:
-                resyncer = _Resyncer(owner)
+                resyncer = _Resyncer(owner, reloader)
                 task_status.started()
                 async for signum in signals:
                     if signum == signal.SIGHUP:

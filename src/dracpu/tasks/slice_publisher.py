@@ -57,7 +57,8 @@ effect of an unreachable API server.
 
 Republishing on demand (SIGHUP, topology change): send any reason string on the ``republish``
 stream (see :func:`republish_channel` and :func:`request_republish`); with a callable ``desired``
-source the devices are re-read first.
+source the devices are re-read first. Such a request is published without the debounce: it is
+one event (the state owner sends one per Resync), not the start of a burst.
 """
 
 from __future__ import annotations
@@ -289,7 +290,8 @@ class _Publisher:
                     reasons.append(reason)
                 if not reasons:
                     reasons.append("periodic resync")
-                await anyio.sleep(self.settings.debounce)
+                if not refresh:  # a republish request (SIGHUP) is one event: no burst to wait for
+                    await anyio.sleep(self.settings.debounce)
             while True:  # drain the triggers that came meanwhile
                 try:
                     reason, more = self.wake_receive.receive_nowait()

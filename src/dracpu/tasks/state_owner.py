@@ -11,7 +11,9 @@ their effects are one concept, kept in one place; what a command does to the sta
    pinning);
 2. load the checkpoint (missing: no claims; corrupt: moved aside, logged, no claims; unreadable:
    :class:`~dracpu.errors.CheckpointError`, the start fails rather than forget claims) and keep
-   the claims that still fit the node (the others are logged and dropped from the checkpoint);
+   the claims that still fit the node (the others are logged and dropped from the checkpoint; a
+   claim holding CPUs that are offline now is kept whole, with a warning: its devices are
+   reported unhealthy);
 3. adopt the claims whose CDI spec of ours exists but which the checkpoint lacks
    (:class:`~dracpu.core.commands.AdoptClaims`: an upgrade from the upstream driver, a lost
    checkpoint); if that fails the start fails, since the specs are the only record of them;
@@ -41,8 +43,10 @@ If a commit-phase effect fails, the owner keeps the OLD state, runs the undo eff
 logged), answers the requester with the error and goes on: the checkpoint on disk still equals
 the state kept. The effects are: file effects through
 :class:`~dracpu.adapters.node_files.NodeFiles`, ``UpdateContainers`` handed to the NRI task
-(``container_updates``, which never blocks), ``PublishSlices`` (the devices of the topology,
-then a republish request to the slice publisher).
+(``container_updates``, which never blocks), ``PublishSlices`` (the node config's devices, then
+a republish request to the slice publisher). After each commit the health board gets the
+devices to report when the node config changed (a SIGHUP's ``Resync``) or the claims on CPUs
+that went offline did (:meth:`StateOwner._follow_health`).
 
 Errors: a :class:`~dracpu.errors.DracpuError` from an effect is an expected failure (a full
 disk): answered, logged, counted (``apply`` answers bad input itself, with the old state). Any
@@ -105,10 +109,11 @@ from dracpu.core.effects import (
     WriteCdiSpec,
     WriteCheckpoint,
 )
+from dracpu.core.health import reported_devices
 from dracpu.core.node_config import NodeConfig
-from dracpu.core.slices import Device, published_devices
+from dracpu.core.reconfigure import stranded_claims
+from dracpu.core.slices import Device
 from dracpu.core.state import NodeState, apply, commit_phase, restore_state, rollback
-from dracpu.core.topology import Topology
 from dracpu.errors import CdiError, DracpuError
 from dracpu.tasks.device_health import DeviceHealthBoard
 from dracpu.tasks.slice_publisher import request_republish
@@ -355,6 +360,7 @@ class StateOwner:
                 _answer(req, error)
                 raise
             self._state = new
+            self._follow_health(old, new)
             self._count_applied(name, reply.value)
             _answer(req, reply.value)
             await self._post_commit(name, after)
@@ -453,8 +459,8 @@ class StateOwner:
                     )
                 else:
                     self._container_updates(effect)
-            case PublishSlices(topology=topology):
-                self._publish(topology)
+            case PublishSlices(devices=devices):
+                self._publish(devices)
             case _:
                 raise DracpuError(f"{_kind(effect)} is not an effect to run here")
 
@@ -497,23 +503,24 @@ class StateOwner:
             self._effects_failed += 1
             logger.error("%s: post-commit effects cut off after %g s", name, self._command_deadline)
 
-    def _set_devices(self, devices: Sequence[Device]) -> None:
-        """The devices to publish now; their health follows."""
-        self._devices = tuple(devices)
-        self.health.set_devices(self._devices)
-
-    def _publish(self, topology: Topology) -> None:
-        config = self.config
-        self._set_devices(
-            published_devices(
-                topology,
-                reserved=config.reserved_cpus,
-                mode=config.cpu_device_mode,
-                group_by=config.group_by,
-            )
-        )
+    def _publish(self, devices: tuple[Device, ...]) -> None:
+        """The devices to publish now (the publisher reads them at the republish it is asked
+        for); their health follows the committed state (:meth:`_follow_health`)."""
+        self._devices = devices
         if self._republish is not None:
             request_republish(self._republish, "resync")
+
+    def _follow_health(self, old: NodeState, new: NodeState) -> None:
+        """Tell the health board the devices to report when the committed state changed them:
+        a new node config (a SIGHUP read the topology and the config file again; its topology's
+        online CPUs too), or other claims on CPUs that went offline
+        (:func:`dracpu.core.health.reported_devices`). Every other command costs two compares."""
+        config = new.config
+        if config is old.config and not (config.held and new.claimed != old.claimed):
+            return
+        online = None if config.topology is old.config.topology else config.topology.online
+        devices = reported_devices(config.devices.values(), config.held, new.claimed)
+        self.health.set_devices(devices, online=online)
 
     # --- counting --------------------------------------------------------------------------------
 
@@ -556,9 +563,13 @@ class StateOwner:
         )
         # The devices are known now, whatever happens to the Resync below (which publishes
         # them again): a publisher must never see an empty device list for a working node.
-        self._set_devices(tuple(node.devices.values()))
+        self._devices = tuple(node.devices.values())
         data = await anyio.to_thread.run_sync(self._files.restore_checkpoint)
         state, refused = restore_state(node, data)
+        reported = reported_devices(self._devices, state.config.held, state.claimed)
+        self.health.set_devices(reported, online=topology.online)
+        for stranded in stranded_claims(state.claims, state.claimed - state.config.allocatable):
+            logger.warning("%s", stranded.warning(), extra={"claim_uid": stranded.claim_uid})
         for uid, reason in refused:
             claim = data.claims[uid]
             logger.error(
@@ -628,6 +639,7 @@ class StateOwner:
             await self._roll_back(name, old, failed.started, failed.error)
             return
         self._state = new
+        self._follow_health(old, new)
         _report(reply.value)
         await self._post_commit(name, after)
 
