@@ -23,7 +23,6 @@ import anyio.to_thread
 import betterproto2
 import grpc
 import grpclib.client
-import grpclib.server
 import pytest
 from google.protobuf.message import Message
 from hypothesis import given, settings
@@ -36,6 +35,7 @@ from dracpu._gen.dra_health import v1alpha1 as health_v1alpha1
 from dracpu._gen.pb2.nri.v1alpha1 import api_pb2 as nri_pb2
 from dracpu._gen.pluginregistration import v1 as reg_v1
 from dracpu._gen.podresources import v1 as podres_v1
+from dracpu.adapters.grpc_unix import open_grpc_server
 from tests.peers import load_pb2, load_pb2_grpc, module_name, serialize, unix_target
 
 __all__: list[str] = []
@@ -790,15 +790,12 @@ class _DriverV1beta1(dra_v1beta1.DraPluginBase):
 
 @asynccontextmanager
 async def _grpclib_server(handlers: Collection[Any], path: Path) -> AsyncIterator[None]:
-    """The generated services served by grpclib itself (the daemon's sockets use our own server,
-    :mod:`dracpu.adapters.grpc_server`; these tests are about the generated code)."""
-    server = grpclib.server.Server(list(handlers))
-    await server.start(path=str(path))
-    try:
+    """The generated services served by grpclib the way the daemon serves them
+    (:func:`dracpu.adapters.grpc_unix.open_grpc_server`, which also closes the connections that
+    ``grpclib.server.Server.close`` leaves open: one left open fails a later test with a
+    ``ResourceWarning``)."""
+    async with open_grpc_server(list(handlers), path):
         yield
-    finally:
-        server.close()
-        await server.wait_closed()
 
 
 def _unary(channel: Any, path: str, request: Message, reply_type: Any) -> Any:
