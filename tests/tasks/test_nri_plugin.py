@@ -220,9 +220,15 @@ async def test_registers_and_subscribes_with_mask_0x688() -> None:
         assert info is not None
         assert (info.index, info.name) == ("00", "dra.cpu")
         assert info.requested_events == 0x688 == info.events
+        # The NRI release our proto follows, as containerd/nri's stub sends its module version:
+        # the runtime logs it instead of "NRI version unknown".
+        assert info.nri_version == "v0.12.2"
+        assert [n.detail for n in node.runtime.notes("registered")] == [
+            "00-dra.cpu (with NRI version v0.12.2)"
+        ]
         register = node.runtime.calls("RegisterPlugin")[0]
         assert register.request.SerializeToString(deterministic=True) == bytes.fromhex(
-            "0a076472612e6370751202" + "3030"
+            "0a076472612e6370751202" + "3030" + "1a07" + b"v0.12.2".hex()
         )
         configure = node.runtime.calls("Configure")[0]
         assert configure.outcome == "ok"
@@ -788,7 +794,7 @@ async def test_exact_answers_to_a_bare_runtime() -> None:
         pending = await runtime.start_call("Configure", configure.SerializeToString())
         registration = await runtime.register()
         assert (registration.plugin_name, registration.plugin_idx) == ("dra.cpu", "00")
-        assert not registration.NRI_version
+        assert registration.NRI_version == "v0.12.2"  # the NRI release of our proto
         assert await runtime.answer(pending) == (0, "", bytes.fromhex("10880d"))
         assert runtime.raw == bytes.fromhex("1203 10880d")  # Response{payload}, no status
         sync = pb.SynchronizeRequest().SerializeToString()

@@ -448,7 +448,11 @@ class NriServer(RuntimeBase):
             conn.name = request.plugin_name
             conn.index = request.plugin_idx
             conn.plugin_nri_version = request.NRI_version
-            self._note("registered", f"{request.plugin_idx}-{request.plugin_name}", conn)
+            # nri pkg/adaptation/plugin.go RegisterPlugin logs the plugin's NRI version, or
+            # "unknown" when the request has none.
+            version = request.NRI_version or "unknown"
+            what = f"{request.plugin_idx}-{request.plugin_name} (with NRI version {version})"
+            self._note("registered", what, conn)
         conn.registered.set()
         self.log.append(
             Call(

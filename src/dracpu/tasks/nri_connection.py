@@ -7,7 +7,8 @@ runtime's ``nri.pkg.api.v1alpha1.Runtime`` (containerd/nri ``pkg/net/multiplex``
 
 1. the reader serves conn 1 from the start, because ``Configure`` may arrive before the answer
    to our registration;
-2. ``RegisterPlugin{name, index}`` on conn 2 (``dra.cpu``/``00`` by default);
+2. ``RegisterPlugin{name, index, NRI_version}`` on conn 2 (``dra.cpu``/``00`` by default, and
+   the NRI release our API follows, :data:`~dracpu.adapters.nri_messages.NRI_VERSION`);
 3. the runtime calls ``Configure``: we subscribe to CreateContainer, UpdateContainer,
    StopContainer and RemoveContainer (mask 0x688, valid on every runtime since NRI v0.2) and
    note the runtime's name and versions: unsolicited updates are allowed only with NRI >=
