@@ -49,6 +49,7 @@ from dracpu.errors import (
 )
 from dracpu.sim.topologies import FIXTURES, build_topology
 from dracpu.tasks import kubelet_plugin
+from dracpu.tasks.device_health import DeviceHealthBoard
 from dracpu.tasks.kubelet_plugin import DraPluginV1, DraPluginV1beta1, DraService
 from dracpu.tasks.state_owner import Request, StateOwner, create_request_stream
 from tests.peers import load_pb2, unix_target
@@ -1158,21 +1159,57 @@ async def test_dra_socket_mode_dir_stale_file_and_removal(tmp_path: Path) -> Non
     assert list(plugin_dir.iterdir()) == []
 
 
-async def test_dra_socket_replaces_a_regular_file_left_at_its_path(tmp_path: Path) -> None:
-    """A regular file where the socket goes (a botched earlier run) used to stop the daemon; the
-    kubelet's plugin guide says to delete what is there and listen anew."""
+@pytest.mark.parametrize(
+    "leave",
+    [
+        pytest.param(lambda p: p.write_text("not a socket"), id="regular file"),
+        pytest.param(lambda p: p.symlink_to(p.parent / "gone.sock"), id="dangling symlink"),
+        pytest.param(lambda p: p.symlink_to(p.parent.parent / "other"), id="symlink to a file"),
+    ],
+)
+async def test_dra_socket_replaces_whatever_an_earlier_run_left_at_its_path(
+    tmp_path: Path, leave: Callable[[Path], object]
+) -> None:
+    """A regular file or a link where the socket goes (a botched earlier run) used to stop the
+    daemon; the kubelet's plugin guide says to delete what is there and listen anew. A link is
+    removed, never followed."""
     path = tmp_path / "kubelet" / "plugins" / DRIVER / "dra.sock"
     path.parent.mkdir(parents=True)
-    path.write_text("not a socket")
+    other = path.parent.parent / "other"
+    other.write_text("someone else's")
+    leave(path)
     claims = FakeClaims()
     obj = claim_object("a", [grouped_result("cpudevnuma000", "1")])
     claims.add(obj)
     async with running_node(tmp_path, claims) as node:
         assert node.socket == path
         assert stat.S_ISSOCK(path.lstat().st_mode)
+        assert stat.S_IMODE(path.lstat().st_mode) == 0o600
         reply = await prepare(node, "v1", _ref(obj))
         assert reply.claims[_ref(obj)[1]].error == ""
     assert list(path.parent.iterdir()) == []
+    assert other.read_text() == "someone else's"
+
+
+async def test_dra_socket_refuses_a_directory_at_its_path_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "kubelet" / "plugins" / DRIVER / "dra.sock"
+    path.mkdir(parents=True)
+    (path / "inside").write_text("kept")
+    send, receive = _command_stream()
+    with send, receive:
+        async with anyio.create_task_group() as tg:
+            run = partial(
+                kubelet_plugin.run,
+                path,
+                send.clone(),
+                FakeClaims(),
+                NODE,
+                health=DeviceHealthBoard(),
+            )
+            with pytest.raises(DracpuError, match=f"'{path}' is a directory"):
+                await tg.start(run)
+    assert (path / "inside").read_text() == "kept"
+    assert [p.name for p in path.parent.iterdir()] == ["dra.sock"]  # no temporary left behind
 
 
 async def test_unknown_method_is_unimplemented_and_server_keeps_serving(tmp_path: Path) -> None:
