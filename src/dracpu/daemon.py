@@ -20,7 +20,8 @@ tasks, in this order:
 9. ``slice-publisher``: publishes the devices as ResourceSlices, retrying API errors itself.
 
 The Kubernetes client is opened once, before the tasks (in-cluster, or ``--kubeconfig``), and
-shared by the kubelet plugin (claims) and the slice publisher.
+shared by the kubelet plugin (claims), the NRI plugin (a claim read again before a container of
+a pod it is not reserved for is refused) and the slice publisher.
 
 Memory: the cyclic garbage collector is off during the start-up; once every task runs, the
 objects of the start-up (modules, the restored state, the clients) are frozen out of it
@@ -391,6 +392,7 @@ class _Node:
             self.send.clone(),
             lambda: self.owner.state,
             link=self.link,
+            claims=self.kube,
             task_status=task_status,
         )
 

@@ -464,6 +464,33 @@ async def test_repeated_prepare_is_idempotent_and_rewrites_a_lost_cdi_spec(tmp_p
         assert len(claims.patches) == 1  # the status already says so: no second patch
 
 
+async def test_prepare_records_the_claims_pods_and_a_later_prepare_their_change(
+    tmp_path: Path,
+) -> None:
+    pod_a, pod_b = str(uuid.uuid4()), str(uuid.uuid4())
+    claims = FakeClaims()
+    obj = claim_object("shared", [grouped_result("cpudevnuma002", "2")])
+    obj["status"]["reservedFor"] = [{"resource": "pods", "name": "a", "uid": pod_a}]
+    claims.add(obj)
+    ns, uid, name = _ref(obj)
+
+    def recorded() -> frozenset[str]:
+        stored = checkpoint_file.read_newest(node.checkpoint)
+        assert stored is not None
+        return stored.data.claims[uid].pod_uids
+
+    async with running_node(tmp_path, claims) as node:
+        assert (await prepare(node, "v1", (ns, uid, name))).claims[uid].error == ""
+        assert recorded() == {pod_a}
+        # A second pod shares the claim: the scheduler adds it, the kubelet prepares again.
+        grown = copy.deepcopy(claims.objects[(ns, name)])
+        grown["status"]["reservedFor"].append({"resource": "pods", "name": "b", "uid": pod_b})
+        claims.add(grown)
+        assert (await prepare(node, "v1", (ns, uid, name))).claims[uid].error == ""
+        assert recorded() == {pod_a, pod_b}
+        assert node.owner.state.claims[uid].pod_uids == {pod_a, pod_b}
+
+
 async def test_claim_without_our_devices_is_prepared_with_no_devices(tmp_path: Path) -> None:
     claims = FakeClaims()
     obj = claim_object("gpu", [grouped_result("gpu-0", None, driver="gpu.example.com")])

@@ -35,6 +35,7 @@ from dracpu.adapters.backoff import backoff_delays
 from dracpu.config import Config
 from dracpu.core.commands import RuntimeDisconnected
 from dracpu.errors import DracpuError
+from dracpu.tasks.claim_recheck import ClaimReader, ClaimRecheck
 from dracpu.tasks.nri_connection import NriConnection, OwnerSend
 from dracpu.tasks.nri_link import CommittedState, NriLink
 from dracpu.tasks.state_owner import request
@@ -82,6 +83,7 @@ async def _connections(
     connect: Connect,
     delays_factory: Callable[[], Iterator[float]],
     first_sync: anyio.Event,
+    recheck: ClaimRecheck,
 ) -> None:
     """Connect, serve, reconnect: forever."""
     delays = delays_factory()
@@ -103,7 +105,7 @@ async def _connections(
             log("NRI: cannot connect to %s (attempt %d): %s; retrying", socket, failures, exc)
             await anyio.sleep(next(delays))
             continue
-        connection = NriConnection(stream, config, owner, link, synchronized)
+        connection = NriConnection(stream, config, owner, link, synchronized, recheck)
         reason = "connection ended"
         try:
             async with stream:
@@ -124,6 +126,7 @@ async def run(
     committed: CommittedState,
     *,
     link: NriLink | None = None,
+    claims: ClaimReader | None = None,
     connect: Connect = connect_unix,
     delays: Callable[[], Iterator[float]] = reconnect_delays,
     start_timeout: float = START_TIMEOUT,
@@ -135,15 +138,20 @@ async def run(
     task ends); ``committed`` reads the owner's committed state (``lambda: owner.state``).
     ``link``: the object whose :meth:`NriLink.submit` the owner's executor calls for
     ``UpdateContainers`` effects (a private one if ``None``: unsolicited updates are then
-    dropped). ``connect`` opens ``config.nri_socket``; ``delays`` makes the reconnect backoff.
+    dropped). ``claims``: the Kubernetes API, read once more before a container is refused for a
+    claim not reserved for its pod (:mod:`dracpu.tasks.claim_recheck`; ``None``: never).
+    ``connect`` opens ``config.nri_socket``; ``delays`` makes the reconnect backoff.
     ``task_status.started()`` comes after the first synchronized connection or after
     ``start_timeout`` seconds, whichever is first.
     """
     link = NriLink() if link is None else link
     link.watch(committed)
     first_sync = anyio.Event()
+    recheck = ClaimRecheck(owner_send, committed, claims)
     async with owner_send, anyio.create_task_group() as tg:
-        tg.start_soon(partial(_connections, config, owner_send, link, connect, delays, first_sync))
+        tg.start_soon(
+            partial(_connections, config, owner_send, link, connect, delays, first_sync, recheck)
+        )
         with anyio.move_on_after(start_timeout):
             await first_sync.wait()
         if not first_sync.is_set():
