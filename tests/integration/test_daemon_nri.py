@@ -5,7 +5,9 @@ containers shrink and widen again, a runtime restart is survived."""
 from __future__ import annotations
 
 import dataclasses
+import signal
 
+import anyio
 import pytest
 
 from dracpu.sim.fake_runtime import PluginFailedError, claim_env
@@ -171,3 +173,37 @@ async def test_a_copied_claim_env_is_refused_confined_and_the_claims_own_contain
         assert _shared(sim) == dict.fromkeys(sim.shared_ids(), pool)
         assert cpus(sim.cpus_of("a-thief")) == pool
         assert sim.daemon.messages("error") == []
+
+
+async def test_sigterm_right_after_an_unprepare_still_widens_the_shared_containers() -> None:
+    """Tried against containerd 2.4 with unsolicited updates on: a SIGTERM 1 ms after an
+    Unprepare cancelled the updates in flight and left the shared containers narrow until the
+    next start. The NRI plugin now stops after the DRA socket and sends what is queued first."""
+    async with open_node_sim(shared_containers=6, extra_args=["-v=1"]) as sim:
+        everything = node_cpus(sim)
+        await sim.wait_published()
+        claim = sim.allocate("exclusive", 8)
+        assert (await sim.prepare(claim))[claim.uid].error == ""
+        pod, _ = await sim.run_container("app", claims=[claim])
+        await sim.remove_pod(pod)
+        narrow = everything - cpus(sim.cdi_cpus(claim.uid) or "")
+        assert _shared(sim) == dict.fromkeys(sim.shared_ids(), narrow)
+
+        # The runtime is busy with a long event: the widening waits for its lock.
+        async with sim.runtime.busy():
+            assert await sim.unprepare(claim) == {claim.uid: ""}
+            sim.daemon.process.send_signal(signal.SIGTERM)
+            await anyio.sleep(0.5)
+        with anyio.fail_after(5):
+            assert await sim.daemon.process.wait() == 0
+
+        assert [c.outcome for c in sim.runtime.calls("UpdateContainers", caller="plugin")] == ["ok"]
+        assert _shared(sim) == dict.fromkeys(sim.shared_ids(), everything)
+        stopped = [m for m in sim.daemon.messages() if m.startswith("task ") and "stopped" in m]
+        assert stopped.index("task nri-plugin stopped") > stopped.index(
+            "task kubelet-plugin stopped"
+        )
+        assert stopped.index("task nri-plugin stopped") > stopped.index("task registration stopped")
+        assert "NRI: every update and answer in flight reached the runtime; disconnecting" in (
+            sim.daemon.messages()
+        )

@@ -347,23 +347,29 @@ class NriConnection:
         link = self._link
         while True:
             batch = await link.next_batch()
-            if not batch:
-                continue
-            failed, reason = await self._update_containers(batch)
-            link.sent += 1
-            if failed:
-                link.failed += 1
-                logger.warning(
-                    "NRI: UpdateContainers of %d containers failed (%s); they are re-pinned at "
-                    "the next container event",
-                    len(failed),
-                    reason,
-                )
-                pins = tuple((u.container_id, u.seq) for u in batch if u.container_id in failed)
-                await self._invalidate(pins)
-            else:
-                logger.info("NRI: unsolicited update: %s", messages.describe_updates(batch))
-            link.written(u for u in batch if u.container_id not in failed)
+            try:
+                if batch:
+                    await self._send_batch(batch)
+            finally:
+                link.batch_done()
+
+    async def _send_batch(self, batch: list[ContainerUpdate]) -> None:
+        link = self._link
+        failed, reason = await self._update_containers(batch)
+        link.sent += 1
+        if failed:
+            link.failed += 1
+            logger.warning(
+                "NRI: UpdateContainers of %d containers failed (%s); they are re-pinned at "
+                "the next container event",
+                len(failed),
+                reason,
+            )
+            pins = tuple((u.container_id, u.seq) for u in batch if u.container_id in failed)
+            await self._invalidate(pins)
+        else:
+            logger.info("NRI: unsolicited update: %s", messages.describe_updates(batch))
+        link.written(u for u in batch if u.container_id not in failed)
 
     async def _update_containers(
         self, updates: list[ContainerUpdate]
@@ -404,6 +410,13 @@ class NriConnection:
         return anyio.current_time() + max(MIN_HANDLER_BUDGET, deadline - HANDLER_MARGIN)
 
     async def _handle(self, call: Call) -> None:
+        self._link.answering(1)
+        try:
+            await self._handle_call(call)
+        finally:
+            self._link.answering(-1)
+
+    async def _handle_call(self, call: Call) -> None:
         method = call.method
         if call.service != messages.PLUGIN_SERVICE:
             await self._answer_error(call.stream_id, Code.UNIMPLEMENTED, f"service {call.service}")

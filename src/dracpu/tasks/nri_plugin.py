@@ -13,6 +13,15 @@ exponential backoff; every connection registers and synchronizes again (a reconn
 ``Synchronize`` re-pins every container). A malformed message is answered with
 INVALID_ARGUMENT and never ends the task. Bugs (non-DracpuError exceptions) do.
 
+Stop: when the task is cancelled (SIGTERM), the connection stays up until the link has
+settled (:meth:`NriLink.settled <dracpu.tasks.nri_link.NriLink.settled>`: the queued unsolicited
+updates sent and answered, the ``UpdateContainers`` on its way answered, the events being
+handled answered), for at most :data:`STOP_DRAIN_TIMEOUT`; only then is it closed. Closing it
+earlier would lose them: the runtime cancels the requests of a connection that closes (ttrpc
+cancels their context), so an Unprepare answered just before the SIGTERM would leave the shared
+containers narrow until the next start. The daemon stops this task after the DRA socket, so
+every Unprepare it answered has its update queued by then.
+
 Readiness: :func:`run` calls ``task_status.started()`` after the first ``Synchronize`` was
 answered, or after ``start_timeout`` (10 s) without one: an absent runtime must not keep the
 daemon from starting. :meth:`NriLink.status <dracpu.tasks.nri_link.NriLink.status>` tells
@@ -40,7 +49,14 @@ from dracpu.tasks.nri_connection import NriConnection, OwnerSend
 from dracpu.tasks.nri_link import CommittedState, NriLink
 from dracpu.tasks.state_owner import request
 
-__all__ = ["START_TIMEOUT", "Connect", "connect_unix", "reconnect_delays", "run"]
+__all__ = [
+    "START_TIMEOUT",
+    "STOP_DRAIN_TIMEOUT",
+    "Connect",
+    "connect_unix",
+    "reconnect_delays",
+    "run",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +67,10 @@ START_TIMEOUT = 10.0
 # the first retries are fast; the cap keeps a runtime that is down from being hammered.
 RECONNECT_INITIAL = 0.1
 RECONNECT_CAP = 5.0
+# At a stop, the longest wait for queued and in-flight updates and answers: one event's worth of
+# the runtime's lock (an UpdateContainers waits for it, nri DefaultPluginRequestTimeout 2 s),
+# within the daemon's 5 s stop.
+STOP_DRAIN_TIMEOUT = 2.0
 
 Connect = Callable[[Path], Awaitable[anyio.abc.ByteStream]]
 """Opens the NRI socket (tests pass their own)."""
@@ -130,6 +150,7 @@ async def run(
     connect: Connect = connect_unix,
     delays: Callable[[], Iterator[float]] = reconnect_delays,
     start_timeout: float = START_TIMEOUT,
+    drain_timeout: float = STOP_DRAIN_TIMEOUT,
     task_status: TaskStatus[None] = TASK_STATUS_IGNORED,
 ) -> None:
     """Be the node's NRI plugin until cancelled (see the module docstring).
@@ -142,23 +163,53 @@ async def run(
     claim not reserved for its pod (:mod:`dracpu.tasks.claim_recheck`; ``None``: never).
     ``connect`` opens ``config.nri_socket``; ``delays`` makes the reconnect backoff.
     ``task_status.started()`` comes after the first synchronized connection or after
-    ``start_timeout`` seconds, whichever is first.
+    ``start_timeout`` seconds, whichever is first. Cancelled, it waits up to ``drain_timeout``
+    seconds for the link to settle before the connection closes (see the module docstring).
     """
     link = NriLink() if link is None else link
     link.watch(committed)
     first_sync = anyio.Event()
     recheck = ClaimRecheck(owner_send, committed, claims)
+    # The connections run shielded from the task's cancellation: at a stop they end only once
+    # the link has settled (or the drain timed out).
+    connections = anyio.CancelScope(shield=True)
+    serve = partial(_connections, config, owner_send, link, connect, delays, first_sync, recheck)
     async with owner_send, anyio.create_task_group() as tg:
-        tg.start_soon(
-            partial(_connections, config, owner_send, link, connect, delays, first_sync, recheck)
-        )
-        with anyio.move_on_after(start_timeout):
-            await first_sync.wait()
-        if not first_sync.is_set():
-            logger.warning(
-                "NRI: no runtime synchronized within %g s (%s); starting anyway: containers "
-                "are pinned once it connects",
-                start_timeout,
-                link.last_error or "still trying",
-            )
-        task_status.started()
+        tg.start_soon(_within, connections, serve)
+        try:
+            with anyio.move_on_after(start_timeout):
+                await first_sync.wait()
+            if not first_sync.is_set():
+                logger.warning(
+                    "NRI: no runtime synchronized within %g s (%s); starting anyway: "
+                    "containers are pinned once it connects",
+                    start_timeout,
+                    link.last_error or "still trying",
+                )
+            task_status.started()
+            await anyio.sleep_forever()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await _drain(link, drain_timeout)
+            connections.cancel()
+
+
+async def _within(scope: anyio.CancelScope, serve: Callable[[], Awaitable[None]]) -> None:
+    with scope:
+        await serve()
+
+
+async def _drain(link: NriLink, limit: float) -> None:
+    """Wait (at most ``limit`` s) until the link has settled; say what is left if not."""
+    if not link.busy:
+        return
+    with anyio.move_on_after(limit):
+        await link.settled()
+        logger.info("NRI: every update and answer in flight reached the runtime; disconnecting")
+        return
+    logger.warning(
+        "NRI: stopping with updates the runtime has not confirmed after %g s (%d containers "
+        "queued); the next start re-pins every container",
+        limit,
+        len(link.queued),
+    )
