@@ -11,6 +11,7 @@ import pytest
 from anyio.abc import TaskStatus
 
 from dracpu.core.cpuset import CpuSet
+from dracpu.sim._pb2.nri.v1alpha1 import api_pb2 as pb
 from tests.tasks.both_backends import anyio_backend  # noqa: F401 (a fixture)
 from tests.tasks.test_nri_plugin import ALLOCATABLE, UID_A, Node, add_shared, open_node, until
 
@@ -67,6 +68,7 @@ async def test_a_stop_right_after_an_unprepare_still_widens_the_shared_container
             await ended.wait()
         [call] = node.runtime.calls("UpdateContainers", caller="plugin")
         assert call.outcome == "ok"
+        assert isinstance(call.request, pb.UpdateContainersRequest)
         assert len(call.request.update) == 6
         node.assert_shared_at(ALLOCATABLE)
         assert not node.link.status().connected
