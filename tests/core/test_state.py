@@ -642,6 +642,19 @@ def test_a_fresh_look_at_the_claims_pods_lets_a_new_consumer_in() -> None:
     assert value.pin.cpus == cpus("4")
 
 
+def test_known_pods_are_replaced_but_never_emptied() -> None:
+    state, _, _ = ok(
+        NodeState.initial(INDIVIDUAL), reserved(individual(INDIVIDUAL, 1, [4]), "pod-a")
+    )
+    # An empty reservation (the claim's pods are gone; Unprepare comes soon) would open the
+    # claim to the first comer: the known pods stay.
+    for command in (UpdateClaimPods(uid(1), frozenset()), individual(INDIVIDUAL, 1, [4])):
+        same, _, effects = ok(state, command)
+        assert same.claims[uid(1)].pod_uids == {"pod-a"}
+        assert not any(isinstance(e, WriteCheckpoint) for e in effects)
+    refused(state, CreateContainer(claim_container(state, 2, 1, pod="pod-b")), ClaimError, "not")
+
+
 def test_synchronize_confines_a_copied_env_and_pins_the_claims_own_container() -> None:
     state, _, _ = ok(
         NodeState.initial(INDIVIDUAL), reserved(individual(INDIVIDUAL, 1, [4]), "pod-a")

@@ -204,7 +204,9 @@ def check_step(state: NodeState, command: Command, new: NodeState, value: object
         case PrepareClaim(claim_uid=claim_uid) if isinstance(value, ClaimPrepared):
             if value.cpus:
                 assert new.claims[claim_uid].cpus == value.cpus
-                assert new.claims[claim_uid].pod_uids == command.pod_uids
+                known = state.claims[claim_uid].pod_uids if claim_uid in state.claims else None
+                # the reservation's pods; known pods are never emptied
+                assert new.claims[claim_uid].pod_uids == (command.pod_uids or known or frozenset())
                 assert value.cpus <= state.config.allocatable
                 before = state.claims.get(claim_uid)
                 if before is not None:
@@ -217,7 +219,8 @@ def check_step(state: NodeState, command: Command, new: NodeState, value: object
                     assert container.id in {r.container_id for r in value.rejected}
                     assert container.id in new.shared
         case UpdateClaimPods(claim_uid=claim_uid, pod_uids=pods) if claim_uid in state.claims:
-            assert new.claims[claim_uid] == replace(state.claims[claim_uid], pod_uids=pods)
+            before = state.claims[claim_uid]
+            assert new.claims[claim_uid] == replace(before, pod_uids=pods or before.pod_uids)
         case UnprepareClaim(claim_uid=claim_uid):
             assert claim_uid not in new.claims
             assert new.claimed == state.claimed - (

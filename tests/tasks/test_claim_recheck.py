@@ -114,6 +114,7 @@ async def test_a_pod_the_claim_was_reserved_for_since_prepare_gets_it_after_one_
         ("silent", f"no answer within {LOOK_TIMEOUT:.2f} s"),
         ("gone", "it is gone from the API server"),
         ("replaced", "it was replaced"),
+        ("released", "its status.reservedFor names no pod now"),
         ("none", ""),
     ],
 )
@@ -127,6 +128,8 @@ async def test_a_look_that_finds_nothing_leaves_the_refusal_in_time(api: str, wh
             claims.gate = anyio.Event()  # never set: the server does not answer
         elif api == "replaced":
             claims.reserve("aaaaaaaa-ffff-4000-8000-000000000009", CLAIM, copier)
+        elif api == "released":
+            claims.reserve(UID_A, CLAIM)  # the rightful pod is gone; Unprepare comes next
         await node.start_plugin()
         info = await node.runtime.wait_plugin(10)
         started = anyio.current_time()

@@ -90,7 +90,7 @@ class PrepareClaim:
     ``policy`` and ``pin_memory`` override the node defaults for this claim (its opaque config);
     ``None`` keeps the default. ``pod_uids``: the pods its ``status.reservedFor`` names (only
     their containers may use its CPUs); a Prepare of a prepared claim with other pods (a shared
-    claim gains consumers) updates the record.
+    claim gains consumers) updates the record (known pods are never emptied).
     """
 
     claim_uid: str
@@ -133,7 +133,8 @@ class AdoptClaims:
 class UpdateClaimPods:
     """A fresh read of a prepared claim's ``status.reservedFor``: the pods it is reserved for
     now (the NRI task reads it when a container of another pod shows the claim's env, then
-    decides again). Unknown claims are ignored; a change is checkpointed."""
+    decides again). Unknown claims are ignored; a change is checkpointed; known pods are
+    replaced, never emptied."""
 
     claim_uid: str
     pod_uids: frozenset[str]

@@ -213,12 +213,13 @@ def prepare(state: NodeState, command: PrepareClaim) -> tuple[NodeState, list[Ef
     existing = state.claims.get(uid)
     if existing is not None:
         prepared = ClaimPrepared(uid, existing.cpus, existing.mems, results)
+        pods = _pods(existing, command.pod_uids)
         if existing.results == results:
             # Idempotent; rewrite the CDI spec (a reboot empties /var/run/cdi, k/k#141433).
-            if existing.pod_uids == command.pod_uids:
+            if existing.pod_uids == pods:
                 return state, [WriteCdiSpec(uid, existing.cpus), Reply(prepared)]
             # The same claim, reserved for other pods now (a shared claim gains consumers).
-            claim = replace(existing, pod_uids=command.pod_uids)
+            claim = replace(existing, pod_uids=pods)
         elif existing.results:
             raise ClaimConflictError(
                 f"claim {uid} is already prepared for devices {_devices(existing.results)}; "
@@ -231,7 +232,7 @@ def prepare(state: NodeState, command: PrepareClaim) -> tuple[NodeState, list[Ef
                 namespace=command.namespace,
                 name=command.name,
                 results=results,
-                pod_uids=command.pod_uids,
+                pod_uids=pods,
             )
         claims = mutable(state.claims)
         claims[uid] = claim
@@ -320,13 +321,23 @@ def unprepare(state: NodeState, command: UnprepareClaim) -> tuple[NodeState, lis
     ]
 
 
+def _pods(claim: PreparedClaim, seen: frozenset[str]) -> frozenset[str]:
+    """The pods to record for ``claim`` when its reservation names ``seen``: known pods are
+    replaced, never emptied (an empty record would hand the claim to the first container that
+    shows its env; a claim whose pods are gone is unprepared soon)."""
+    return seen or claim.pod_uids
+
+
 def update_claim_pods(state: NodeState, command: UpdateClaimPods) -> tuple[NodeState, list[Effect]]:
     """A fresh look at a claim's pods: record them (and checkpoint) if they changed."""
     existing = state.claims.get(command.claim_uid)
-    if existing is None or existing.pod_uids == command.pod_uids:
+    if existing is None:
+        return state, [Reply(None)]
+    pods = _pods(existing, command.pod_uids)
+    if existing.pod_uids == pods:
         return state, [Reply(None)]
     claims = mutable(state.claims)
-    claims[command.claim_uid] = replace(existing, pod_uids=command.pod_uids)
+    claims[command.claim_uid] = replace(existing, pod_uids=pods)
     new = replace(state, claims=MappingProxyType(claims))
     return new, [WriteCheckpoint(new.checkpoint()), Reply(None)]
 

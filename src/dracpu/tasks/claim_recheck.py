@@ -127,6 +127,9 @@ class ClaimRecheck:
             if isinstance(pods, str):
                 problems.append(f"{_label(claim)}: {pods}")
                 continue
+            if not pods:  # its pods are gone: known pods are never emptied (Unprepare comes)
+                problems.append(f"{_label(claim)}: its status.reservedFor names no pod now")
+                continue
             if pods == claim.pod_uids:
                 continue
             try:
