@@ -8,7 +8,7 @@ Figures (one JSON line each, milliseconds):
 - ``state.prepare.idempotent``: the same claim prepared again (a kubelet restart);
 - ``state.unprepare``: ``apply`` of an UnprepareClaim with 500 claims held;
 - ``state.create_container``: an exclusive container's CreateContainer whose reply moves the 200
-  shared containers to the new pool;
+  shared containers to the new pool (its pod one the claim is reserved for, as every claim's);
 - ``checkpoint.encode``, ``checkpoint.decode`` of 500 claims (encode memoizes each claim's JSON,
   so this is the steady state: a Prepare re-encodes only its own claim);
 - ``checkpoint.encode+write`` (500 claims) and ``checkpoint.encode+write.small`` (5 claims,
@@ -76,6 +76,11 @@ def uid(n: int) -> str:
     return f"b3c0a7e1-0000-4000-8000-{n:012d}"
 
 
+def pod(n: int) -> str:
+    """The UID of the pod claim ``n`` is reserved for (its ``status.reservedFor``)."""
+    return f"5e1f2a4c-0000-4000-8000-{n:012d}"
+
+
 def check(state: NodeState, command: Command) -> NodeState:
     new, effects = apply(state, command)
     reply = next(e for e in effects if isinstance(e, Reply))
@@ -85,8 +90,8 @@ def check(state: NodeState, command: Command) -> NodeState:
 
 
 def populated(config: NodeConfig) -> NodeState:
-    """HELD one-CPU claims (spread over the devices), each with its container, plus SHARED
-    shared containers, all pinned where they belong."""
+    """HELD one-CPU claims (spread over the devices), each reserved for its pod and used by its
+    container, plus SHARED shared containers, all pinned where they belong."""
     state = NodeState.initial(config)
     for i in range(SHARED):
         state = check(state, CreateContainer(Container(f"shared-{i}", f"pod-s{i}")))
@@ -94,9 +99,11 @@ def populated(config: NodeConfig) -> NodeState:
     for i in range(HELD):
         device = devices[i % len(devices)]  # individual mode: the i-th CPU (HELD < CPUs)
         result = DeviceResult("cpu", NODE, device.name, 1 if device.grouped else None)
-        state = check(state, PrepareClaim(uid(i), "bench", f"claim-{i}", (result,)))
+        pods = frozenset({pod(i)})
+        command = PrepareClaim(uid(i), "bench", f"claim-{i}", (result,), pod_uids=pods)
+        state = check(state, command)
         env = (ClaimEnv(uid(i), state.claims[uid(i)].cpus),)
-        container = Container(f"excl-{i}", f"pod-{i}", name="app", claims=env)
+        container = Container(f"excl-{i}", pod(i), name="app", claims=env)
         state = check(state, CreateContainer(container))
     check_invariants(state)
     return state
@@ -107,7 +114,8 @@ def bench_grouped(topology_name: str) -> None:
     config = NodeConfig.build(NODE, topology)
     state = populated(config)
     device = sorted(config.devices)[3]
-    prepare = PrepareClaim(uid(HELD), "bench", "new", (DeviceResult("cpu", NODE, device, 2),))
+    result = DeviceResult("cpu", NODE, device, 2)
+    prepare = PrepareClaim(uid(HELD), "bench", "new", (result,), pod_uids=frozenset({pod(HELD)}))
     extra: dict[str, Any] = {
         "held": HELD,
         "shared": SHARED,
@@ -119,7 +127,7 @@ def bench_grouped(topology_name: str) -> None:
     measure("state.prepare.idempotent", lambda: check(prepared, prepare), n=N, **extra)
     measure("state.unprepare", lambda: check(state, UnprepareClaim(uid(7))), n=N, **extra)
     env = (ClaimEnv(uid(HELD), prepared.claims[uid(HELD)].cpus),)
-    create = CreateContainer(Container("excl-new", "pod-new", name="app", claims=env))
+    create = CreateContainer(Container("excl-new", pod(HELD), name="app", claims=env))
     measure("state.create_container", lambda: check(prepared, create), n=N, **extra)
 
     raw = encode(state.checkpoint(), 1)
@@ -134,7 +142,7 @@ def bench_individual(topology_name: str) -> None:
     state = populated(config)
     free = sorted(config.devices)[HELD : HELD + 2]
     results = tuple(DeviceResult(f"cpu{i}", NODE, name) for i, name in enumerate(free))
-    prepare = PrepareClaim(uid(HELD), "bench", "new", results)
+    prepare = PrepareClaim(uid(HELD), "bench", "new", results, pod_uids=frozenset({pod(HELD)}))
     extra: dict[str, Any] = {
         "held": HELD,
         "shared": SHARED,

@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,17 @@ async def test_tasks_start_in_order_and_stop_in_reverse() -> None:
     assert journal.events == ["start a", "start b", "start c", "stop c", "stop b", "stop a"]
     assert [f.name for f in readiness.flags()] == ["a", "b", "c"]
     assert not readiness.is_ready()  # stopping
+
+
+@pytest.mark.anyio
+async def test_a_task_stops_after_the_tasks_it_outlives() -> None:
+    journal = Journal()
+    tasks = [journal.task(n) for n in "abcde"]
+    tasks[3] = replace(tasks[3], outlives=("b", "c", "x"))  # x: not a task, ignored
+    tasks[4] = replace(tasks[4], outlives=("a",))
+    assert await _serve(tasks) == EXIT_OK
+    stops = [e.split()[1] for e in journal.events if e.startswith("stop")]
+    assert stops == ["c", "b", "d", "a", "e"]
 
 
 @pytest.mark.anyio

@@ -81,7 +81,13 @@ def node(tmp_path: Path) -> DriverProcess:
     state, cdi = tmp_path / "state", tmp_path / "cdi"
     state.mkdir()
     cdi.mkdir()
-    claim = PreparedClaim("11111111-2222-3333-4444-555555555555", CpuSet.parse("4-7"), "ns", "c")
+    claim = PreparedClaim(
+        "11111111-2222-3333-4444-555555555555",
+        CpuSet.parse("4-7"),
+        "ns",
+        "c",
+        pod_uids=frozenset({"pod-b", "pod-a"}),
+    )
     (state / "checkpoint.json").write_bytes(
         encode(CheckpointData(MappingProxyType({claim.claim_uid: claim})), 1)
     )
@@ -134,6 +140,7 @@ def test_the_report_has_upstreams_shape_and_ours(node: DriverProcess) -> None:
             "cpus": "4-7",
             "mems": None,
             "devices": [],
+            "podUids": ["pod-a", "pod-b"],  # the pods the claim is reserved for
         }
     ]
     assert ours["cdiSpecs"] == {}
@@ -219,7 +226,7 @@ def test_gatherinfo_writes_a_file_under_output_dir(
 def test_the_debug_dump_lists_claims_containers_and_the_pins_last_sent() -> None:
     topology = build_topology(fixture("smt4"))
     config = NodeConfig.build("n", topology)
-    claim = PreparedClaim("u1", CpuSet.parse("4-7"), "ns", "c")
+    claim = PreparedClaim("u1", CpuSet.parse("4-7"), "ns", "c", pod_uids=frozenset({"p2"}))
     shared = Container(id="c-shared", pod_uid="p1", pod_namespace="ns", pod_name="web", name="m")
     pinned = Container(id="c-pinned", pod_uid="p2", pod_namespace="ns", pod_name="db", name="m")
     state = NodeState(
@@ -237,7 +244,14 @@ def test_the_debug_dump_lists_claims_containers_and_the_pins_last_sent() -> None
     dump = snapshot(state, ["l1"], 0.0)
     assert dump["written"] == "1970-01-01T00:00:00Z"
     assert dump["claims"] == [
-        {"uid": "u1", "namespace": "ns", "name": "c", "cpus": "4-7", "mems": None}
+        {
+            "uid": "u1",
+            "namespace": "ns",
+            "name": "c",
+            "cpus": "4-7",
+            "mems": None,
+            "podUids": ["p2"],
+        }
     ]
     containers = {c["id"]: c for c in dump["containers"]}  # type: ignore[attr-defined]
     assert containers["c-pinned"]["cpus"] == "4-7"

@@ -22,7 +22,8 @@ tasks, in this order:
 9. ``slice-publisher``: publishes the devices as ResourceSlices, retrying API errors itself.
 
 The Kubernetes client is opened once, before the tasks (in-cluster, or ``--kubeconfig``), and
-shared by the kubelet plugin (claims) and the slice publisher.
+shared by the kubelet plugin (claims), the NRI plugin (a claim read again before a container of
+a pod it is not reserved for is refused) and the slice publisher.
 
 Memory: the cyclic garbage collector is off during the start-up; once every task runs, the
 objects of the start-up (modules, the restored state, the clients) are frozen out of it
@@ -40,9 +41,12 @@ not ready when it refuses it; ``cdi-dir`` is ready while specs can be written in
 
 Stopping (SIGTERM/SIGINT, or a task failure): ``/readyz`` turns 503, then the tasks are
 cancelled one by one in REVERSE start order, each awaited, so the request sources stop before
-the state owner, which finishes the command in flight (bounded by its own deadline). The whole
-stop is bounded by :data:`STOP_TIMEOUT`; a second signal cancels everything at once. Tasks
-remove the sockets they created in their own ``finally``.
+the state owner, which finishes the command in flight (bounded by its own deadline). One
+exception: a task stops only after the tasks it ``outlives`` (:class:`TaskSpec`): the NRI plugin
+outlives the DRA and registration sockets, so the widening of every Unprepare the DRA socket
+answered is queued before the NRI plugin sends what is queued and disconnects. The whole stop is
+bounded by :data:`STOP_TIMEOUT`; a second signal cancels everything at once. Tasks remove the
+sockets they created in their own ``finally``.
 
 Failure policy: a task that can recover (NRI disconnect, API errors) retries inside
 itself. A task that raises after it started, or returns while no stop was asked, is logged (one
@@ -131,10 +135,14 @@ class TaskRun(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class TaskSpec:
-    """A task for :func:`serve`: its name (logs, readiness, metrics) and how to run it."""
+    """A task for :func:`serve`: its name (logs, readiness, metrics) and how to run it.
+
+    ``outlives``: names of tasks started before this one that must stop before it does (it is
+    stopped right after the last of them instead of in reverse start order)."""
 
     name: str
     run: TaskRun
+    outlives: tuple[str, ...] = ()
 
 
 class Shutdown:
@@ -290,10 +298,23 @@ async def serve(
     return EXIT_OK
 
 
+def _stop_order(running: Sequence[_Running]) -> list[_Running]:
+    """Reverse start order, but each task after the tasks it outlives."""
+    order = list(reversed(running))
+    for task in [t for t in order if t.spec.outlives]:
+        last = max(
+            (i for i, t in enumerate(order) if t.spec.name in task.spec.outlives), default=-1
+        )
+        if last > order.index(task):
+            order.remove(task)
+            order.insert(last, task)  # right after the last task it outlives
+    return order
+
+
 async def _stop(running: Sequence[_Running], shutdown: Shutdown, stop_timeout: float) -> None:
     with anyio.move_on_after(stop_timeout) as scope:
         shutdown.on_force(scope.cancel)
-        for task in reversed(running):
+        for task in _stop_order(running):
             task.scope.cancel()
             await task.done.wait()
             logger.debug("task %s stopped", task.spec.name)
@@ -399,6 +420,7 @@ class _Node:
             self.send.clone(),
             lambda: self.owner.state,
             link=self.link,
+            claims=self.kube,
             task_status=task_status,
         )
 
@@ -430,7 +452,10 @@ class _Node:
             TaskSpec("device-health", self.run_device_health),
             TaskSpec("kubelet-plugin", self.run_kubelet_plugin),
             TaskSpec("registration", self.run_registration),
-            TaskSpec("nri-plugin", self.run_nri_plugin),
+            # Stopped after the sockets that answer Unprepare: their widenings reach the runtime.
+            TaskSpec(
+                "nri-plugin", self.run_nri_plugin, outlives=("kubelet-plugin", "registration")
+            ),
             TaskSpec("slice-publisher", self.run_slice_publisher),
         ]
 

@@ -70,7 +70,8 @@ def test_create_container_response_golden() -> None:
 
 
 def test_register_plugin_request_golden() -> None:
-    golden = bytes.fromhex("0a076472612d637075 120239 30".replace(" ", ""))
+    # 1: "dra-cpu", 2: "90", 3 (NRI_version): "v0.12.2", the NRI release of proto/nri.
+    golden = bytes.fromhex("0a076472612d637075 12023930 1a0776302e31322e32".replace(" ", ""))
     assert messages.register_plugin_request("dra-cpu", "90") == golden
     with pytest.raises(LocalProtocolError):
         messages.register_plugin_request("\ud800", "00")

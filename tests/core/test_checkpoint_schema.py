@@ -26,6 +26,8 @@ __all__: list[str] = []
 
 UID_A = "0b5a1a2e-9f4c-4c1e-8d3a-000000000001"
 UID_B = "0b5a1a2e-9f4c-4c1e-8d3a-000000000002"
+POD_1 = "7d1e4c2a-0000-4000-8000-00000000000a"
+POD_2 = "7d1e4c2a-0000-4000-8000-00000000000b"
 
 
 def sample() -> CheckpointData:
@@ -39,6 +41,7 @@ def sample() -> CheckpointData:
                     "claim-a",
                     CpuSet.parse("0"),
                     (DeviceResult("req", "node-1", "cpudevnuma000", 2),),
+                    frozenset({POD_2, POD_1}),
                 ),
                 UID_B: PreparedClaim(
                     UID_B,
@@ -94,6 +97,7 @@ def test_layout_is_the_documented_one() -> None:
         "mems": "0",
         "namespace": "default",
         "name": "claim-a",
+        "podUids": [POD_1, POD_2],  # sorted
         "results": [
             {
                 "request": "req",
@@ -105,6 +109,7 @@ def test_layout_is_the_documented_one() -> None:
         ],
     }
     assert doc["claims"][UID_B]["mems"] is None
+    assert "podUids" not in doc["claims"][UID_B]  # no pods known: the key is left out
     assert doc["claims"][UID_B]["results"][1]["cpuset"] == "12"
 
 
@@ -149,6 +154,25 @@ def test_version_1_documents_decode_as_sequence_0() -> None:
     stored = decode(rewrite(doc))
     assert stored.sequence == 0
     assert dict(stored.data.claims) == dict(sample().claims)
+
+
+def test_documents_of_earlier_builds_without_pod_uids_decode_with_no_pods() -> None:
+    # Version 1, and version 2 before "podUids": claims without the key.
+    for version in (1, 2):
+        doc = json.loads(encode(sample(), 3))
+        del doc["claims"][UID_A]["podUids"]
+        if version == 1:
+            del doc["sequence"]
+        doc["version"] = version
+        claims = claims_of(rewrite(doc))
+        assert claims[UID_A] == replace(sample().claims[UID_A], pod_uids=frozenset())
+        assert claims[UID_B] == sample().claims[UID_B]
+
+
+def test_a_claim_without_pods_is_written_as_earlier_builds_wrote_it() -> None:
+    # So a downgrade reads every claim whose pods are not known.
+    doc = json.loads(encode(sample(), 3))
+    assert set(doc["claims"][UID_B]) == {"cpus", "mems", "namespace", "name", "results"}
 
 
 def test_trailing_spaces_pad_a_valid_document() -> None:
@@ -254,6 +278,10 @@ def bad_claim(**changes: Any) -> bytes:
         ({"results": [1]}, "result 0 must have keys"),
         ({"extra": 1}, "must have keys"),
         ({"name": KeyError}, "must have keys"),
+        ({"podUids": "pod"}, "podUids must be a list of non-empty strings"),
+        ({"podUids": [POD_1, 7]}, "podUids must be a list of non-empty strings"),
+        ({"podUids": [""]}, "podUids must be a list of non-empty strings"),
+        ({"podUids": [POD_1, POD_1]}, "lists a pod twice"),
     ],
 )
 def test_refused_claims(changes: dict[str, Any], message: str) -> None:
@@ -325,24 +353,25 @@ _text = st.text(max_size=12)
                 ),
                 max_size=3,
             ),
+            st.frozensets(st.text(min_size=1, max_size=12), max_size=3),
         ),
         max_size=6,
     ),
     st.integers(1, 2**64),
 )
 def test_round_trip_property(
-    raw: dict[str, tuple[CpuSet, str, str, CpuSet | None, list[DeviceResult]]],
+    raw: dict[str, tuple[CpuSet, str, str, CpuSet | None, list[DeviceResult], frozenset[str]]],
     sequence: int,
 ) -> None:
     claims: dict[str, PreparedClaim] = {}
     held = CpuSet()
-    for uid, (cpus, ns, name, mems, results) in raw.items():
+    for uid, (cpus, ns, name, mems, results, pods) in raw.items():
         cpus = cpus - held  # claims are disjoint
         if not cpus:
             continue
         held |= cpus
         ordered = tuple(sorted(results, key=DeviceResult.sort_key))
-        claims[uid] = PreparedClaim(uid, cpus, ns, name, mems, ordered)
+        claims[uid] = PreparedClaim(uid, cpus, ns, name, mems, ordered, pods)
     data = CheckpointData(MappingProxyType(claims))
     stored = decode(encode(data, sequence))
     assert (dict(stored.data.claims), stored.sequence) == (claims, sequence)

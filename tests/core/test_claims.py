@@ -15,6 +15,7 @@ from dracpu.core.claims import (
     device_status_patch,
     parse_whole_quantity,
     read_claim,
+    reserved_pods,
 )
 from dracpu.core.commands import DeviceResult, PrepareClaim
 from dracpu.core.cpuset import CpuSet
@@ -252,6 +253,43 @@ def test_bad_opaque_config_requests_are_refused() -> None:
     configs = [{"source": "FromClaim", "requests": "cpus", "opaque": {"driver": "dra.cpu"}}]
     with pytest.raises(ClaimError, match=r"config\[0\]\.requests"):
         read_claim(claim([grouped()], configs=configs), uid=UID, pool=NODE)
+
+
+POD_A = "5f0c9a3e-0000-4000-8000-00000000000a"
+POD_B = "5f0c9a3e-0000-4000-8000-00000000000b"
+
+
+def test_the_pods_the_claim_is_reserved_for_are_read_and_other_consumers_ignored() -> None:
+    consumers = [
+        {"resource": "pods", "name": "web-0", "uid": POD_A},
+        {"apiGroup": "", "resource": "pods", "name": "web-1", "uid": POD_B},
+        {"apiGroup": "example.com", "resource": "pods", "name": "x", "uid": "not-a-pod"},
+        {"apiGroup": "apps", "resource": "deployments", "name": "web", "uid": "not-a-pod-2"},
+    ]
+    obj = claim([grouped()], reserved_for=consumers)
+    assert SchemaValidator().errors(obj) == []  # what the API server stores
+    assert read_claim(obj, uid=UID, pool=NODE).pod_uids == {POD_A, POD_B}
+    assert reserved_pods(obj) == {POD_A, POD_B}
+    assert read_claim(claim([grouped()]), uid=UID, pool=NODE).pod_uids == frozenset()
+
+
+@pytest.mark.parametrize(
+    ("reserved_for", "message"),
+    [
+        ({"resource": "pods"}, r"status\.reservedFor is not a list"),
+        ([7], r"status\.reservedFor\[0\] is not an object"),
+        ([{"resource": "pods", "name": "p"}], r"status\.reservedFor\[0\]\.uid: None is not"),
+        (
+            [{"resource": "pods", "name": "p", "uid": ""}],
+            r"status\.reservedFor\[0\]\.uid: '' is not",
+        ),
+    ],
+)
+def test_a_malformed_reservation_is_an_error_naming_it(reserved_for: object, message: str) -> None:
+    obj = claim([grouped()])
+    obj["status"]["reservedFor"] = reserved_for
+    with pytest.raises(ClaimError, match=f"claim default/pod-cpus: {message}"):
+        read_claim(obj, uid=UID, pool=NODE)
 
 
 def test_reading_does_not_modify_the_claim() -> None:

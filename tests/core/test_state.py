@@ -30,6 +30,7 @@ from dracpu.core.commands import (
     StopContainer,
     Synchronize,
     UnprepareClaim,
+    UpdateClaimPods,
     UpdateContainer,
     claims_from_env,
 )
@@ -67,6 +68,7 @@ from dracpu.core.state import (
     restore_state,
     rollback,
 )
+from dracpu.core.state_containers import unreserved_claims
 from dracpu.errors import (
     CdiError,
     ClaimConflictError,
@@ -530,6 +532,148 @@ def test_claim_of_another_pod_is_refused_and_restart_in_the_same_pod_is_not() ->
     state, _, _ = ok(state, RemoveContainer(restarted.id))
     state, _, _ = ok(state, UnprepareClaim(uid(1)))
     assert state.owners == {}
+
+
+# --- a claim belongs to its pods ----------------------------------------------------------------
+
+
+def reserved(command: PrepareClaim, *pods: str) -> PrepareClaim:
+    """The Prepare of a claim whose status.reservedFor names these pods."""
+    return replace(command, pod_uids=frozenset(pods))
+
+
+def test_prepare_records_the_pods_and_a_changed_reservation_is_checkpointed() -> None:
+    state, _, effects = ok(
+        NodeState.initial(INDIVIDUAL), reserved(individual(INDIVIDUAL, 1, [4]), "pod-a")
+    )
+    assert state.claims[uid(1)].pod_uids == {"pod-a"}
+    assert isinstance(effects[1], WriteCheckpoint)
+    assert effects[1].checkpoint.claims[uid(1)].pod_uids == {"pod-a"}
+    # The same reservation again: the CDI spec is rewritten, nothing else.
+    again, value, effects = ok(state, reserved(individual(INDIVIDUAL, 1, [4]), "pod-a"))
+    assert again is state
+    assert effects == [WriteCdiSpec(uid(1), cpus("4")), Reply(value)]
+    # A shared claim gains a consumer: the record and the checkpoint say so, the CPUs stay.
+    grown, value, effects = ok(state, reserved(individual(INDIVIDUAL, 1, [4]), "pod-a", "pod-b"))
+    assert isinstance(value, ClaimPrepared)
+    assert value.cpus == cpus("4")
+    assert grown.claims[uid(1)] == replace(
+        state.claims[uid(1)], pod_uids=frozenset({"pod-a", "pod-b"})
+    )
+    assert grown.claimed == state.claimed
+    assert [type(e) for e in effects] == [WriteCdiSpec, WriteCheckpoint, Reply]
+    assert decode(encode(grown.checkpoint(), 2)).data == grown.checkpoint()
+
+
+def test_an_adopted_claim_gets_its_pods_from_the_prepare_that_completes_it() -> None:
+    state, _, _ = ok(NodeState.initial(INDIVIDUAL), AdoptClaims((AdoptedClaim(uid(1), cpus("4")),)))
+    assert state.claims[uid(1)].pod_uids == frozenset()
+    state, _, _ = ok(state, reserved(individual(INDIVIDUAL, 1, [4]), "pod-a"))
+    assert state.claims[uid(1)].pod_uids == {"pod-a"}
+    assert state.claims[uid(1)].name == "claim-1"
+
+
+def test_a_copied_env_of_another_pod_is_refused_and_the_claims_own_container_is_pinned() -> None:
+    state, _, _ = ok(
+        NodeState.initial(INDIVIDUAL), reserved(individual(INDIVIDUAL, 1, [4]), "pod-a")
+    )
+    state, _, _ = ok(state, CreateContainer(shared_container(1)))
+    copier = claim_container(state, 2, 1, pod="pod-b")  # the exact env of the claim
+    message = refused(state, CreateContainer(copier), ClaimError, "not reserved for pod pod-b")
+    assert f"claim ns/claim-1 ({uid(1)})" in message
+    assert "pod ns/pod-2" in message  # the container's pod, by name too
+    assert state.owners == {}  # the copier took nothing
+    rightful = claim_container(state, 1, 1, pod="pod-a")
+    state, value, _ = ok(state, CreateContainer(rightful))
+    assert isinstance(value, ContainerPinned)
+    assert value.pin.cpus == cpus("4")
+    assert state.owners[uid(1)] == ClaimOwner("pod-a", "app")
+    # Still refused for the reservation (not for the owner) once the claim is in use.
+    refused(state, CreateContainer(copier), ClaimError, "not reserved for pod pod-b")
+
+
+def test_a_claim_without_known_pods_goes_to_the_first_comer() -> None:
+    state, _, _ = ok(NodeState.initial(INDIVIDUAL), individual(INDIVIDUAL, 1, [4]))
+    assert state.claims[uid(1)].pod_uids == frozenset()
+    first = claim_container(state, 2, 1, pod="pod-b")
+    state, value, _ = ok(state, CreateContainer(first))
+    assert isinstance(value, ContainerPinned)
+    assert unreserved_claims(state, claim_container(state, 1, 1, pod="pod-a")) == ()
+    refused(
+        state,
+        CreateContainer(claim_container(state, 1, 1, pod="pod-a")),
+        ClaimConflictError,
+        "claims cannot be shared",
+    )
+
+
+def test_unreserved_claims_names_only_claims_whose_env_matches_and_pods_do_not() -> None:
+    state, _, _ = ok(
+        NodeState.initial(INDIVIDUAL), reserved(individual(INDIVIDUAL, 1, [4]), "pod-a")
+    )
+    state, _, _ = ok(state, reserved(individual(INDIVIDUAL, 2, [5]), "pod-b"))
+    state, _, _ = ok(state, individual(INDIVIDUAL, 3, [6]))  # pods unknown
+    both = claim_container(state, 9, 1, 2, 3, pod="pod-b")
+    assert unreserved_claims(state, both) == (state.claims[uid(1)],)
+    wrong_cpus = Container("x", "pod-b", "ns", "b", "app", (ClaimEnv(uid(1), cpus("5")),))
+    assert unreserved_claims(state, wrong_cpus) == ()  # a spoof, not a reservation question
+    assert unreserved_claims(state, claim_container(state, 9, 1, pod="pod-a")) == ()
+
+
+def test_a_fresh_look_at_the_claims_pods_lets_a_new_consumer_in() -> None:
+    state, _, _ = ok(
+        NodeState.initial(INDIVIDUAL), reserved(individual(INDIVIDUAL, 1, [4]), "pod-a")
+    )
+    newcomer = claim_container(state, 2, 1, pod="pod-b")
+    refused(state, CreateContainer(newcomer), ClaimError, "not reserved")
+    # Unknown claims and unchanged pods change nothing.
+    for command in (
+        UpdateClaimPods(uid(7), frozenset({"pod-b"})),
+        UpdateClaimPods(uid(1), frozenset({"pod-a"})),
+    ):
+        same, value, effects = ok(state, command)
+        assert same is state
+        assert effects == [Reply(None)]
+    state, _, effects = ok(state, UpdateClaimPods(uid(1), frozenset({"pod-b"})))
+    assert [type(e) for e in effects] == [WriteCheckpoint, Reply]
+    assert isinstance(effects[0], WriteCheckpoint)
+    assert effects[0].checkpoint.claims[uid(1)].pod_uids == {"pod-b"}
+    state, value, _ = ok(state, CreateContainer(newcomer))
+    assert isinstance(value, ContainerPinned)
+    assert value.pin.cpus == cpus("4")
+
+
+def test_known_pods_are_replaced_but_never_emptied() -> None:
+    state, _, _ = ok(
+        NodeState.initial(INDIVIDUAL), reserved(individual(INDIVIDUAL, 1, [4]), "pod-a")
+    )
+    # An empty reservation (the claim's pods are gone; Unprepare comes soon) would open the
+    # claim to the first comer: the known pods stay.
+    for command in (UpdateClaimPods(uid(1), frozenset()), individual(INDIVIDUAL, 1, [4])):
+        same, _, effects = ok(state, command)
+        assert same.claims[uid(1)].pod_uids == {"pod-a"}
+        assert not any(isinstance(e, WriteCheckpoint) for e in effects)
+    refused(state, CreateContainer(claim_container(state, 2, 1, pod="pod-b")), ClaimError, "not")
+
+
+def test_synchronize_confines_a_copied_env_and_pins_the_claims_own_container() -> None:
+    state, _, _ = ok(
+        NodeState.initial(INDIVIDUAL), reserved(individual(INDIVIDUAL, 1, [4]), "pod-a")
+    )
+    # The copier sorts first: it must not become the claim's owner.
+    copier = replace(claim_container(state, 2, 1, pod="pod-b"), id="a-copier")
+    rightful = claim_container(state, 1, 1, pod="pod-a")
+    state, value, _ = ok(state, Synchronize((rightful, copier)))
+    assert isinstance(value, Synchronized)
+    pool = cpus("1-3,5-7,9-15")  # reserved: 0 and 8; claimed: 4
+    assert value.updates == (
+        ContainerUpdate("a-copier", pool, None, 1),
+        ContainerUpdate("excl-1", cpus("4"), None, 1),
+    )
+    assert [r.container_id for r in value.rejected] == ["a-copier"]
+    assert "not reserved for pod pod-b" in value.rejected[0].reason
+    assert state.shared == {"a-copier"}
+    assert state.owners[uid(1)] == ClaimOwner("pod-a", "app")
 
 
 def test_update_container_answers_like_create() -> None:

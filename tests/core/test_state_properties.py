@@ -33,10 +33,11 @@ from dracpu.core.commands import (
     StopContainer,
     Synchronize,
     UnprepareClaim,
+    UpdateClaimPods,
     UpdateContainer,
 )
 from dracpu.core.cpuset import CpuSet
-from dracpu.core.effects import ClaimPrepared, ContainerPinned, Reply, WriteCdiSpec
+from dracpu.core.effects import ClaimPrepared, ContainerPinned, Reply, Synchronized, WriteCdiSpec
 from dracpu.core.node_config import NodeConfig
 from dracpu.core.slices import CpuDeviceMode, GroupBy
 from dracpu.core.state import (
@@ -46,6 +47,7 @@ from dracpu.core.state import (
     commit_phase,
     restore_state,
 )
+from dracpu.core.state_containers import unreserved_claims
 from dracpu.errors import DracpuError
 from dracpu.sim.topologies import FIXTURES, build_topology
 from tests.core.state_helpers import (
@@ -62,6 +64,7 @@ __all__: list[str] = []
 
 UIDS = 6  # few claim UIDs, so that reuse, idempotency and conflicts happen often
 CONTAINERS = 6
+PODS = [f"pod{i}" for i in range(4)]  # the pod UIDs of containers and of claims' reservations
 
 
 def configs() -> dict[str, NodeConfig]:
@@ -84,13 +87,18 @@ CONFIGS = configs()
 MACHINES = {config.node_name: config.topology for config in CONFIGS.values()}
 
 
+def draw_pods(data: st.DataObject) -> frozenset[str]:
+    """What a claim's status.reservedFor names (often nothing: pods not known)."""
+    return data.draw(st.frozensets(st.sampled_from(PODS), max_size=2), label="pods")
+
+
 def draw_prepare(data: st.DataObject, state: NodeState) -> Command:
     config = state.config
     n = data.draw(st.integers(0, UIDS - 1), label="claim")
     existing = state.claims.get(uid(n))
     if existing is not None and existing.results and data.draw(st.booleans(), label="again"):
         shuffled = data.draw(st.permutations(existing.results), label="order")
-        return PrepareClaim(uid(n), "ns", f"c{n}", tuple(shuffled))
+        return PrepareClaim(uid(n), "ns", f"c{n}", tuple(shuffled), pod_uids=draw_pods(data))
     devices = sorted(config.devices)
     results: list[DeviceResult] = []
     for i in range(data.draw(st.integers(0, 4), label="results")):
@@ -115,12 +123,12 @@ def draw_prepare(data: st.DataObject, state: NodeState) -> Command:
         label="policy",
     )
     pin = data.draw(st.sampled_from([None, True, False]), label="pin")
-    return PrepareClaim(uid(n), "ns", f"c{n}", tuple(results), policy, pin)
+    return PrepareClaim(uid(n), "ns", f"c{n}", tuple(results), policy, pin, draw_pods(data))
 
 
 def draw_container(data: st.DataObject, state: NodeState) -> Container:
     cid = f"c{data.draw(st.integers(0, CONTAINERS - 1), label='container')}"
-    pod = f"pod{data.draw(st.integers(0, 3), label='pod')}"
+    pod = data.draw(st.sampled_from(PODS), label="pod")
     kind = data.draw(st.sampled_from(["shared", "claims", "spoof", "broken"]), label="kind")
     if kind == "shared" or (kind == "claims" and not state.claims):
         return Container(cid, pod, "ns", pod, "app")
@@ -150,6 +158,7 @@ def draw_command(data: st.DataObject, state: NodeState) -> Command:
                 "remove",
                 "sync",
                 "listed",
+                "pods",
                 "adopt",
                 "invalidate",
                 "disconnect",
@@ -180,6 +189,9 @@ def draw_command(data: st.DataObject, state: NodeState) -> Command:
             listed = data.draw(st.sets(st.integers(0, UIDS - 1)), label="listed")
             reports = data.draw(st.booleans(), label="reports")
             return PodsListed(frozenset(uid(n) for n in listed), reports)
+        case "pods":
+            n = data.draw(st.integers(0, UIDS - 1), label="claim")
+            return UpdateClaimPods(uid(n), draw_pods(data))
         case "adopt":
             n = data.draw(st.integers(0, UIDS - 1), label="claim")
             adopted = CpuSet(data.draw(st.sets(st.integers(0, 16), max_size=3), label="cpus"))
@@ -225,6 +237,9 @@ def check_step(state: NodeState, command: Command, new: NodeState, value: object
         case PrepareClaim(claim_uid=claim_uid) if isinstance(value, ClaimPrepared):
             if value.cpus:
                 assert new.claims[claim_uid].cpus == value.cpus
+                known = state.claims[claim_uid].pod_uids if claim_uid in state.claims else None
+                # the reservation's pods; known pods are never emptied
+                assert new.claims[claim_uid].pod_uids == (command.pod_uids or known or frozenset())
                 before = state.claims.get(claim_uid)
                 if before is not None:
                     # idempotent: the same CPUs (with any that went offline since: rule 2)
@@ -232,12 +247,23 @@ def check_step(state: NodeState, command: Command, new: NodeState, value: object
                 else:
                     assert value.cpus <= state.config.allocatable
                     assert value.cpus.isdisjoint(state.claimed)
+        case Synchronize(containers=containers) if isinstance(value, Synchronized):
+            for container in containers:
+                if unreserved_claims(state, container):
+                    assert container.id in {r.container_id for r in value.rejected}
+                    assert container.id in new.shared
+        case UpdateClaimPods(claim_uid=claim_uid, pod_uids=pods) if claim_uid in state.claims:
+            before = state.claims[claim_uid]
+            assert new.claims[claim_uid] == replace(before, pod_uids=pods or before.pod_uids)
         case UnprepareClaim(claim_uid=claim_uid):
             assert claim_uid not in new.claims
             assert new.claimed == state.claimed - (
                 state.claims[claim_uid].cpus if claim_uid in state.claims else CpuSet()
             )
         case CreateContainer(container=container) if isinstance(value, ContainerPinned):
+            for env in container.claims:  # a claim with known pods serves only those pods
+                pods = state.claims[env.claim_uid].pod_uids
+                assert not pods or container.pod_uid in pods
             if container.claims:
                 expected = CpuSet.union(state.claims[c.claim_uid].cpus for c in container.claims)
                 assert value.pin.cpus == expected

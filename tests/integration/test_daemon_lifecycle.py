@@ -152,6 +152,35 @@ async def test_a_task_that_cannot_start_exits_1_with_the_error_logged() -> None:
             assert _sockets_under(sim.paths.kubelet_root) == []
 
 
+async def test_leftovers_at_the_kubelet_sockets_are_replaced_and_a_directory_refused() -> None:
+    async with open_node_sim(start=False) as sim:
+        dra = sim.paths.kubelet_root / "plugins" / "dra.cpu" / "dra.sock"
+        reg = sim.paths.registry_dir / "dra.cpu-reg.sock"
+        dra.parent.mkdir(parents=True)
+        reg.parent.mkdir(parents=True, exist_ok=True)
+        dra.write_text("a regular file")
+        reg.symlink_to(reg.parent / "gone.sock")  # dangling
+        await sim.start_daemon()  # registered through `reg`, ready
+        assert stat.S_ISSOCK(dra.lstat().st_mode)
+        assert stat.S_ISSOCK(reg.lstat().st_mode)
+        claim = sim.allocate("after-leftovers", 2)
+        assert (await sim.prepare(claim))[claim.uid].error == ""
+        # A crash leaves both sockets behind; the next start replaces them.
+        await sim.restart_daemon(kill=True)
+        assert stat.S_ISSOCK(dra.lstat().st_mode)
+        assert stat.S_ISSOCK(reg.lstat().st_mode)
+        assert await sim.stop_daemon() == 0
+
+        dra.mkdir()
+        await sim.start_daemon(register=False, wait_ready=False)
+        assert await _exit_code(sim) == 1
+        errors = sim.daemon.messages("error")
+        assert len(errors) == 1
+        assert errors[0].startswith("task kubelet-plugin failed: ")
+        assert f"'{dra}' is a directory" in errors[0]
+        assert dra.is_dir()
+
+
 async def test_a_topology_that_cannot_be_read_fails_the_start() -> None:
     async with open_node_sim(start=False) as sim:
         online = sim.paths.host_root / "sys/devices/system/cpu/online"

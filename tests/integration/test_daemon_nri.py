@@ -5,7 +5,9 @@ containers shrink and widen again, a runtime restart is survived."""
 from __future__ import annotations
 
 import dataclasses
+import signal
 
+import anyio
 import pytest
 
 from dracpu.sim.fake_runtime import PluginFailedError, claim_env
@@ -127,3 +129,81 @@ async def test_a_runtime_restart_reconnects_and_resyncs_every_container() -> Non
         # Containers are still pinned at creation after the reconnect.
         _, late = await sim.run_container("late")
         assert cpus(late.cpus) == everything - held
+
+
+async def test_a_copied_claim_env_is_refused_confined_and_the_claims_own_container_pinned() -> None:
+    """Tried against containerd 2.3.4: a second pod that copied the exact DRA_CPUSET env of a
+    prepared claim, before the claim's own container started, was pinned to the claim's CPUs and
+    the rightful container refused. The claim belongs to the pods its status.reservedFor names."""
+    async with open_node_sim(shared_containers=1) as sim:
+        everything = node_cpus(sim)
+        await sim.wait_published()
+        rightful = sim.runtime.add_pod("rightful")
+        claim = sim.allocate("exclusive", 4, reserved_for=[rightful])
+        assert (await sim.prepare(claim))[claim.uid].error == ""
+        held = sim.cdi_cpus(claim.uid)
+        assert held is not None
+        copied = sim.cdi_env(claim.uid)  # DRA_CPUSET_<uid>=<cpus>, exactly
+
+        # CreateContainer of the copier's container fails, naming the claim and the pod.
+        copier = sim.runtime.add_pod("copier")
+        await sim.runtime.run_pod_sandbox(copier)
+        thief = sim.runtime.new_container(copier, "thief", env=copied)
+        with pytest.raises(PluginFailedError) as caught:
+            await sim.runtime.create_container(copier, thief)
+        assert f"not reserved for pod {copier.uid}" in str(caught.value)
+        assert f"claim default/exclusive ({claim.uid})" in str(caught.value)
+        assert thief.id not in sim.runtime.containers
+
+        # The copier's container appeared while the daemon was away: Synchronize confines it.
+        await sim.stop_daemon()
+        sim.runtime.add_container(copier, "thief", container_id="a-thief", env=copied, cpus=held)
+        await sim.start_daemon()
+        await sim.runtime.wait_plugin(20)
+        pool = everything - cpus(held)
+        assert cpus(sim.cpus_of("a-thief")) == pool
+        assert any(
+            "a-thief confined to the shared pool" in m and f"not reserved for pod {copier.uid}" in m
+            for m in sim.daemon.messages("warning")
+        )
+
+        # The claim's own container is then pinned to the claim's CPUs.
+        _, own = await sim.run_container("rightful", claims=[claim], pod=rightful)
+        assert own.cpus == held
+        assert _shared(sim) == dict.fromkeys(sim.shared_ids(), pool)
+        assert cpus(sim.cpus_of("a-thief")) == pool
+        assert sim.daemon.messages("error") == []
+
+
+async def test_sigterm_right_after_an_unprepare_still_widens_the_shared_containers() -> None:
+    """Tried against containerd 2.4 with unsolicited updates on: a SIGTERM 1 ms after an
+    Unprepare cancelled the updates in flight and left the shared containers narrow until the
+    next start. The NRI plugin now stops after the DRA socket and sends what is queued first."""
+    async with open_node_sim(shared_containers=6, extra_args=["-v=1"]) as sim:
+        everything = node_cpus(sim)
+        await sim.wait_published()
+        claim = sim.allocate("exclusive", 8)
+        assert (await sim.prepare(claim))[claim.uid].error == ""
+        pod, _ = await sim.run_container("app", claims=[claim])
+        await sim.remove_pod(pod)
+        narrow = everything - cpus(sim.cdi_cpus(claim.uid) or "")
+        assert _shared(sim) == dict.fromkeys(sim.shared_ids(), narrow)
+
+        # The runtime is busy with a long event: the widening waits for its lock.
+        async with sim.runtime.busy():
+            assert await sim.unprepare(claim) == {claim.uid: ""}
+            sim.daemon.process.send_signal(signal.SIGTERM)
+            await anyio.sleep(0.5)
+        with anyio.fail_after(5):
+            assert await sim.daemon.process.wait() == 0
+
+        assert [c.outcome for c in sim.runtime.calls("UpdateContainers", caller="plugin")] == ["ok"]
+        assert _shared(sim) == dict.fromkeys(sim.shared_ids(), everything)
+        stopped = [m for m in sim.daemon.messages() if m.startswith("task ") and "stopped" in m]
+        assert stopped.index("task nri-plugin stopped") > stopped.index(
+            "task kubelet-plugin stopped"
+        )
+        assert stopped.index("task nri-plugin stopped") > stopped.index("task registration stopped")
+        assert "NRI: every update and answer in flight reached the runtime; disconnecting" in (
+            sim.daemon.messages()
+        )

@@ -49,6 +49,7 @@ from dracpu.errors import (
 )
 from dracpu.sim.topologies import FIXTURES, build_topology
 from dracpu.tasks import kubelet_plugin
+from dracpu.tasks.device_health import DeviceHealthBoard
 from dracpu.tasks.kubelet_plugin import DraPluginV1, DraPluginV1beta1, DraService
 from dracpu.tasks.state_owner import Request, StateOwner, create_request_stream
 from tests.peers import load_pb2, unix_target
@@ -461,6 +462,33 @@ async def test_repeated_prepare_is_idempotent_and_rewrites_a_lost_cdi_spec(tmp_p
         assert node.checkpointed() == {uid: cpus}
         await node.service.patches.wait()
         assert len(claims.patches) == 1  # the status already says so: no second patch
+
+
+async def test_prepare_records_the_claims_pods_and_a_later_prepare_their_change(
+    tmp_path: Path,
+) -> None:
+    pod_a, pod_b = str(uuid.uuid4()), str(uuid.uuid4())
+    claims = FakeClaims()
+    obj = claim_object("shared", [grouped_result("cpudevnuma002", "2")])
+    obj["status"]["reservedFor"] = [{"resource": "pods", "name": "a", "uid": pod_a}]
+    claims.add(obj)
+    ns, uid, name = _ref(obj)
+
+    def recorded() -> frozenset[str]:
+        stored = checkpoint_file.read_newest(node.checkpoint)
+        assert stored is not None
+        return stored.data.claims[uid].pod_uids
+
+    async with running_node(tmp_path, claims) as node:
+        assert (await prepare(node, "v1", (ns, uid, name))).claims[uid].error == ""
+        assert recorded() == {pod_a}
+        # A second pod shares the claim: the scheduler adds it, the kubelet prepares again.
+        grown = copy.deepcopy(claims.objects[(ns, name)])
+        grown["status"]["reservedFor"].append({"resource": "pods", "name": "b", "uid": pod_b})
+        claims.add(grown)
+        assert (await prepare(node, "v1", (ns, uid, name))).claims[uid].error == ""
+        assert recorded() == {pod_a, pod_b}
+        assert node.owner.state.claims[uid].pod_uids == {pod_a, pod_b}
 
 
 async def test_claim_without_our_devices_is_prepared_with_no_devices(tmp_path: Path) -> None:
@@ -1158,21 +1186,57 @@ async def test_dra_socket_mode_dir_stale_file_and_removal(tmp_path: Path) -> Non
     assert list(plugin_dir.iterdir()) == []
 
 
-async def test_dra_socket_replaces_a_regular_file_left_at_its_path(tmp_path: Path) -> None:
-    """A regular file where the socket goes (a botched earlier run) used to stop the daemon; the
-    kubelet's plugin guide says to delete what is there and listen anew."""
+@pytest.mark.parametrize(
+    "leave",
+    [
+        pytest.param(lambda p: p.write_text("not a socket"), id="regular file"),
+        pytest.param(lambda p: p.symlink_to(p.parent / "gone.sock"), id="dangling symlink"),
+        pytest.param(lambda p: p.symlink_to(p.parent.parent / "other"), id="symlink to a file"),
+    ],
+)
+async def test_dra_socket_replaces_whatever_an_earlier_run_left_at_its_path(
+    tmp_path: Path, leave: Callable[[Path], object]
+) -> None:
+    """A regular file or a link where the socket goes (a botched earlier run) used to stop the
+    daemon; the kubelet's plugin guide says to delete what is there and listen anew. A link is
+    removed, never followed."""
     path = tmp_path / "kubelet" / "plugins" / DRIVER / "dra.sock"
     path.parent.mkdir(parents=True)
-    path.write_text("not a socket")
+    other = path.parent.parent / "other"
+    other.write_text("someone else's")
+    leave(path)
     claims = FakeClaims()
     obj = claim_object("a", [grouped_result("cpudevnuma000", "1")])
     claims.add(obj)
     async with running_node(tmp_path, claims) as node:
         assert node.socket == path
         assert stat.S_ISSOCK(path.lstat().st_mode)
+        assert stat.S_IMODE(path.lstat().st_mode) == 0o600
         reply = await prepare(node, "v1", _ref(obj))
         assert reply.claims[_ref(obj)[1]].error == ""
     assert list(path.parent.iterdir()) == []
+    assert other.read_text() == "someone else's"
+
+
+async def test_dra_socket_refuses_a_directory_at_its_path_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "kubelet" / "plugins" / DRIVER / "dra.sock"
+    path.mkdir(parents=True)
+    (path / "inside").write_text("kept")
+    send, receive = _command_stream()
+    with send, receive:
+        async with anyio.create_task_group() as tg:
+            run = partial(
+                kubelet_plugin.run,
+                path,
+                send.clone(),
+                FakeClaims(),
+                NODE,
+                health=DeviceHealthBoard(),
+            )
+            with pytest.raises(DracpuError, match=f"'{path}' is a directory"):
+                await tg.start(run)
+    assert (path / "inside").read_text() == "kept"
+    assert [p.name for p in path.parent.iterdir()] == ["dra.sock"]  # no temporary left behind
 
 
 async def test_unknown_method_is_unimplemented_and_server_keeps_serving(tmp_path: Path) -> None:

@@ -196,6 +196,48 @@ async def test_next_batch_waits_for_a_submission() -> None:
     assert got == [[owner.state.containers["s1"].pin()]]
 
 
+def _busy(link: NriLink) -> bool:
+    """``link.busy``, read anew (a property mypy would take for constant between reads)."""
+    return link.busy
+
+
+async def test_settled_waits_for_the_queue_the_batch_on_its_way_and_the_answers() -> None:
+    owner = _synchronized("s1")
+    link = owner.link
+    settled = anyio.Event()
+
+    async def wait() -> None:
+        await link.settled()
+        settled.set()
+
+    assert not _busy(link)
+    await link.settled()  # returns at once
+    link.submit(UpdateContainers((owner.state.containers["s1"].pin(),)))
+    link.answering(1)  # an event is being answered
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait)
+        assert await link.next_batch() == [owner.state.containers["s1"].pin()]
+        await anyio.wait_all_tasks_blocked()
+        assert _busy(link)  # the batch is on its way, the answer not written
+        link.batch_done()
+        await anyio.wait_all_tasks_blocked()
+        assert not settled.is_set()
+        link.answering(-1)
+    assert settled.is_set()
+    assert not _busy(link)
+
+
+async def test_a_lost_connection_settles_the_link() -> None:
+    owner = _synchronized("s1")
+    owner.link.submit(UpdateContainers((owner.state.containers["s1"].pin(),)))
+    owner.link.answering(1)
+    assert _busy(owner.link)
+    owner.link.stop("the runtime went away")  # nothing it owes can reach the runtime now
+    assert not _busy(owner.link)
+    with anyio.fail_after(1):
+        await owner.link.settled()
+
+
 def test_reply_effects_are_replies() -> None:
     # The owner answers a container event with one Reply and no other effect: the pins travel
     # in the answer, never as effects of their own.

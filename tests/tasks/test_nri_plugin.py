@@ -48,6 +48,7 @@ from dracpu.sim.fake_runtime import (
 )
 from dracpu.sim.topologies import FIXTURES, build_topology
 from dracpu.tasks import nri_plugin
+from dracpu.tasks.claim_recheck import ClaimReader
 from dracpu.tasks.nri_link import NriLink
 from dracpu.tasks.state_owner import Request, StateOwner, create_request_stream, request
 from dracpu.wire.ttrpc import Code
@@ -94,6 +95,7 @@ class Node:
     socket: Path
     tg: anyio.abc.TaskGroup
     claims: dict[str, CpuSet] = field(default_factory=dict)
+    api: ClaimReader | None = None  # where the plugin reads claims again (None: never)
 
     @property
     def state(self) -> NodeState:
@@ -104,14 +106,20 @@ class Node:
         return str(self.state.shared_pool)
 
     async def prepare(
-        self, uid: str, device: str = "cpudevnuma000", count: int = 4, cpuset: str | None = None
+        self,
+        uid: str,
+        device: str = "cpudevnuma000",
+        count: int = 4,
+        cpuset: str | None = None,
+        pods: frozenset[str] = frozenset(),
     ) -> CpuSet:
-        """Prepare a grouped claim; ``cpuset``: the CPUs an external allocator chose."""
+        """Prepare a grouped claim (``default/claim-<uid[:4]>``); ``cpuset``: the CPUs an
+        external allocator chose; ``pods``: the pods it is reserved for."""
         chosen = None if cpuset is None else CpuSet.parse(cpuset)
         if chosen is not None:
             self.claims[uid] = chosen
         result = DeviceResult("cpus", NODE, device, consumed_cpus=count, cpuset=chosen)
-        command = PrepareClaim(uid, "default", f"claim-{uid[:4]}", (result,))
+        command = PrepareClaim(uid, "default", f"claim-{uid[:4]}", (result,), pod_uids=pods)
         prepared = await request(self.send, command)
         assert isinstance(prepared, ClaimPrepared)
         self.claims[uid] = prepared.cpus
@@ -140,6 +148,7 @@ class Node:
             self.send.clone(),
             lambda: self.owner.state,
             link=self.link,
+            claims=self.api,
             delays=fast_delays,
             start_timeout=start_timeout,
         )
@@ -167,6 +176,7 @@ async def open_node(
     prepared: tuple[tuple[str, str], ...] = (),
     start: bool = True,
     pin_memory: bool = True,
+    api: ClaimReader | None = None,
     **runtime_options: object,
 ) -> AsyncIterator[Node]:
     link = NriLink()
@@ -190,7 +200,7 @@ async def open_node(
             anyio.create_task_group() as tg,
         ):
             await tg.start(owner.run)
-            node = Node(runtime, owner, send, link, files, socket, tg)
+            node = Node(runtime, owner, send, link, files, socket, tg, api=api)
             if setup is not None:
                 setup(runtime)
             for uid, cpuset in prepared:
@@ -220,9 +230,15 @@ async def test_registers_and_subscribes_with_mask_0x688() -> None:
         assert info is not None
         assert (info.index, info.name) == ("00", "dra.cpu")
         assert info.requested_events == 0x688 == info.events
+        # The NRI release our proto follows, as containerd/nri's stub sends its module version:
+        # the runtime logs it instead of "NRI version unknown".
+        assert info.nri_version == "v0.12.2"
+        assert [n.detail for n in node.runtime.notes("registered")] == [
+            "00-dra.cpu (with NRI version v0.12.2)"
+        ]
         register = node.runtime.calls("RegisterPlugin")[0]
         assert register.request.SerializeToString(deterministic=True) == bytes.fromhex(
-            "0a076472612e6370751202" + "3030"
+            "0a076472612e6370751202" + "3030" + "1a07" + b"v0.12.2".hex()
         )
         configure = node.runtime.calls("Configure")[0]
         assert configure.outcome == "ok"
@@ -788,7 +804,7 @@ async def test_exact_answers_to_a_bare_runtime() -> None:
         pending = await runtime.start_call("Configure", configure.SerializeToString())
         registration = await runtime.register()
         assert (registration.plugin_name, registration.plugin_idx) == ("dra.cpu", "00")
-        assert not registration.NRI_version
+        assert registration.NRI_version == "v0.12.2"  # the NRI release of our proto
         assert await runtime.answer(pending) == (0, "", bytes.fromhex("10880d"))
         assert runtime.raw == bytes.fromhex("1203 10880d")  # Response{payload}, no status
         sync = pb.SynchronizeRequest().SerializeToString()

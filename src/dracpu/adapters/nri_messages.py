@@ -54,6 +54,7 @@ __all__ = [
     "CONTAINER_EVENTS",
     "MIN_CONTAINERD_FOR_UNSOLICITED",
     "MIN_NRI_FOR_UNSOLICITED",
+    "NRI_VERSION",
     "PLUGIN_SERVICE",
     "RUNTIME_SERVICE",
     "SUBSCRIBED_EVENTS",
@@ -81,6 +82,14 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# The NRI release whose API our proto/nri/v1alpha1/api.proto follows (messages and field
+# numbers as of containerd/nri v0.12.2). Sent as RegisterPluginRequest.NRI_version, as nri's
+# stub sends the version of the NRI Go module a plugin was built with (pkg/stub/stub.go
+# register, pkg/version GetFromBuildInfo, e.g. "v0.12.1"). The runtime only logs it
+# (pkg/adaptation/plugin.go RegisterPlugin: "registered ... (with NRI version v0.12.2)", else
+# "unknown"). Bump it with the proto.
+NRI_VERSION = "v0.12.2"
 
 # Service names on the wire (nri pkg/api/api_ttrpc.pb.go): mux conn 1 serves PLUGIN_SERVICE
 # (the runtime calls us), conn 2 is the runtime's RUNTIME_SERVICE (we call it).
@@ -324,9 +333,12 @@ def _set_cpu(cpu: api.LinuxCPU, cpus: CpuSet, mems: CpuSet | None) -> None:
 
 
 def register_plugin_request(name: str, index: str) -> bytes:
-    """``RegisterPluginRequest{plugin_name, plugin_idx}``."""
+    """``RegisterPluginRequest{plugin_name, plugin_idx, NRI_version}`` (:data:`NRI_VERSION`)."""
     try:
-        return api.RegisterPluginRequest(plugin_name=name, plugin_idx=index).SerializeToString()
+        request = api.RegisterPluginRequest(
+            plugin_name=name, plugin_idx=index, NRI_version=NRI_VERSION
+        )
+        return request.SerializeToString()
     except ValueError as exc:
         raise LocalProtocolError(f"nri: cannot encode the plugin name {name!r}: {exc}") from exc
 

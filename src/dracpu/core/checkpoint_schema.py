@@ -6,6 +6,7 @@ Layout (version 2)::
     {"checksum": "sha256:<hex>",
      "claims": {"<claimUID>": {"cpus": "4-5", "mems": "0" | null,
                                "namespace": "ns", "name": "claim",
+                               "podUids": ["<podUID>", ...],            (optional)
                                "results": [{"request": "req", "pool": "node", "device": "dev",
                                             "consumedCpus": 2 | null, "cpuset": "4-5" | null}]}},
      "sequence": 7,
@@ -22,6 +23,15 @@ document (the spaces that pad a slot overwritten by a shorter document) is allow
 ``mems`` are NUMA node ids (``null``: no memory pinning). ``results`` are the claim's allocation
 results, needed to tell an idempotent re-prepare from a conflicting one; an adopted claim (found
 as a CDI spec only) has none.
+
+``podUids`` (sorted, distinct) are the UIDs of the pods the claim is reserved for (its
+``status.reservedFor`` entries of resource ``pods``, read at Prepare and on a fresh look by the
+NRI task): only their containers may use the claim's CPUs. The key is optional within version 2
+and written only when the list is not empty, so a claim without known pods (adopted from its
+CDI spec, prepared by an earlier build, or reserved for no pod) is written as before, and a
+document of an earlier build decodes with no pods. A build from before the key refuses a claim
+that has it (its keys are fixed); after such a downgrade the claims are adopted from their CDI
+specs, as after a downgrade to version 1.
 
 :func:`decode` refuses anything else with a :class:`CheckpointError` naming the problem: not
 UTF-8, not JSON, wrong shape, unknown version, bad checksum, bad field types, malformed or
@@ -58,6 +68,7 @@ _SHA256_HEX_LEN = 64  # hashlib.sha256().hexdigest() length
 _TOP_KEYS = frozenset({"version", "checksum", "claims", "sequence"})
 _LEGACY_TOP_KEYS = frozenset({"version", "checksum", "claims"})
 _CLAIM_KEYS = frozenset({"cpus", "mems", "namespace", "name", "results"})
+_POD_UIDS = "podUids"  # optional claim key: written only when the claim has pods
 _RESULT_KEYS = frozenset({"request", "pool", "device", "consumedCpus", "cpuset"})
 _FRAGMENT_SLACK = 64  # memoized claim fragments beyond 2x the live claims before a sweep
 
@@ -69,6 +80,10 @@ class PreparedClaim:
     ``mems``: the NUMA nodes of ``cpus`` its containers' memory is pinned to, or ``None``.
     ``results``: the allocation results it was prepared for, sorted
     (:meth:`DeviceResult.sort_key`); empty for a claim adopted from its CDI spec.
+    ``pod_uids``: the pods the claim is reserved for (``status.reservedFor``, resource
+    ``pods``), whose containers alone may use it; empty when not known (adopted, prepared by an
+    earlier build, or reserved for no pod): then the first container to show the claim's env
+    keeps it (:mod:`dracpu.core.state_containers`).
     """
 
     claim_uid: str
@@ -77,6 +92,7 @@ class PreparedClaim:
     name: str = ""
     mems: CpuSet | None = None
     results: tuple[DeviceResult, ...] = ()
+    pod_uids: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,13 +133,16 @@ def _result_doc(result: DeviceResult) -> dict[str, Any]:
 
 
 def _claim_doc(claim: PreparedClaim) -> dict[str, Any]:
-    return {
+    doc: dict[str, Any] = {
         "cpus": str(claim.cpus),
         "mems": None if claim.mems is None else str(claim.mems),
         "namespace": claim.namespace,
         "name": claim.name,
         "results": [_result_doc(r) for r in claim.results],
     }
+    if claim.pod_uids:
+        doc[_POD_UIDS] = sorted(claim.pod_uids)
+    return doc
 
 
 def _fragment(claim: PreparedClaim) -> bytes:
@@ -266,9 +285,12 @@ def _string(value: object, what: str) -> str:
 def _decode_claim(uid: str, doc: object) -> PreparedClaim:
     if not uid:
         raise CheckpointError("checkpoint has a claim with an empty UID")
-    if not isinstance(doc, dict) or set(doc) != _CLAIM_KEYS:
+    if not isinstance(doc, dict) or set(doc) - {_POD_UIDS} != _CLAIM_KEYS:
         got = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
-        raise CheckpointError(f"checkpoint claim {uid} must have keys {sorted(_CLAIM_KEYS)}: {got}")
+        raise CheckpointError(
+            f"checkpoint claim {uid} must have keys {sorted(_CLAIM_KEYS)} "
+            f"(and optionally {_POD_UIDS!r}): {got}"
+        )
     cpus = _cpuset(doc["cpus"], f"claim {uid} cpus")
     assert cpus is not None  # not optional
     if not cpus:
@@ -285,7 +307,19 @@ def _decode_claim(uid: str, doc: object) -> PreparedClaim:
         name=_string(doc["name"], f"claim {uid} name"),
         mems=mems,
         results=tuple(sorted(results, key=DeviceResult.sort_key)),
+        pod_uids=_pod_uids(uid, doc.get(_POD_UIDS, [])),
     )
+
+
+def _pod_uids(uid: str, doc: object) -> frozenset[str]:
+    if not isinstance(doc, list) or not all(isinstance(p, str) and p for p in doc):
+        raise CheckpointError(
+            f"checkpoint claim {uid} {_POD_UIDS} must be a list of non-empty strings, not {doc!r}"
+        )
+    pods = frozenset(doc)
+    if len(pods) != len(doc):
+        raise CheckpointError(f"checkpoint claim {uid} {_POD_UIDS} lists a pod twice: {doc!r}")
+    return pods
 
 
 def _decode_result(uid: str, index: int, doc: object) -> DeviceResult:

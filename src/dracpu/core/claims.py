@@ -33,6 +33,10 @@ How many CPUs a grouped result gets is what the scheduler wrote into its ``consu
   Prepare ("CPU capacity ... is missing"); so do we, naming the feature.
 - Individual devices have no capacity: their results carry none, and one CPU each.
 
+:func:`reserved_pods` reads the UIDs of the pods a claim is reserved for (``status.reservedFor``
+entries of resource ``pods`` in the core group): only their containers may use the claim's CPUs
+(:mod:`dracpu.core.state_containers`).
+
 :func:`device_status_patch` builds the JSON merge patch of the claim's ``status.devices``
 (``AllocatedDeviceStatus``) that records the prepared cpuset as ``data: {"cpuset": "0-3"}`` on
 each of our allocated devices. ``status.devices`` is replaced as a whole by a merge patch, so the
@@ -64,6 +68,7 @@ __all__ = [
     "device_status_patch",
     "parse_whole_quantity",
     "read_claim",
+    "reserved_pods",
 ]
 
 # The capacity grouped devices publish and allocations consume (upstream
@@ -120,6 +125,8 @@ class ClaimAllocation:
     resource_version: str
     devices: tuple[AllocatedDevice, ...]
     configs: tuple[OpaqueConfig, ...]
+    pod_uids: frozenset[str] = frozenset()
+    """The pods the claim is reserved for (:func:`reserved_pods`)."""
 
     def device_results(self) -> tuple[DeviceResult, ...]:
         """The results as :class:`~dracpu.core.commands.PrepareClaim` takes them."""
@@ -194,7 +201,32 @@ def read_claim(
         resource_version=_text(metadata.get("resourceVersion")),
         devices=devices,
         configs=configs,
+        pod_uids=reserved_pods(claim),
     )
+
+
+def reserved_pods(claim: Mapping[str, Any]) -> frozenset[str]:
+    """The UIDs of the pods ``claim`` is reserved for: its ``status.reservedFor`` entries
+    (``ResourceClaimConsumerReference``) with ``resource: pods`` and the core API group (``""``
+    or absent). Other consumers are not pods and run no container. Raises :class:`ClaimError`
+    for a malformed list or a pod entry without a UID."""
+    metadata = claim.get("metadata")
+    label = "claim"
+    if isinstance(metadata, Mapping):
+        label = f"claim {_text(metadata.get('namespace'))}/{_text(metadata.get('name'))}"
+    status = claim.get("status")
+    entries = _or_empty(status.get("reservedFor") if isinstance(status, Mapping) else None, [])
+    if not isinstance(entries, list):
+        raise ClaimError(f"{label}: status.reservedFor is not a list")
+    pods: set[str] = set()
+    for index, entry in enumerate(entries):
+        where = f"{label}: status.reservedFor[{index}]"
+        if not isinstance(entry, Mapping):
+            raise ClaimError(f"{where} is not an object")
+        if entry.get("resource") != "pods" or _or_empty(entry.get("apiGroup"), "") != "":
+            continue
+        pods.add(_required_text(where, entry, "uid"))
+    return frozenset(pods)
 
 
 _RESULT_KEYS = ("request", "pool", "device")

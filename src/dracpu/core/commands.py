@@ -9,7 +9,8 @@ Who sends what:
 - the kubelet plugin: :class:`PrepareClaim`, :class:`UnprepareClaim`;
 - the NRI plugin: :class:`CreateContainer`, :class:`UpdateContainer`, :class:`StopContainer`,
   :class:`RemoveContainer`, :class:`Synchronize`, :class:`RuntimeDisconnected`,
-  :class:`InvalidateContainers` (the runtime failed an unsolicited ``UpdateContainers``);
+  :class:`InvalidateContainers` (the runtime failed an unsolicited ``UpdateContainers``),
+  :class:`UpdateClaimPods` (a fresh look at a claim's ``status.reservedFor``);
 - the pod-resources sync: :class:`PodsListed`;
 - the state owner itself at start and on SIGHUP: :class:`AdoptClaims`, :class:`Resync`.
 
@@ -45,6 +46,7 @@ __all__ = [
     "StopContainer",
     "Synchronize",
     "UnprepareClaim",
+    "UpdateClaimPods",
     "UpdateContainer",
     "claims_from_env",
 ]
@@ -86,7 +88,9 @@ class PrepareClaim:
 
     All results of the claim are unioned into ONE cpuset (upstream: one CDI env var per claim).
     ``policy`` and ``pin_memory`` override the node defaults for this claim (its opaque config);
-    ``None`` keeps the default.
+    ``None`` keeps the default. ``pod_uids``: the pods its ``status.reservedFor`` names (only
+    their containers may use its CPUs); a Prepare of a prepared claim with other pods (a shared
+    claim gains consumers) updates the record (known pods are never emptied).
     """
 
     claim_uid: str
@@ -95,6 +99,7 @@ class PrepareClaim:
     results: tuple[DeviceResult, ...]
     policy: AllocationPolicy | None = None
     pin_memory: bool | None = None
+    pod_uids: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +127,17 @@ class AdoptClaims:
     """
 
     claims: tuple[AdoptedClaim, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateClaimPods:
+    """A fresh read of a prepared claim's ``status.reservedFor``: the pods it is reserved for
+    now (the NRI task reads it when a container of another pod shows the claim's env, then
+    decides again). Unknown claims are ignored; a change is checkpointed; known pods are
+    replaced, never emptied."""
+
+    claim_uid: str
+    pod_uids: frozenset[str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,6 +304,7 @@ class InvalidateContainers:
 Command = (
     PrepareClaim
     | UnprepareClaim
+    | UpdateClaimPods
     | AdoptClaims
     | PodsListed
     | Resync

@@ -23,8 +23,10 @@ Rules (each checked by :func:`check_invariants` after every command in the prope
    CDI spec rewritten (a reboot empties ``/var/run/cdi``). The same UID with other results is an
    error. Unpreparing an unknown claim succeeds.
 6. A container gets a claim's CPUs only if the claim is prepared here with exactly the cpuset its
-   ``DRA_CPUSET_<uid>`` env says, and only one (pod, container name) may use a claim until it is
-   unprepared (fail closed: a spoofed env is an error for CreateContainer).
+   ``DRA_CPUSET_<uid>`` env says, its pod is one the claim is reserved for (when the claim's
+   pods are known: ``PreparedClaim.pod_uids``), and only one (pod, container name) may use a
+   claim until it is unprepared (fail closed: a spoofed or copied env is an error for
+   CreateContainer).
 7. When a container with a claim starts, the same reply moves every shared container off the
    claim's CPUs.
 8. Every container's pin carries the number of the decision that chose it, never above
@@ -75,6 +77,7 @@ from dracpu.core.commands import (
     StopContainer,
     Synchronize,
     UnprepareClaim,
+    UpdateClaimPods,
     UpdateContainer,
 )
 from dracpu.core.cpuset import EMPTY, CpuSet
@@ -90,7 +93,14 @@ from dracpu.core.effects import (
 )
 from dracpu.core.node_config import NodeConfig
 from dracpu.core.reconfigure import held_at_restore
-from dracpu.core.state_claims import adopt, pods_listed, prepare, resync, unprepare
+from dracpu.core.state_claims import (
+    adopt,
+    pods_listed,
+    prepare,
+    resync,
+    unprepare,
+    update_claim_pods,
+)
 from dracpu.core.state_containers import (
     create_container,
     forget_container,
@@ -132,6 +142,8 @@ def apply(state: NodeState, command: Command) -> tuple[NodeState, list[Effect]]:
                 return prepare(state, command)
             case UnprepareClaim():
                 return unprepare(state, command)
+            case UpdateClaimPods():
+                return update_claim_pods(state, command)
             case CreateContainer() | UpdateContainer():
                 return create_container(state, command.container)
             case StopContainer():

@@ -1,5 +1,5 @@
-"""The node state's claims: what Prepare, Unprepare, adoption, pod listings and Resync do to it
-(a part of :func:`dracpu.core.state.apply`).
+"""The node state's claims: what Prepare, Unprepare, a fresh look at a claim's pods, adoption,
+pod listings and Resync do to it (a part of :func:`dracpu.core.state.apply`).
 
 A claim's CPUs are reserved in the new state before its CDI spec and the checkpoint are
 written, and freed in it after its spec is deleted: the effect lists say so, in crash-safe order
@@ -22,6 +22,7 @@ from dracpu.core.commands import (
     PrepareClaim,
     Resync,
     UnprepareClaim,
+    UpdateClaimPods,
 )
 from dracpu.core.cpuset import EMPTY, CpuSet
 from dracpu.core.effects import (
@@ -47,7 +48,7 @@ from dracpu.core.state_values import NodeState, mutable
 from dracpu.core.topology import Topology
 from dracpu.errors import AllocationError, ClaimConflictError, ClaimError, InsufficientCpusError
 
-__all__ = ["adopt", "pods_listed", "prepare", "resync", "unprepare"]
+__all__ = ["adopt", "pods_listed", "prepare", "resync", "unprepare", "update_claim_pods"]
 
 
 def _normalized(results: Iterable[DeviceResult]) -> tuple[DeviceResult, ...]:
@@ -214,16 +215,27 @@ def prepare(state: NodeState, command: PrepareClaim) -> tuple[NodeState, list[Ef
     existing = state.claims.get(uid)
     if existing is not None:
         prepared = ClaimPrepared(uid, existing.cpus, existing.mems, results)
+        pods = _pods(existing, command.pod_uids)
         if existing.results == results:
             # Idempotent; rewrite the CDI spec (a reboot empties /var/run/cdi, k/k#141433).
-            return state, [WriteCdiSpec(uid, existing.cpus), Reply(prepared)]
-        if existing.results:
+            if existing.pod_uids == pods:
+                return state, [WriteCdiSpec(uid, existing.cpus), Reply(prepared)]
+            # The same claim, reserved for other pods now (a shared claim gains consumers).
+            claim = replace(existing, pod_uids=pods)
+        elif existing.results:
             raise ClaimConflictError(
                 f"claim {uid} is already prepared for devices {_devices(existing.results)}; "
                 f"asked again for devices {_devices(results)}"
             )
-        _consistent_with_adopted(state.config, uid, existing.cpus, results)
-        claim = replace(existing, namespace=command.namespace, name=command.name, results=results)
+        else:
+            _consistent_with_adopted(state.config, uid, existing.cpus, results)
+            claim = replace(
+                existing,
+                namespace=command.namespace,
+                name=command.name,
+                results=results,
+                pod_uids=pods,
+            )
         claims = mutable(state.claims)
         claims[uid] = claim
         new = replace(state, claims=MappingProxyType(claims))
@@ -240,7 +252,9 @@ def prepare(state: NodeState, command: PrepareClaim) -> tuple[NodeState, list[Ef
     claimed = state.claimed | cpus
     _check_shared_pool(state, claimed, f"preparing claim {uid} with cpus {cpus}")
     mems = _claim_mems(state.config, cpus, command.pin_memory)
-    claim = PreparedClaim(uid, cpus, command.namespace, command.name, mems, results)
+    claim = PreparedClaim(
+        uid, cpus, command.namespace, command.name, mems, results, command.pod_uids
+    )
     claims = mutable(state.claims)
     claims[uid] = claim
     new = replace(state, claims=MappingProxyType(claims), claimed=claimed)
@@ -307,6 +321,27 @@ def unprepare(state: NodeState, command: UnprepareClaim) -> tuple[NodeState, lis
         Reply(ClaimUnprepared(uid, existing.cpus)),
         *after,
     ]
+
+
+def _pods(claim: PreparedClaim, seen: frozenset[str]) -> frozenset[str]:
+    """The pods to record for ``claim`` when its reservation names ``seen``: known pods are
+    replaced, never emptied (an empty record would hand the claim to the first container that
+    shows its env; a claim whose pods are gone is unprepared soon)."""
+    return seen or claim.pod_uids
+
+
+def update_claim_pods(state: NodeState, command: UpdateClaimPods) -> tuple[NodeState, list[Effect]]:
+    """A fresh look at a claim's pods: record them (and checkpoint) if they changed."""
+    existing = state.claims.get(command.claim_uid)
+    if existing is None:
+        return state, [Reply(None)]
+    pods = _pods(existing, command.pod_uids)
+    if existing.pod_uids == pods:
+        return state, [Reply(None)]
+    claims = mutable(state.claims)
+    claims[command.claim_uid] = replace(existing, pod_uids=pods)
+    new = replace(state, claims=MappingProxyType(claims))
+    return new, [WriteCheckpoint(new.checkpoint()), Reply(None)]
 
 
 def pods_listed(state: NodeState, command: PodsListed) -> tuple[NodeState, list[Effect]]:

@@ -6,6 +6,17 @@ stamped on every record it changes and every update it answers with: the NRI tas
 numbers to keep the last write that reaches each container the owner's last decision, whatever
 order the runtime applies an event reply and an unsolicited update in
 (:mod:`dracpu.tasks.nri_link`).
+
+Who may use a claim (rule 6 of :mod:`dracpu.core.state`): a container whose env names it with
+the claim's exact cpuset, in a pod the claim is reserved for (``PreparedClaim.pod_uids``, the
+pods of its ``status.reservedFor``), and only one (pod, container name) until Unprepare. A
+container of another pod is refused (CreateContainer fails; Synchronize confines it to the
+shared pool): an env copied from a prepared claim's CDI spec must not pin a stranger to the
+claim's CPUs, nor lock the claim's own container out. Before it refuses, the NRI task reads the
+claim again (:func:`unreserved_claims` says which claims, then
+:class:`~dracpu.core.commands.UpdateClaimPods`): a claim shared by several pods gains consumers
+after its Prepare. A claim whose pods are not known (adopted from its CDI spec, prepared by an
+earlier build, reserved for no pod) goes to the first (pod, container name) that shows its env.
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
+from dracpu.core.checkpoint_schema import PreparedClaim
 from dracpu.core.commands import Container, Synchronize
 from dracpu.core.cpuset import EMPTY, CpuSet
 from dracpu.core.effects import (
@@ -34,9 +46,38 @@ __all__ = [
     "create_container",
     "forget_container",
     "invalidate",
+    "reserved_for",
     "synchronize",
+    "unreserved_claims",
     "unsolicited_widening",
 ]
+
+
+def reserved_for(claim: PreparedClaim, pod_uid: str) -> bool:
+    """May a container of pod ``pod_uid`` use ``claim``? Yes when the claim's pods are not
+    known (the first-comer rule applies), else when the pod is one of them."""
+    return not claim.pod_uids or pod_uid in claim.pod_uids
+
+
+def unreserved_claims(state: NodeState, container: Container) -> tuple[PreparedClaim, ...]:
+    """The prepared claims the container's env names, with the cpuset they hold, that are not
+    reserved for its pod: the claims to read again before the container is refused."""
+    found: list[PreparedClaim] = []
+    for env in container.claims:
+        claim = state.claims.get(env.claim_uid)
+        if (
+            claim is not None
+            and claim.cpus == env.cpus
+            and not reserved_for(claim, container.pod_uid)
+        ):
+            found.append(claim)
+    return tuple(found)
+
+
+def _claim_label(claim: PreparedClaim) -> str:
+    if claim.name:
+        return f"claim {claim.namespace}/{claim.name} ({claim.claim_uid})"
+    return f"claim {claim.claim_uid}"
 
 
 def _verify(
@@ -60,6 +101,12 @@ def _verify(
             raise ClaimError(
                 f"{what}: its env says claim {env.claim_uid} has cpus {env.cpus}, but the claim "
                 f"is prepared with cpus {claim.cpus} (spoofed DRA_CPUSET env)"
+            )
+        if not reserved_for(claim, container.pod_uid):
+            raise ClaimError(
+                f"{what}: {_claim_label(claim)} is not reserved for pod {container.pod_uid} "
+                f"(its status.reservedFor names {len(claim.pod_uids)} other pod(s)); "
+                "its DRA_CPUSET env was copied from another pod's claim"
             )
         owner = owners.get(env.claim_uid)
         if owner is not None and owner != me:

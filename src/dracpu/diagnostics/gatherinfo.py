@@ -244,6 +244,7 @@ def _checkpoint(process: DriverProcess, config: Config) -> Any:
                 "cpus": str(claim.cpus),
                 "mems": None if claim.mems is None else str(claim.mems),
                 "devices": [result.device for result in claim.results],
+                "podUids": sorted(claim.pod_uids),
             }
             for uid, claim in sorted(stored.data.claims.items())
         ],

@@ -253,10 +253,13 @@ def build_resource_claim(
     node_name: str | None = None,
     device_class: str = DRIVER_NAME,
     allocated: bool = True,
+    reserved_for: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
     """A schema-valid ``resource.k8s.io/v1`` ResourceClaim whose allocation has ``results``
     (``{"request", "driver", "pool", "device", ...}``); one ``ExactCount`` request per distinct
-    main request name. ``allocated=False`` leaves ``status`` empty."""
+    main request name. ``allocated=False`` leaves ``status`` empty. ``reserved_for``: its
+    ``status.reservedFor`` consumers (``{"resource": "pods", "name", "uid"}``: what the
+    scheduler writes for the pods it binds)."""
     requests: dict[str, int] = {}
     for result in results:
         main = str(result.get("request", "")).split("/", 1)[0]
@@ -300,6 +303,8 @@ def build_resource_claim(
                 ]
             }
         claim["status"] = {"allocation": allocation}
+        if reserved_for:
+            claim["status"]["reservedFor"] = [dict(r) for r in reserved_for]
     return claim
 
 

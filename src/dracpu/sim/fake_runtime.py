@@ -35,7 +35,9 @@ Behaviour copied from containerd 2.x / NRI (each rule names its source in a comm
 * one lock (containerd's NRI lock) is held across each relayed event and the whole
   ``Synchronize``; ``UpdateContainers`` from the plugin takes the same lock (``updates_while_busy
   ="wait"``), which reproduces containerd/containerd#13733; ``"serve"`` applies at once and
-  ``"refuse"`` answers UNAVAILABLE while the lock is held;
+  ``"refuse"`` answers UNAVAILABLE while the lock is held; an update whose plugin connection
+  closed while it waited is not applied (ttrpc cancels the requests of a closed connection);
+  :meth:`busy` holds the lock as a long event does;
 * ``Synchronize`` is one message unless it exceeds the ttrpc limit (then it is split as
   ``recalcObjsPerSyncMsg`` does) or ``sync_chunk`` forces chunks; each ``more=true`` chunk must be
   answered with ``more=true`` and no updates, else the plugin is closed;

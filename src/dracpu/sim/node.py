@@ -329,11 +329,14 @@ class NodeSim:
         namespace: str = "default",
         device: str | None = None,
         request: str = "cpus",
+        reserved_for: Iterable[FakePod] = (),
     ) -> SimClaim:
         """Play the scheduler: allocate ``cpus`` CPUs from the published devices and write the
         ResourceClaim (allocated, for this node). Grouped mode: the first device (or
         ``device``) with enough free capacity, ``consumedCapacity`` and a ``shareID``;
-        individual mode: the first ``cpus`` free devices in published order."""
+        individual mode: the first ``cpus`` free devices in published order. ``reserved_for``:
+        the pods it is bound to (``status.reservedFor``; the scheduler reserves a claim for
+        each pod it schedules with it, before the kubelet prepares it)."""
         devices = self.published()
         if not devices:
             raise SimError("no device is published: the scheduler cannot allocate")
@@ -370,7 +373,7 @@ class NodeSim:
                         "device": chosen,
                     }
                 )
-        claim = self.write_claim(name, results, namespace=namespace)
+        claim = self.write_claim(name, results, namespace=namespace, reserved_for=reserved_for)
         self._claims[claim.uid] = claim
         return claim
 
@@ -382,6 +385,7 @@ class NodeSim:
         namespace: str = "default",
         uid: str | None = None,
         allocated: bool = True,
+        reserved_for: Iterable[FakePod] = (),
     ) -> SimClaim:
         """Write a ResourceClaim with exactly these ``results`` (tests of bad input); no
         capacity bookkeeping."""
@@ -392,6 +396,9 @@ class NodeSim:
             uid=uid,
             node_name=self.node_name,
             allocated=allocated,
+            reserved_for=[
+                {"resource": "pods", "name": pod.name, "uid": pod.uid} for pod in reserved_for
+            ],
         )
         stored = self.api.add_resource_claim(obj)
         return SimClaim(namespace, name, stored["metadata"]["uid"], [dict(r) for r in results])
@@ -492,14 +499,17 @@ class NodeSim:
         *,
         claims: Iterable[SimClaim] = (),
         namespace: str = "default",
+        pod: FakePod | None = None,
     ) -> tuple[FakePod, FakeContainer]:
         """Create and start a container through the runtime (NRI CreateContainer/Start), with
-        the CDI env of ``claims`` injected as the runtime would. The reply's adjustment and
-        updates are applied to the runtime's table."""
+        the CDI env of ``claims`` injected as the runtime would, in a new pod ``pod_name`` (or
+        in ``pod``, made with ``runtime.add_pod``: a pod a claim was reserved for). The reply's
+        adjustment and updates are applied to the runtime's table."""
         env: list[str] = []
         for claim in claims:
             env.extend(self.cdi_env(claim.uid))
-        pod = self.runtime.add_pod(pod_name, namespace=namespace)
+        if pod is None:
+            pod = self.runtime.add_pod(pod_name, namespace=namespace)
         await self.runtime.run_pod_sandbox(pod)
         container = self.runtime.new_container(pod, name, env=env)
         await self.runtime.create_container(pod, container)

@@ -1,9 +1,10 @@
 """The fake runtime's failure injection: garbage, an oversized frame, a dropped plugin, a
-restart."""
+restart, a runtime busy with a long event."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 
 import anyio
 import anyio.abc
@@ -71,6 +72,14 @@ class Faults(RuntimeBase):
                 except _SEND_ERRORS:
                     pass
         return written
+
+    @asynccontextmanager
+    async def busy(self) -> AsyncIterator[None]:
+        """Hold the runtime's NRI lock for the block, as a long event (another plugin's) does:
+        the plugin's ``UpdateContainers`` waits for it (``updates_while_busy="wait"``), and
+        is dropped if the plugin hangs up meanwhile."""
+        async with self._lock:
+            yield
 
     async def drop_plugin(self, reason: str = "dropped by the test") -> None:
         """Close the plugin's connection as a fatal error would; wait until it is closed."""

@@ -62,6 +62,7 @@ READ_CHUNK = 65536  # bytes per socket read; any size works, the mux parser reas
 STOP_TIMEOUT = 5.0  # seconds the runtime waits for its connections to end when it stops
 OVERSIZED_WRITE_CHUNK = 65536  # send_oversized_frame writes its payload in pieces this big
 OVERSIZED_WRITE_TIMEOUT = 10.0  # seconds send_oversized_frame may block on a plugin not reading
+CODE_CANCELLED = 1  # google.rpc.Code: a request whose context was cancelled
 CODE_UNKNOWN = 2  # google.rpc.Code: what Go's ttrpc sends for a plain Go error
 CODE_INVALID_ARGUMENT = 3  # google.rpc.Code
 CODE_RESOURCE_EXHAUSTED = 8  # google.rpc.Code (ttrpc channel.go, oversized message)

@@ -15,6 +15,7 @@ from dracpu.sim.runtime_model import (
     _PLUGIN_INDEX,
     _PLUGIN_NAME,
     _SEND_ERRORS,
+    CODE_CANCELLED,
     CODE_INVALID_ARGUMENT,
     CODE_RESOURCE_EXHAUSTED,
     CODE_UNAVAILABLE,
@@ -448,7 +449,11 @@ class NriServer(RuntimeBase):
             conn.name = request.plugin_name
             conn.index = request.plugin_idx
             conn.plugin_nri_version = request.NRI_version
-            self._note("registered", f"{request.plugin_idx}-{request.plugin_name}", conn)
+            # nri pkg/adaptation/plugin.go RegisterPlugin logs the plugin's NRI version, or
+            # "unknown" when the request has none.
+            version = request.NRI_version or "unknown"
+            what = f"{request.plugin_idx}-{request.plugin_name} (with NRI version {version})"
+            self._note("registered", what, conn)
         conn.registered.set()
         self.log.append(
             Call(
@@ -491,7 +496,13 @@ class NriServer(RuntimeBase):
             code, text = self._apply_unsolicited(request)
         else:
             async with self._lock:  # containerd nri.go updateFromPlugin takes l.Lock()
-                code, text = self._apply_unsolicited(request)
+                if conn.close_reason:
+                    # The plugin hung up while this waited: ttrpc cancelled the request's context
+                    # with the connection (server.go run: deferred cancel), and the container
+                    # updates fail with it. Nothing is applied.
+                    code, text = CODE_CANCELLED, "context canceled"
+                else:
+                    code, text = self._apply_unsolicited(request)
         # Logged before the reply is written (an await): whoever sees the table changed also
         # sees the call that changed it.
         self.log.append(
@@ -503,7 +514,7 @@ class NriServer(RuntimeBase):
                 response=None if code else nri.UpdateContainersResponse(),
                 code=code,
                 message=text,
-                outcome="error" if code else "ok",
+                outcome=("closed" if code == CODE_CANCELLED else "error") if code else "ok",
                 seconds=anyio.current_time() - started,
                 connection=conn.number,
             )

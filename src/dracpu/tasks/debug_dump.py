@@ -54,6 +54,7 @@ def snapshot(state: NodeState | None, log: list[str], now: float) -> dict[str, o
                 "name": claim.name,
                 "cpus": str(claim.cpus),
                 "mems": None if claim.mems is None else str(claim.mems),
+                "podUids": sorted(claim.pod_uids),
             }
             for uid, claim in sorted(state.claims.items())
         ]

@@ -13,7 +13,8 @@ a time over all calls):
 
 1. GET the ResourceClaim ``namespace/name`` (the kubelet sends references only) and read it with
    :func:`dracpu.core.claims.read_claim`: the UID must be the one asked for, the claim must be
-   allocated, our results (driver ``dra.cpu``, pool = node name) must be well formed;
+   allocated, our results (driver ``dra.cpu``, pool = node name) must be well formed; the pods
+   of its ``status.reservedFor`` are recorded with it (only their containers may use it);
 2. send :class:`~dracpu.core.commands.PrepareClaim` to the state owner, which picks the CPUs,
    writes the CDI spec and the checkpoint (and rewrites the spec when the claim was already
    prepared: a reboot empties ``/var/run/cdi``);
@@ -236,6 +237,7 @@ class DraService:
                     namespace=ref.namespace,
                     name=ref.name,
                     results=allocation.device_results(),
+                    pod_uids=allocation.pod_uids,
                 )
                 if allocation.configs:
                     logger.warning(

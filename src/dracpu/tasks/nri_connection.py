@@ -7,7 +7,8 @@ runtime's ``nri.pkg.api.v1alpha1.Runtime`` (containerd/nri ``pkg/net/multiplex``
 
 1. the reader serves conn 1 from the start, because ``Configure`` may arrive before the answer
    to our registration;
-2. ``RegisterPlugin{name, index}`` on conn 2 (``dra.cpu``/``00`` by default);
+2. ``RegisterPlugin{name, index, NRI_version}`` on conn 2 (``dra.cpu``/``00`` by default, and
+   the NRI release our API follows, :data:`~dracpu.adapters.nri_messages.NRI_VERSION`);
 3. the runtime calls ``Configure``: we subscribe to CreateContainer, UpdateContainer,
    StopContainer and RemoveContainer (mask 0x688, valid on every runtime since NRI v0.2) and
    note the runtime's name and versions: unsolicited updates are allowed only with NRI >=
@@ -28,12 +29,15 @@ container the runtime failed to update is reported to the owner
 (:class:`~dracpu.core.commands.InvalidateContainers`, with the failed decisions' numbers).
 
 A refusal of the state owner (a spoofed or malformed ``DRA_CPUSET_*`` env, a claim not prepared
-here) fails the container's creation with a status code (fail closed); so does an owner that
-does not answer well before the runtime's deadline (2 s by default): a plugin that times out is
-dropped and the container is created *unpinned*, so we answer an error instead. Handlers do no
-I/O besides the owner round trip and their reply. A malformed message is answered with
-INVALID_ARGUMENT; EOF, a socket error or a protocol violation ends the connection (the task
-reconnects), and bugs (non-DracpuError exceptions) end the task.
+here, a claim not reserved for the container's pod) fails the container's creation with a status
+code (fail closed); so does an owner that does not answer well before the runtime's deadline
+(2 s by default): a plugin that times out is dropped and the container is created *unpinned*, so
+we answer an error instead. Handlers do no I/O besides the owner round trip and their reply,
+with one exception: before a container is refused (or confined, at Synchronize) because a claim
+is not reserved for its pod, the claim is read once more, within the deadline
+(:mod:`dracpu.tasks.claim_recheck`), and the owner decides again. A malformed message is
+answered with INVALID_ARGUMENT; EOF, a socket error or a protocol violation ends the connection
+(the task reconnects), and bugs (non-DracpuError exceptions) end the task.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from dracpu.adapters.ttrpc_envelopes import Answer, Call
 from dracpu.config import Config
 from dracpu.core.commands import (
     Command,
+    Container,
     CreateContainer,
     InvalidateContainers,
     RemoveContainer,
@@ -63,6 +68,7 @@ from dracpu.core.commands import (
 )
 from dracpu.core.effects import ContainerForgotten, ContainerPinned, ContainerUpdate, Synchronized
 from dracpu.errors import DracpuError, LocalProtocolError, RemoteProtocolError
+from dracpu.tasks.claim_recheck import ClaimRecheck, Recheck
 from dracpu.tasks.nri_link import NriLink
 from dracpu.tasks.state_owner import Request, request
 from dracpu.wire.events import (
@@ -144,7 +150,9 @@ Handler = Callable[[Call], Awaitable[_Reply]]
 class NriConnection:
     """One socket to the runtime: the mux, both ttrpc connections, the handlers, the sender.
 
-    ``on_synchronized`` is called once, after the first Synchronize was answered.
+    ``on_synchronized`` is called once, after the first Synchronize was answered. ``recheck``
+    reads claims again before a container of a pod they are not reserved for is refused
+    (``None``: never).
     """
 
     def __init__(
@@ -154,12 +162,14 @@ class NriConnection:
         owner: OwnerSend,
         link: NriLink,
         on_synchronized: Callable[[], None],
+        recheck: ClaimRecheck | None = None,
     ) -> None:
         self._stream = stream
         self._config = config
         self._owner = owner
         self._link = link
         self._on_synchronized = on_synchronized
+        self._recheck = recheck
         self._mux = MuxConnection()
         self._server = TtrpcConnection(Role.SERVER)  # conn 1: the runtime calls us
         self._client = TtrpcConnection(Role.CLIENT)  # conn 2: we call the runtime
@@ -337,23 +347,29 @@ class NriConnection:
         link = self._link
         while True:
             batch = await link.next_batch()
-            if not batch:
-                continue
-            failed, reason = await self._update_containers(batch)
-            link.sent += 1
-            if failed:
-                link.failed += 1
-                logger.warning(
-                    "NRI: UpdateContainers of %d containers failed (%s); they are re-pinned at "
-                    "the next container event",
-                    len(failed),
-                    reason,
-                )
-                pins = tuple((u.container_id, u.seq) for u in batch if u.container_id in failed)
-                await self._invalidate(pins)
-            else:
-                logger.info("NRI: unsolicited update: %s", messages.describe_updates(batch))
-            link.written(u for u in batch if u.container_id not in failed)
+            try:
+                if batch:
+                    await self._send_batch(batch)
+            finally:
+                link.batch_done()
+
+    async def _send_batch(self, batch: list[ContainerUpdate]) -> None:
+        link = self._link
+        failed, reason = await self._update_containers(batch)
+        link.sent += 1
+        if failed:
+            link.failed += 1
+            logger.warning(
+                "NRI: UpdateContainers of %d containers failed (%s); they are re-pinned at "
+                "the next container event",
+                len(failed),
+                reason,
+            )
+            pins = tuple((u.container_id, u.seq) for u in batch if u.container_id in failed)
+            await self._invalidate(pins)
+        else:
+            logger.info("NRI: unsolicited update: %s", messages.describe_updates(batch))
+        link.written(u for u in batch if u.container_id not in failed)
 
     async def _update_containers(
         self, updates: list[ContainerUpdate]
@@ -385,14 +401,22 @@ class NriConnection:
 
     # --- serving the Plugin service ---------------------------------------------------------------
 
-    def _budget(self, call: Call) -> float:
-        """How long a handler may wait for the owner: the runtime's deadline minus a margin."""
+    def _deadline(self, call: Call) -> float:
+        """Until when (``anyio.current_time()``) a handler may work on its answer: the
+        runtime's deadline minus a margin."""
         deadline = call.timeout_nano / 1e9 if call.timeout_nano > 0 else 0.0
         if deadline <= 0 or deadline > self._request_timeout:
             deadline = self._request_timeout
-        return max(MIN_HANDLER_BUDGET, deadline - HANDLER_MARGIN)
+        return anyio.current_time() + max(MIN_HANDLER_BUDGET, deadline - HANDLER_MARGIN)
 
     async def _handle(self, call: Call) -> None:
+        self._link.answering(1)
+        try:
+            await self._handle_call(call)
+        finally:
+            self._link.answering(-1)
+
+    async def _handle_call(self, call: Call) -> None:
         method = call.method
         if call.service != messages.PLUGIN_SERVICE:
             await self._answer_error(call.stream_id, Code.UNIMPLEMENTED, f"service {call.service}")
@@ -419,20 +443,26 @@ class NriConnection:
             return
         await self._answer(call.stream_id, reply)
 
-    async def _ask(self, call: Call, command: Command) -> object:
-        """The owner's answer to ``command``, within the handler's budget; raises
+    async def _ask(self, command: Command, deadline: float) -> object:
+        """The owner's answer to ``command`` by ``deadline`` (:meth:`_deadline`); raises
         :class:`_Refused` with the status that fails the runtime's operation."""
-        budget = self._budget(call)
         name = type(command).__name__
         try:
-            with anyio.fail_after(budget):
+            with anyio.fail_at(deadline):
                 return await request(self._owner, command)
         except TimeoutError:
-            error = DracpuError(f"the state owner did not answer {name} within {budget:.2f} s")
+            error = DracpuError(f"the state owner did not answer {name} before the deadline")
         except DracpuError as exc:
             error = exc
         code, message = messages.error_status(error)
         raise _Refused(code, message)
+
+    async def _look_again(self, containers: Sequence[Container], deadline: float) -> Recheck:
+        """Read the claims not reserved for these containers' pods once more (see
+        :mod:`dracpu.tasks.claim_recheck`)."""
+        if self._recheck is None:
+            return Recheck()
+        return await self._recheck.recheck(containers, deadline)
 
     async def _configure(self, call: Call) -> _Reply:
         runtime = messages.read_configure(call.payload)
@@ -468,7 +498,13 @@ class NriConnection:
             unsolicited_updates=self._unsolicited,
         )
         self._link.start(unsolicited=self._unsolicited)
-        value = await self._ask(call, command)
+        deadline = self._deadline(call)
+        value = await self._ask(command, deadline)
+        if isinstance(value, Synchronized) and value.rejected:
+            confined = {r.container_id for r in value.rejected}
+            suspects = [c for c in command.containers if c.id in confined]
+            if (await self._look_again(suspects, deadline)).changed:
+                value = await self._ask(command, deadline)
         if not isinstance(value, Synchronized):
             raise _Refused(Code.INTERNAL, f"dra.cpu: unexpected answer to Synchronize: {value!r}")
         for rejected in value.rejected:
@@ -500,11 +536,19 @@ class NriConnection:
         return pod, container
 
     async def _pin(
-        self, call: Call, command: Command
+        self, call: Call, command: CreateContainer | UpdateContainer
     ) -> tuple[ContainerUpdate, list[ContainerUpdate]]:
         """Ask the owner to pin a container: its pin and the other containers' updates, each
-        the newest decision."""
-        value = await self._ask(call, command)
+        the newest decision. A refusal for a claim not reserved for the container's pod is
+        decided again after a fresh look at the claim, if that changed its pods."""
+        deadline = self._deadline(call)
+        try:
+            value = await self._ask(command, deadline)
+        except _Refused as refused:
+            look = await self._look_again((command.container,), deadline)
+            if not look.changed:
+                raise _Refused(refused.code, look.explain(refused.message)) from None
+            value = await self._ask(command, deadline)
         if not isinstance(value, ContainerPinned):
             raise _Refused(Code.INTERNAL, f"dra.cpu: unexpected answer: {value!r}")
         own = self._link.fresh_pin(value.pin)
@@ -550,7 +594,7 @@ class NriConnection:
     async def _stop_container(self, call: Call) -> _Reply:
         _, container = self._event_container(call)
         try:
-            value = await self._ask(call, StopContainer(container.id))
+            value = await self._ask(StopContainer(container.id), self._deadline(call))
         except _Refused as refused:
             # Never fail a stop: the container stops anyway; the shared containers are widened
             # at a later event.
@@ -563,7 +607,7 @@ class NriConnection:
 
     async def _forget(self, call: Call, container_id: str) -> None:
         try:
-            await self._ask(call, RemoveContainer(container_id))
+            await self._ask(RemoveContainer(container_id), self._deadline(call))
         except _Refused as refused:
             logger.warning("NRI: RemoveContainer %s: %s", container_id, refused.message)
 

@@ -29,6 +29,10 @@ decisions' numbers); the owner sends it its pin again in the next reply that can
 every container anyway. Without a synchronized runtime that takes unsolicited updates nothing is
 queued (the updates are counted as dropped): the next Synchronize re-pins everything.
 
+At a stop the task waits (bounded) until :meth:`NriLink.settled`: nothing queued, no
+``UpdateContainers`` on its way and no event being answered, so the widening an Unprepare
+decided just before a SIGTERM still reaches the runtime.
+
 :meth:`NriLink.status` tells ``/readyz`` and ``/metrics`` whether a runtime is connected and
 synchronized, which one, and how the unsolicited updates fared.
 """
@@ -92,6 +96,9 @@ class NriLink:
         self._queued: dict[str, None] = {}  # container ids, in the order they were queued
         self._wakeup: anyio.Event | None = None
         self._live = False
+        self._sending = False  # an UpdateContainers taken from the queue has not been answered
+        self._answering = 0  # event handlers working on their answer
+        self._settled: anyio.Event | None = None  # set when settled() may hold
         # What status() reports; the NRI task keeps these.
         self.connected = False
         self.synchronized = False
@@ -166,6 +173,9 @@ class NriLink:
         re-pins all)."""
         self._live = False
         self._queued.clear()
+        self._sending = False
+        self._answering = 0
+        self._check_settled()
         self.connected = False
         self.synchronized = False
         self.unsolicited = False
@@ -212,13 +222,15 @@ class NriLink:
 
     async def next_batch(self) -> list[ContainerUpdate]:
         """Wait for queued containers; their pins from the committed state (containers gone or
-        with an unknown pin are skipped; the list may come back empty)."""
+        with an unknown pin are skipped; the list may come back empty). The batch is on its way
+        until :meth:`batch_done`."""
         while not self._queued:
             event = anyio.Event()
             self._wakeup = event
             await event.wait()
         ids = list(self._queued)
         self._queued.clear()
+        self._sending = True
         containers = self._containers()
         pins = []
         for cid in ids:
@@ -226,6 +238,33 @@ class NriLink:
             if record is not None and record.cpus:
                 pins.append(record.pin())
         return pins
+
+    def batch_done(self) -> None:
+        """The batch of :meth:`next_batch` was answered (or could not be sent)."""
+        self._sending = False
+        self._check_settled()
+
+    def answering(self, delta: int) -> None:
+        """An event handler began (``+1``) or finished (``-1``) its answer."""
+        self._answering = max(0, self._answering + delta)
+        self._check_settled()
+
+    @property
+    def busy(self) -> bool:
+        """Updates are queued or on their way, or an event is being answered."""
+        return bool(self._queued or self._sending or self._answering)
+
+    async def settled(self) -> None:
+        """Wait until nothing is queued, on its way or being answered."""
+        while self.busy:
+            if self._settled is None:
+                self._settled = anyio.Event()
+            await self._settled.wait()
+
+    def _check_settled(self) -> None:
+        if self._settled is not None and not self.busy:
+            self._settled.set()
+            self._settled = None
 
     def _queue(self, container_ids: Iterable[str]) -> None:
         before = len(self._queued)

@@ -13,6 +13,15 @@ exponential backoff; every connection registers and synchronizes again (a reconn
 ``Synchronize`` re-pins every container). A malformed message is answered with
 INVALID_ARGUMENT and never ends the task. Bugs (non-DracpuError exceptions) do.
 
+Stop: when the task is cancelled (SIGTERM), the connection stays up until the link has
+settled (:meth:`NriLink.settled <dracpu.tasks.nri_link.NriLink.settled>`: the queued unsolicited
+updates sent and answered, the ``UpdateContainers`` on its way answered, the events being
+handled answered), for at most :data:`STOP_DRAIN_TIMEOUT`; only then is it closed. Closing it
+earlier would lose them: the runtime cancels the requests of a connection that closes (ttrpc
+cancels their context), so an Unprepare answered just before the SIGTERM would leave the shared
+containers narrow until the next start. The daemon stops this task after the DRA socket, so
+every Unprepare it answered has its update queued by then.
+
 Readiness: :func:`run` calls ``task_status.started()`` after the first ``Synchronize`` was
 answered, or after ``start_timeout`` (10 s) without one: an absent runtime must not keep the
 daemon from starting. :meth:`NriLink.status <dracpu.tasks.nri_link.NriLink.status>` tells
@@ -35,11 +44,19 @@ from dracpu.adapters.backoff import backoff_delays
 from dracpu.config import Config
 from dracpu.core.commands import RuntimeDisconnected
 from dracpu.errors import DracpuError
+from dracpu.tasks.claim_recheck import ClaimReader, ClaimRecheck
 from dracpu.tasks.nri_connection import NriConnection, OwnerSend
 from dracpu.tasks.nri_link import CommittedState, NriLink
 from dracpu.tasks.state_owner import request
 
-__all__ = ["START_TIMEOUT", "Connect", "connect_unix", "reconnect_delays", "run"]
+__all__ = [
+    "START_TIMEOUT",
+    "STOP_DRAIN_TIMEOUT",
+    "Connect",
+    "connect_unix",
+    "reconnect_delays",
+    "run",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +67,10 @@ START_TIMEOUT = 10.0
 # the first retries are fast; the cap keeps a runtime that is down from being hammered.
 RECONNECT_INITIAL = 0.1
 RECONNECT_CAP = 5.0
+# At a stop, the longest wait for queued and in-flight updates and answers: one event's worth of
+# the runtime's lock (an UpdateContainers waits for it, nri DefaultPluginRequestTimeout 2 s),
+# within the daemon's 5 s stop.
+STOP_DRAIN_TIMEOUT = 2.0
 
 Connect = Callable[[Path], Awaitable[anyio.abc.ByteStream]]
 """Opens the NRI socket (tests pass their own)."""
@@ -82,6 +103,7 @@ async def _connections(
     connect: Connect,
     delays_factory: Callable[[], Iterator[float]],
     first_sync: anyio.Event,
+    recheck: ClaimRecheck,
 ) -> None:
     """Connect, serve, reconnect: forever."""
     delays = delays_factory()
@@ -103,7 +125,7 @@ async def _connections(
             log("NRI: cannot connect to %s (attempt %d): %s; retrying", socket, failures, exc)
             await anyio.sleep(next(delays))
             continue
-        connection = NriConnection(stream, config, owner, link, synchronized)
+        connection = NriConnection(stream, config, owner, link, synchronized, recheck)
         reason = "connection ended"
         try:
             async with stream:
@@ -124,9 +146,11 @@ async def run(
     committed: CommittedState,
     *,
     link: NriLink | None = None,
+    claims: ClaimReader | None = None,
     connect: Connect = connect_unix,
     delays: Callable[[], Iterator[float]] = reconnect_delays,
     start_timeout: float = START_TIMEOUT,
+    drain_timeout: float = STOP_DRAIN_TIMEOUT,
     task_status: TaskStatus[None] = TASK_STATUS_IGNORED,
 ) -> None:
     """Be the node's NRI plugin until cancelled (see the module docstring).
@@ -135,22 +159,57 @@ async def run(
     task ends); ``committed`` reads the owner's committed state (``lambda: owner.state``).
     ``link``: the object whose :meth:`NriLink.submit` the owner's executor calls for
     ``UpdateContainers`` effects (a private one if ``None``: unsolicited updates are then
-    dropped). ``connect`` opens ``config.nri_socket``; ``delays`` makes the reconnect backoff.
+    dropped). ``claims``: the Kubernetes API, read once more before a container is refused for a
+    claim not reserved for its pod (:mod:`dracpu.tasks.claim_recheck`; ``None``: never).
+    ``connect`` opens ``config.nri_socket``; ``delays`` makes the reconnect backoff.
     ``task_status.started()`` comes after the first synchronized connection or after
-    ``start_timeout`` seconds, whichever is first.
+    ``start_timeout`` seconds, whichever is first. Cancelled, it waits up to ``drain_timeout``
+    seconds for the link to settle before the connection closes (see the module docstring).
     """
     link = NriLink() if link is None else link
     link.watch(committed)
     first_sync = anyio.Event()
+    recheck = ClaimRecheck(owner_send, committed, claims)
+    # The connections run shielded from the task's cancellation: at a stop they end only once
+    # the link has settled (or the drain timed out).
+    connections = anyio.CancelScope(shield=True)
+    serve = partial(_connections, config, owner_send, link, connect, delays, first_sync, recheck)
     async with owner_send, anyio.create_task_group() as tg:
-        tg.start_soon(partial(_connections, config, owner_send, link, connect, delays, first_sync))
-        with anyio.move_on_after(start_timeout):
-            await first_sync.wait()
-        if not first_sync.is_set():
-            logger.warning(
-                "NRI: no runtime synchronized within %g s (%s); starting anyway: containers "
-                "are pinned once it connects",
-                start_timeout,
-                link.last_error or "still trying",
-            )
-        task_status.started()
+        tg.start_soon(_within, connections, serve)
+        try:
+            with anyio.move_on_after(start_timeout):
+                await first_sync.wait()
+            if not first_sync.is_set():
+                logger.warning(
+                    "NRI: no runtime synchronized within %g s (%s); starting anyway: "
+                    "containers are pinned once it connects",
+                    start_timeout,
+                    link.last_error or "still trying",
+                )
+            task_status.started()
+            await anyio.sleep_forever()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await _drain(link, drain_timeout)
+            connections.cancel()
+
+
+async def _within(scope: anyio.CancelScope, serve: Callable[[], Awaitable[None]]) -> None:
+    with scope:
+        await serve()
+
+
+async def _drain(link: NriLink, limit: float) -> None:
+    """Wait (at most ``limit`` s) until the link has settled; say what is left if not."""
+    if not link.busy:
+        return
+    with anyio.move_on_after(limit):
+        await link.settled()
+        logger.info("NRI: every update and answer in flight reached the runtime; disconnecting")
+        return
+    logger.warning(
+        "NRI: stopping with updates the runtime has not confirmed after %g s (%d containers "
+        "queued); the next start re-pins every container",
+        limit,
+        len(link.queued),
+    )
