@@ -4,7 +4,8 @@
   bundled JSON schemas for ``kubernetes_validate.latest_version()``. A kind without a schema is
   an error at start, never a silent pass. The schema of each kind is loaded once and its
   ``$ref``\\s inlined, since ``kubernetes_validate.validate`` reloads the 5 MB definitions file
-  on every call (~90 ms) and a reference-resolving validator is ~3x slower than an inlined one.
+  on every call and a reference-resolving validator is slower than an inlined one (figures in
+  ``docs/performance.md``).
 - The API server's own rules the schema cannot express: for ResourceSlices
   :func:`dracpu.core.slices.validate_slice` (128 devices, 32 attributes + capacities, qualified
   names, pool and node names, request policies ...); for a ResourceClaim's ``status.devices``
