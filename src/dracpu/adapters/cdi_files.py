@@ -1,5 +1,5 @@
 """Our CDI spec files on disk: atomic write, delete, read, list (synchronous; callers run them
-off the event loop: the node machine's file thread, or ``anyio.to_thread``).
+off the event loop: the state owner runs them in anyio's worker threads).
 
 Runtimes watch the CDI directory with fsnotify for Write, Rename and Remove only (Create is not
 watched on Linux; a Write counts only for a ``.json`` / ``.yaml`` name, a Rename or Remove of any

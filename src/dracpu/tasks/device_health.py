@@ -25,7 +25,7 @@ What it sends, on every call:
 
 The health itself (:func:`dracpu.core.health.assess`): a device is UNHEALTHY when a CPU it was
 published with is not online. :class:`DeviceHealthBoard` is the seam that holds it: the devices
-come from whoever computes them (:class:`~dracpu.tasks.node_machine.NodeMachine`, at restore and
+come from whoever computes them (:class:`~dracpu.tasks.state_owner.StateOwner`, at restore and
 at each publication), the online CPUs from :func:`watch_online` (the daemon's ``device-health``
 task reads them every :data:`ONLINE_POLL_INTERVAL`), and every stream wakes up on a change.
 
@@ -105,7 +105,7 @@ END_TIMEOUT = 0.5
 
 class DeviceHealthBoard:
     """The health of the published devices, and a signal when it changes: the seam between what
-    knows the devices (:meth:`set_devices`: :class:`~dracpu.tasks.node_machine.NodeMachine`
+    knows the devices (:meth:`set_devices`: :class:`~dracpu.tasks.state_owner.StateOwner`
     whenever it computes them), what knows the online CPUs (:meth:`set_online`:
     :func:`watch_online`) and the health streams (:meth:`snapshot`, :meth:`wait_newer`).
 
