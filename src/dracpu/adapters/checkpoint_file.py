@@ -1,5 +1,5 @@
 """The checkpoint on disk: two slot files overwritten in place in turn, and a restore that never
-loses a bad file (design §3; see docs/architecture.md for why it is not a rename).
+loses a bad file (docs/architecture.md, "Crash safety", and why it is not a rename).
 
 Slots: slot 0 is the configured checkpoint path (``<state-dir>/checkpoint.json``: the single
 file of earlier dracpu builds simply is slot 0), slot 1 is ``checkpoint.1.json`` next to it
@@ -77,10 +77,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_FILE_NAME = "checkpoint.json"  # design §5: <state-dir>/checkpoint.json (slot 0)
+CHECKPOINT_FILE_NAME = "checkpoint.json"  # <state-dir>/checkpoint.json (slot 0)
 _SLOT_1_TAG = ".1"  # slot 1 of checkpoint.json is checkpoint.1.json: still a .json document
-FILE_MODE = 0o600  # design §5: the checkpoint is private to the daemon
-DIR_MODE = 0o700  # design §5: files we create live in 0700 directories
+FILE_MODE = 0o600  # the checkpoint is private to the daemon
+DIR_MODE = 0o700  # files we create live in 0700 directories
 CORRUPT_SUFFIX = ".corrupt-"  # <name>.corrupt-<n>: a moved-aside bad checkpoint
 # A slot that must grow grows to a multiple of this (bytes, padded with spaces): the page size
 # and ext4 block size. A Prepare adds ~200 bytes, so most writes keep the size, which makes

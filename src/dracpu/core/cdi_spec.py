@@ -1,6 +1,7 @@
 """CDI specs of dracpu: build, encode and parse them, plan the CDI dir (pure).
 
-One spec file per prepared claim (design §2, upstream ``pkg/driver/cdi.go`` since PR #154)::
+One spec file per prepared claim (upstream ``pkg/driver/cdi.go`` since PR #154; the contract is in
+``docs/devices.md``, "What Prepare writes")::
 
     <cdi-dir>/dra.k8s.io-cpu_claim-<claimUID>.json
     {"cdiVersion":"0.5.0","kind":"dra.k8s.io/cpu",
@@ -69,8 +70,8 @@ __all__ = [
 # --- constants -----------------------------------------------------------------------------------
 
 # The newest cdiVersion every supported runtime accepts: containerd 1.7.0-1.7.11 vendor CDI v0.5.4
-# and podman 4.x vendors the same line; both reject anything newer (design §2; reference
-# nri-ttrpc-cdi.md §5.7). An env-only spec needs only 0.3.0, so nothing is lost. Upstream writes
+# and podman 4.x vendors the same line; both reject anything newer (their vendored CDI library's
+# specs-go/version.go). An env-only spec needs only 0.3.0, so nothing is lost. Upstream writes
 # "0.8.0", which containerd < 1.7.27 cannot load.
 CDI_VERSION = "0.5.0"
 # Vendor and class of upstream's kind (dra-driver-cpu pkg/driver/cdi.go: cdiVendor, cdiClass).
@@ -82,7 +83,8 @@ ENV_PREFIX = "DRA_CPUSET_"
 # Device names are "claim-<uid>" (upstream getCDIDeviceName).
 DEVICE_PREFIX = "claim-"
 # File names follow cdi.GenerateTransientSpecName("dra.k8s.io", "cpu", "claim-<uid>") + ".json"
-# (reference anchors-upstream.md §D.3): "<vendor>-<class>_<transient id>".
+# (upstream pkg/driver/cdi.go; container-device-interface pkg/cdi/spec.go):
+# "<vendor>-<class>_<transient id>".
 SPEC_FILE_PREFIX = f"{CDI_VENDOR}-{CDI_CLASS}_{DEVICE_PREFIX}"
 SPEC_FILE_SUFFIX = ".json"
 

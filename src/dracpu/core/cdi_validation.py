@@ -339,7 +339,8 @@ def validate_spec(obj: object, *, newest_known: str = NEWEST_CDI_VERSION) -> lis
     """The problems the CDI library would report when loading ``obj``; empty means valid.
 
     ``newest_known`` is the newest cdiVersion of the consumer's CDI library (``"0.5.0"`` for
-    containerd 1.7.0-1.7.11 and podman 4.x, reference §5.7); newer versions are unknown to it.
+    containerd 1.7.0-1.7.11 and podman 4.x, which vendor CDI v0.5.4); newer versions are unknown
+    to it.
     A JSON ``null`` counts as an absent field, as in Go. Field names must match exactly (Go's
     decoder would also accept other letter cases: this check is stricter).
     """

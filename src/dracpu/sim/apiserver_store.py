@@ -249,7 +249,8 @@ class ApiStore:
         self._delete_slice(name, {})
 
     def kubelet_restart(self, node_name: str) -> list[str]:
-        """What a restarting kubelet does (reference kubelet-and-k8s-api.md §2.5): delete every
+        """What a restarting kubelet does (kubernetes/kubernetes ``pkg/kubelet/cm/dra/plugin``
+        ``DRAPluginManager.wipeResourceSlices``, at start-up): delete every
         ResourceSlice with ``spec.nodeName`` = ``node_name``. The deleted names."""
         names = [
             n for n, o in sorted(self._slices.items()) if dig(o, ("spec", "nodeName")) == node_name

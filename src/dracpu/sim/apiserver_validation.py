@@ -26,7 +26,7 @@ from kubernetes_validate.utils import schema_contents
 
 __all__ = ["SchemaValidator", "claim_status_errors"]
 
-# resource/v1 limits (reference kubelet-and-k8s-api.md §6.4).
+# resource/v1 limits (k8s.io/api resource/v1 types.go).
 _MAX_STATUS_DATA = 10 * 1024  # AllocatedDeviceStatusDataMaxLength
 _MAX_CONDITIONS = 8  # AllocatedDeviceStatusMaxConditions
 _MAX_ERRORS = 20  # errors reported per object, like the API server's aggregated message

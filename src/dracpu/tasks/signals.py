@@ -1,4 +1,4 @@
-"""Signals: SIGHUP resyncs, SIGTERM and SIGINT stop the daemon (design §3).
+"""Signals: SIGHUP resyncs, SIGTERM and SIGINT stop the daemon (docs/architecture.md).
 
 - ``SIGHUP`` sends :class:`~dracpu.core.commands.Resync` to the state owner (rewrite CDI specs,
   prune orphans, republish slices). The request runs beside the signal loop, so a slow owner
