@@ -1,5 +1,9 @@
 """Settings of ``dracpu run``: flags, environment and the YAML config file.
 
+One module, longer than most: the flags, the environment and the file are three sources of the
+same settings, resolved together in one precedence and refused in one style of error; each
+setting's flag, key, default and check are read side by side here.
+
 Precedence, lowest first::
 
     built-in defaults  <  environment (NODE_NAME, KUBECONFIG, HOST_ROOT)  <  config file  <  flags

@@ -1,5 +1,8 @@
 """A fake kubelet: plugin registration and DRA calls with grpcio, as the real kubelet does them.
 
+One module, longer than most: it is one peer, whose registration, DRA calls and health watch
+share the channels, the negotiated versions and the kubelet's checks of each answer.
+
 The kubelet side of our gRPC boundary is played by an implementation that shares no code with
 our server (docs/architecture.md, "How it is tested"). The kubelet is grpc-go; this is grpcio (an
 independent gRPC stack) with Google-protobuf messages (:mod:`dracpu.sim._pb2`), method paths
