@@ -22,7 +22,7 @@ from typing import Any
 import anyio
 
 from dracpu import DRIVER_NAME
-from dracpu.core.slices import validate_slice
+from dracpu.core.slice_validation import validate_slice
 from dracpu.sim.apiserver_validation import SchemaValidator, claim_status_errors
 
 __all__ = [
@@ -51,12 +51,16 @@ _NAME_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
 
 @dataclass(frozen=True, slots=True)
 class WatchEvent:
+    """One change of a slice, as a watch sends it (``type``: ADDED, MODIFIED, DELETED)."""
+
     version: int
     type: str
     obj: dict[str, Any]
 
 
 class ApiError(Exception):
+    """What the server answers with a ``Status`` body: HTTP ``code``, message, causes."""
+
     def __init__(
         self, code: int, message: str, *, causes: Sequence[str] = (), details: Any = None
     ) -> None:
@@ -68,10 +72,12 @@ class ApiError(Exception):
 
 
 def now() -> str:
+    """The current time as the API server writes timestamps (RFC 3339, seconds, UTC)."""
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def dig(obj: Mapping[str, Any], path: Sequence[str]) -> Any:
+    """The value at ``path`` in nested objects, ``None`` where it is absent."""
     node: Any = obj
     for key in path:
         if not isinstance(node, Mapping):

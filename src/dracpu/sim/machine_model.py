@@ -215,6 +215,8 @@ class _Layout:
 
 
 def machine_layout(spec: MachineSpec) -> _Layout:
+    """The machine's cores with their ids, caches and NUMA nodes, and its CPUs numbered (the
+    model and the sysfs writer both start from it)."""
     cores: list[tuple[_Core, int]] = []  # (core, thread count)
     numa = l3 = 0
     core_index = cluster_index = 0
@@ -339,6 +341,7 @@ def pci_affinity(spec: MachineSpec, layout: _Layout) -> dict[str, CpuSet]:
 
 
 def smt_control_text(spec: MachineSpec) -> str | None:
+    """What ``devices/system/cpu/smt/control`` holds, ``None`` when the file is absent."""
     if spec.smt_control != SMT_AUTO:
         return spec.smt_control
     return "on" if spec.threads_per_core > 1 else "notsupported"
