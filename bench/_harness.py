@@ -1,6 +1,6 @@
 """Shared helpers for benchmarks: time a callable, print one JSON object per figure.
 
-Each figure is ``{"name", "unit", "p50", "p99", "n", ...extra}``; design §7. Benchmarks are not
+Each figure is ``{"name", "unit", "p50", "p99", "n", ...extra}``. Benchmarks are not
 tests: nothing here asserts a number.
 """
 

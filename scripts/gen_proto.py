@@ -62,7 +62,7 @@ __all__ = [
     "main",
 ]
 
-# Repository layout (design §4): protos in proto/, generated code committed in src/dracpu/_gen.
+# Repository layout: protos in proto/, generated code committed in src/dracpu/_gen.
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = REPO_ROOT / "proto"
 GEN_ROOT = REPO_ROOT / "src" / "dracpu" / "_gen"

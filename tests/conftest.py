@@ -22,7 +22,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture
 def anyio_backend() -> str:
-    # grpclib only runs on asyncio (design §3); pure parts are backend-free.
+    # grpclib only runs on asyncio; the tests of the tasks that need only anyio run on trio too.
     return "asyncio"
 
 

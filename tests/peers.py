@@ -1,9 +1,10 @@
 """Independent protocol peers for tests: Google ``protobuf`` / ``grpcio`` modules from ``proto/``.
 
-Design §7: every protocol boundary is tested against an implementation that shares no code with
-ours. Our daemon uses betterproto2 messages and grpclib; the peers built here use Google's
-protobuf runtime (``*_pb2``) and grpcio (``*_pb2_grpc``), compiled from the same ``proto/`` files by
-grpcio-tools' protoc. Nothing generated here is committed.
+Every protocol boundary is tested against an implementation that shares no code with ours
+(docs/architecture.md, "How it is tested"). Our daemon uses betterproto2 messages and grpclib;
+the peers built here use Google's protobuf runtime (``*_pb2``) and grpcio (``*_pb2_grpc``),
+compiled from the same ``proto/`` files by grpcio-tools' protoc. Nothing generated here is
+committed.
 
 Usage::
 
@@ -64,7 +65,7 @@ __all__ = [
     "unix_target",
 ]
 
-# The repository's own proto files (design §4); this file lives in <repo>/tests/.
+# The repository's own proto files (proto/); this file lives in <repo>/tests/.
 PROTO_ROOT = Path(__file__).resolve().parent.parent / "proto"
 
 # Well-known types (google/protobuf/any.proto, imported by google/rpc/status.proto) ship inside

@@ -1,4 +1,4 @@
-"""``dracpu inspect`` on fake sysfs trees and on this machine (design §5)."""
+"""``dracpu inspect`` on fake sysfs trees and on this machine."""
 
 from __future__ import annotations
 

@@ -87,8 +87,9 @@ KIND_NODE_KEYS = frozenset(
         "kubeadmConfigPatchesJSON6902",
     }
 )
-# Feature gates the config may set, with the first Kubernetes minor that knows them (reference
-# kubelet-and-k8s-api.md §6.5): a gate the version does not know stops the components.
+# Feature gates the config may set, with the first Kubernetes minor that knows them
+# (kubernetes/kubernetes pkg/features versioned_kube_features.go): a gate the version does not
+# know stops the components.
 KNOWN_GATES = {"DRAConsumableCapacity": 34, "DRAResourceClaimDeviceStatus": 32}
 # A kind node image pinned as kind's release notes ask: tag and sha256 digest.
 PINNED_NODE_IMAGE = re.compile(r"^kindest/node:v1\.(?P<minor>\d+)\.\d+@sha256:[0-9a-f]{64}$")

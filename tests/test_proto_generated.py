@@ -397,8 +397,8 @@ def test_dra_v1_share_id_presence() -> None:
 
 
 def test_dra_v1_unprepare_response_keeps_empty_map_values() -> None:
-    # Design §8: betterproto 2.0.0b7 dropped these entries; the kubelet then reports the claims
-    # as skipped. Every claim must keep its (empty) entry.
+    # betterproto 2.0.0b7 (before betterproto2) dropped these entries; the kubelet then reports
+    # the claims as skipped. Every claim must keep its (empty) entry.
     ours = dra_v1.NodeUnprepareResourcesResponse(
         claims={
             "uid-1": dra_v1.NodeUnprepareResourceResponse(),

@@ -1,5 +1,9 @@
 """Settings of ``dracpu run``: flags, environment and the YAML config file.
 
+One module, longer than most: the flags, the environment and the file are three sources of the
+same settings, resolved together in one precedence and refused in one style of error; each
+setting's flag, key, default and check are read side by side here.
+
 Precedence, lowest first::
 
     built-in defaults  <  environment (NODE_NAME, KUBECONFIG, HOST_ROOT)  <  config file  <  flags
@@ -92,11 +96,12 @@ CONFIG_API_VERSION = "v1alpha1"
 # checks the same limit (pkg/driver/driver.go `unixPathMax = 107`).
 UNIX_PATH_MAX = 107
 
-# Defaults: design §5 and upstream internal/driverconfig/defaults.go.
+# Defaults: upstream internal/driverconfig/defaults.go where upstream has the setting
+# (docs/upstream-compatibility.md lists every flag).
 DEFAULT_KUBELET_ROOT_DIR = Path("/var/lib/kubelet")
 DEFAULT_CDI_DIR = Path("/var/run/cdi")  # the CDI spec directory runtimes read by default
 DEFAULT_NRI_SOCKET = Path("/var/run/nri/nri.sock")  # containerd/nri pkg/api DefaultSocketPath
-DEFAULT_STATE_DIR = Path("/var/lib/dracpu")  # design §5
+DEFAULT_STATE_DIR = Path("/var/lib/dracpu")  # ours: the checkpoint (upstream keeps none)
 DEFAULT_HOST_ROOT = Path("/")
 DEFAULT_BIND_ADDRESS = ":8080"  # upstream --bind-address default
 DEFAULT_NRI_PLUGIN_NAME = DRIVER_NAME  # upstream stub.WithPluginName("dra.cpu")
@@ -108,7 +113,7 @@ DEFAULT_NRI_PLUGIN_INDEX = "00"  # upstream stub.WithPluginIdx("00")
 REGISTRATION_SOCKET = Path("plugins_registry") / f"{DRIVER_NAME}-reg.sock"
 DRA_SOCKET = Path("plugins") / DRIVER_NAME / "dra.sock"
 POD_RESOURCES_SOCKET = Path("pod-resources") / "kubelet.sock"
-CHECKPOINT_FILE = "checkpoint.json"  # design §5
+CHECKPOINT_FILE = "checkpoint.json"  # <state-dir>/checkpoint.json (docs/architecture.md)
 
 _LOG_FORMATS: tuple[LogFormat, ...] = ("text", "json")
 _NO_CPUS = CpuSet()

@@ -39,7 +39,7 @@ UID = "8ec6fd12-bb08-4936-a857-866f50153c21"
 OTHER = "0b7e3a52-4c1f-4d7e-9a31-2f9a4c1d5e60"
 CPUS = CpuSet.parse("4-5,68-69")
 
-# The exact file content (reference anchors-upstream.md §D.3 shows this env for this claim).
+# The exact file content (dra-driver-cpu issue #140 shows this env for this claim).
 EXPECTED = (
     b'{"cdiVersion":"0.5.0","kind":"dra.k8s.io/cpu","devices":[{"name":'
     b'"claim-8ec6fd12-bb08-4936-a857-866f50153c21","containerEdits":{"env":'

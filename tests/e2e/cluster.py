@@ -59,7 +59,7 @@ __all__ = [
 DAEMON_NAMESPACE = "dracpu"
 DAEMON_SELECTOR = "app.kubernetes.io/name=dracpu"
 DAEMON_CONTAINER = "dracpu"
-# Grouped-mode device names by NUMA node (design §2): cpudevnuma000, cpudevnuma001, ...
+# Grouped-mode device names by NUMA node (docs/devices.md): cpudevnuma000, cpudevnuma001, ...
 _NUMA_DEVICE = re.compile(r"^cpudevnuma(\d{3,})$")
 # The daemon's log line when the runtime configures its NRI plugin (src/dracpu/tasks/nri_plugin.py,
 # NriPlugin._configure): "...; unsolicited updates on" or "... off (shared containers widen at
@@ -111,7 +111,7 @@ class NodeFacts:
         devices: dict[str, tuple[int, int]] = {}
         for node, cpus in sorted(self.numa.items()):
             count = len(cpus & self.allocatable)
-            if count:  # a group without allocatable CPUs is not published (design §2)
+            if count:  # a group without allocatable CPUs is not published (docs/devices.md)
                 devices[f"cpudevnuma{node:03d}"] = (node, count)
         return devices
 

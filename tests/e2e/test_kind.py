@@ -42,7 +42,7 @@ __all__: list[str] = []
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
-# Attributes every grouped-by-NUMA device carries (design §2), with their value type.
+# Attributes every grouped-by-NUMA device carries (docs/devices.md), with their value type.
 NUMA_ATTRIBUTE = "resource.kubernetes.io/numaNode"
 GROUPED_ATTRIBUTES = {
     NUMA_ATTRIBUTE: "int",
@@ -52,7 +52,7 @@ GROUPED_ATTRIBUTES = {
     "dra.cpu/numaNodeID": "int",
     "dra.net/numaNode": "int",
 }
-# Ours (design §6): how many of a group's CPUs are isolated.
+# Ours (docs/devices.md): how many of a group's CPUs are isolated.
 ISOLATED_ATTRIBUTE = "dra.cpu/numIsolatedCPUs"
 # An NRI reply carries the updates of the shared containers, so after the exclusive container
 # runs they are already moved; this only covers kubectl and the kernel being slow to show it.
@@ -157,7 +157,7 @@ def test_claimed_cpus_pin_the_container(cluster: Cluster, target: Target, namesp
     assert cpus <= node.numa[numa], f"cpus {format_cpulist(cpus)} outside NUMA node {numa}"
     assert parse_quantity(result["consumedCapacity"][CPU_CAPACITY]) == size
 
-    # The driver records the cpuset in the claim's status.devices (design §6).
+    # The driver records the cpuset in the claim's status.devices (docs/devices.md).
     name = claim["metadata"]["name"]
     recorded = poll(
         lambda: _status_cpuset(cluster.kube.get("resourceclaim", name, "-n", namespace), result),

@@ -46,7 +46,7 @@ MANIFESTS = Path(__file__).resolve().parent / "manifests"
 OVERLAY = REPO / "deploy" / "kustomize" / "overlays" / "kind"
 BASE = REPO / "deploy" / "kustomize" / "base"
 
-# The compatibility contract (design §2), written out here rather than imported from dracpu:
+# The compatibility contract (docs/devices.md), written out here rather than imported from dracpu:
 # the suite checks dracpu against these facts.
 DRIVER = "dra.cpu"  # driver name and DeviceClass name
 CPU_CAPACITY = "dra.cpu/cpu"  # the capacity of grouped devices

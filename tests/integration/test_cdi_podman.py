@@ -1,4 +1,4 @@
-"""Our CDI specs, read by a real CDI consumer: podman (design §7).
+"""Our CDI specs, read by a real CDI consumer: podman.
 
 podman resolves ``--device dra.k8s.io/cpu=claim-<uid>`` with the CDI library vendored in it and
 injects the spec's env into the container, the same path containerd and CRI-O take for a DRA
@@ -178,7 +178,7 @@ def test_podman_cannot_resolve_a_claim_without_our_spec(podman: Podman, tmp_path
 
 
 def test_podman_4_3_accepts_cdi_0_5_0_but_not_0_6_0(podman: Podman, tmp_path: Path) -> None:
-    # Why CDI_VERSION is 0.5.0 (design §2): the CDI library in podman 4.x and containerd
+    # Why CDI_VERSION is 0.5.0 (docs/devices.md): the CDI library in podman 4.x and containerd
     # 1.7.0-1.7.11 rejects newer versions, and the claim's device becomes unresolvable.
     if not podman.version.startswith("4.3."):
         pytest.skip(f"the version limit is known for podman 4.3, not {podman.version}")

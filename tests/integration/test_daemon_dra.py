@@ -1,5 +1,5 @@
 """Issue 4 on the real daemon: slices published, claims prepared and unprepared over the DRA
-socket by a grpcio kubelet, CDI files, bad input, a kubelet restart (design §7)."""
+socket by a grpcio kubelet, CDI files, bad input, a kubelet restart."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.lowlevel
@@ -28,7 +28,8 @@ import grpc
 import pytest
 from anyio.abc import TaskStatus
 
-from dracpu.adapters.grpc_unix import Servable, open_grpc_server
+from dracpu._gen.dra_health import v1 as health_v1
+from dracpu.adapters.grpc_unix import Servable, StreamClosed, open_grpc_server
 from dracpu.core.cpuset import EMPTY, CpuSet
 from dracpu.core.health import HealthStatus
 from dracpu.core.slices import CpuDeviceMode, GroupBy, published_devices
@@ -251,6 +252,36 @@ async def test_the_kubelet_cancelling_its_call_ends_the_handler(
         with watching(path, "v1") as again:  # and the next call is served as the first
             assert len((await _next(again)).devices) == 4
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+class _GoneStream:
+    """A health call whose kubelet is gone by the first answer, as grpclib's stream is when h2
+    has closed the stream before grpclib cancelled the call: sending raises h2's exception
+    (:data:`~dracpu.adapters.grpc_unix.StreamClosed`)."""
+
+    def __init__(self) -> None:
+        self.sends = 0
+
+    async def recv_message(self) -> health_v1.NodeWatchResourcesRequest:
+        return health_v1.NodeWatchResourcesRequest()
+
+    async def send_message(self, message: Any) -> None:
+        self.sends += 1
+        raise StreamClosed(1)
+
+
+async def test_a_stream_closed_before_grpclib_noticed_ends_the_handler_quietly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    streams = HealthStreams(_board(Clock()), NODE)
+    stream = _GoneStream()
+    with anyio.fail_after(WITHIN):
+        await streams.watch(cast(Any, stream), health_v1)
+    assert stream.sends == 1
+    assert streams.open_streams == 0
+    assert "a device health stream was closed by the kubelet" in caplog.text
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 async def test_a_call_that_arrives_after_the_stop_began_ends_at_once(tmp_path: Path) -> None:

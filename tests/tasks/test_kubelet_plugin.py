@@ -28,11 +28,11 @@ import anyio.to_thread
 import grpc
 import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-from h2.exceptions import StreamClosedError
 
 from dracpu._gen.dra import v1 as gen_v1
 from dracpu._gen.dra import v1beta1 as gen_v1beta1
 from dracpu.adapters import cdi_files, checkpoint_file
+from dracpu.adapters.grpc_unix import StreamClosed
 from dracpu.config import Config
 from dracpu.core.commands import Command, DeviceResult, PrepareClaim
 from dracpu.core.cpuset import EMPTY, CpuSet
@@ -897,7 +897,7 @@ class FakeStream:
     the request (parsed by the generated message type, as the server's codec does);
     ``send_message`` and ``send_trailing_metadata`` record the answer, and the number of PATCH
     calls begun when the trailers were handed over. ``delivered=False``: the kubelet has gone,
-    sending raises what grpclib's stream raises then (h2's ``StreamClosedError``)."""
+    sending raises what grpclib's stream raises then (h2's exception, our ``StreamClosed``)."""
 
     def __init__(
         self, version: str, request: bytes, claims: FakeClaims, *, delivered: bool = True
@@ -918,7 +918,7 @@ class FakeStream:
         assert not self.sent, "answered twice"
         self.send_attempted = True
         if not self.delivered:
-            raise StreamClosedError(1)
+            raise StreamClosed(1)
         self.sent = bytes(message)
 
     async def send_trailing_metadata(self) -> None:
@@ -946,7 +946,7 @@ async def _serve_prepare(node: RunningNode, version: str, stream: FakeStream) ->
     handler = plugin.__mapping__()[PATHS[version]["prepare"]]
     try:
         await handler.func(stream)
-    except StreamClosedError:
+    except StreamClosed:
         assert not stream.delivered  # grpclib's request handler takes it: the kubelet is gone
 
 

@@ -2,7 +2,8 @@
 
 Checks the exact ``GetInfo`` answer the kubelet validates, that it is answered quickly any number
 of times, that ``NotifyRegistrationStatus`` drives ``/readyz`` through the real
-:class:`~dracpu.tasks.http.Readiness`, and the socket-file rules (design §5).
+:class:`~dracpu.tasks.http.Readiness`, and the socket-file rules (docs/architecture.md, "DRA
+socket").
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The checkpoint on disk: two slot files overwritten in place in turn, and a restore that never
-loses a bad file (design §3; see docs/architecture.md for why it is not a rename).
+loses a bad file (docs/architecture.md, "Crash safety", and why it is not a rename).
 
 Slots: slot 0 is the configured checkpoint path (``<state-dir>/checkpoint.json``: the single
 file of earlier dracpu builds simply is slot 0), slot 1 is ``checkpoint.1.json`` next to it
@@ -10,9 +10,9 @@ including the write's ``sequence``). Both are mode 0600; a missing directory is 
 
 Write (:meth:`CheckpointStore.write`): the document gets the next sequence number and goes IN
 PLACE into the slot that does NOT hold the newest valid checkpoint: ``pwrite`` at offset 0, then
-``fdatasync``. No new inode, no rename, no directory change: a 1.2 KB checkpoint (5 claims) is
-encoded and durable in 0.21-0.26 ms (p50, ext4, ``bench/bench_state.py``) instead of
-0.73-0.81 ms with the temp-file-and-rename it replaces. At every instant the newest acknowledged
+``fdatasync``. No new inode, no rename, no directory change, so a write costs a fraction of the
+temp-file-and-rename it replaces (``checkpoint.encode+write.small`` in ``bench/bench_state.py``;
+figures in ``docs/performance.md``). At every instant the newest acknowledged
 checkpoint is whole in one slot, and a write torn by a power loss (any mix of old and new
 sectors) can only damage the other slot, whose new content was never acknowledged. Sizes:
 
@@ -77,15 +77,15 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_FILE_NAME = "checkpoint.json"  # design §5: <state-dir>/checkpoint.json (slot 0)
+CHECKPOINT_FILE_NAME = "checkpoint.json"  # <state-dir>/checkpoint.json (slot 0)
 _SLOT_1_TAG = ".1"  # slot 1 of checkpoint.json is checkpoint.1.json: still a .json document
-FILE_MODE = 0o600  # design §5: the checkpoint is private to the daemon
-DIR_MODE = 0o700  # design §5: files we create live in 0700 directories
+FILE_MODE = 0o600  # the checkpoint is private to the daemon
+DIR_MODE = 0o700  # files we create live in 0700 directories
 CORRUPT_SUFFIX = ".corrupt-"  # <name>.corrupt-<n>: a moved-aside bad checkpoint
 # A slot that must grow grows to a multiple of this (bytes, padded with spaces): the page size
-# and ext4 block size. A Prepare adds ~200 bytes, so most writes keep the size. Measured on ext4
-# (pwrite + fdatasync of a 1 KB document growing by 200 B per write, p50): 0.24-0.28 ms when every
-# write grows the file, 0.18-0.21 ms in 4 KiB steps, 0.17-0.18 ms when it never grows.
+# and ext4 block size. A Prepare adds ~200 bytes, so most writes keep the size, which makes
+# fdatasync cheaper than when every write grows the file (``checkpoint.encode+write.growing`` and
+# ``.growing.unrounded`` in ``bench/bench_state.py``; figures in docs/performance.md).
 GROWTH_STEP = 4096
 _TMP_SUFFIX = ".tmp"  # the temp files of the rename-based writer of earlier builds
 _MAX_MOVED_ASIDE = 100_000  # give up looking for a free .corrupt-<n> name after this many

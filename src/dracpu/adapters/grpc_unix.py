@@ -51,6 +51,7 @@ import anyio
 import anyio.lowlevel
 import grpclib.const
 import grpclib.server
+import h2.exceptions
 from grpclib._typing import IServable
 from grpclib.const import Status
 from grpclib.encoding.proto import ProtoCodec
@@ -66,6 +67,7 @@ __all__ = [
     "GrpcUnixServer",
     "MessageCodec",
     "Servable",
+    "StreamClosed",
     "StreamHandler",
     "open_grpc_server",
     "receive_request",
@@ -87,6 +89,12 @@ _ACCEPT_TURNS = 8
 
 Servable = IServable
 """A grpclib service object (anything with ``__mapping__``, e.g. a betterproto2 ``*Base``)."""
+
+StreamClosed = h2.exceptions.StreamClosedError
+"""What grpclib's ``Stream.send_message`` raises when the peer closed or reset the stream before
+grpclib cancelled the call: python-hyper ``h2``'s exception, which grpclib lets through and has
+no name of its own for (its server catches h2's around a call's trailers, ``server.py``). This
+module is the one place of ours that names h2; handlers catch :data:`StreamClosed`."""
 
 StreamHandler = Callable[["grpclib.server.Stream[Any, Any]"], Coroutine[Any, Any, None]]
 """An rpc method as grpclib calls it: it receives and answers on the call's stream."""

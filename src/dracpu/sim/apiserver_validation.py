@@ -4,7 +4,8 @@
   bundled JSON schemas for ``kubernetes_validate.latest_version()``. A kind without a schema is
   an error at start, never a silent pass. The schema of each kind is loaded once and its
   ``$ref``\\s inlined, since ``kubernetes_validate.validate`` reloads the 5 MB definitions file
-  on every call (~90 ms) and a reference-resolving validator is ~3x slower than an inlined one.
+  on every call and a reference-resolving validator is slower than an inlined one (figures in
+  ``docs/performance.md``).
 - The API server's own rules the schema cannot express: for ResourceSlices
   :func:`dracpu.core.slices.validate_slice` (128 devices, 32 attributes + capacities, qualified
   names, pool and node names, request policies ...); for a ResourceClaim's ``status.devices``
@@ -25,7 +26,7 @@ from kubernetes_validate.utils import schema_contents
 
 __all__ = ["SchemaValidator", "claim_status_errors"]
 
-# resource/v1 limits (reference kubelet-and-k8s-api.md §6.4).
+# resource/v1 limits (k8s.io/api resource/v1 types.go).
 _MAX_STATUS_DATA = 10 * 1024  # AllocatedDeviceStatusDataMaxLength
 _MAX_CONDITIONS = 8  # AllocatedDeviceStatusMaxConditions
 _MAX_ERRORS = 20  # errors reported per object, like the API server's aggregated message

@@ -1,9 +1,14 @@
 """A fake kubelet: plugin registration and DRA calls with grpcio, as the real kubelet does them.
 
-Design §7: the kubelet side of our gRPC boundary is played by an implementation that shares no
-code with our server. The kubelet is grpc-go; this is grpcio (an independent gRPC stack) with
-Google-protobuf messages (:mod:`dracpu.sim._pb2`), method paths written out literally, and the
-kubelet's rules (reference kubelet-and-k8s-api.md §1.4, §1.5, §2.3, §2.4):
+One module, longer than most: it is one peer, whose registration, DRA calls and health watch
+share the channels, the negotiated versions and the kubelet's checks of each answer.
+
+The kubelet side of our gRPC boundary is played by an implementation that shares no code with
+our server (docs/architecture.md, "How it is tested"). The kubelet is grpc-go; this is grpcio (an
+independent gRPC stack) with Google-protobuf messages (:mod:`dracpu.sim._pb2`), method paths
+written out literally, and the kubelet's rules (kubernetes/kubernetes ``pkg/kubelet``:
+``pluginmanager``'s plugin watcher and ``operation_generator.go``, ``cm/dra/plugin``'s
+``dra_plugin_manager.go`` and ``dra_plugin.go``, ``cm/dra/manager.go``):
 
 - registration: find sockets in ``plugins_registry`` (sub-directories too; dot-files and
   non-sockets are ignored), call ``GetInfo`` with a 1 s deadline, check the plugin type
@@ -438,7 +443,8 @@ class FakeKubelet:
         return registration
 
     def _validate(self, socket_path: Path, info: reg.PluginInfo) -> Registration:
-        """The kubelet's checks (reference §2.3, §2.4); connects to the endpoint."""
+        """The kubelet's checks (``operation_generator.go``, ``dra_plugin_manager.go``
+        ``validateSupportedServices``); connects to the endpoint."""
         if info.type != DRA_PLUGIN_TYPE:
             raise RegistrationRefused(f"no handler registered for plugin type: {info.type}")
         if not info.name:

@@ -1,5 +1,9 @@
 """A whole simulated node around the REAL ``dracpu run`` process.
 
+One module, longer than most: the start order of the peers and the parts the node plays
+(scheduler, kubelet, runtime applying CDI) are one scenario API that every daemon test uses; the
+daemon process itself is apart (:mod:`dracpu.sim.daemon_process`).
+
 :func:`open_node_sim` starts, in this order:
 
 1. the fake API server (:mod:`dracpu.sim.fake_apiserver`) with a Node object, and its kubeconfig;

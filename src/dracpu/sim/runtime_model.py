@@ -7,6 +7,7 @@ shares no code with the daemon.
 
 from __future__ import annotations
 
+import abc
 import logging
 import re
 import socket
@@ -425,7 +426,7 @@ def _adjusted(container: FakeContainer, adjust: nri.ContainerAdjustment) -> Fake
     )
 
 
-class RuntimeBase:
+class RuntimeBase(abc.ABC):
     """What the parts of the fake runtime share: its settings, table, log and connections
     (set up by :class:`~dracpu.sim.fake_runtime.FakeRuntime`), and the methods one part calls
     on another (:mod:`~dracpu.sim.runtime_table`, :mod:`~dracpu.sim.runtime_server`,
@@ -475,11 +476,14 @@ class RuntimeBase:
             return None
         return conn
 
-    # Implemented by the parts (a call here is a bug: the part is missing from FakeRuntime).
+    # Declared here, implemented by the parts: FakeRuntime combines them, and abc refuses to
+    # build a runtime that lacks one.
 
+    @abc.abstractmethod
     def _close(self, conn: _Connection, reason: str) -> None:
-        raise NotImplementedError
+        """Close a plugin connection, noting why (:mod:`~dracpu.sim.runtime_server`)."""
 
+    @abc.abstractmethod
     async def _call(
         self,
         conn: _Connection,
@@ -489,15 +493,19 @@ class RuntimeBase:
         *,
         deadline: float,
     ) -> _Result[M]:
-        raise NotImplementedError
+        """Call the plugin under ``deadline`` (:mod:`~dracpu.sim.runtime_server`)."""
 
+    @abc.abstractmethod
     async def _listen(self) -> None:
-        raise NotImplementedError
+        """Accept plugin connections until stopped (:mod:`~dracpu.sim.runtime_server`)."""
 
+    @abc.abstractmethod
     def _apply_updates(
         self, updates: Sequence[nri.ContainerUpdate], *, skip: str = ""
     ) -> list[nri.ContainerUpdate]:
-        raise NotImplementedError
+        """Apply container updates to the table; return those that failed
+        (:mod:`~dracpu.sim.runtime_table`)."""
 
+    @abc.abstractmethod
     def _evict(self, evictions: Sequence[nri.ContainerEviction]) -> None:
-        raise NotImplementedError
+        """Evict containers from the table (:mod:`~dracpu.sim.runtime_table`)."""

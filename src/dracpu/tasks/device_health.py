@@ -56,11 +56,15 @@ import grpclib.const
 import grpclib.server
 from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskStatus
-from h2.exceptions import StreamClosedError
 
 from dracpu._gen.dra_health import v1 as health_v1
 from dracpu._gen.dra_health import v1alpha1 as health_v1alpha1
-from dracpu.adapters.grpc_unix import Encoded, receive_request, with_stream_handlers
+from dracpu.adapters.grpc_unix import (
+    Encoded,
+    StreamClosed,
+    receive_request,
+    with_stream_handlers,
+)
 from dracpu.adapters.sysfs import read_online
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.health import DeviceHealth, HealthStatus, assess
@@ -276,7 +280,7 @@ class HealthStreams:
                 answer = await self._encode(api, generation, health)
                 try:
                     await stream.send_message(answer)
-                except StreamClosedError:  # the kubelet went away before grpclib noticed
+                except StreamClosed:  # the kubelet went away before grpclib noticed
                     logger.debug("a device health stream was closed by the kubelet")
                     return
                 with anyio.move_on_after(self._resend_interval) as wait:

@@ -1,4 +1,4 @@
-"""Signals: SIGHUP resyncs, SIGTERM and SIGINT stop the daemon (design §3).
+"""Signals: SIGHUP resyncs, SIGTERM and SIGINT stop the daemon (docs/architecture.md).
 
 - ``SIGHUP`` reads the settings and the topology again (:class:`~dracpu.tasks.reload.Reloader`)
   and sends the :class:`~dracpu.core.commands.Resync` it builds to the state owner (the node

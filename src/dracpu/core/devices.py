@@ -1,0 +1,377 @@
+"""The devices this node publishes: their names, numbering, attributes and capacity.
+
+Pure: a :class:`~dracpu.core.topology.Topology` and the reserved CPUs go in, :class:`Device`
+values come out (:mod:`dracpu.core.slices` puts them into ResourceSlice objects). Names,
+numbering, attributes and capacity are the compatibility contract of the Go driver
+``kubernetes-sigs/dra-driver-cpu`` (``pkg/device/builder.go``, ``pkg/device/attributes.go``,
+``pkg/cpuinfo/cpuinfo.go``): a user who swaps it for dracpu keeps their DeviceClasses and
+ResourceClaimTemplates, and a claim allocated against its slices names the same CPUs in ours.
+``docs/devices.md`` explains each rule and lists where we deliberately differ.
+
+Which CPUs are published: the online, non-reserved ones. Upstream skips a CPU the kernel links
+to no NUMA node (``populateTopologyInfo`` fails for it), so such a CPU is in no individual, NUMA
+or socket device; only ``cpudevmachine`` (built from the ``online`` list) counts it. It stays in
+our shared pool.
+
+Individual mode (``cpudev000``, ``cpudev001``, ...): one device per published CPU. The number is
+an enumeration index, not the CPU id (upstream ``cpuDeviceInfos``): CPUs sharing
+(``physical_package_id``, ``cluster_id``, ``core_id``) are siblings when there are exactly two of
+them (``populateCpuSiblings``: the key has no die, and 3+ threads pair nobody); in ascending CPU
+order each CPU not yet numbered gets the next number and its sibling, unless reserved, the one
+after. Three digits, more from 1000 devices on (Go's ``%03d`` only pads).
+
+Grouped mode: one device per NUMA node (``cpudevnuma000``, the NUMA id), per socket
+(``cpudevsocket000``, the socket id) or one for the machine (``cpudevmachine``), with capacity
+``dra.cpu/cpu`` = the group's published CPUs and ``allowMultipleAllocations: true``. A NUMA node
+or socket with no such CPU is not published; ``cpudevmachine`` always is. The capacity carries a
+``requestPolicy`` that upstream does not: whole CPUs (``validRange {min: 1, step: 1}``), so the
+scheduler rounds ``1500m`` up to 2 instead of allocating a fraction that Prepare must refuse, and
+``default`` = the whole capacity, so a request without ``capacity.requests`` consumes the whole
+group exactly as it does without a policy (KEP-5075: no policy means full capacity).
+
+``dra.cpu/cacheL3ID`` is ``-1`` for a CPU without a level-3 cache (upstream ``UncoreCacheID``).
+
+``--expose-pcie-roots`` adds ``resource.kubernetes.io/pcieRoot`` (KEP-4381 standard attribute,
+list-typed: ``DRAListTypeAttributes``): the sorted names of the PCIe root complexes local to the
+device's CPUs (a group: local to any of them), omitted when there are none, and slices hold at
+most 64 devices whether or not a device has the attribute (upstream
+``Config.DevicesPerResourceSlice``). ``publishNodeAllocatableResourceMapping`` adds KEP-5517's
+``nodeAllocatableResources``: ``cpu`` mapped from the consumed ``dra.cpu/cpu`` capacity (grouped)
+or one CPU per device (individual).
+
+Our additions to the upstream attributes:
+
+* ``dra.cpu/isolated`` (bool) on **every** individual device, ``true`` on the kernel's isolated
+  CPUs (``isolcpus``). Present on every device so a selector is a plain
+  ``device.attributes["dra.cpu"].isolated`` / ``!device.attributes["dra.cpu"].isolated``: a CEL
+  selector that reads an absent attribute is an evaluation error, not ``false``.
+* ``dra.cpu/numIsolatedCPUs`` (int) on every grouped device. Isolated CPUs are part of their
+  group: they count in ``dra.cpu/cpu`` and ``dra.cpu/numCPUs`` and can be handed out to exclusive
+  claims like any other CPU (they never join the shared pool). The attribute only says how many
+  of the group's CPUs are isolated, so a claim can avoid (``== 0``) or look for such groups.
+
+Attribute keys are the full qualified names (``dra.cpu/socketID``), as upstream publishes them;
+in CEL they are grouped by domain (``device.attributes["dra.cpu"].socketID``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+from dracpu.core.cpuset import CpuSet
+from dracpu.core.slice_validation import MAX_ATTRIBUTE_VALUES_PER_DEVICE
+from dracpu.core.topology import Topology
+from dracpu.errors import TopologyError
+
+__all__ = [
+    "ATTR_CACHE_L3_ID",
+    "ATTR_CORE_ID",
+    "ATTR_CORE_TYPE",
+    "ATTR_CPU_ID",
+    "ATTR_DRANET_NUMA_NODE",
+    "ATTR_ISOLATED",
+    "ATTR_LEGACY_NUMA_NODE_ID",
+    "ATTR_NUMA_NODE",
+    "ATTR_NUM_CPUS",
+    "ATTR_NUM_ISOLATED_CPUS",
+    "ATTR_PCIE_ROOT",
+    "ATTR_SMT_ENABLED",
+    "ATTR_SOCKET_ID",
+    "CAPACITY_CPU",
+    "DRIVER_NAME",
+    "NO_L3_CACHE",
+    "AttributeValue",
+    "CpuDeviceMode",
+    "Device",
+    "GroupBy",
+    "devices_by_name",
+    "individual_numbering",
+    "published_devices",
+]
+
+# --- names of the compatibility contract (upstream pkg/device/attributes.go, builder.go) --------
+
+DRIVER_NAME = "dra.cpu"  # upstream cmd/dracpu/app.go driverName; also the DeviceClass name
+API_VERSION = "resource.k8s.io/v1"  # the GA DRA API, the one upstream publishes
+KIND = "ResourceSlice"
+
+CAPACITY_CPU = "dra.cpu/cpu"  # upstream device.CPUResourceQualifiedName
+
+ATTR_NUMA_NODE = "resource.kubernetes.io/numaNode"  # KEP-6072 StandardDeviceAttributeNUMANode
+ATTR_PCIE_ROOT = "resource.kubernetes.io/pcieRoot"  # KEP-4381 StandardDeviceAttributePCIeRoot
+ATTR_SOCKET_ID = "dra.cpu/socketID"  # upstream AttributeSocketID
+ATTR_SMT_ENABLED = "dra.cpu/smtEnabled"  # upstream AttributeSMTEnabled
+ATTR_CACHE_L3_ID = "dra.cpu/cacheL3ID"  # upstream AttributeCacheL3ID
+ATTR_CORE_TYPE = "dra.cpu/coreType"  # upstream AttributeCoreType
+ATTR_CORE_ID = "dra.cpu/coreID"  # upstream AttributeCoreID (raw sysfs core_id)
+ATTR_CPU_ID = "dra.cpu/cpuID"  # upstream AttributeCPUID
+ATTR_NUM_CPUS = "dra.cpu/numCPUs"  # upstream AttributeNumCPUs (grouped)
+ATTR_LEGACY_NUMA_NODE_ID = "dra.cpu/numaNodeID"  # upstream addCompatibilityAttributes (legacy)
+ATTR_DRANET_NUMA_NODE = "dra.net/numaNode"  # upstream addCompatibilityAttributes (DraNet alias)
+ATTR_ISOLATED = "dra.cpu/isolated"  # ours: on every individual device
+ATTR_NUM_ISOLATED_CPUS = "dra.cpu/numIsolatedCPUs"  # ours: on every grouped device
+
+# dra.cpu/cacheL3ID of a CPU without a level-3 cache: upstream CPUInfo.UncoreCacheID's default.
+NO_L3_CACHE = -1
+
+# Device name prefixes: upstream CPUDevicePrefix, CPUDeviceNUMAGroupedPrefix,
+# CPUDeviceSocketGroupedPrefix, CPUDeviceMachineGrouped.
+_PREFIX_CPU = "cpudev"
+_PREFIX_NUMA = "cpudevnuma"
+_PREFIX_SOCKET = "cpudevsocket"
+_NAME_MACHINE = "cpudevmachine"
+
+
+class CpuDeviceMode(StrEnum):
+    """``--cpu-device-mode`` / config ``cpuDeviceMode`` (upstream values)."""
+
+    GROUPED = "grouped"
+    INDIVIDUAL = "individual"
+
+
+class GroupBy(StrEnum):
+    """``--group-by`` / config ``groupBy`` (upstream values)."""
+
+    NUMANODE = "numanode"
+    SOCKET = "socket"
+    MACHINE = "machine"
+
+
+AttributeValue = bool | int | str | tuple[str, ...]
+"""A scalar attribute, or a list of strings (``strings``, the PCIe roots)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """One published device.
+
+    ``cpus``: individual mode the one CPU; grouped mode the group's published (online,
+    non-reserved) CPUs, isolated ones included. ``attributes`` are keyed by the qualified name
+    as published; ``capacity`` is ``{"dra.cpu/cpu": n}`` for grouped devices, empty otherwise.
+    """
+
+    name: str
+    cpus: CpuSet
+    attributes: Mapping[str, AttributeValue]
+    capacity: Mapping[str, int]
+    grouped: bool
+
+
+def published_devices(
+    topology: Topology,
+    *,
+    reserved: CpuSet,
+    mode: CpuDeviceMode,
+    group_by: GroupBy,
+    numbering: Mapping[int, int] | None = None,
+) -> list[Device]:
+    """The devices this node publishes, in publication (and allocation priority) order.
+
+    ``reserved`` CPUs are never published; reserved CPUs that are not online are ignored.
+    ``group_by`` only matters in grouped mode. Devices carry ``pcieRoot`` when the topology has
+    PCIe roots. ``numbering`` (individual mode): the device number of each CPU, from
+    :func:`individual_numbering`; ``None``: upstream's enumeration of this topology. Raises
+    :class:`TopologyError` when a device would carry more attribute values than the apiserver
+    accepts (a machine with that many PCIe roots).
+    """
+    allocatable = topology.online - reserved
+    roots = _PcieRoots(topology.pcie_roots)
+    if CpuDeviceMode(mode) is CpuDeviceMode.INDIVIDUAL:
+        return _individual_devices(topology, allocatable, roots, numbering)
+    return _grouped_devices(topology, allocatable, GroupBy(group_by), roots)
+
+
+def individual_numbering(
+    topology: Topology, *, reserved: CpuSet, previous: Mapping[int, int] | None = None
+) -> dict[int, int]:
+    """The number of each CPU's individual device (``cpudevNNN``).
+
+    Without ``previous``: upstream's enumeration of the published CPUs (the module docstring).
+    With ``previous``, the numbering of the devices published before by this process (a SIGHUP
+    that found CPUs offline, online or no longer reserved): a CPU keeps the number it had, so
+    that a device name never changes its CPU while the scheduler's allocations name it; a CPU
+    numbered for the first time gets the next number after every number given so far, in
+    upstream's order. The result keeps every entry of ``previous``, published now or not: a CPU
+    that comes back gets its name back, and no number is given twice.
+    """
+    order = _individual_order(topology, topology.online - reserved)
+    if not previous:
+        return {cpu: number for number, cpu in enumerate(order)}
+    numbering = dict(previous)
+    following = max(numbering.values(), default=-1) + 1
+    for cpu in order:
+        if cpu not in numbering:
+            numbering[cpu] = following
+            following += 1
+    return numbering
+
+
+def devices_by_name(devices: Iterable[Device]) -> dict[str, Device]:
+    """Index devices by name (what Prepare needs to turn an allocation into CPUs)."""
+    return {device.name: device for device in devices}
+
+
+def _individual_order(topology: Topology, allocatable: CpuSet) -> list[int]:
+    """The CPUs of ``cpudev000``, ``cpudev001``, ... in that order (see the module docstring).
+
+    Upstream ``cpuDeviceInfos`` over the CPUs ``populateTopologyInfo`` keeps (those with a NUMA
+    node), with the siblings of ``populateCpuSiblings``: a (socket, cluster, core_id) key held by
+    exactly two such CPUs, reserved ones included, pairs them.
+    """
+    published = topology.online - topology.without_numa_node
+    holders: dict[tuple[int, int, int], list[int]] = {}
+    for cpu in published:
+        info = topology.cpus[cpu]
+        holders.setdefault((info.socket_id, info.cluster_id, info.core_id), []).append(cpu)
+    sibling: dict[int, int] = {}
+    for pair in holders.values():
+        if len(pair) == 2:
+            first, second = pair
+            sibling[first], sibling[second] = second, first
+    order: list[int] = []
+    numbered: set[int] = set()
+    for cpu in published & allocatable:
+        if cpu in numbered:
+            continue
+        order.append(cpu)
+        other = sibling.get(cpu)
+        if other is not None and other in allocatable:
+            order.append(other)
+            numbered.add(other)
+    return order
+
+
+class _PcieRoots:
+    """The PCIe roots local to a CPU, or to any CPU of a group (upstream
+    ``addPCIeRootsAttribute``: a union for groups), as the sorted names ``pcieRoot`` lists."""
+
+    __slots__ = ("_by_cpu", "_roots")
+
+    def __init__(self, roots: Mapping[str, CpuSet]) -> None:
+        self._roots = roots
+        self._by_cpu: dict[int, tuple[str, ...]] | None = None  # built for the first CPU asked
+
+    def of_cpu(self, cpu: int) -> tuple[str, ...]:
+        if self._by_cpu is None:
+            by_cpu: dict[int, list[str]] = {}
+            for name, local in self._roots.items():  # sorted by name (Topology)
+                for member in local:
+                    by_cpu.setdefault(member, []).append(name)
+            self._by_cpu = {member: tuple(names) for member, names in by_cpu.items()}
+        return self._by_cpu.get(cpu, ())
+
+    def of_group(self, cpus: CpuSet) -> tuple[str, ...]:
+        return tuple(name for name, local in self._roots.items() if not local.isdisjoint(cpus))
+
+
+def _add_pcie_roots(
+    name: str, attributes: dict[str, AttributeValue], roots: tuple[str, ...]
+) -> None:
+    """Add ``pcieRoot`` (when there are roots) after the upstream attributes already there."""
+    if not roots:
+        return
+    attributes[ATTR_PCIE_ROOT] = roots
+    values = len(attributes) - 1 + len(roots) + 1  # + ours, added after
+    if values > MAX_ATTRIBUTE_VALUES_PER_DEVICE:
+        raise TopologyError(
+            f"device {name}: {len(roots)} PCIe roots are local to its CPUs, which makes "
+            f"{values} attribute values; the API server accepts at most "
+            f"{MAX_ATTRIBUTE_VALUES_PER_DEVICE} per device: turn --expose-pcie-roots off or "
+            "use smaller groups (--group-by numanode)"
+        )
+
+
+def _individual_devices(
+    topology: Topology,
+    allocatable: CpuSet,
+    roots: _PcieRoots,
+    numbering: Mapping[int, int] | None,
+) -> list[Device]:
+    smt = topology.smt_enabled
+    isolated = topology.isolated
+    order = _individual_order(topology, allocatable)
+    if numbering is None:
+        numbered = list(enumerate(order))
+    else:
+        missing = [cpu for cpu in order if cpu not in numbering]
+        if missing:
+            raise TopologyError(f"cpus {CpuSet(missing)} have no individual device number")
+        numbered = sorted((numbering[cpu], cpu) for cpu in order)
+    devices: list[Device] = []
+    for index, cpu in numbered:
+        info = topology.info(cpu)
+        name = f"{_PREFIX_CPU}{index:03d}"
+        attributes: dict[str, AttributeValue] = {
+            ATTR_NUMA_NODE: info.numa_node,
+            ATTR_SOCKET_ID: info.socket_id,
+            ATTR_SMT_ENABLED: smt,
+            ATTR_CACHE_L3_ID: NO_L3_CACHE if info.l3_id is None else info.l3_id,
+            ATTR_CORE_TYPE: info.core_type.value,
+            ATTR_CORE_ID: info.core_id,
+            ATTR_CPU_ID: cpu,
+            ATTR_LEGACY_NUMA_NODE_ID: info.numa_node,
+            ATTR_DRANET_NUMA_NODE: info.numa_node,
+        }
+        _add_pcie_roots(name, attributes, roots.of_cpu(cpu))
+        attributes[ATTR_ISOLATED] = cpu in isolated
+        devices.append(
+            Device(
+                name=name,
+                cpus=CpuSet.from_mask(1 << cpu),
+                attributes=attributes,
+                capacity={},
+                grouped=False,
+            )
+        )
+    return devices
+
+
+def _grouped_device(
+    name: str,
+    cpus: CpuSet,
+    topology: Topology,
+    roots: _PcieRoots,
+    leading: Mapping[str, AttributeValue],
+    trailing: Mapping[str, AttributeValue] | None = None,
+) -> Device:
+    n = len(cpus)
+    attributes: dict[str, AttributeValue] = dict(leading)
+    attributes[ATTR_SMT_ENABLED] = topology.smt_enabled
+    attributes[ATTR_NUM_CPUS] = n
+    attributes.update(trailing or {})
+    _add_pcie_roots(name, attributes, roots.of_group(cpus))
+    attributes[ATTR_NUM_ISOLATED_CPUS] = len(cpus & topology.isolated)
+    return Device(
+        name=name, cpus=cpus, attributes=attributes, capacity={CAPACITY_CPU: n}, grouped=True
+    )
+
+
+def _grouped_devices(
+    topology: Topology, allocatable: CpuSet, group_by: GroupBy, roots: _PcieRoots
+) -> list[Device]:
+    devices: list[Device] = []
+    if group_by is GroupBy.MACHINE:
+        # Upstream builds the machine group from the online list, NUMA node or not.
+        return [_grouped_device(_NAME_MACHINE, allocatable, topology, roots, {})]
+    with_numa = allocatable - topology.without_numa_node
+    if group_by is GroupBy.SOCKET:
+        for socket_id, members in topology.sockets.items():
+            cpus = members & with_numa
+            if cpus:
+                name = f"{_PREFIX_SOCKET}{socket_id:03d}"
+                leading = {ATTR_SOCKET_ID: socket_id}
+                devices.append(_grouped_device(name, cpus, topology, roots, leading))
+        return devices
+    for numa_id, members in topology.numa_nodes.items():
+        cpus = members & with_numa
+        if not cpus:
+            continue
+        # Upstream: "All CPUs in a NUMA node belong to the same socket"; take the lowest's.
+        socket_id = topology.info(cpus.min()).socket_id
+        leading = {ATTR_NUMA_NODE: numa_id, ATTR_SOCKET_ID: socket_id}
+        legacy = {ATTR_LEGACY_NUMA_NODE_ID: numa_id, ATTR_DRANET_NUMA_NODE: numa_id}
+        name = f"{_PREFIX_NUMA}{numa_id:03d}"
+        devices.append(_grouped_device(name, cpus, topology, roots, leading, legacy))
+    return devices
