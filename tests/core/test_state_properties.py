@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dracpu.core.allocator import AllocationPolicy, Strategy
+from dracpu.core.allocator import Strategy
 from dracpu.core.checkpoint_schema import decode, encode
 from dracpu.core.commands import (
     AdoptClaims,
@@ -89,21 +89,13 @@ def draw_prepare(data: st.DataObject, state: NodeState) -> Command:
             cpuset = None
             if data.draw(st.integers(0, 5), label="explicit") == 0:
                 cpuset = CpuSet(data.draw(st.sets(st.integers(0, 16), max_size=4)))
-            results.append(DeviceResult(f"r{i}", NODE, name, count, cpuset))
+            strategy = data.draw(st.sampled_from([None, *Strategy]), label="strategy")
+            full_cores = data.draw(st.sampled_from([None, False, True]), label="full cores")
+            results.append(DeviceResult(f"r{i}", NODE, name, count, cpuset, strategy, full_cores))
         else:
             results.append(DeviceResult(f"r{i}", NODE, name))
-    policy = data.draw(
-        st.sampled_from(
-            [
-                None,
-                AllocationPolicy(strategy=Strategy.SPREAD),
-                AllocationPolicy(full_cores=True),
-            ]
-        ),
-        label="policy",
-    )
     pin = data.draw(st.sampled_from([None, True, False]), label="pin")
-    return PrepareClaim(uid(n), "ns", f"c{n}", tuple(results), policy, pin)
+    return PrepareClaim(uid(n), "ns", f"c{n}", tuple(results), pin)
 
 
 def draw_container(data: st.DataObject, state: NodeState) -> Container:

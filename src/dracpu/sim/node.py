@@ -315,11 +315,13 @@ class NodeSim:
         namespace: str = "default",
         device: str | None = None,
         request: str = "cpus",
+        configs: Sequence[Mapping[str, Any]] = (),
     ) -> SimClaim:
         """Play the scheduler: allocate ``cpus`` CPUs from the published devices and write the
         ResourceClaim (allocated, for this node). Grouped mode: the first device (or
         ``device``) with enough free capacity, ``consumedCapacity`` and a ``shareID``;
-        individual mode: the first ``cpus`` free devices in published order."""
+        individual mode: the first ``cpus`` free devices in published order. ``configs``: the
+        allocation's ``devices.config`` entries (``{"source", "requests", "opaque"}``)."""
         devices = self.published()
         if not devices:
             raise SimError("no device is published: the scheduler cannot allocate")
@@ -356,7 +358,7 @@ class NodeSim:
                         "device": chosen,
                     }
                 )
-        claim = self.write_claim(name, results, namespace=namespace)
+        claim = self.write_claim(name, results, namespace=namespace, configs=configs)
         self._claims[claim.uid] = claim
         return claim
 
@@ -368,14 +370,16 @@ class NodeSim:
         namespace: str = "default",
         uid: str | None = None,
         allocated: bool = True,
+        configs: Sequence[Mapping[str, Any]] = (),
     ) -> SimClaim:
-        """Write a ResourceClaim with exactly these ``results`` (tests of bad input); no
-        capacity bookkeeping."""
+        """Write a ResourceClaim with exactly these ``results`` and ``configs`` (tests of bad
+        input); no capacity bookkeeping."""
         obj = build_resource_claim(
             namespace,
             name,
             results,
             uid=uid,
+            configs=configs,
             node_name=self.node_name,
             allocated=allocated,
         )
