@@ -103,9 +103,13 @@ class CpuConfig:
     def under(self, later: CpuConfig) -> CpuConfig:
         """This config with every field ``later`` sets replaced by ``later``'s."""
         changes = {
-            f.name: value for f in fields(later) if (value := getattr(later, f.name)) is not None
+            name: value for name in _FIELD_NAMES if (value := getattr(later, name)) is not None
         }
         return replace(self, **changes) if changes else self
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(CpuConfig))
+_NOTHING = CpuConfig()
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,28 +253,35 @@ def claim_overrides(allocation: ClaimAllocation) -> ClaimOverrides:
         return ClaimOverrides(plain)
     ordered = _precedence(allocation.configs)
     parsed: dict[int, CpuConfig] = {}
+    # The results of one request (an individual claim has up to 32) share their configs.
+    by_request: dict[str, CpuConfig] = {}
     results: list[DeviceResult] = []
-    memory: dict[str, Memory] = {}
     for device, result in zip(allocation.devices, plain, strict=True):
-        effective = CpuConfig()
-        for config in ordered:
-            if _applies(config, device):
-                if config.index not in parsed:
-                    parsed[config.index] = _parsed(label, config)
-                effective = effective.under(parsed[config.index])
-        if effective.full_cores and effective.policy is Strategy.SPREAD:
-            raise ClaimError(
-                f"{label} request {device.request_ref!r}: cpuConfig.fullCores true takes whole "
-                "cores packed; it cannot be combined with cpuConfig.policy 'spread'"
+        ref = device.request_ref
+        effective = by_request.get(ref)
+        if effective is None:
+            effective = _NOTHING
+            for config in ordered:
+                if _applies(config, device):
+                    if config.index not in parsed:
+                        parsed[config.index] = _parsed(label, config)
+                    effective = effective.under(parsed[config.index])
+            if effective.full_cores and effective.policy is Strategy.SPREAD:
+                raise ClaimError(
+                    f"{label} request {ref!r}: cpuConfig.fullCores true takes whole cores "
+                    "packed; it cannot be combined with cpuConfig.policy 'spread'"
+                )
+            by_request[ref] = effective
+        if effective.cpuset is None and effective.policy is None and effective.full_cores is None:
+            results.append(result)
+        else:
+            results.append(
+                replace(
+                    result,
+                    cpuset=effective.cpuset,
+                    strategy=effective.policy,
+                    full_cores=effective.full_cores,
+                )
             )
-        if effective.memory is not None:
-            memory.setdefault(device.request_ref, effective.memory)
-        results.append(
-            replace(
-                result,
-                cpuset=effective.cpuset,
-                strategy=effective.policy,
-                full_cores=effective.full_cores,
-            )
-        )
+    memory = {ref: c.memory for ref, c in by_request.items() if c.memory is not None}
     return ClaimOverrides(tuple(results), _claim_memory(label, memory))
