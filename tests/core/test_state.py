@@ -839,6 +839,20 @@ def test_adopted_claim_is_completed_by_a_consistent_prepare() -> None:
     assert [type(e) for e in effects] == [WriteCdiSpec, WriteCheckpoint, Reply]
 
 
+def test_an_adopted_claim_takes_its_own_memory_pinning_when_prepared() -> None:
+    # Adoption knows only the CPUs (the node's default: no pinning); the kubelet's Prepare brings
+    # the claim's opaque config (memory: pin).
+    state = NodeState.initial(INDIVIDUAL)
+    state, _, _ = ok(state, AdoptClaims((AdoptedClaim(uid(1), cpus("5,13")),)))
+    assert state.claims[uid(1)].mems is None
+    command = replace(individual(INDIVIDUAL, 1, [5, 13]), pin_memory=True)
+    new, value, effects = ok(state, command)
+    assert isinstance(value, ClaimPrepared)
+    assert value.mems == new.claims[uid(1)].mems == cpus("1")
+    (checkpoint,) = [e for e in effects if isinstance(e, WriteCheckpoint)]
+    assert checkpoint.checkpoint == new.checkpoint()
+
+
 def test_adopted_grouped_claim_is_checked_per_device() -> None:
     state = NodeState.initial(GROUPED)
     state, _, _ = ok(state, AdoptClaims((AdoptedClaim(uid(1), cpus("2,5,13")),)))

@@ -238,14 +238,19 @@ def prepare(state: NodeState, command: PrepareClaim) -> tuple[NodeState, list[Ef
                 f"asked again for devices {_devices(results)}"
             )
         _consistent_with_adopted(state.config, uid, existing.cpus, results)
-        claim = replace(existing, namespace=command.namespace, name=command.name, results=results)
+        # Adoption knew only the CPUs: the claim's own memory pinning (its opaque config) is
+        # known now. Its running containers get it at their next pin.
+        mems = _claim_mems(state.config, existing.cpus, command.pin_memory)
+        claim = replace(
+            existing, namespace=command.namespace, name=command.name, results=results, mems=mems
+        )
         claims = mutable(state.claims)
         claims[uid] = claim
         new = replace(state, claims=MappingProxyType(claims))
         return new, [
             WriteCdiSpec(uid, claim.cpus),
             WriteCheckpoint(new.checkpoint()),
-            Reply(prepared),
+            Reply(ClaimPrepared(uid, claim.cpus, mems, results)),
         ]
     if not results:
         # No result of ours: nothing to hold, no CDI spec (upstream: success, no devices).
