@@ -453,7 +453,8 @@ def test_bad_environment_values(env: dict[str, str], expected: str) -> None:
         (
             "allocator: external\n",
             'allocator: invalid value "external": dracpu does not implement the external '
-            "allocator (a cpuset per request from the claim's opaque config); remove the key "
+            "allocator (every grouped request must carry an opaque cpuset, split over its "
+            "results); dracpu honours a claim's cpuConfig.cpuset without it: remove the key "
             'or set "cpumanager"',
         ),
         (

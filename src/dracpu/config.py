@@ -30,13 +30,15 @@ The config file is upstream's (``internal/driverconfig``): a flat YAML mapping w
 ``hostnameOverride``, ``kubeconfig``, ``sysfsOverlay`` (a YAML file of sysfs paths and contents
 laid over the host's sysfs, :mod:`dracpu.adapters.sysfs_overlay`),
 ``publishNodeAllocatableResourceMapping`` and ``allocator`` (``cpumanager``, the kubelet-style
-topology-aware allocator, which is ours; ``external``, a cpuset per request from the claim's
-opaque config, is refused: dracpu does not implement it). Upstream refuses ``bindAddress``,
-``exposePCIeRoots`` and ``kubeletRootDir`` in the file (``schemaExcludedFields``: the Helm chart
-renders them as flags, next to the mounts that must match), and so do we, naming the flag to
-use. Our own settings have camelCase keys of their own (``cdiDir``, ``nriSocket``, ``stateDir``,
-``hostRoot``, ``logFormat``, ``verbosity``, ``memoryPinning``, ``nriPluginName``,
-``nriPluginIndex``). Unknown keys, keys spelled with another case, duplicate keys and values of
+topology-aware allocator, which is ours; ``external``, which requires an opaque cpuset on
+every grouped request and splits it over the request's results, is refused: dracpu does not
+implement it, and honours a claim's ``cpuConfig.cpuset`` without it,
+:mod:`dracpu.core.claim_config`). Upstream refuses ``bindAddress``, ``exposePCIeRoots`` and
+``kubeletRootDir`` in the file (``schemaExcludedFields``: the Helm chart renders them as flags,
+next to the mounts that must match), and so do we, naming the flag to use. Our own settings
+have camelCase keys of their own (``cdiDir``, ``nriSocket``, ``stateDir``, ``hostRoot``,
+``logFormat``, ``verbosity``, ``memoryPinning``, ``nriPluginName``, ``nriPluginIndex``).
+Unknown keys, keys spelled with another case, duplicate keys and values of
 the wrong YAML type are errors; every bad key of a file is named in the one error line.
 
 The node name falls back to the lower-cased host name when neither ``--node-name`` (alias
@@ -422,7 +424,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> frozenset[str]:
         action=_GoBoolAction,
         nargs="?",
         metavar="BOOL",
-        help="also pin cpuset.mems to the claim's NUMA nodes (default false)",
+        help=(
+            "also pin cpuset.mems to the claim's NUMA nodes (default false; a claim's "
+            "cpuConfig.memory pin|none overrides it)"
+        ),
     )
     flag(
         "--nri-plugin-name",
@@ -626,8 +631,9 @@ def _allocator(raw: object) -> object:
     text = _string(raw)
     if text == ALLOCATOR_EXTERNAL:
         raise _BadValue(
-            "dracpu does not implement the external allocator (a cpuset per request from the "
-            f"claim's opaque config); remove the key or set {_show(ALLOCATOR_CPUMANAGER)}"
+            "dracpu does not implement the external allocator (every grouped request must "
+            "carry an opaque cpuset, split over its results); dracpu honours a claim's "
+            f"cpuConfig.cpuset without it: remove the key or set {_show(ALLOCATOR_CPUMANAGER)}"
         )
     if text != ALLOCATOR_CPUMANAGER:
         raise _BadValue(f"must be {_show(ALLOCATOR_CPUMANAGER)} or {_show(ALLOCATOR_EXTERNAL)}")

@@ -144,6 +144,12 @@ def test_individual_claim_keeps_order_and_strips_subrequests() -> None:
         ("main", "cpudev004", None),
         ("other", "cpudev010", None),
     ]
+    # The subrequest is kept apart: opaque configs may name "main" or "main/small".
+    assert [(d.subrequest, d.request_ref) for d in allocation.devices] == [
+        ("small", "main/small"),
+        ("small", "main/small"),
+        ("", "other"),
+    ]
 
 
 def test_other_drivers_results_and_configs_are_ignored() -> None:
@@ -166,7 +172,9 @@ def test_other_drivers_results_and_configs_are_ignored() -> None:
     allocation = read_claim(claim(results, configs=configs), uid=UID, pool=NODE)
     assert [d.device for d in allocation.devices] == ["cpudevnuma000"]
     assert allocation.configs == (
-        OpaqueConfig(source="FromClaim", requests=("cpus",), parameters={"policy": "spread"}),
+        OpaqueConfig(
+            source="FromClaim", requests=("cpus",), parameters={"policy": "spread"}, index=1
+        ),
     )
 
 

@@ -11,7 +11,7 @@ from dataclasses import FrozenInstanceError, fields, replace
 
 import pytest
 
-from dracpu.core.allocator import AllocationPolicy, Strategy
+from dracpu.core.allocator import Strategy
 from dracpu.core.checkpoint_schema import CheckpointData, decode, encode
 from dracpu.core.commands import (
     AdoptClaims,
@@ -70,6 +70,7 @@ from dracpu.core.state import (
 )
 from dracpu.core.state_containers import unreserved_claims
 from dracpu.errors import (
+    AllocationError,
     CdiError,
     ClaimConflictError,
     ClaimError,
@@ -291,19 +292,79 @@ def test_prepare_grouped_explicit_cpuset() -> None:
     refused(
         state, explicit(2, "cpudevmachine", 2, "5"), ClaimError, "has 1 CPUs, the claim consumes 2"
     )
-    refused(state, explicit(2, "cpudevmachine", 2, "0-1"), ClaimError, "cpus 0 are outside")
-    refused(state, explicit(2, "cpudevmachine", 2, "12-13"), ClaimConflictError, uid(1))
+    message = refused(state, explicit(2, "cpudevmachine", 2, "0-1"), ClaimError, "reserved")
+    assert message.endswith("cpuset 0-1: cpus 0 are reserved (--reserved-cpus)")
+    message = refused(state, explicit(2, "cpudevmachine", 3, "8,15-16"), ClaimError, "offline")
+    assert message.endswith(
+        "cpuset 8,15-16: cpus 16 are offline or not on this machine; "
+        "cpus 8 are reserved (--reserved-cpus)"
+    )
+    message = refused(state, explicit(2, "cpudevmachine", 2, "12-13"), ClaimConflictError, uid(1))
+    assert "cpus 12 of cpuset 12-13 are already prepared" in message
+    # Two results of one claim cannot share CPUs.
+    both = (
+        DeviceResult("a", NODE, "cpudevmachine", 1, cpus("5")),
+        DeviceResult("b", NODE, "cpudevmachine", 2, cpus("5-6")),
+    )
+    refused(state, PrepareClaim(uid(2), "ns", "c", both), ClaimError, "overlaps another result")
+
+
+def test_prepare_explicit_cpuset_must_lie_in_its_numa_device() -> None:
+    state = NodeState.initial(GROUPED)
+    message = refused(state, explicit(1, "cpudevnuma000", 2, "3-4"), ClaimError, "not in device")
+    assert message.endswith("cpuset 3-4: cpus 4 are not in device 'cpudevnuma000'")
+    _, value, _ = ok(state, explicit(1, "cpudevnuma001", 2, "4,12"))
+    assert isinstance(value, ClaimPrepared)
+    assert value.cpus == cpus("4,12")
 
 
 def test_prepare_policy_override_reaches_the_allocator() -> None:
     state = NodeState.initial(GROUPED)
     packed, _, _ = ok(state, grouped(1, ("cpudevnuma001", 2)))
+    spread_command = grouped(1, ("cpudevnuma001", 2))
     spread_command = replace(
-        grouped(1, ("cpudevnuma001", 2)), policy=AllocationPolicy(strategy=Strategy.SPREAD)
+        spread_command,
+        results=tuple(replace(r, strategy=Strategy.SPREAD) for r in spread_command.results),
     )
     spread, _, _ = ok(state, spread_command)
     assert len(GROUPED.topology.cores_of(packed.claims[uid(1)].cpus)) == 1
     assert len(GROUPED.topology.cores_of(spread.claims[uid(1)].cpus)) == 2
+
+
+def test_each_result_has_its_own_policy() -> None:
+    # One claim, two results: the first spread over cores, the second whole cores only, on
+    # NUMA 1 where cpu 5 is taken (core 5 = cpus 5 and 13 is then not whole).
+    state, _, _ = ok(NodeState.initial(GROUPED), explicit(1, "cpudevnuma001", 1, "5"))
+    results = (
+        DeviceResult("a", NODE, "cpudevnuma000", 2, strategy=Strategy.SPREAD),
+        DeviceResult("b", NODE, "cpudevnuma001", 2, full_cores=True),
+    )
+    state, value, _ = ok(state, PrepareClaim(uid(2), "ns", "c", results))
+    assert isinstance(value, ClaimPrepared)
+    topology = GROUPED.topology
+    numa0 = value.cpus & config_device_cpus(GROUPED, "cpudevnuma000")
+    numa1 = value.cpus & config_device_cpus(GROUPED, "cpudevnuma001")
+    assert len(numa0) == 2
+    assert len(topology.cores_of(numa0)) == 2  # one thread on each of two cores
+    assert len(numa1) == 2
+    assert len(topology.cores_of(numa1)) == 1  # one whole core
+    assert numa1.isdisjoint(cpus("5,13"))
+    # The overrides steer the choice only: the same results without them are the same claim.
+    plain = tuple(replace(r, strategy=None, full_cores=None) for r in results)
+    new, effects = apply(state, PrepareClaim(uid(2), "ns", "c", plain))
+    assert new is state
+    assert effects[-1] == Reply(ClaimPrepared(uid(2), value.cpus, None, value.results))
+
+
+def test_full_cores_and_a_count_no_whole_cores_make_are_refused() -> None:
+    command = PrepareClaim(
+        uid(1), "ns", "c", (DeviceResult("r", NODE, "cpudevnuma000", 3, full_cores=True),)
+    )
+    refused(NodeState.initial(GROUPED), command, AllocationError, "multiple of the SMT width 2")
+
+
+def config_device_cpus(config: NodeConfig, name: str) -> CpuSet:
+    return config.devices[name].cpus
 
 
 # --- idempotency -----------------------------------------------------------------------------
@@ -921,6 +982,20 @@ def test_adopted_claim_is_completed_by_a_consistent_prepare() -> None:
     assert value.cpus == cpus("5,13")
     assert new.claims[uid(1)].results != ()
     assert [type(e) for e in effects] == [WriteCdiSpec, WriteCheckpoint, Reply]
+
+
+def test_an_adopted_claim_takes_its_own_memory_pinning_when_prepared() -> None:
+    # Adoption knows only the CPUs (the node's default: no pinning); the kubelet's Prepare brings
+    # the claim's opaque config (memory: pin).
+    state = NodeState.initial(INDIVIDUAL)
+    state, _, _ = ok(state, AdoptClaims((AdoptedClaim(uid(1), cpus("5,13")),)))
+    assert state.claims[uid(1)].mems is None
+    command = replace(individual(INDIVIDUAL, 1, [5, 13]), pin_memory=True)
+    new, value, effects = ok(state, command)
+    assert isinstance(value, ClaimPrepared)
+    assert value.mems == new.claims[uid(1)].mems == cpus("1")
+    (checkpoint,) = [e for e in effects if isinstance(e, WriteCheckpoint)]
+    assert checkpoint.checkpoint == new.checkpoint()
 
 
 def test_adopted_grouped_claim_is_checked_per_device() -> None:

@@ -34,6 +34,7 @@ from dracpu._gen.dra import v1beta1 as gen_v1beta1
 from dracpu.adapters import cdi_files, checkpoint_file
 from dracpu.adapters.grpc_unix import StreamClosed
 from dracpu.config import Config
+from dracpu.core.allocator import Strategy
 from dracpu.core.commands import Command, DeviceResult, PrepareClaim
 from dracpu.core.cpuset import EMPTY, CpuSet
 from dracpu.core.effects import (
@@ -1398,3 +1399,54 @@ async def test_requests_use_the_owner_stream_request_type(tmp_path: Path) -> Non
         name="a",
         results=(DeviceResult("cpu", NODE, "cpudevnuma000", consumed_cpus=2),),
     )
+
+
+def _cpu_config(requests: list[str], **cpu: object) -> dict[str, Any]:
+    return {
+        "source": "FromClaim",
+        "requests": requests,
+        "opaque": {
+            "driver": DRIVER,
+            "parameters": {"apiVersion": "v1alpha1", "cpuConfig": cpu},
+        },
+    }
+
+
+async def test_opaque_configs_reach_the_owner_and_a_bad_one_fails_its_claim_alone() -> None:
+    claims = FakeClaims()
+    configured = claim_object("configured", [grouped_result("cpudevnuma000", "2")])
+    configured["status"]["allocation"]["devices"]["config"] = [
+        _cpu_config(["cpu"], cpuset="3,35", memory="pin"),
+        _cpu_config([], policy="spread"),  # taken, but an explicit cpuset decides the CPUs
+    ]
+    bad = claim_object("bad", [grouped_result("cpudevnuma001", "2")])
+    bad["status"]["allocation"]["devices"]["config"] = [_cpu_config([], fullCores="yes")]
+    claims.add(configured)
+    claims.add(bad)
+    send, receive = _command_stream()
+    service = DraService(send, claims, NODE)
+    seen: list[Command] = []
+
+    async def owner() -> None:
+        async for req in receive:  # every command that comes, until cancelled
+            seen.append(req.command)
+            with req.reply:
+                await req.reply.send(DracpuError("refused by the test owner"))
+
+    with send, receive:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(owner)
+            refs = [kubelet_plugin.ClaimRef(*_ref(obj)) for obj in (configured, bad)]
+            outcomes = await service.prepare(refs)
+            tg.cancel_scope.cancel()
+    assert outcomes[_ref(bad)[1]] == kubelet_plugin.PrepareOutcome(
+        error="claim default/bad: opaque config [0] cpuConfig.fullCores: 'yes' is not a "
+        "boolean (true or false)"
+    )
+    [command] = seen  # the bad claim never reached the owner
+    assert isinstance(command, PrepareClaim)
+    assert command.claim_uid == _ref(configured)[1]
+    assert command.pin_memory is True
+    [result] = command.results
+    assert result == DeviceResult("cpu", NODE, "cpudevnuma000", 2, CpuSet([3, 35]))
+    assert result.strategy is Strategy.SPREAD

@@ -90,9 +90,10 @@ class AllocatedDevice:
     """One allocation result of our driver in our pool.
 
     ``request``: the main request name (``req`` of ``req/sub``: the kubelet matches containers
-    by main request names). ``share_id``: the result's ``shareID`` (grouped devices with
-    consumable capacity). ``consumed_cpus``: ``consumedCapacity["dra.cpu/cpu"]`` as a whole
-    number, ``None`` when the result consumes no capacity (individual devices).
+    by main request names); ``subrequest``: ``sub`` of ``req/sub``, ``""`` for a top-level
+    request (opaque configs may name either). ``share_id``: the result's ``shareID`` (grouped
+    devices with consumable capacity). ``consumed_cpus``: ``consumedCapacity["dra.cpu/cpu"]``
+    as a whole number, ``None`` when the result consumes no capacity (individual devices).
     """
 
     request: str
@@ -100,6 +101,12 @@ class AllocatedDevice:
     device: str
     share_id: str | None = None
     consumed_cpus: int | None = None
+    subrequest: str = ""
+
+    @property
+    def request_ref(self) -> str:
+        """The result's ``request`` as the allocation spells it: ``req`` or ``req/sub``."""
+        return f"{self.request}/{self.subrequest}" if self.subrequest else self.request
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,12 +114,15 @@ class OpaqueConfig:
     """An opaque config of our driver from ``status.allocation.devices.config`` (kept raw).
 
     ``source``: ``FromClaim`` or ``FromClass``; ``requests``: the requests it applies to (empty:
-    all); ``parameters``: the JSON value as the server returned it.
+    all); ``parameters``: the JSON value as the server returned it; ``index``: its place in
+    ``status.allocation.devices.config`` (error messages name it).
+    :mod:`dracpu.core.claim_config` reads them.
     """
 
     source: str
     requests: tuple[str, ...]
     parameters: Any
+    index: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,12 +267,14 @@ def _our_result(
     if share_id is not None and (not isinstance(share_id, str) or not share_id):
         raise ClaimError(f"{where}.shareID: {share_id!r} is not a non-empty string")
     consumed_cpus = _consumed_cpus(where, device, result.get("consumedCapacity"))
+    main, _, subrequest = request.partition("/")
     return AllocatedDevice(
-        request=request.split("/", 1)[0],
+        request=main,
         pool=result_pool,
         device=device,
         share_id=share_id,
         consumed_cpus=consumed_cpus,
+        subrequest=subrequest,
     )
 
 
@@ -317,6 +329,7 @@ def _our_configs(label: str, configs: object, *, driver: str) -> tuple[OpaqueCon
                 source=_text(config.get("source")),
                 requests=tuple(requests),
                 parameters=opaque.get("parameters"),
+                index=index,
             )
         )
     return tuple(ours)

@@ -21,9 +21,9 @@ through :meth:`Container.from_env` (parsing by :func:`dracpu.core.cdi_spec.parse
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
-from dracpu.core.allocator import AllocationPolicy
+from dracpu.core.allocator import AllocationPolicy, Strategy
 from dracpu.core.cdi_spec import parse_env
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.topology import Topology
@@ -60,9 +60,16 @@ class DeviceResult:
 
     ``consumed_cpus``: grouped devices: ``consumedCapacity["dra.cpu/cpu"]`` as a whole number (the
     adapter rejects fractions; the state machine rejects missing, zero and negative values);
-    individual devices: ``None`` (or 1). ``cpuset``: an explicit cpuset chosen by an external
-    allocator (upstream opaque config ``cpuConfig.cpuset``, ``groupBy: machine``); it must lie in
-    the device's group and have exactly ``consumed_cpus`` CPUs. ``None``: dracpu picks the CPUs.
+    individual devices: ``None`` (or 1). ``cpuset``: an explicit cpuset, from the claim's
+    opaque config ``cpuConfig.cpuset`` (upstream's, written by an external allocator or the
+    user); it must lie in the device's group, be free and have exactly ``consumed_cpus`` CPUs.
+    ``None``: dracpu picks the CPUs.
+
+    ``strategy`` and ``full_cores``: the opaque config's ``cpuConfig.policy`` and
+    ``cpuConfig.fullCores`` for this result, over the node's default policy; ``None`` keeps the
+    default. They only steer the choice of CPUs: they take no part in equality, the sort key or
+    the checkpoint, so a re-Prepare of a prepared claim is idempotent whatever they say (they
+    come from the allocation, which cannot change anyway).
     """
 
     request: str
@@ -70,6 +77,18 @@ class DeviceResult:
     device: str
     consumed_cpus: int | None = None
     cpuset: CpuSet | None = None
+    strategy: Strategy | None = field(default=None, compare=False)
+    full_cores: bool | None = field(default=None, compare=False)
+
+    def policy(self, default: AllocationPolicy) -> AllocationPolicy:
+        """``default`` with this result's overrides."""
+        if self.strategy is None and self.full_cores is None:
+            return default
+        return replace(
+            default,
+            strategy=default.strategy if self.strategy is None else self.strategy,
+            full_cores=default.full_cores if self.full_cores is None else self.full_cores,
+        )
 
     def sort_key(self) -> tuple[str, str, str, int, str]:
         """A total order, so that the same results in another order compare equal."""
@@ -87,17 +106,17 @@ class PrepareClaim:
     """``NodePrepareResources`` for one claim: pick its CPUs, write its CDI spec, checkpoint.
 
     All results of the claim are unioned into ONE cpuset (upstream: one CDI env var per claim).
-    ``policy`` and ``pin_memory`` override the node defaults for this claim (its opaque config);
-    ``None`` keeps the default. ``pod_uids``: the pods its ``status.reservedFor`` names (only
-    their containers may use its CPUs); a Prepare of a prepared claim with other pods (a shared
-    claim gains consumers) updates the record (known pods are never emptied).
+    ``pin_memory`` overrides the node default for this claim (its opaque config's
+    ``cpuConfig.memory``); ``None`` keeps the default. How each result's CPUs are chosen is in
+    the result (:class:`DeviceResult`). ``pod_uids``: the pods its ``status.reservedFor`` names
+    (only their containers may use its CPUs); a Prepare of a prepared claim with other pods (a
+    shared claim gains consumers) updates the record (known pods are never emptied).
     """
 
     claim_uid: str
     namespace: str
     name: str
     results: tuple[DeviceResult, ...]
-    policy: AllocationPolicy | None = None
     pin_memory: bool | None = None
     pod_uids: frozenset[str] = frozenset()
 

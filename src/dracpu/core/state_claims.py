@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from types import MappingProxyType
 
-from dracpu.core.allocator import AllocationPolicy, allocate
+from dracpu.core.allocator import allocate
 from dracpu.core.cdi_spec import is_valid_claim_uid
 from dracpu.core.checkpoint_schema import PreparedClaim
 from dracpu.core.commands import (
@@ -102,7 +102,10 @@ def _check_result(config: NodeConfig, uid: str, result: DeviceResult) -> Device:
                 f"{where}: individual device {device.name!r} holds one CPU, not {consumed}"
             )
         if result.cpuset is not None:
-            raise ClaimError(f"{where}: an explicit cpuset needs a grouped device")
+            raise ClaimError(
+                f"{where}: an explicit cpuset needs a grouped device (cpuConfig.cpuset); "
+                f"{device.name!r} is one CPU the scheduler chose"
+            )
     elif consumed is None:
         raise ClaimError(
             f"{where}: grouped device {device.name!r} has no consumed capacity 'dra.cpu/cpu'"
@@ -110,13 +113,29 @@ def _check_result(config: NodeConfig, uid: str, result: DeviceResult) -> Device:
     return device
 
 
-def _pick(
-    state: NodeState,
-    uid: str,
-    results: Sequence[DeviceResult],
-    policy: AllocationPolicy,
-) -> CpuSet:
-    """The CPUs for a new claim: the union over its results."""
+def _outside(config: NodeConfig, device: Device, cpus: CpuSet) -> str:
+    """Why CPUs of an explicit cpuset are not the device's to give (``""``: they all are)."""
+    outside = cpus - (device.cpus & config.allocatable)
+    if not outside:
+        return ""
+    offline = outside - config.topology.online
+    reserved = (outside & config.reserved) - offline
+    elsewhere = outside - offline - reserved
+    reasons = [
+        f"cpus {part} are {why}"
+        for part, why in (
+            (offline, "offline or not on this machine"),
+            (reserved, "reserved (--reserved-cpus)"),
+            (elsewhere, f"not in device {device.name!r}"),
+        )
+        if part
+    ]
+    return "; ".join(reasons)
+
+
+def _pick(state: NodeState, uid: str, results: Sequence[DeviceResult]) -> CpuSet:
+    """The CPUs for a new claim: the union over its results (each result with its own policy
+    over the node's default)."""
     config = state.config
     free = config.allocatable - state.claimed
     assignment = EMPTY
@@ -143,11 +162,9 @@ def _pick(
                     raise ClaimError(
                         f"{where}: cpuset {cpus} has {len(cpus)} CPUs, the claim consumes {count}"
                     )
-                if not cpus <= group:
-                    raise ClaimError(
-                        f"{where}: cpuset {cpus} is not within the device's CPUs {group}"
-                        f" (cpus {cpus - group} are outside, reserved or offline)"
-                    )
+                outside = _outside(config, device, cpus)
+                if outside:
+                    raise ClaimError(f"{where}: cpuset {cpus}: {outside}")
                 if not cpus.isdisjoint(assignment):
                     raise ClaimError(f"{where}: cpuset {cpus} overlaps another result's CPUs")
                 if not cpus <= free:
@@ -161,7 +178,7 @@ def _pick(
                         f"{where}: asks {count} CPUs but only {len(available)} of the "
                         f"device's {len(group)} are free"
                     )
-                cpus = allocate(config.topology, available, count, policy)
+                cpus = allocate(config.topology, available, count, result.policy(config.policy))
                 if len(cpus) != count or not cpus <= available:
                     raise AllocationError(
                         f"{where}: the allocator returned {cpus} for {count} of {available}"
@@ -229,12 +246,15 @@ def prepare(state: NodeState, command: PrepareClaim) -> tuple[NodeState, list[Ef
             )
         else:
             _consistent_with_adopted(state.config, uid, existing.cpus, results)
+            # Adoption knew only the CPUs: the claim's own memory pinning (its opaque config) is
+            # known now. Its running containers get it at their next pin.
             claim = replace(
                 existing,
                 namespace=command.namespace,
                 name=command.name,
                 results=results,
                 pod_uids=pods,
+                mems=_claim_mems(state.config, existing.cpus, command.pin_memory),
             )
         claims = mutable(state.claims)
         claims[uid] = claim
@@ -242,13 +262,12 @@ def prepare(state: NodeState, command: PrepareClaim) -> tuple[NodeState, list[Ef
         return new, [
             WriteCdiSpec(uid, claim.cpus),
             WriteCheckpoint(new.checkpoint()),
-            Reply(prepared),
+            Reply(ClaimPrepared(uid, claim.cpus, claim.mems, results)),
         ]
     if not results:
         # No result of ours: nothing to hold, no CDI spec (upstream: success, no devices).
         return state, [Reply(ClaimPrepared(uid, EMPTY, None, ()))]
-    policy = state.config.policy if command.policy is None else command.policy
-    cpus = _pick(state, uid, results, policy)
+    cpus = _pick(state, uid, results)
     claimed = state.claimed | cpus
     _check_shared_pool(state, claimed, f"preparing claim {uid} with cpus {cpus}")
     mems = _claim_mems(state.config, cpus, command.pin_memory)

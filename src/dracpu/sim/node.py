@@ -334,13 +334,15 @@ class NodeSim:
         device: str | None = None,
         request: str = "cpus",
         reserved_for: Iterable[FakePod] = (),
+        configs: Sequence[Mapping[str, Any]] = (),
     ) -> SimClaim:
         """Play the scheduler: allocate ``cpus`` CPUs from the published devices and write the
         ResourceClaim (allocated, for this node). Grouped mode: the first device (or
         ``device``) with enough free capacity, ``consumedCapacity`` and a ``shareID``;
         individual mode: the first ``cpus`` free devices in published order. ``reserved_for``:
         the pods it is bound to (``status.reservedFor``; the scheduler reserves a claim for
-        each pod it schedules with it, before the kubelet prepares it)."""
+        each pod it schedules with it, before the kubelet prepares it). ``configs``: the
+        allocation's ``devices.config`` entries (``{"source", "requests", "opaque"}``)."""
         devices = self.published()
         if not devices:
             raise SimError("no device is published: the scheduler cannot allocate")
@@ -377,7 +379,9 @@ class NodeSim:
                         "device": chosen,
                     }
                 )
-        claim = self.write_claim(name, results, namespace=namespace, reserved_for=reserved_for)
+        claim = self.write_claim(
+            name, results, namespace=namespace, reserved_for=reserved_for, configs=configs
+        )
         self._claims[claim.uid] = claim
         return claim
 
@@ -390,14 +394,16 @@ class NodeSim:
         uid: str | None = None,
         allocated: bool = True,
         reserved_for: Iterable[FakePod] = (),
+        configs: Sequence[Mapping[str, Any]] = (),
     ) -> SimClaim:
-        """Write a ResourceClaim with exactly these ``results`` (tests of bad input); no
-        capacity bookkeeping."""
+        """Write a ResourceClaim with exactly these ``results`` and ``configs`` (tests of bad
+        input); no capacity bookkeeping."""
         obj = build_resource_claim(
             namespace,
             name,
             results,
             uid=uid,
+            configs=configs,
             node_name=self.node_name,
             allocated=allocated,
             reserved_for=[

@@ -14,7 +14,9 @@ a time over all calls):
 1. GET the ResourceClaim ``namespace/name`` (the kubelet sends references only) and read it with
    :func:`dracpu.core.claims.read_claim`: the UID must be the one asked for, the claim must be
    allocated, our results (driver ``dra.cpu``, pool = node name) must be well formed; the pods
-   of its ``status.reservedFor`` are recorded with it (only their containers may use it);
+   of its ``status.reservedFor`` are recorded with it (only their containers may use it); its
+   opaque configs of our driver (``cpuConfig``: an explicit cpuset, the policy, whole cores,
+   memory pinning) are read by :func:`dracpu.core.claim_config.claim_overrides`;
 2. send :class:`~dracpu.core.commands.PrepareClaim` to the state owner, which picks the CPUs,
    writes the CDI spec and the checkpoint (and rewrites the spec when the claim was already
    prepared: a reboot empties ``/var/run/cdi``);
@@ -67,6 +69,7 @@ from dracpu.adapters.grpc_unix import (
     with_stream_handlers,
 )
 from dracpu.core.cdi_spec import device_id
+from dracpu.core.claim_config import claim_overrides
 from dracpu.core.claims import ClaimAllocation, read_claim
 from dracpu.core.commands import Command, PrepareClaim, UnprepareClaim
 from dracpu.core.effects import ClaimPrepared, ClaimUnprepared
@@ -232,23 +235,15 @@ class DraService:
         async with self._slots():
             try:
                 obj, allocation = await self._read(ref)
+                overrides = claim_overrides(allocation)  # its opaque configs, checked
                 command = PrepareClaim(
                     claim_uid=ref.uid,
                     namespace=ref.namespace,
                     name=ref.name,
-                    results=allocation.device_results(),
+                    results=overrides.results,
+                    pin_memory=overrides.pin_memory,
                     pod_uids=allocation.pod_uids,
                 )
-                if allocation.configs:
-                    logger.warning(
-                        "claim %s/%s has %d opaque config(s) of %s; per-claim configuration is "
-                        "not supported yet, the node defaults apply",
-                        ref.namespace,
-                        ref.name,
-                        len(allocation.configs),
-                        self._driver,
-                        extra=context,
-                    )
                 result = await state_owner.request(self._owner, command)
                 if not isinstance(result, ClaimPrepared):
                     raise DracpuError(f"the state owner answered {result!r} to PrepareClaim")
