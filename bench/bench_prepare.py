@@ -357,7 +357,13 @@ async def _node(
     """The state owner and the DRA socket; yields the socket's path."""
     host_root = base / f"host-{uuid.uuid4()}"
     write_sysfs(FIXTURES[TOPOLOGY], host_root)
-    config = Config(node_name=NODE, host_root=host_root, cdi_dir=cdi_dir, state_dir=state_dir)
+    config = Config(
+        node_name=NODE,
+        host_root=host_root,
+        cdi_dir=cdi_dir,
+        state_dir=state_dir,
+        kubelet_root_dir=base / "kubelet",
+    )
     send: MemoryObjectSendStream[Request[Command]]
     receive: MemoryObjectReceiveStream[Request[Command]]
     send, receive = create_request_stream()

@@ -64,6 +64,7 @@ import yaml
 
 from dracpu import DRIVER_NAME
 from dracpu.core.cpuset import CpuSet
+from dracpu.core.device_metadata import METADATA_DIR_NAME
 from dracpu.core.slices import CpuDeviceMode, GroupBy
 from dracpu.errors import ConfigError, DracpuError
 
@@ -247,6 +248,14 @@ class Config:
     def dra_socket(self) -> Path:
         """DRA gRPC socket the kubelet calls: ``<root>/plugins/dra.cpu/dra.sock``."""
         return self.kubelet_root_dir / DRA_SOCKET
+
+    @property
+    def device_metadata_dir(self) -> Path:
+        """Where the KEP-5304 device metadata files go:
+        ``<root>/plugins/dra.cpu/dra-device-metadata`` (the Go helper's place under the plugin
+        data dir; the runtime bind-mounts the files from there, so the path must be the same on
+        the host)."""
+        return self.kubelet_root_dir / DRA_SOCKET.parent / METADATA_DIR_NAME
 
     @property
     def pod_resources_socket(self) -> Path:

@@ -14,13 +14,16 @@ from dracpu.core.cpuset import CpuSet
 from dracpu.core.effects import (
     ContainerUpdate,
     DeleteCdiSpec,
+    DeleteDeviceMetadata,
     Effect,
     PruneCdiSpecs,
+    PruneDeviceMetadata,
     PublishSlices,
     Reply,
     UpdateContainers,
     WriteCdiSpec,
     WriteCheckpoint,
+    WriteDeviceMetadata,
 )
 from dracpu.core.node_config import NodeConfig
 from dracpu.core.slices import CpuDeviceMode, GroupBy
@@ -98,12 +101,14 @@ def device_of(config: NodeConfig, cpu: int) -> str:
 
 @dataclass
 class FakeDisk:
-    """CDI specs and the checkpoint as the state owner's adapters would leave them.
+    """CDI specs, device metadata (the claim record each was written from) and the checkpoint
+    as the state owner's adapters would leave them.
 
     ``fail_at``: the number of the effect execution (0-based, counting every effect run,
     compensations included) that raises instead of happening."""
 
     cdi: dict[str, CpuSet] = field(default_factory=dict)
+    metadata: dict[str, PreparedClaim] = field(default_factory=dict)
     checkpoint: bytes = field(default_factory=lambda: encode(CheckpointData(), 1))
     slices: Topology | None = None
     fail_at: int | None = None
@@ -116,6 +121,10 @@ class FakeDisk:
         if number == self.fail_at:
             if isinstance(effect, WriteCdiSpec):  # half done: a write may land before the error
                 self.cdi[effect.claim_uid] = effect.cpus
+            if isinstance(effect, WriteDeviceMetadata):
+                self.metadata[effect.claim.claim_uid] = effect.claim
+            if isinstance(effect, DeleteDeviceMetadata):  # the specs went, the files did not
+                self.metadata.pop(effect.claim_uid, None)
             raise CdiError(f"injected failure of {type(effect).__name__}")
         match effect:
             case WriteCdiSpec(claim_uid=claim_uid, cpus=claim_cpus):
@@ -125,6 +134,13 @@ class FakeDisk:
             case PruneCdiSpecs(keep=keep):
                 for key in [k for k in self.cdi if k not in keep]:
                     del self.cdi[key]
+            case WriteDeviceMetadata(claim=claim):
+                self.metadata[claim.claim_uid] = claim
+            case DeleteDeviceMetadata(claim_uid=claim_uid):
+                self.metadata.pop(claim_uid, None)
+            case PruneDeviceMetadata(keep=keep):
+                for key in [k for k in self.metadata if k not in keep]:
+                    del self.metadata[key]
             case WriteCheckpoint(checkpoint=data):
                 self.checkpoint = encode(data, decode(self.checkpoint).sequence + 1)
             case PublishSlices(topology=topology):
@@ -163,5 +179,11 @@ def run(state: NodeState, command: Command, disk: FakeDisk) -> tuple[NodeState, 
 
 
 def disk_matches(state: NodeState, disk: FakeDisk) -> None:
+    """The files are those of ``state``: the checkpoint, a CDI spec per claim, the device
+    metadata of each claim with results; a claim without results (adopted) may keep metadata
+    a failed Prepare wrote for it, of no other claim."""
     assert disk.claims() == dict(state.claims)
     assert disk.cdi == {u: c.cpus for u, c in state.claims.items()}
+    with_results = {u: c for u, c in state.claims.items() if c.results}
+    assert {u: c for u, c in disk.metadata.items() if u in with_results} == with_results
+    assert disk.metadata.keys() <= state.claims.keys()

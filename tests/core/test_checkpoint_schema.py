@@ -44,12 +44,13 @@ def sample() -> CheckpointData:
                     UID_B,
                     CpuSet.parse("8,12"),
                     "team",
-                    "claim-b",
+                    "pod-1-cpus-x7k2p",
                     None,
                     (
                         DeviceResult("a", "node-1", "cpudev003"),
                         DeviceResult("b", "node-1", "cpudevmachine", 1, CpuSet.parse("12")),
                     ),
+                    pod_claim_name="cpus",
                 ),
             }
         )
@@ -79,7 +80,7 @@ def test_empty_round_trip() -> None:
     raw = encode(CheckpointData(), 1)
     assert decode(raw) == StoredCheckpoint(CheckpointData(), 1)
     doc = json.loads(raw)
-    assert doc["version"] == CHECKPOINT_VERSION == 2
+    assert doc["version"] == CHECKPOINT_VERSION == 3
     assert doc["claims"] == {}
     assert doc["sequence"] == 1
 
@@ -94,6 +95,7 @@ def test_layout_is_the_documented_one() -> None:
         "mems": "0",
         "namespace": "default",
         "name": "claim-a",
+        "podClaimName": None,
         "results": [
             {
                 "request": "req",
@@ -105,6 +107,7 @@ def test_layout_is_the_documented_one() -> None:
         ],
     }
     assert doc["claims"][UID_B]["mems"] is None
+    assert doc["claims"][UID_B]["podClaimName"] == "cpus"
     assert doc["claims"][UID_B]["results"][1]["cpuset"] == "12"
 
 
@@ -141,14 +144,49 @@ def test_sequence_is_covered_by_the_checksum() -> None:
         decode(json.dumps(doc).encode())
 
 
+def _older(doc: dict[str, Any], version: int) -> dict[str, Any]:
+    """A version-3 document as an earlier build wrote it: without "podClaimName" (version 2),
+    and without "sequence" (version 1)."""
+    doc = {**doc, "version": version}
+    doc["claims"] = {
+        uid: {k: v for k, v in claim.items() if k != "podClaimName"}
+        for uid, claim in doc["claims"].items()
+    }
+    if version == 1:
+        del doc["sequence"]
+    return doc
+
+
 def test_version_1_documents_decode_as_sequence_0() -> None:
-    # What earlier dracpu builds wrote: the same layout without "sequence".
-    doc = json.loads(encode(sample(), 1))
-    del doc["sequence"]
-    doc["version"] = 1
-    stored = decode(rewrite(doc))
+    # What earlier dracpu builds wrote: the same layout without "sequence" and "podClaimName".
+    stored = decode(rewrite(_older(json.loads(encode(sample(), 1)), 1)))
     assert stored.sequence == 0
-    assert dict(stored.data.claims) == dict(sample().claims)
+    assert dict(stored.data.claims) == {
+        uid: replace(claim, pod_claim_name=None) for uid, claim in sample().claims.items()
+    }
+
+
+def test_version_2_documents_decode_without_pod_claim_names() -> None:
+    stored = decode(rewrite(_older(json.loads(encode(sample(), 6)), 2)))
+    assert stored.sequence == 6
+    assert dict(stored.data.claims) == {
+        uid: replace(claim, pod_claim_name=None) for uid, claim in sample().claims.items()
+    }
+
+
+@pytest.mark.parametrize(
+    ("version", "change", "message"),
+    [
+        (2, {"podClaimName": "cpus"}, "must have keys"),  # version 2 had no such key
+        (3, {"podClaimName": 5}, "podClaimName must be a string"),
+    ],
+)
+def test_pod_claim_names_are_checked(version: int, change: dict[str, Any], message: str) -> None:
+    doc = json.loads(encode(sample(), 2))
+    doc["version"] = version
+    doc["claims"][UID_A].update(change)
+    with pytest.raises(CheckpointError, match=message):
+        decode(rewrite(doc))
 
 
 def test_trailing_spaces_pad_a_valid_document() -> None:
@@ -184,7 +222,7 @@ def test_whitespace_changes_do_not_break_the_checksum() -> None:
         (b"[]", "must be a JSON object"),
         (b'{"claims": {}}', "no integer 'version'"),
         (b'{"version": "1", "claims": {}}', "no integer 'version'"),
-        (b'{"version": 3, "claims": {}, "checksum": "sha256:00"}', "version 3 is unknown"),
+        (b'{"version": 4, "claims": {}, "checksum": "sha256:00"}', "version 4 is unknown"),
         (b'{"version": 0, "claims": {}, "checksum": "sha256:00"}', "version 0 is unknown"),
         (b'{"version": 1, "claims": {}}', "keys must be"),
         (b'{"version": 2, "claims": {}, "checksum": "sha256:00"}', "version 2 keys must be"),

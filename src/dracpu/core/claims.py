@@ -52,6 +52,7 @@ from typing import Any
 from dracpu import DRIVER_NAME
 from dracpu.core.commands import DeviceResult
 from dracpu.core.cpuset import MAX_CPU_ID, CpuSet
+from dracpu.core.device_metadata import POD_CLAIM_NAME_ANNOTATION
 from dracpu.core.quantity import parse_positive_whole
 from dracpu.errors import ClaimError, QuantityError
 
@@ -112,7 +113,10 @@ class OpaqueConfig:
 
 @dataclass(frozen=True, slots=True)
 class ClaimAllocation:
-    """What Prepare needs from one ResourceClaim."""
+    """What Prepare needs from one ResourceClaim.
+
+    ``pod_claim_name``: its ``resource.kubernetes.io/pod-claim-name`` annotation (a claim the
+    resourceclaim controller made from a template), ``None`` without one."""
 
     uid: str
     namespace: str
@@ -120,6 +124,7 @@ class ClaimAllocation:
     resource_version: str
     devices: tuple[AllocatedDevice, ...]
     configs: tuple[OpaqueConfig, ...]
+    pod_claim_name: str | None = None
 
     def device_results(self) -> tuple[DeviceResult, ...]:
         """The results as :class:`~dracpu.core.commands.PrepareClaim` takes them."""
@@ -194,7 +199,20 @@ def read_claim(
         resource_version=_text(metadata.get("resourceVersion")),
         devices=devices,
         configs=configs,
+        pod_claim_name=_pod_claim_name(label, metadata.get("annotations")),
     )
+
+
+def _pod_claim_name(label: str, annotations: object) -> str | None:
+    """The claim's ``resource.kubernetes.io/pod-claim-name`` annotation, if it has one."""
+    if not isinstance(annotations, Mapping):
+        return None
+    value = annotations.get(POD_CLAIM_NAME_ANNOTATION)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ClaimError(f"{label}: annotation {POD_CLAIM_NAME_ANNOTATION} is not a string")
+    return value
 
 
 _RESULT_KEYS = ("request", "pool", "device")

@@ -86,7 +86,9 @@ class PrepareClaim:
 
     All results of the claim are unioned into ONE cpuset (upstream: one CDI env var per claim).
     ``policy`` and ``pin_memory`` override the node defaults for this claim (its opaque config);
-    ``None`` keeps the default.
+    ``None`` keeps the default. ``pod_claim_name``: the claim's
+    ``resource.kubernetes.io/pod-claim-name`` annotation (where its device metadata appears in
+    the container), ``None`` without one.
     """
 
     claim_uid: str
@@ -95,6 +97,7 @@ class PrepareClaim:
     results: tuple[DeviceResult, ...]
     policy: AllocationPolicy | None = None
     pin_memory: bool | None = None
+    pod_claim_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

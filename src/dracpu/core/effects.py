@@ -4,8 +4,9 @@
 order. :class:`Reply` is special: its value goes back to the requester's one-shot reply stream.
 
 Every effect list holds exactly one :class:`Reply`. The effects before it are the **commit
-phase**, already in crash-safe order (Prepare: ``WriteCdiSpec`` → ``WriteCheckpoint`` → ``Reply``;
-Unprepare: ``DeleteCdiSpec`` → ``WriteCheckpoint`` → ``Reply``); the effects after it are
+phase**, already in crash-safe order (Prepare: ``WriteCdiSpec`` → ``WriteDeviceMetadata`` →
+``WriteCheckpoint`` → ``Reply``; Unprepare: ``DeleteCdiSpec`` → ``DeleteDeviceMetadata`` →
+``WriteCheckpoint`` → ``Reply``); the effects after it are
 **post-commit** (e.g. ``UpdateContainers`` widening the shared pool after an Unprepare), whose
 failure is logged and never undoes the command. How the owner runs them, and rolls back, is
 described in :mod:`dracpu.core.state` (``commit_phase``, ``rollback``).
@@ -17,9 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dracpu.core.checkpoint_schema import CheckpointData
+from dracpu.core.checkpoint_schema import CheckpointData, PreparedClaim
 from dracpu.core.commands import DeviceResult
 from dracpu.core.cpuset import CpuSet
+from dracpu.core.node_config import NodeConfig
 from dracpu.core.topology import Topology
 
 __all__ = [
@@ -31,9 +33,11 @@ __all__ = [
     "ContainerRejected",
     "ContainerUpdate",
     "DeleteCdiSpec",
+    "DeleteDeviceMetadata",
     "Effect",
     "PodsReconciled",
     "PruneCdiSpecs",
+    "PruneDeviceMetadata",
     "PublishSlices",
     "Reply",
     "Resynced",
@@ -41,6 +45,7 @@ __all__ = [
     "UpdateContainers",
     "WriteCdiSpec",
     "WriteCheckpoint",
+    "WriteDeviceMetadata",
 ]
 
 
@@ -72,6 +77,33 @@ class DeleteCdiSpec:
 @dataclass(frozen=True, slots=True)
 class PruneCdiSpecs:
     """Remove every CDI spec of ours whose claim UID is not in ``keep`` (orphans)."""
+
+    keep: frozenset[str]
+
+
+@dataclass(frozen=True, slots=True)
+class WriteDeviceMetadata:
+    """(Re)write the KEP-5304 device metadata of a prepared claim that has results: per
+    request, its metadata file, then the CDI spec that mounts it
+    (:func:`dracpu.core.device_metadata.claim_files` of ``claim`` under ``config``, built in
+    the worker thread that writes them)."""
+
+    claim: PreparedClaim
+    config: NodeConfig
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteDeviceMetadata:
+    """Remove a claim's metadata CDI specs, then its metadata files; nothing there is
+    success."""
+
+    claim_uid: str
+
+
+@dataclass(frozen=True, slots=True)
+class PruneDeviceMetadata:
+    """Remove the device metadata (CDI specs, files, leftovers of interrupted writes) of every
+    claim whose UID is not in ``keep``."""
 
     keep: frozenset[str]
 
@@ -118,6 +150,9 @@ Effect = (
     | WriteCdiSpec
     | DeleteCdiSpec
     | PruneCdiSpecs
+    | WriteDeviceMetadata
+    | DeleteDeviceMetadata
+    | PruneDeviceMetadata
     | WriteCheckpoint
     | UpdateContainers
     | PublishSlices
@@ -205,7 +240,8 @@ class PodsReconciled:
 
 @dataclass(frozen=True, slots=True)
 class Resynced:
-    """Answer to Resync: how many CDI specs were rewritten; whether the config changed."""
+    """Answer to Resync: how many claims' CDI specs (and device metadata) were rewritten;
+    whether the config changed."""
 
     claims: int
     config_changed: bool

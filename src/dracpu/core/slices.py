@@ -110,12 +110,14 @@ __all__ = [
     "GroupBy",
     "SliceOptions",
     "build_resource_slices",
+    "cpu_attributes",
     "devices_by_name",
     "max_devices_per_slice",
     "published_devices",
     "slice_name",
     "validate_pool",
     "validate_slice",
+    "wire_attribute",
 ]
 
 # --- names of the compatibility contract (upstream pkg/device/attributes.go, builder.go) --------
@@ -342,24 +344,30 @@ def _add_pcie_roots(
         )
 
 
+def cpu_attributes(topology: Topology, cpu: int) -> dict[str, AttributeValue]:
+    """The topology attributes of one CPU, in upstream's order: what its individual-mode
+    device publishes before ``pcieRoot`` and ours (also the per-CPU entries of a grouped
+    claim's device metadata, :mod:`dracpu.core.device_metadata`)."""
+    info = topology.info(cpu)
+    return {
+        ATTR_NUMA_NODE: info.numa_node,
+        ATTR_SOCKET_ID: info.socket_id,
+        ATTR_SMT_ENABLED: topology.smt_enabled,
+        ATTR_CACHE_L3_ID: NO_L3_CACHE if info.l3_id is None else info.l3_id,
+        ATTR_CORE_TYPE: info.core_type.value,
+        ATTR_CORE_ID: info.core_id,
+        ATTR_CPU_ID: cpu,
+        ATTR_LEGACY_NUMA_NODE_ID: info.numa_node,
+        ATTR_DRANET_NUMA_NODE: info.numa_node,
+    }
+
+
 def _individual_devices(topology: Topology, allocatable: CpuSet, roots: _PcieRoots) -> list[Device]:
-    smt = topology.smt_enabled
     isolated = topology.isolated
     devices: list[Device] = []
     for index, cpu in enumerate(_individual_order(topology, allocatable)):
-        info = topology.info(cpu)
         name = f"{_PREFIX_CPU}{index:03d}"
-        attributes: dict[str, AttributeValue] = {
-            ATTR_NUMA_NODE: info.numa_node,
-            ATTR_SOCKET_ID: info.socket_id,
-            ATTR_SMT_ENABLED: smt,
-            ATTR_CACHE_L3_ID: NO_L3_CACHE if info.l3_id is None else info.l3_id,
-            ATTR_CORE_TYPE: info.core_type.value,
-            ATTR_CORE_ID: info.core_id,
-            ATTR_CPU_ID: cpu,
-            ATTR_LEGACY_NUMA_NODE_ID: info.numa_node,
-            ATTR_DRANET_NUMA_NODE: info.numa_node,
-        }
+        attributes = cpu_attributes(topology, cpu)
         _add_pcie_roots(name, attributes, roots.of_cpu(cpu))
         attributes[ATTR_ISOLATED] = cpu in isolated
         devices.append(
@@ -440,7 +448,8 @@ def slice_name(node_name: str, index: int) -> str:
     return f"{node_name[:keep].rstrip('.-')}-{digest}{suffix}"
 
 
-def _wire_attribute(value: AttributeValue) -> dict[str, Any]:
+def wire_attribute(value: AttributeValue) -> dict[str, Any]:
+    """An attribute value as a ``DeviceAttribute`` of the API (``{"int": 3}``, ...)."""
     if isinstance(value, bool):  # before int: bool is an int in Python
         return {"bool": value}
     if isinstance(value, int):
@@ -455,7 +464,7 @@ def _wire_device(
 ) -> dict[str, Any]:
     wire: dict[str, Any] = {
         "name": device.name,
-        "attributes": {key: _wire_attribute(value) for key, value in device.attributes.items()},
+        "attributes": {key: wire_attribute(value) for key, value in device.attributes.items()},
     }
     if device.capacity:
         capacity: dict[str, Any] = {}

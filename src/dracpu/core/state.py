@@ -27,9 +27,10 @@ Rules (each checked by :func:`check_invariants` after every command in the prope
    ``pin_seq``, which only grows.
 
 Effects and rollback. The effects before the one :class:`Reply` are the commit phase, in
-crash-safe order: Prepare reserves in the new state, then ``WriteCdiSpec`` → ``WriteCheckpoint``
-→ ``Reply``; Unprepare ``DeleteCdiSpec`` → (CPUs freed in the new state) → ``WriteCheckpoint`` →
-``Reply``. The state owner (:mod:`dracpu.tasks.state_owner`) runs them like this::
+crash-safe order: Prepare reserves in the new state, then ``WriteCdiSpec`` →
+``WriteDeviceMetadata`` → ``WriteCheckpoint`` → ``Reply``; Unprepare ``DeleteCdiSpec`` →
+``DeleteDeviceMetadata`` → (CPUs freed in the new state) → ``WriteCheckpoint`` → ``Reply``. The
+state owner (:mod:`dracpu.tasks.state_owner`) runs them like this::
 
     new, effects = apply(state, command)
     commit, reply, after = commit_phase(effects)
@@ -76,16 +77,26 @@ from dracpu.core.commands import (
 from dracpu.core.cpuset import EMPTY, CpuSet
 from dracpu.core.effects import (
     DeleteCdiSpec,
+    DeleteDeviceMetadata,
     Effect,
     PruneCdiSpecs,
+    PruneDeviceMetadata,
     PublishSlices,
     Reply,
     UpdateContainers,
     WriteCdiSpec,
     WriteCheckpoint,
+    WriteDeviceMetadata,
 )
 from dracpu.core.node_config import NodeConfig
-from dracpu.core.state_claims import adopt, pods_listed, prepare, resync, unprepare
+from dracpu.core.state_claims import (
+    adopt,
+    metadata_files,
+    pods_listed,
+    prepare,
+    resync,
+    unprepare,
+)
 from dracpu.core.state_containers import (
     create_container,
     forget_container,
@@ -193,7 +204,9 @@ def rollback(old: NodeState, started: Sequence[Effect], error: DracpuError) -> l
     """Effects that undo the commit-phase effects ``started`` (including the one that failed:
     its outcome is unknown), restoring the files of ``old``, then ``Reply(error)``.
 
-    The owner keeps ``old`` and runs these, logging (not raising) their own failures.
+    The owner keeps ``old`` and runs these, logging (not raising) their own failures. A claim's
+    device metadata is put back only where ``old`` has it (a claim with results); a claim that
+    ``old`` holds without results (adopted) keeps whatever metadata is there.
     """
     undo: list[Effect] = []
     seen: set[object] = set()
@@ -205,6 +218,18 @@ def rollback(old: NodeState, started: Sequence[Effect], error: DracpuError) -> l
                 seen.add(("cdi", uid))
                 claim = old.claims.get(uid)
                 undo.append(DeleteCdiSpec(uid) if claim is None else WriteCdiSpec(uid, claim.cpus))
+            case (
+                WriteDeviceMetadata(claim=PreparedClaim(claim_uid=uid))
+                | DeleteDeviceMetadata(claim_uid=uid)
+            ):
+                if ("metadata", uid) in seen:
+                    continue
+                seen.add(("metadata", uid))
+                claim = old.claims.get(uid)
+                if claim is None:
+                    undo.append(DeleteDeviceMetadata(uid))
+                else:
+                    undo.extend(metadata_files(old.config, claim))
             case WriteCheckpoint():
                 if "checkpoint" not in seen:
                     seen.add("checkpoint")
@@ -213,8 +238,8 @@ def rollback(old: NodeState, started: Sequence[Effect], error: DracpuError) -> l
                 if "slices" not in seen:
                     seen.add("slices")
                     undo.append(PublishSlices(old.config.topology))
-            case PruneCdiSpecs() | UpdateContainers() | Reply():
-                pass  # prune removes orphans only; the others are never in the commit phase
+            case PruneCdiSpecs() | PruneDeviceMetadata() | UpdateContainers() | Reply():
+                pass  # prunes remove orphans only; the others are never in the commit phase
             case _:
                 assert_never(effect)
     undo.append(Reply(error))

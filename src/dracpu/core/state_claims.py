@@ -1,9 +1,11 @@
 """The node state's claims: what Prepare, Unprepare, adoption, pod listings and Resync do to it
 (a part of :func:`dracpu.core.state.apply`).
 
-A claim's CPUs are reserved in the new state before its CDI spec and the checkpoint are
-written, and freed in it after its spec is deleted: the effect lists say so, in crash-safe order
-(see :mod:`dracpu.core.state`).
+A claim's CPUs are reserved in the new state before its files (CDI spec, device metadata) and
+the checkpoint are written, and freed in it after its files are deleted: the effect lists say so,
+in crash-safe order (see :mod:`dracpu.core.state`). Which effects write a claim's files is
+:func:`claim_files`, which remove them :func:`release_files`: every path that prepares, adopts,
+resyncs or releases a claim goes through these two.
 """
 
 from __future__ import annotations
@@ -24,19 +26,23 @@ from dracpu.core.commands import (
     UnprepareClaim,
 )
 from dracpu.core.cpuset import EMPTY, CpuSet
+from dracpu.core.device_metadata import check_names
 from dracpu.core.effects import (
     ClaimPrepared,
     ClaimsAdopted,
     ClaimUnprepared,
     DeleteCdiSpec,
+    DeleteDeviceMetadata,
     Effect,
     PodsReconciled,
     PruneCdiSpecs,
+    PruneDeviceMetadata,
     PublishSlices,
     Reply,
     Resynced,
     WriteCdiSpec,
     WriteCheckpoint,
+    WriteDeviceMetadata,
 )
 from dracpu.core.node_config import NodeConfig
 from dracpu.core.slices import Device
@@ -45,7 +51,43 @@ from dracpu.core.state_values import NodeState, mutable
 from dracpu.core.topology import Topology
 from dracpu.errors import AllocationError, ClaimConflictError, ClaimError, InsufficientCpusError
 
-__all__ = ["adopt", "pods_listed", "prepare", "resync", "unprepare"]
+__all__ = [
+    "adopt",
+    "claim_files",
+    "metadata_files",
+    "pods_listed",
+    "prepare",
+    "release_files",
+    "resync",
+    "unprepare",
+]
+
+
+def claim_files(config: NodeConfig, claim: PreparedClaim) -> list[Effect]:
+    """The effects that (re)write a prepared claim's files, in order: its CDI spec, then its
+    device metadata (:func:`metadata_files`)."""
+    return [WriteCdiSpec(claim.claim_uid, claim.cpus), *metadata_files(config, claim)]
+
+
+def metadata_files(config: NodeConfig, claim: PreparedClaim) -> list[Effect]:
+    """The effect that (re)writes a prepared claim's device metadata, if it has any: a claim
+    without results (adopted from its CDI spec: its requests and names are unknown) has none,
+    nor has one whose names cannot make paths (Prepare refuses those; only a checkpoint
+    written otherwise could hold one)."""
+    if not claim.results:
+        return []
+    try:
+        check_names(claim.claim_uid, claim.name, claim.pod_claim_name, claim.results)
+    except ClaimError:
+        return []
+    return [WriteDeviceMetadata(claim, config)]
+
+
+def release_files(claim_uid: str) -> list[Effect]:
+    """The effects that remove a released claim's files, in order: its CDI spec (no container
+    can get its CPUs any more), then its device metadata. Unprepare and the release of a leaked
+    claim (a pod-resources listing) both use this."""
+    return [DeleteCdiSpec(claim_uid), DeleteDeviceMetadata(claim_uid)]
 
 
 def _normalized(results: Iterable[DeviceResult]) -> tuple[DeviceResult, ...]:
@@ -213,37 +255,47 @@ def prepare(state: NodeState, command: PrepareClaim) -> tuple[NodeState, list[Ef
     if existing is not None:
         prepared = ClaimPrepared(uid, existing.cpus, existing.mems, results)
         if existing.results == results:
-            # Idempotent; rewrite the CDI spec (a reboot empties /var/run/cdi, k/k#141433).
-            return state, [WriteCdiSpec(uid, existing.cpus), Reply(prepared)]
+            # Idempotent; rewrite the files (a reboot empties /var/run/cdi, k/k#141433).
+            return state, [*claim_files(state.config, existing), Reply(prepared)]
         if existing.results:
             raise ClaimConflictError(
                 f"claim {uid} is already prepared for devices {_devices(existing.results)}; "
                 f"asked again for devices {_devices(results)}"
             )
         _consistent_with_adopted(state.config, uid, existing.cpus, results)
-        claim = replace(existing, namespace=command.namespace, name=command.name, results=results)
+        check_names(uid, command.name, command.pod_claim_name, results)
+        claim = replace(
+            existing,
+            namespace=command.namespace,
+            name=command.name,
+            results=results,
+            pod_claim_name=command.pod_claim_name,
+        )
         claims = mutable(state.claims)
         claims[uid] = claim
         new = replace(state, claims=MappingProxyType(claims))
         return new, [
-            WriteCdiSpec(uid, claim.cpus),
+            *claim_files(new.config, claim),
             WriteCheckpoint(new.checkpoint()),
             Reply(prepared),
         ]
     if not results:
-        # No result of ours: nothing to hold, no CDI spec (upstream: success, no devices).
+        # No result of ours: nothing to hold, no files (upstream: success, no devices).
         return state, [Reply(ClaimPrepared(uid, EMPTY, None, ()))]
+    check_names(uid, command.name, command.pod_claim_name, results)
     policy = state.config.policy if command.policy is None else command.policy
     cpus = _pick(state, uid, results, policy)
     claimed = state.claimed | cpus
     _check_shared_pool(state, claimed, f"preparing claim {uid} with cpus {cpus}")
     mems = _claim_mems(state.config, cpus, command.pin_memory)
-    claim = PreparedClaim(uid, cpus, command.namespace, command.name, mems, results)
+    claim = PreparedClaim(
+        uid, cpus, command.namespace, command.name, mems, results, command.pod_claim_name
+    )
     claims = mutable(state.claims)
     claims[uid] = claim
     new = replace(state, claims=MappingProxyType(claims), claimed=claimed)
     return new, [
-        WriteCdiSpec(uid, cpus),
+        *claim_files(new.config, claim),
         WriteCheckpoint(new.checkpoint()),
         Reply(ClaimPrepared(uid, cpus, mems, results)),
     ]
@@ -295,12 +347,12 @@ def unprepare(state: NodeState, command: UnprepareClaim) -> tuple[NodeState, lis
     uid = command.claim_uid
     existing = state.claims.get(uid)
     if existing is None:
-        # Unknown: success; still remove a spec a failed earlier attempt may have left.
-        return state, [DeleteCdiSpec(uid), Reply(ClaimUnprepared(uid, EMPTY))]
+        # Unknown: success; still remove files a failed earlier attempt may have left.
+        return state, [*release_files(uid), Reply(ClaimUnprepared(uid, EMPTY))]
     new = _release(state, [uid])
     new, after = unsolicited_widening(new)
     return new, [
-        DeleteCdiSpec(uid),
+        *release_files(uid),
         WriteCheckpoint(new.checkpoint()),
         Reply(ClaimUnprepared(uid, existing.cpus)),
         *after,
@@ -324,7 +376,7 @@ def pods_listed(state: NodeState, command: PodsListed) -> tuple[NodeState, list[
     new = replace(_release(state, release), unlisted=unlisted - set(release))
     new, after = unsolicited_widening(new)
     return new, [
-        *(DeleteCdiSpec(uid) for uid in release),
+        *(effect for uid in release for effect in release_files(uid)),
         WriteCheckpoint(new.checkpoint()),
         Reply(PodsReconciled(tuple(release), tuple(sorted(unlisted)), True)),
         *after,
@@ -370,7 +422,7 @@ def adopt(state: NodeState, command: AdoptClaims) -> tuple[NodeState, list[Effec
         return state, [reply]
     new = replace(state, claims=MappingProxyType(claims), claimed=claimed)
     return new, [
-        *(WriteCdiSpec(uid, claims[uid].cpus) for uid in adopted),
+        *(effect for uid in adopted for effect in claim_files(new.config, claims[uid])),
         WriteCheckpoint(new.checkpoint()),
         reply,
     ]
@@ -394,9 +446,11 @@ def resync(state: NodeState, command: Resync) -> tuple[NodeState, list[Effect]]:
         new = replace(state, config=config)
     new, after = unsolicited_widening(new)
     uids = sorted(new.claims)
+    keep = frozenset(uids)
     return new, [
-        *(WriteCdiSpec(uid, new.claims[uid].cpus) for uid in uids),
-        PruneCdiSpecs(frozenset(uids)),
+        *(effect for uid in uids for effect in claim_files(new.config, new.claims[uid])),
+        PruneCdiSpecs(keep),
+        PruneDeviceMetadata(keep),
         PublishSlices(new.config.topology),
         Reply(Resynced(len(uids), changed)),
         *after,
