@@ -12,7 +12,7 @@ Per prepared claim and per request of it that has a result of ours, two files:
 
 - the metadata file ``<metadata-dir>/<claimUID>/<request>/metadata.json`` (the metadata dir is
   ``<kubelet-root>/plugins/dra.cpu/dra-device-metadata``): one ``DeviceMetadata`` object of
-  ``metadata.resource.k8s.io/v1beta1`` (the only version upstream writes), pretty-printed, with
+  ``metadata.resource.k8s.io/v1beta1`` (the only version upstream writes), compact JSON, with
   the claim's name, namespace and UID, ``generation: 1``, ``podClaimName`` for a claim made from
   a template, and one request with one device entry per result (``driver``, ``pool``, ``name``,
   ``attributes``);
@@ -302,10 +302,12 @@ def document(config: NodeConfig, claim: PreparedClaim, request: str) -> dict[str
     return doc
 
 
-def _pretty(obj: Mapping[str, Any]) -> bytes:
-    # The helper's encoder is the apimachinery pretty JSON serializer: two-space indent, one
-    # object per line-terminated document.
-    return (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode()
+def _encode(obj: Mapping[str, Any]) -> bytes:
+    # One compact JSON object and a newline: a stream of one document, which a reader of the
+    # helper's stream and a reader of one object both take. The helper pretty-prints; Python's
+    # indenting encoder is pure Python, some 40 times slower than the C one on a document of
+    # many devices, and the files are for programs.
+    return (json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
 
 
 def metadata_spec(claim_uid: str, request: str, host: str, container: str) -> dict[str, Any]:
@@ -360,9 +362,9 @@ def claim_files(
             MetadataFile(
                 request=request,
                 host_path=host,
-                document=_pretty(document(config, claim, request)),
+                document=_encode(document(config, claim, request)),
                 spec_name=metadata_spec_file_name(claim.claim_uid, request),
-                spec=_pretty(spec),
+                spec=_encode(spec),
             )
         )
     return tuple(files)

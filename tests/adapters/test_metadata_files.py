@@ -1,0 +1,161 @@
+"""The device metadata files on disk: what a write leaves, what a delete and a prune remove, and
+what they never touch (other claims, other vendors, symlink targets)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from dracpu.adapters import cdi_files, metadata_files
+from dracpu.core.checkpoint_schema import PreparedClaim
+from dracpu.core.commands import DeviceResult
+from dracpu.core.cpuset import CpuSet
+from dracpu.core.device_metadata import claim_files
+from dracpu.core.node_config import NodeConfig
+from dracpu.errors import CdiError
+from dracpu.sim.topologies import FIXTURES, build_topology
+
+__all__: list[str] = []
+
+NODE = "node-a"
+A = "aaaaaaaa-0000-4000-8000-000000000001"
+B = "bbbbbbbb-0000-4000-8000-000000000002"
+C = "cccccccc-0000-4000-8000-000000000003"
+FOREIGN = "vendor.example-gpu.json"
+CONFIG = NodeConfig.build(NODE, build_topology(FIXTURES["dual-socket-smt2"]))
+
+
+def claim(uid: str, *requests: str, name: str = "c") -> PreparedClaim:
+    results = tuple(DeviceResult(r, NODE, "cpudevnuma000", 1) for r in requests)
+    cpus = CpuSet(sorted(CONFIG.devices["cpudevnuma000"].cpus)[: len(requests)])
+    return PreparedClaim(uid, cpus, "ns", name, None, results)
+
+
+@pytest.fixture
+def dirs(tmp_path: Path) -> tuple[Path, Path]:
+    return tmp_path / "kubelet" / "plugins" / "dra.cpu" / "dra-device-metadata", tmp_path / "cdi"
+
+
+def names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir()) if directory.exists() else []
+
+
+def test_a_write_leaves_each_request_s_file_and_the_spec_that_mounts_it(
+    dirs: tuple[Path, Path],
+) -> None:
+    root, cdi = dirs
+    prepared = claim(A, "main", "side")
+    specs = metadata_files.write_claim(root, cdi, CONFIG, prepared)
+    assert specs == [f"dra.cpu_metadata_{A}_main.json", f"dra.cpu_metadata_{A}_side.json"]
+    assert names(cdi) == specs  # no temp file left
+    for item in claim_files(CONFIG, prepared, str(root)):
+        host = Path(item.host_path)
+        assert host == root / A / item.request / "metadata.json"
+        assert host.read_bytes() == item.document
+        assert (cdi / item.spec_name).read_bytes() == item.spec
+        assert names(host.parent) == ["metadata.json"]
+        assert stat.S_IMODE(host.stat().st_mode) == 0o644
+        assert stat.S_IMODE(host.parent.stat().st_mode) == 0o755
+        assert stat.S_IMODE((cdi / item.spec_name).stat().st_mode) == 0o644
+    # rewriting replaces the files in place (a restart's Resync)
+    (root / A / "main" / "metadata.json").write_text("edited")
+    metadata_files.write_claim(root, cdi, CONFIG, prepared)
+    assert json.loads((root / A / "main" / "metadata.json").read_text())["metadata"]["uid"] == A
+
+
+def test_a_write_says_which_file_it_could_not_write(dirs: tuple[Path, Path]) -> None:
+    root, cdi = dirs
+    root.parent.mkdir(parents=True)
+    root.write_text("a file where the dir goes")
+    with pytest.raises(CdiError, match=r"cannot create device metadata dir .*: Not a directory"):
+        metadata_files.write_claim(root, cdi, CONFIG, claim(A, "cpus"))
+    assert names(cdi) == []  # no spec names a file that is not there
+
+
+def test_a_delete_removes_that_claim_only_specs_first(dirs: tuple[Path, Path]) -> None:
+    root, cdi = dirs
+    metadata_files.write_claim(root, cdi, CONFIG, claim(A, "x", "y"))
+    metadata_files.write_claim(root, cdi, CONFIG, claim(B, "x"))
+    cdi_files.write_spec(cdi, A, CpuSet.parse("1"))  # the claim's own spec: not ours to remove
+    (cdi / FOREIGN).write_text("{}")
+    assert metadata_files.delete_claim(root, cdi, A) is True
+    assert names(cdi) == sorted(
+        [FOREIGN, f"dra.cpu_metadata_{B}_x.json", cdi_files.spec_file_name(A)]
+    )
+    assert names(root) == [B]
+    assert metadata_files.delete_claim(root, cdi, A) is False  # nothing left: still success
+    with pytest.raises(CdiError, match="invalid claim UID"):
+        metadata_files.delete_claim(root, cdi, "../..")
+
+
+def test_a_symlink_in_place_of_a_claim_s_dir_is_removed_not_followed(
+    dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    root, cdi = dirs
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "keep").write_text("keep")
+    root.mkdir(parents=True)
+    (root / A).symlink_to(precious)
+    assert metadata_files.delete_claim(root, cdi, A) is True
+    assert not os.path.lexists(root / A)
+    assert (precious / "keep").read_text() == "keep"
+
+
+def test_prune_removes_what_no_kept_claim_owns_and_the_leftovers(dirs: tuple[Path, Path]) -> None:
+    root, cdi = dirs
+    for uid in (A, B):
+        metadata_files.write_claim(root, cdi, CONFIG, claim(uid, "cpus"))
+    cdi_files.write_spec(cdi, B, CpuSet.parse("1"))
+    (cdi / FOREIGN).write_text("{}")
+    leftovers = [
+        cdi / f".dra.cpu_metadata_{A}_cpus.json.tmp-0123456789abcdef",
+        root / A / "cpus" / ".metadata.json.tmp-0123456789abcdef",
+    ]
+    for path in leftovers:
+        path.write_text("partial")
+    (root / "README").write_text("not ours, not a claim's")
+
+    removed = metadata_files.prune(root, cdi, frozenset({A}))
+
+    assert sorted(removed) == sorted(
+        [str(cdi / f"dra.cpu_metadata_{B}_cpus.json"), str(root / B), *map(str, leftovers)]
+    )
+    assert names(cdi) == sorted(
+        [FOREIGN, cdi_files.spec_file_name(B), f"dra.cpu_metadata_{A}_cpus.json"]
+    )
+    assert names(root) == sorted([A, "README"])
+    assert names(root / A / "cpus") == ["metadata.json"]
+    assert metadata_files.prune(root, cdi, frozenset({A})) == []
+    assert metadata_files.prune(root / "missing", cdi / "missing", frozenset()) == []
+
+
+def _helper_dir(root: Path, name: str, uid: str | None) -> Path:
+    """A dir as the Go helper writes it: ``<ns>_<name>/<request>/metadata.json``, a stream of
+    one pretty-printed document per version."""
+    directory = root / name / "cpus"
+    directory.mkdir(parents=True)
+    if uid is None:
+        (directory / "metadata.json").write_text("{ not json")
+        return directory.parent
+    doc = {"kind": "DeviceMetadata", "metadata": {"name": name, "uid": uid}}
+    text = "".join(
+        json.dumps({**doc, "apiVersion": f"metadata.resource.k8s.io/{v}"}, indent=2) + "\n"
+        for v in ("v1beta1", "v1alpha1")
+    )
+    (directory / "metadata.json").write_text(text)
+    return directory.parent
+
+
+def test_prune_takes_the_go_helper_s_dirs_by_the_claim_they_name(dirs: tuple[Path, Path]) -> None:
+    root, cdi = dirs
+    orphan = _helper_dir(root, "ns_old", B)
+    held = _helper_dir(root, "ns_held", A)
+    unreadable = _helper_dir(root, "ns_broken", None)
+    removed = metadata_files.prune(root, cdi, frozenset({A, C}))
+    assert removed == [str(orphan)]
+    assert names(root) == sorted([held.name, unreadable.name])
