@@ -253,6 +253,7 @@ def build_resource_claim(
     node_name: str | None = None,
     device_class: str = DRIVER_NAME,
     allocated: bool = True,
+    annotations: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """A schema-valid ``resource.k8s.io/v1`` ResourceClaim whose allocation has ``results``
     (``{"request", "driver", "pool", "device", ...}``); one ``ExactCount`` request per distinct
@@ -264,7 +265,12 @@ def build_resource_claim(
     claim: dict[str, Any] = {
         "apiVersion": _RESOURCE_API,
         "kind": "ResourceClaim",
-        "metadata": {"namespace": namespace, "name": name, "uid": uid or str(uuid.uuid4())},
+        "metadata": {
+            "namespace": namespace,
+            "name": name,
+            "uid": uid or str(uuid.uuid4()),
+            **({"annotations": dict(annotations)} if annotations else {}),
+        },
         "spec": {
             "devices": {
                 "requests": [

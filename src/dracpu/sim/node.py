@@ -89,6 +89,8 @@ DEFAULT_RUNTIME_VERSION = "2.4.0"
 # CDI spec files of our kind: <cdi-dir>/dra.k8s.io-cpu_claim-<uid>.json.
 _CDI_PREFIX = "dra.k8s.io-cpu_claim-"
 _CDI_KIND = "dra.k8s.io/cpu"
+# k8s.io/api resource/v1 PodResourceClaimAnnotation (set by the resourceclaim controller).
+_POD_CLAIM_NAME = "resource.kubernetes.io/pod-claim-name"
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,11 +317,14 @@ class NodeSim:
         namespace: str = "default",
         device: str | None = None,
         request: str = "cpus",
+        pod_claim_name: str | None = None,
     ) -> SimClaim:
         """Play the scheduler: allocate ``cpus`` CPUs from the published devices and write the
         ResourceClaim (allocated, for this node). Grouped mode: the first device (or
         ``device``) with enough free capacity, ``consumedCapacity`` and a ``shareID``;
-        individual mode: the first ``cpus`` free devices in published order."""
+        individual mode: the first ``cpus`` free devices in published order.
+        ``pod_claim_name``: the claim was made from a template, for the pod's claim of that
+        name (the ``resource.kubernetes.io/pod-claim-name`` annotation)."""
         devices = self.published()
         if not devices:
             raise SimError("no device is published: the scheduler cannot allocate")
@@ -356,7 +361,8 @@ class NodeSim:
                         "device": chosen,
                     }
                 )
-        claim = self.write_claim(name, results, namespace=namespace)
+        annotations = {_POD_CLAIM_NAME: pod_claim_name} if pod_claim_name else None
+        claim = self.write_claim(name, results, namespace=namespace, annotations=annotations)
         self._claims[claim.uid] = claim
         return claim
 
@@ -368,6 +374,7 @@ class NodeSim:
         namespace: str = "default",
         uid: str | None = None,
         allocated: bool = True,
+        annotations: Mapping[str, str] | None = None,
     ) -> SimClaim:
         """Write a ResourceClaim with exactly these ``results`` (tests of bad input); no
         capacity bookkeeping."""
@@ -378,6 +385,7 @@ class NodeSim:
             uid=uid,
             node_name=self.node_name,
             allocated=allocated,
+            annotations=annotations,
         )
         stored = self.api.add_resource_claim(obj)
         return SimClaim(namespace, name, stored["metadata"]["uid"], [dict(r) for r in results])
