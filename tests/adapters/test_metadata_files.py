@@ -52,58 +52,70 @@ def test_a_write_leaves_each_request_s_file_and_the_spec_that_mounts_it(
     specs = metadata_files.write_claim(root, cdi, CONFIG, prepared)
     assert specs == [f"dra.cpu_metadata_{A}_main.json", f"dra.cpu_metadata_{A}_side.json"]
     assert names(cdi) == specs  # no temp file left
+    assert names(root) == [f"{A}_main.json", f"{A}_side.json"]
+    assert stat.S_IMODE(root.stat().st_mode) == 0o755
     for item in claim_files(CONFIG, prepared, str(root)):
         host = Path(item.host_path)
-        assert host == root / A / item.request / "metadata.json"
+        assert host == root / f"{A}_{item.request}.json"
         assert host.read_bytes() == item.document
         assert (cdi / item.spec_name).read_bytes() == item.spec
-        assert names(host.parent) == ["metadata.json"]
         assert stat.S_IMODE(host.stat().st_mode) == 0o644
-        assert stat.S_IMODE(host.parent.stat().st_mode) == 0o755
         assert stat.S_IMODE((cdi / item.spec_name).stat().st_mode) == 0o644
-    # rewriting replaces the files in place (a restart's Resync)
-    (root / A / "main" / "metadata.json").write_text("edited")
+    # rewriting replaces the file (a restart's Resync): a new inode, so a container that
+    # mounted the old one keeps reading it whole
+    main = root / f"{A}_main.json"
+    inode = main.stat().st_ino
+    main.write_text("edited")
     metadata_files.write_claim(root, cdi, CONFIG, prepared)
-    assert json.loads((root / A / "main" / "metadata.json").read_text())["metadata"]["uid"] == A
+    assert json.loads(main.read_text())["metadata"]["uid"] == A
+    assert main.stat().st_ino != inode
+    # ... and a file that already holds the same bytes is left as it is (no new file on the
+    # kubelet's disk, no rename in the CDI dir for the runtimes to rescan)
+    before = {p: p.stat().st_ino for p in [*root.iterdir(), *cdi.iterdir()]}
+    metadata_files.write_claim(root, cdi, CONFIG, prepared)
+    assert {p: p.stat().st_ino for p in [*root.iterdir(), *cdi.iterdir()]} == before
 
 
 def test_a_write_says_which_file_it_could_not_write(dirs: tuple[Path, Path]) -> None:
     root, cdi = dirs
     root.parent.mkdir(parents=True)
     root.write_text("a file where the dir goes")
-    with pytest.raises(CdiError, match=r"cannot create device metadata dir .*: Not a directory"):
+    with pytest.raises(CdiError, match=r"device metadata dir .* is not a directory"):
         metadata_files.write_claim(root, cdi, CONFIG, claim(A, "cpus"))
     assert names(cdi) == []  # no spec names a file that is not there
 
 
-def test_a_delete_removes_that_claim_only_specs_first(dirs: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("requests", [("x", "y"), None], ids=["known", "looked-for"])
+def test_a_delete_removes_that_claim_only(
+    dirs: tuple[Path, Path], requests: tuple[str, ...] | None
+) -> None:
     root, cdi = dirs
     metadata_files.write_claim(root, cdi, CONFIG, claim(A, "x", "y"))
     metadata_files.write_claim(root, cdi, CONFIG, claim(B, "x"))
     cdi_files.write_spec(cdi, A, CpuSet.parse("1"))  # the claim's own spec: not ours to remove
     (cdi / FOREIGN).write_text("{}")
-    assert metadata_files.delete_claim(root, cdi, A) is True
+    assert metadata_files.delete_claim(root, cdi, A, requests) is True
     assert names(cdi) == sorted(
         [FOREIGN, f"dra.cpu_metadata_{B}_x.json", cdi_files.spec_file_name(A)]
     )
-    assert names(root) == [B]
-    assert metadata_files.delete_claim(root, cdi, A) is False  # nothing left: still success
+    assert names(root) == [f"{B}_x.json"]
+    # nothing left: still success
+    assert metadata_files.delete_claim(root, cdi, A, requests) is False
     with pytest.raises(CdiError, match="invalid claim UID"):
         metadata_files.delete_claim(root, cdi, "../..")
 
 
-def test_a_symlink_in_place_of_a_claim_s_dir_is_removed_not_followed(
+def test_a_symlink_under_a_metadata_file_s_name_is_removed_not_followed(
     dirs: tuple[Path, Path], tmp_path: Path
 ) -> None:
     root, cdi = dirs
     precious = tmp_path / "precious"
-    precious.mkdir()
-    (precious / "keep").write_text("keep")
+    precious.write_text("keep")
     root.mkdir(parents=True)
-    (root / A).symlink_to(precious)
-    assert metadata_files.delete_claim(root, cdi, A) is True
-    assert not os.path.lexists(root / A)
-    assert (precious / "keep").read_text() == "keep"
+    (root / f"{A}_cpus.json").symlink_to(precious)
+    assert metadata_files.delete_claim(root, cdi, A, ["cpus"]) is True
+    assert not os.path.lexists(root / f"{A}_cpus.json")
+    assert precious.read_text() == "keep"
 
 
 def test_prune_removes_what_no_kept_claim_owns_and_the_leftovers(dirs: tuple[Path, Path]) -> None:
@@ -114,7 +126,7 @@ def test_prune_removes_what_no_kept_claim_owns_and_the_leftovers(dirs: tuple[Pat
     (cdi / FOREIGN).write_text("{}")
     leftovers = [
         cdi / f".dra.cpu_metadata_{A}_cpus.json.tmp-0123456789abcdef",
-        root / A / "cpus" / ".metadata.json.tmp-0123456789abcdef",
+        root / f".{A}_cpus.json.tmp-0123456789abcdef",
     ]
     for path in leftovers:
         path.write_text("partial")
@@ -123,13 +135,16 @@ def test_prune_removes_what_no_kept_claim_owns_and_the_leftovers(dirs: tuple[Pat
     removed = metadata_files.prune(root, cdi, frozenset({A}))
 
     assert sorted(removed) == sorted(
-        [str(cdi / f"dra.cpu_metadata_{B}_cpus.json"), str(root / B), *map(str, leftovers)]
+        [
+            str(cdi / f"dra.cpu_metadata_{B}_cpus.json"),
+            str(root / f"{B}_cpus.json"),
+            *map(str, leftovers),
+        ]
     )
     assert names(cdi) == sorted(
         [FOREIGN, cdi_files.spec_file_name(B), f"dra.cpu_metadata_{A}_cpus.json"]
     )
-    assert names(root) == sorted([A, "README"])
-    assert names(root / A / "cpus") == ["metadata.json"]
+    assert names(root) == sorted([f"{A}_cpus.json", "README"])
     assert metadata_files.prune(root, cdi, frozenset({A})) == []
     assert metadata_files.prune(root / "missing", cdi / "missing", frozenset()) == []
 

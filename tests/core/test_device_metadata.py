@@ -27,6 +27,8 @@ from dracpu.core.device_metadata import (
     container_path,
     document,
     metadata_device_id,
+    metadata_file_name,
+    metadata_file_owner,
     metadata_ids_by_device,
     metadata_spec_file_name,
     metadata_spec_owner,
@@ -319,7 +321,7 @@ def test_paths_and_the_cdi_spec_are_the_helpers() -> None:
         f"{base}/resourceclaimtemplates/my-cpus/cpus/dra.cpu-metadata.json"
     )
     [item] = claim_files(config, templated, METADATA_DIR + "/")
-    assert item.host_path == f"{METADATA_DIR}/{UID}/cpus/metadata.json"
+    assert item.host_path == f"{METADATA_DIR}/{UID}_cpus.json"
     assert item.spec_name == f"dra.cpu_metadata_{UID}_cpus.json"
     spec = json.loads(item.spec)
     assert spec == {
@@ -350,9 +352,14 @@ def _fields(claim: PreparedClaim) -> dict[str, Any]:
     return {name: getattr(claim, name) for name in PreparedClaim.__slots__}
 
 
-def test_spec_file_names_are_recognised_and_nothing_else() -> None:
+def test_file_names_are_recognised_and_nothing_else() -> None:
     assert metadata_spec_owner(metadata_spec_file_name(UID, "cpus")) == UID
     assert metadata_spec_owner(metadata_spec_file_name(UID, "a.b_c-1")) == UID
+    assert metadata_file_owner(metadata_file_name(UID, "cpus")) == UID
+    assert metadata_file_owner(metadata_spec_file_name(UID, "cpus")) is None
+    assert metadata_spec_owner(metadata_file_name(UID, "cpus")) is None
+    assert metadata_file_owner(f"{UID}_.json") is None
+    assert metadata_file_owner(f".{UID}_cpus.json.tmp-0123456789abcdef") is None
     for other in (
         f"dra.k8s.io-cpu_claim-{UID}.json",  # the claim's own spec
         f".dra.cpu_metadata_{UID}_cpus.json.tmp-0123456789abcdef",  # a temp file

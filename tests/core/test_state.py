@@ -354,7 +354,7 @@ def test_unprepare_frees_cpus_after_deleting_the_cdi_spec() -> None:
     new, _value, effects = ok(state, UnprepareClaim(uid(1)))
     assert effects == [
         DeleteCdiSpec(uid(1)),
-        DeleteDeviceMetadata(uid(1)),
+        DeleteDeviceMetadata(uid(1), ("r0", "r1")),  # the claim's requests: no listing
         WriteCheckpoint(CheckpointData(new.claims)),
         Reply(ClaimUnprepared(uid(1), cpus("1,9"))),
     ]
@@ -370,7 +370,7 @@ def test_unprepare_unknown_claim_succeeds() -> None:
     assert new is state
     assert effects == [
         DeleteCdiSpec(uid(7)),
-        DeleteDeviceMetadata(uid(7)),
+        DeleteDeviceMetadata(uid(7), None),  # requests unknown: its files are looked for
         Reply(ClaimUnprepared(uid(7), CpuSet())),
     ]
 
@@ -729,7 +729,7 @@ def test_claim_missing_from_two_listings_is_released() -> None:
     assert value == PodsReconciled((uid(1),), (uid(1),), True)
     assert effects == [
         DeleteCdiSpec(uid(1)),
-        DeleteDeviceMetadata(uid(1)),
+        DeleteDeviceMetadata(uid(1), ("r0",)),
         WriteCheckpoint(CheckpointData(state.claims)),
         Reply(value),
     ]
@@ -960,7 +960,7 @@ def test_rollback_restores_files_in_reverse_order() -> None:
             WriteCdiSpec(uid(2), cpus("5")),
             WriteDeviceMetadata(other, INDIVIDUAL),
             DeleteCdiSpec(uid(1)),
-            DeleteDeviceMetadata(uid(1)),
+            DeleteDeviceMetadata(uid(1), ("r0",)),
             WriteCheckpoint(CheckpointData()),
         ],
         error,
@@ -969,7 +969,7 @@ def test_rollback_restores_files_in_reverse_order() -> None:
         WriteCheckpoint(state.checkpoint()),
         WriteDeviceMetadata(claim, INDIVIDUAL),
         WriteCdiSpec(uid(1), cpus("4")),
-        DeleteDeviceMetadata(uid(2)),
+        DeleteDeviceMetadata(uid(2), ("r",)),  # the requests the failed command wrote
         DeleteCdiSpec(uid(2)),
         Reply(error),
     ]

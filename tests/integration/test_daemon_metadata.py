@@ -159,13 +159,18 @@ def lose_and_plant(sim: NodeSim, files: dict[str, bytes], held: str) -> list[Pat
         Path(path).unlink()
     orphan = str(uuid.uuid4())
     root = sim.paths.kubelet_root / "plugins" / "dra.cpu" / "dra-device-metadata"
-    (root / orphan / "cpus").mkdir(parents=True)
-    (root / orphan / "cpus" / "metadata.json").write_text("{}")
+    (root / f"{orphan}_cpus.json").write_text("{}")
     stale = sim.paths.cdi_dir / f"dra.cpu_metadata_{orphan}_cpus.json"
     stale.write_text('{"cdiVersion":"0.5.0","kind":"dra.cpu/metadata","devices":[]}')
     temp = sim.paths.cdi_dir / f".dra.cpu_metadata_{held}_cpus.json.tmp-00ff00ff"
     temp.write_text("half")
-    return [root / orphan, stale, temp]
+    # what the Go helper leaves in its <namespace>_<name> layout for a claim long gone
+    helper = root / "default_gone" / "cpus"
+    helper.mkdir(parents=True)
+    (helper / "metadata.json").write_text(
+        json.dumps({"kind": "DeviceMetadata", "metadata": {"uid": str(uuid.uuid4())}}, indent=2)
+    )
+    return [root / f"{orphan}_cpus.json", stale, temp, helper.parent]
 
 
 async def test_metadata_lost_while_the_daemon_was_down_is_back_after_a_restart() -> None:

@@ -491,7 +491,7 @@ async def test_each_request_gets_its_metadata_mount_on_its_first_device(
         for request, count in (("main", 2), ("side", 1)):
             mount, document = _metadata_mount(node.cdi_dir, uid, request)
             assert mount == {
-                "hostPath": str(metadata_dir / uid / request / "metadata.json"),
+                "hostPath": str(metadata_dir / f"{uid}_{request}.json"),
                 "containerPath": "/var/run/kubernetes.io/dra-device-attributes/"
                 f"resourceclaimtemplates/cpus/{request}/dra.cpu-metadata.json",
                 "options": ["ro", "bind"],

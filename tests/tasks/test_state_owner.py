@@ -109,9 +109,7 @@ def _metadata(config: Config) -> dict[str, list[str]]:
         [device] = json.loads(spec.read_text())["devices"]
         uid, _, request = device["name"].partition("_")
         [mount] = device["containerEdits"]["mounts"]
-        assert Path(mount["hostPath"]) == config.device_metadata_dir / uid / request / (
-            "metadata.json"
-        )
+        assert Path(mount["hostPath"]) == config.device_metadata_dir / f"{uid}_{request}.json"
         assert json.loads(Path(mount["hostPath"]).read_text())["metadata"]["uid"] == uid
         found.setdefault(uid, []).append(request)
     return found

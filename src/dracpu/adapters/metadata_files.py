@@ -3,8 +3,10 @@ the state owner runs them in its file thread, never on the event loop).
 
 Per request of a claim (names and formats: :mod:`dracpu.core.device_metadata`):
 
-- ``<metadata-dir>/<claimUID>/<request>/metadata.json``, mode 0644 in dirs of mode 0755 (the
-  helper's modes: the runtime bind-mounts the file into containers of any user);
+- ``<metadata-dir>/<claimUID>_<request>.json``, mode 0644 in a dir of mode 0755 (the helper's
+  modes: the runtime bind-mounts the file into containers of any user). One flat dir: a file
+  per request and no dir per claim, since creating and removing directories on the kubelet's
+  disk costs more than the rest of the metadata (``docs/performance.md``);
 - ``<cdi-dir>/dra.cpu_metadata_<claimUID>_<request>.json``, the CDI spec that mounts it.
 
 Writes are atomic as CDI spec writes are (:func:`dracpu.adapters.cdi_files.write_atomically`:
@@ -14,10 +16,10 @@ is fsynced: the checkpoint is the durable record of the prepared claims, and the
 Resync writes every prepared claim's metadata again and prunes what no claim owns (a spec that
 outlived its claim is never adopted, unlike a claim's own CDI spec).
 
-Only our names are ever removed: metadata specs ``dra.cpu_metadata_<uuid>_<request>.json`` and
-their temp files, entries of the metadata dir named by a claim UID, temp files in them, and the
-dirs the Go helper keys by ``<namespace>_<name>`` (left by upstream's driver before a swap) once
-the metadata in them names no prepared claim. Reads use ``O_NOFOLLOW | O_NONBLOCK`` and a size
+Only our names are ever removed: metadata specs ``dra.cpu_metadata_<uuid>_<request>.json``,
+metadata files ``<uuid>_<request>.json``, their temp files, and the dirs the Go helper keys by
+``<namespace>_<name>`` (left by upstream's driver before a swap) once the metadata in them names
+no prepared claim. Reads use ``O_NOFOLLOW | O_NONBLOCK`` and a size
 bound. Every ``OSError`` becomes a :class:`~dracpu.errors.CdiError` naming the path.
 """
 
@@ -29,14 +31,16 @@ import json
 import os
 import shutil
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from dracpu.adapters.cdi_files import ensure_dir, temp_target, write_atomically
 from dracpu.core.cdi_spec import is_valid_claim_uid
 from dracpu.core.checkpoint_schema import PreparedClaim
 from dracpu.core.device_metadata import (
-    HOST_FILE_NAME,
     claim_files,
+    metadata_file_name,
+    metadata_file_owner,
+    metadata_spec_file_name,
     metadata_spec_owner,
 )
 from dracpu.core.node_config import NodeConfig
@@ -57,6 +61,8 @@ DIR_MODE = 0o755
 MAX_METADATA_BYTES = 4 << 20
 
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+# The Go helper's file in each request dir (kubeletplugin/metadata.go metadataFilePath).
+_HELPER_FILE_NAME = "metadata.json"
 
 
 def _make_dir(directory: str) -> None:
@@ -76,15 +82,31 @@ def write_claim(
     config: NodeConfig,
     claim: PreparedClaim,
 ) -> list[str]:
-    """Write a prepared claim's metadata files and their CDI specs; the spec file names."""
+    """Write a prepared claim's metadata files and their CDI specs; the spec file names.
+
+    A file that already holds exactly these bytes is left alone: a Resync or a repeated Prepare
+    then creates nothing on the kubelet's disk (a new file there is the dearest part of the
+    metadata) and makes the runtimes rescan nothing (every rename in the CDI dir does).
+    """
     cdi = os.fspath(cdi_dir)
     specs: list[str] = []
     for item in claim_files(config, claim, os.fspath(metadata_dir)):
         directory, name = os.path.split(item.host_path)
-        write_atomically(directory, name, item.document, "device metadata", _make_dir)
-        write_atomically(cdi, item.spec_name, item.spec, "device metadata CDI spec", ensure_dir)
+        _write_changed(directory, name, item.document, "device metadata", _make_dir)
+        _write_changed(cdi, item.spec_name, item.spec, "device metadata CDI spec", ensure_dir)
         specs.append(item.spec_name)
     return specs
+
+
+def _write_changed(
+    directory: str, name: str, data: bytes, what: str, make_dir: Callable[[str], None]
+) -> None:
+    try:
+        if _read_small(os.path.join(directory, name)) == data:
+            return
+    except CdiError:
+        pass  # unreadable: replace it
+    write_atomically(directory, name, data, what, make_dir)
 
 
 def _names(directory: str, what: str) -> list[str]:
@@ -127,28 +149,37 @@ def _remove_tree(path: str) -> bool:
     return True
 
 
-def _spec_names(cdi_dir: str, owners: Iterable[str] | None) -> list[str]:
-    """Our metadata specs in the CDI dir (of these claims only, unless ``owners`` is None)."""
-    wanted = None if owners is None else set(owners)
-    return sorted(
-        name
-        for name in _names(cdi_dir, "CDI dir")
-        if (owner := metadata_spec_owner(name)) is not None and (wanted is None or owner in wanted)
-    )
+def _claim_names(
+    directory: str, owner: Callable[[str], str | None], claim_uid: str, what: str
+) -> list[str]:
+    """The names in ``directory`` that ``owner`` gives to ``claim_uid``."""
+    return sorted(name for name in _names(directory, what) if owner(name) == claim_uid)
 
 
 def delete_claim(
-    metadata_dir: str | os.PathLike[str], cdi_dir: str | os.PathLike[str], claim_uid: str
+    metadata_dir: str | os.PathLike[str],
+    cdi_dir: str | os.PathLike[str],
+    claim_uid: str,
+    requests: Iterable[str] | None = None,
 ) -> bool:
     """Remove a claim's metadata CDI specs, then its metadata files; whether anything was
-    there."""
+    there. ``requests``: the requests it has metadata for; ``None``: look for them (a listing of
+    both dirs)."""
     if not is_valid_claim_uid(claim_uid):
         raise CdiError(f"invalid claim UID {claim_uid!r}: expected an RFC 4122 UUID")
-    cdi = os.fspath(cdi_dir)
+    cdi, root = os.fspath(cdi_dir), os.fspath(metadata_dir)
+    if requests is None:
+        specs = _claim_names(cdi, metadata_spec_owner, claim_uid, "CDI dir")
+        files = _claim_names(root, metadata_file_owner, claim_uid, "device metadata dir")
+    else:
+        wanted = sorted(requests)
+        specs = [metadata_spec_file_name(claim_uid, r) for r in wanted]
+        files = [metadata_file_name(claim_uid, r) for r in wanted]
     removed = False
-    for name in _spec_names(cdi, [claim_uid]):
+    for name in specs:
         removed |= _unlink(os.path.join(cdi, name), "device metadata CDI spec")
-    removed |= _remove_tree(os.path.join(os.fspath(metadata_dir), claim_uid))
+    for name in files:
+        removed |= _unlink(os.path.join(root, name), "device metadata")
     return removed
 
 
@@ -166,52 +197,40 @@ def prune(
     removed: list[str] = []
     errors: list[str] = []
 
-    def remove(path: str, remover: str) -> None:
+    def remove(path: str, tree: bool = False) -> None:
         try:
-            gone = (
-                _remove_tree(path)
-                if remover == "tree"
-                else _unlink(path, "device metadata leftover")
-            )
+            gone = _remove_tree(path) if tree else _unlink(path, "device metadata")
         except CdiError as exc:
             errors.append(str(exc))
             return
         if gone:
             removed.append(path)
 
-    for name in _names(cdi, "CDI dir"):
-        owner = metadata_spec_owner(name)
-        if owner is not None:
-            if owner not in keep:
-                remove(os.path.join(cdi, name), "file")
-        elif (final := temp_target(name)) is not None and metadata_spec_owner(final) is not None:
-            remove(os.path.join(cdi, name), "file")
-    for entry in sorted(_names(root, "device metadata dir")):
-        path = os.path.join(root, entry)
-        if is_valid_claim_uid(entry):
-            if entry not in keep:
-                remove(path, "tree")
-                continue
-            for request in _names(path, "device metadata dir"):
-                for name in _names(os.path.join(path, request), "device metadata dir"):
-                    if temp_target(name) == HOST_FILE_NAME:
-                        remove(os.path.join(path, request, name), "file")
-        else:
-            owners = _helper_dir_owners(path)
-            if owners and owners.isdisjoint(keep):
-                remove(path, "tree")
+    for directory, owner in ((cdi, metadata_spec_owner), (root, metadata_file_owner)):
+        for name in sorted(_names(directory, "device metadata dir")):
+            uid = owner(name)
+            if uid is not None:
+                if uid not in keep:
+                    remove(os.path.join(directory, name))
+            elif (final := temp_target(name)) is not None and owner(final) is not None:
+                remove(os.path.join(directory, name))
+            elif directory == root and not name.startswith("."):
+                owners = _helper_dir_owners(os.path.join(root, name))
+                if owners and owners.isdisjoint(keep):
+                    remove(os.path.join(root, name), tree=True)
     if errors:
         raise CdiError("; ".join(errors))
     return removed
 
 
 def _helper_dir_owners(path: str) -> set[str]:
-    """The claim UIDs the metadata files of a Go helper's ``<ns>_<name>`` dir name (each file
-    is a stream of JSON objects, one per version, of the same claim); empty when none can be
-    read (left alone then: it is not known to be an orphan)."""
+    """The claim UIDs the metadata files of a Go helper's ``<ns>_<name>`` dir name (each
+    ``<request>/metadata.json`` is a stream of JSON objects, one per version, of the same
+    claim); empty when none can be read, or ``path`` is no dir (left alone then: it is not
+    known to be an orphan)."""
     owners: set[str] = set()
     for request in _names(path, "device metadata dir"):
-        data = _read_small(os.path.join(path, request, HOST_FILE_NAME))
+        data = _read_small(os.path.join(path, request, _HELPER_FILE_NAME))
         if data is None:
             continue
         try:

@@ -84,8 +84,8 @@ class NodeFiles:
                     logger.info("removed CDI specs no prepared claim owns: %s", removed)
             case WriteDeviceMetadata(claim=claim, config=config):
                 metadata_files.write_claim(self.metadata_dir, self.cdi_dir, config, claim)
-            case DeleteDeviceMetadata(claim_uid=uid):
-                metadata_files.delete_claim(self.metadata_dir, self.cdi_dir, uid)
+            case DeleteDeviceMetadata(claim_uid=uid, requests=requests):
+                metadata_files.delete_claim(self.metadata_dir, self.cdi_dir, uid, requests)
             case PruneDeviceMetadata(keep=keep):
                 gone = metadata_files.prune(self.metadata_dir, self.cdi_dir, keep)
                 if gone:

@@ -10,7 +10,7 @@ metadata") describes it with the facts this module relies on.
 
 Per prepared claim and per request of it that has a result of ours, two files:
 
-- the metadata file ``<metadata-dir>/<claimUID>/<request>/metadata.json`` (the metadata dir is
+- the metadata file ``<metadata-dir>/<claimUID>_<request>.json`` (the metadata dir is
   ``<kubelet-root>/plugins/dra.cpu/dra-device-metadata``): one ``DeviceMetadata`` object of
   ``metadata.resource.k8s.io/v1beta1`` (the only version upstream writes), compact JSON, with
   the claim's name, namespace and UID, ``generation: 1``, ``podClaimName`` for a claim made from
@@ -25,9 +25,10 @@ Per prepared claim and per request of it that has a result of ours, two files:
   request's first device, so the runtime applies the mount to the containers using the request.
 
 The spec's file name, kind and device name are the helper's, so a CDI id the kubelet got from
-either driver resolves after a swap. The host file's place is ours: the helper keys it by
-``<namespace>_<name>``, which two claims of one name share while an old one is still prepared;
-ours is keyed by UID (only the runtime sees the host path).
+either driver resolves after a swap. The host file's place is ours (only the runtime sees it): the
+helper writes ``<namespace>_<name>/<request>/metadata.json``, which two claims of one name share
+while an old one is still prepared, and which costs two directories per claim; ours is one file
+named by claim UID and request.
 
 The attributes of a device entry are the published device's (:class:`dracpu.core.slices.Device`),
 plus ``dra.cpu/allocatedNumCPUs`` on a grouped device (its consumed capacity: upstream's
@@ -79,7 +80,6 @@ from dracpu.errors import ClaimError
 __all__ = [
     "ATTR_ALLOCATED_NUM_CPUS",
     "CONTAINER_DIR",
-    "HOST_FILE_NAME",
     "MAX_ATTRIBUTES",
     "METADATA_API_VERSION",
     "METADATA_CDI_KIND",
@@ -96,6 +96,8 @@ __all__ = [
     "document",
     "host_path",
     "metadata_device_id",
+    "metadata_file_name",
+    "metadata_file_owner",
     "metadata_ids_by_device",
     "metadata_spec",
     "metadata_spec_file_name",
@@ -116,10 +118,8 @@ CONTAINER_DIR = "/var/run/kubernetes.io/dra-device-attributes"
 _CLAIMS_SUBDIR = "resourceclaims"
 _TEMPLATES_SUBDIR = "resourceclaimtemplates"
 _CONTAINER_FILE_NAME = f"{DRIVER_NAME}-metadata.json"
-# kubeletplugin/metadata.go metadataSubDir (under the plugin data dir) and the file name of a
-# request's metadata there.
+# kubeletplugin/metadata.go metadataSubDir: the metadata files' dir under the plugin data dir.
 METADATA_DIR_NAME = "dra-device-metadata"
-HOST_FILE_NAME = "metadata.json"
 # k8s.io/api resource/v1 PodResourceClaimAnnotation: set by the resourceclaim controller on a
 # claim it made from a template, to the pod's name for it (pod.spec.resourceClaims[].name).
 POD_CLAIM_NAME_ANNOTATION = "resource.kubernetes.io/pod-claim-name"
@@ -150,12 +150,13 @@ MAX_ATTRIBUTES = 32
 # request names, pod claim names) all match; "/", "." and ".." cannot.
 _SEGMENT_RE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 _MAX_SEGMENT = 253
-_SPEC_NAME_RE = re.compile(
-    re.escape(METADATA_SPEC_PREFIX)
-    + r"([0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12})_"
-    + r"(.+)"
-    + re.escape(_SPEC_SUFFIX)
+_UID_AND_REQUEST = (
+    r"([0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12})_(.+)"
 )
+_SPEC_NAME_RE = re.compile(
+    re.escape(METADATA_SPEC_PREFIX) + _UID_AND_REQUEST + re.escape(_SPEC_SUFFIX)
+)
+_FILE_NAME_RE = re.compile(_UID_AND_REQUEST + re.escape(_SPEC_SUFFIX))
 
 
 # --- names and paths ------------------------------------------------------------------------------
@@ -201,9 +202,19 @@ def container_path(claim: PreparedClaim, request: str) -> str:
     return f"{CONTAINER_DIR}/{_CLAIMS_SUBDIR}/{claim.name}/{request}/{_CONTAINER_FILE_NAME}"
 
 
+def metadata_file_name(claim_uid: str, request: str) -> str:
+    """The metadata file's name in the metadata dir: ``<claimUID>_<request>.json``."""
+    return f"{check_claim_uid(claim_uid)}_{request}{_SPEC_SUFFIX}"
+
+
+def metadata_file_owner(name: str) -> str | None:
+    """The claim UID of a metadata file name of ours, else ``None``."""
+    return _owner(_FILE_NAME_RE, name)
+
+
 def host_path(metadata_dir: str, claim_uid: str, request: str) -> str:
-    """The metadata file on the host: ``<metadata-dir>/<claimUID>/<request>/metadata.json``."""
-    return f"{metadata_dir.rstrip('/')}/{check_claim_uid(claim_uid)}/{request}/{HOST_FILE_NAME}"
+    """The metadata file on the host: ``<metadata-dir>/<claimUID>_<request>.json``."""
+    return f"{metadata_dir.rstrip('/')}/{metadata_file_name(claim_uid, request)}"
 
 
 def metadata_device_id(claim_uid: str, request: str) -> str:
@@ -218,7 +229,11 @@ def metadata_spec_file_name(claim_uid: str, request: str) -> str:
 
 def metadata_spec_owner(name: str) -> str | None:
     """The claim UID of a metadata spec file name of ours, else ``None``."""
-    match = _SPEC_NAME_RE.fullmatch(name)
+    return _owner(_SPEC_NAME_RE, name)
+
+
+def _owner(pattern: re.Pattern[str], name: str) -> str | None:
+    match = pattern.fullmatch(name)
     if match is None or not _segment_ok(match.group(2)):
         return None
     return match.group(1)

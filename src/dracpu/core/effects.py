@@ -94,10 +94,12 @@ class WriteDeviceMetadata:
 
 @dataclass(frozen=True, slots=True)
 class DeleteDeviceMetadata:
-    """Remove a claim's metadata CDI specs, then its metadata files; nothing there is
-    success."""
+    """Remove a claim's metadata CDI specs, then its metadata files; nothing there is success.
+    ``requests``: the requests it has metadata for (a prepared claim's), ``None`` when they are
+    not known (a claim not prepared here, or adopted): then its files are looked for."""
 
     claim_uid: str
+    requests: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -227,7 +227,7 @@ def rollback(old: NodeState, started: Sequence[Effect], error: DracpuError) -> l
                 seen.add(("metadata", uid))
                 claim = old.claims.get(uid)
                 if claim is None:
-                    undo.append(DeleteDeviceMetadata(uid))
+                    undo.append(DeleteDeviceMetadata(uid, _metadata_requests(started, uid)))
                 else:
                     undo.extend(metadata_files(old.config, claim))
             case WriteCheckpoint():
@@ -244,6 +244,17 @@ def rollback(old: NodeState, started: Sequence[Effect], error: DracpuError) -> l
                 assert_never(effect)
     undo.append(Reply(error))
     return undo
+
+
+def _metadata_requests(started: Sequence[Effect], uid: str) -> tuple[str, ...] | None:
+    """The requests the commit phase wrote device metadata for (``None``: it wrote none)."""
+    requests = {
+        result.request
+        for effect in started
+        if isinstance(effect, WriteDeviceMetadata) and effect.claim.claim_uid == uid
+        for result in effect.claim.results
+    }
+    return tuple(sorted(requests)) if requests else None
 
 
 # --- invariants -----------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from dracpu.core.commands import (
     UnprepareClaim,
 )
 from dracpu.core.cpuset import EMPTY, CpuSet
-from dracpu.core.device_metadata import check_names
+from dracpu.core.device_metadata import check_names, requests_of
 from dracpu.core.effects import (
     ClaimPrepared,
     ClaimsAdopted,
@@ -83,11 +83,13 @@ def metadata_files(config: NodeConfig, claim: PreparedClaim) -> list[Effect]:
     return [WriteDeviceMetadata(claim, config)]
 
 
-def release_files(claim_uid: str) -> list[Effect]:
+def release_files(claim_uid: str, claim: PreparedClaim | None) -> list[Effect]:
     """The effects that remove a released claim's files, in order: its CDI spec (no container
-    can get its CPUs any more), then its device metadata. Unprepare and the release of a leaked
-    claim (a pod-resources listing) both use this."""
-    return [DeleteCdiSpec(claim_uid), DeleteDeviceMetadata(claim_uid)]
+    can get its CPUs any more), then its device metadata (of the requests of ``claim``, its
+    record; ``None``: not prepared here, whatever a failed earlier attempt left). Unprepare and
+    the release of a leaked claim (a pod-resources listing) both use this."""
+    requests = requests_of(claim.results) if claim is not None and claim.results else None
+    return [DeleteCdiSpec(claim_uid), DeleteDeviceMetadata(claim_uid, requests)]
 
 
 def _normalized(results: Iterable[DeviceResult]) -> tuple[DeviceResult, ...]:
@@ -348,11 +350,11 @@ def unprepare(state: NodeState, command: UnprepareClaim) -> tuple[NodeState, lis
     existing = state.claims.get(uid)
     if existing is None:
         # Unknown: success; still remove files a failed earlier attempt may have left.
-        return state, [*release_files(uid), Reply(ClaimUnprepared(uid, EMPTY))]
+        return state, [*release_files(uid, None), Reply(ClaimUnprepared(uid, EMPTY))]
     new = _release(state, [uid])
     new, after = unsolicited_widening(new)
     return new, [
-        *release_files(uid),
+        *release_files(uid, existing),
         WriteCheckpoint(new.checkpoint()),
         Reply(ClaimUnprepared(uid, existing.cpus)),
         *after,
@@ -376,7 +378,7 @@ def pods_listed(state: NodeState, command: PodsListed) -> tuple[NodeState, list[
     new = replace(_release(state, release), unlisted=unlisted - set(release))
     new, after = unsolicited_widening(new)
     return new, [
-        *(effect for uid in release for effect in release_files(uid)),
+        *(effect for uid in release for effect in release_files(uid, state.claims[uid])),
         WriteCheckpoint(new.checkpoint()),
         Reply(PodsReconciled(tuple(release), tuple(sorted(unlisted)), True)),
         *after,
