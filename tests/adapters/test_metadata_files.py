@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from dracpu.adapters import cdi_files, metadata_files
+from dracpu.core.cdi_spec import spec_file_name
 from dracpu.core.checkpoint_schema import PreparedClaim
 from dracpu.core.commands import DeviceResult
 from dracpu.core.cpuset import CpuSet
@@ -95,9 +96,7 @@ def test_a_delete_removes_that_claim_only(
     cdi_files.write_spec(cdi, A, CpuSet.parse("1"))  # the claim's own spec: not ours to remove
     (cdi / FOREIGN).write_text("{}")
     assert metadata_files.delete_claim(root, cdi, A, requests) is True
-    assert names(cdi) == sorted(
-        [FOREIGN, f"dra.cpu_metadata_{B}_x.json", cdi_files.spec_file_name(A)]
-    )
+    assert names(cdi) == sorted([FOREIGN, f"dra.cpu_metadata_{B}_x.json", spec_file_name(A)])
     assert names(root) == [f"{B}_x.json"]
     # nothing left: still success
     assert metadata_files.delete_claim(root, cdi, A, requests) is False
@@ -141,9 +140,7 @@ def test_prune_removes_what_no_kept_claim_owns_and_the_leftovers(dirs: tuple[Pat
             *map(str, leftovers),
         ]
     )
-    assert names(cdi) == sorted(
-        [FOREIGN, cdi_files.spec_file_name(B), f"dra.cpu_metadata_{A}_cpus.json"]
-    )
+    assert names(cdi) == sorted([FOREIGN, spec_file_name(B), f"dra.cpu_metadata_{A}_cpus.json"])
     assert names(root) == sorted([f"{A}_cpus.json", "README"])
     assert metadata_files.prune(root, cdi, frozenset({A})) == []
     assert metadata_files.prune(root / "missing", cdi / "missing", frozenset()) == []
