@@ -64,7 +64,6 @@ import yaml
 
 from dracpu import DRIVER_NAME
 from dracpu.core.cpuset import CpuSet
-from dracpu.core.device_metadata import METADATA_DIR_NAME
 from dracpu.core.slices import CpuDeviceMode, GroupBy
 from dracpu.errors import ConfigError, DracpuError
 
@@ -107,6 +106,10 @@ DEFAULT_NRI_PLUGIN_INDEX = "00"  # upstream stub.WithPluginIdx("00")
 # updates are off) and the kubelet's pod-resources socket (pkg/kubelet/apis/podresources).
 REGISTRATION_SOCKET = Path("plugins_registry") / f"{DRIVER_NAME}-reg.sock"
 DRA_SOCKET = Path("plugins") / DRIVER_NAME / "dra.sock"
+# The KEP-5304 device metadata files, under the plugin data dir as the Go helper puts them
+# (kubeletplugin/metadata.go metadataSubDir; dracpu.core.device_metadata.METADATA_DIR_NAME, not
+# imported here: it would load most of the core into every command's start).
+DEVICE_METADATA_DIR = DRA_SOCKET.parent / "dra-device-metadata"
 POD_RESOURCES_SOCKET = Path("pod-resources") / "kubelet.sock"
 CHECKPOINT_FILE = "checkpoint.json"  # design §5
 
@@ -255,7 +258,7 @@ class Config:
         ``<root>/plugins/dra.cpu/dra-device-metadata`` (the Go helper's place under the plugin
         data dir; the runtime bind-mounts the files from there, so the path must be the same on
         the host)."""
-        return self.kubelet_root_dir / DRA_SOCKET.parent / METADATA_DIR_NAME
+        return self.kubelet_root_dir / DEVICE_METADATA_DIR
 
     @property
     def pod_resources_socket(self) -> Path:

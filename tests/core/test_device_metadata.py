@@ -16,12 +16,14 @@ from typing import Any
 import pytest
 
 from dracpu.adapters.sysfs import read_topology
+from dracpu.config import Config
 from dracpu.core.cdi_spec import minimum_required_version, validate_spec
 from dracpu.core.checkpoint_schema import PreparedClaim
 from dracpu.core.commands import DeviceResult, PrepareClaim
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.device_metadata import (
     METADATA_API_VERSION,
+    METADATA_DIR_NAME,
     check_names,
     claim_files,
     container_path,
@@ -436,3 +438,12 @@ def test_the_v1beta1_check_catches_what_it_is_for() -> None:
         bad = json.loads(json.dumps(good))
         bad["requests"][0]["devices"][0] = {**entry, key: value}
         assert v1beta1_errors(bad) != [], (key, value)
+
+
+def test_the_daemon_writes_where_the_helper_does() -> None:
+    config = Config(node_name="n", kubelet_root_dir=Path("/var/lib/k8s/kubelet"))
+    assert (
+        config.device_metadata_dir
+        == Path("/var/lib/k8s/kubelet/plugins/dra.cpu") / METADATA_DIR_NAME
+        == Path("/var/lib/k8s/kubelet/plugins/dra.cpu/dra-device-metadata")
+    )
