@@ -825,10 +825,10 @@ def test_resync_rewrites_specs_prunes_and_publishes() -> None:
     assert new == state
     assert effects == [
         WriteCdiSpec(uid(1), cpus("4")),
-        WriteDeviceMetadata(state.claims[uid(1)], INDIVIDUAL),
         WriteCdiSpec(uid(2), cpus("5")),
-        WriteDeviceMetadata(state.claims[uid(2)], INDIVIDUAL),
         PruneCdiSpecs(frozenset({uid(1), uid(2)})),
+        WriteDeviceMetadata(state.claims[uid(1)], INDIVIDUAL),
+        WriteDeviceMetadata(state.claims[uid(2)], INDIVIDUAL),
         PruneDeviceMetadata(frozenset({uid(1), uid(2)})),
         PublishSlices(INDIVIDUAL.topology),
         Reply(Resynced(2, False)),

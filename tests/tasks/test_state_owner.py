@@ -358,8 +358,8 @@ async def test_a_command_past_its_deadline_runs_no_further_effect_and_is_rolled_
             # rollback rewrote the files of the old state, newest first.
             assert node.ran() == [
                 WriteCdiSpec,
-                WriteDeviceMetadata,
                 PruneCdiSpecs,
+                WriteDeviceMetadata,
                 PruneDeviceMetadata,
                 WriteDeviceMetadata,
                 WriteCdiSpec,
@@ -573,10 +573,10 @@ async def test_a_commit_phase_takes_one_hop_and_other_effects_split_it(
     assert hops == [
         [
             WriteCdiSpec,
-            WriteDeviceMetadata,
             WriteCdiSpec,
-            WriteDeviceMetadata,
             PruneCdiSpecs,
+            WriteDeviceMetadata,
+            WriteDeviceMetadata,
             PruneDeviceMetadata,
         ]
     ]

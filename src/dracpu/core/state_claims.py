@@ -4,8 +4,9 @@
 A claim's CPUs are reserved in the new state before its files (CDI spec, device metadata) and
 the checkpoint are written, and freed in it after its files are deleted: the effect lists say so,
 in crash-safe order (see :mod:`dracpu.core.state`). Which effects write a claim's files is
-:func:`claim_files`, which remove them :func:`release_files`: every path that prepares, adopts,
-resyncs or releases a claim goes through these two.
+:func:`claim_files` (a Resync emits the same effects, every claim's CDI spec before any device
+metadata), which remove them :func:`release_files`: every path that releases a claim, Unprepare
+or a pod-resources listing, goes through that one.
 """
 
 from __future__ import annotations
@@ -449,9 +450,13 @@ def resync(state: NodeState, command: Resync) -> tuple[NodeState, list[Effect]]:
     new, after = unsolicited_widening(new)
     uids = sorted(new.claims)
     keep = frozenset(uids)
+    # The claims' CDI specs (what pins their CPUs) all before any device metadata: a metadata
+    # write that fails (its dir unwritable) ends the commit phase, and must not keep a CDI spec
+    # from being written or an orphan spec from being pruned.
     return new, [
-        *(effect for uid in uids for effect in claim_files(new.config, new.claims[uid])),
+        *(WriteCdiSpec(uid, new.claims[uid].cpus) for uid in uids),
         PruneCdiSpecs(keep),
+        *(effect for uid in uids for effect in metadata_files(new.config, new.claims[uid])),
         PruneDeviceMetadata(keep),
         PublishSlices(new.config.topology),
         Reply(Resynced(len(uids), changed)),
