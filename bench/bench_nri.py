@@ -123,6 +123,7 @@ async def _node(
         nri_socket=socket,
         cdi_dir=base / "cdi",
         state_dir=base / "state",
+        kubelet_root_dir=base / "kubelet",
     )
     link = NriLink()
     send: OwnerSend

@@ -49,8 +49,10 @@ Figures (ms, p50/p99):
   p50 + :data:`TARGET_MARGIN_MS` and p99 <= :data:`TARGET_P99_MS`, with what was measured and
   whether it was met (printed when the API-server variant and the floors both ran).
 
-A Prepare is one gRPC call, one claim GET, one CDI spec write (tmpfs) and one checkpoint slot
-write (disk), plus the hand-offs to the state owner and the file effects' thread and back.
+A Prepare is one gRPC call, one claim GET, one CDI spec write (tmpfs), the claim's device
+metadata (KEP-5304: its file under the kubelet root, on the checkpoint's disk as
+``/var/lib/kubelet`` is, and its CDI spec on tmpfs; no fsync) and one checkpoint slot write
+(disk), plus the hand-offs to the state owner and the file effects' thread and back.
 """
 
 from __future__ import annotations
@@ -357,7 +359,13 @@ async def _node(
     """The state owner and the DRA socket; yields the socket's path."""
     host_root = base / f"host-{uuid.uuid4()}"
     write_sysfs(FIXTURES[TOPOLOGY], host_root)
-    config = Config(node_name=NODE, host_root=host_root, cdi_dir=cdi_dir, state_dir=state_dir)
+    config = Config(
+        node_name=NODE,
+        host_root=host_root,
+        cdi_dir=cdi_dir,
+        state_dir=state_dir,
+        kubelet_root_dir=base / "kubelet",
+    )
     send: MemoryObjectSendStream[Request[Command]]
     receive: MemoryObjectReceiveStream[Request[Command]]
     send, receive = create_request_stream()
@@ -366,7 +374,16 @@ async def _node(
     with send, receive:
         async with anyio.create_task_group() as tg:
             await tg.start(owner.run)
-            await tg.start(partial(kubelet_plugin.run, socket_path, send.clone(), claims, NODE))
+            await tg.start(
+                partial(
+                    kubelet_plugin.run,
+                    socket_path,
+                    send.clone(),
+                    claims,
+                    NODE,
+                    health=owner.health,
+                )
+            )
             yield socket_path
             tg.cancel_scope.cancel()
 

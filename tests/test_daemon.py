@@ -353,6 +353,7 @@ def test_main_returns_1_when_the_node_cannot_be_restored(
         host_root=tmp_path / "no-sysfs-here",
         state_dir=tmp_path / "state",
         cdi_dir=tmp_path / "cdi",
+        kubelet_root_dir=tmp_path / "kubelet",
     )
     assert gc.isenabled()
     assert main(config) == EXIT_FAILURE
@@ -389,6 +390,7 @@ async def test_a_crashing_state_owner_stops_the_daemon_with_exit_1(
         host_root=trees.root("dual-socket-smt2"),
         cdi_dir=scratch / "cdi",
         state_dir=scratch / "state",
+        kubelet_root_dir=scratch / "kubelet",
     )
     send: MemoryObjectSendStream[Request[Command]]
     receive: MemoryObjectReceiveStream[Request[Command]]

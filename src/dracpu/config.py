@@ -114,6 +114,10 @@ DEFAULT_NRI_PLUGIN_INDEX = "00"  # upstream stub.WithPluginIdx("00")
 # updates are off) and the kubelet's pod-resources socket (pkg/kubelet/apis/podresources).
 REGISTRATION_SOCKET = Path("plugins_registry") / f"{DRIVER_NAME}-reg.sock"
 DRA_SOCKET = Path("plugins") / DRIVER_NAME / "dra.sock"
+# The KEP-5304 device metadata files, under the plugin data dir as the Go helper puts them
+# (kubeletplugin/metadata.go metadataSubDir; dracpu.core.device_metadata.METADATA_DIR_NAME, not
+# imported here: it would load most of the core into every command's start).
+DEVICE_METADATA_DIR = DRA_SOCKET.parent / "dra-device-metadata"
 POD_RESOURCES_SOCKET = Path("pod-resources") / "kubelet.sock"
 CHECKPOINT_FILE = "checkpoint.json"  # <state-dir>/checkpoint.json (docs/architecture.md)
 
@@ -255,6 +259,14 @@ class Config:
     def dra_socket(self) -> Path:
         """DRA gRPC socket the kubelet calls: ``<root>/plugins/dra.cpu/dra.sock``."""
         return self.kubelet_root_dir / DRA_SOCKET
+
+    @property
+    def device_metadata_dir(self) -> Path:
+        """Where the KEP-5304 device metadata files go:
+        ``<root>/plugins/dra.cpu/dra-device-metadata`` (the Go helper's place under the plugin
+        data dir; the runtime bind-mounts the files from there, so the path must be the same on
+        the host)."""
+        return self.kubelet_root_dir / DEVICE_METADATA_DIR
 
     @property
     def pod_resources_socket(self) -> Path:

@@ -81,7 +81,7 @@ class ClaimError(DracpuError):
 
 
 class CdiError(DracpuError):
-    """A CDI spec cannot be written, read or removed."""
+    """A CDI spec, or a device metadata file one mounts, cannot be written, read or removed."""
 
 
 class CheckpointError(DracpuError):

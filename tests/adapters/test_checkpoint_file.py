@@ -81,6 +81,8 @@ def version_1(claims: CheckpointData) -> bytes:
     doc = json.loads(encode(claims, 1))
     del doc["sequence"], doc["checksum"]
     doc["version"] = 1
+    for claim in doc["claims"].values():
+        del claim["podClaimName"], claim["podUids"]  # version 3
     canonical = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     doc["checksum"] = "sha256:" + hashlib.sha256(canonical).hexdigest()
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode() + b"\n"

@@ -581,7 +581,14 @@ async def test_dra_prepare_and_unprepare_through_grpc_go(
     assert [
         (list(d.request_names), d.pool_name, d.device_name, list(d.cdi_device_ids))
         for d in entry.devices
-    ] == [(["cpu"], NODE, "cpudevnuma001", [f"dra.k8s.io/cpu=claim-{uid}"])]
+    ] == [
+        (
+            ["cpu"],
+            NODE,
+            "cpudevnuma001",
+            [f"dra.k8s.io/cpu=claim-{uid}", f"dra.cpu/metadata={uid}_cpu"],
+        )
+    ]
     assert env is not None
     [variable] = env
     name, _, cpus = variable.partition("=")

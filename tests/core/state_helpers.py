@@ -6,7 +6,7 @@ owner's loop for one command exactly as :mod:`dracpu.core.state` documents it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dracpu.core.checkpoint_schema import CheckpointData, decode, encode
 from dracpu.core.commands import Command, InvalidateContainers
@@ -14,13 +14,16 @@ from dracpu.core.cpuset import CpuSet
 from dracpu.core.effects import (
     ContainerUpdate,
     DeleteCdiSpec,
+    DeleteDeviceMetadata,
     Effect,
     PruneCdiSpecs,
+    PruneDeviceMetadata,
     PublishSlices,
     Reply,
     UpdateContainers,
     WriteCdiSpec,
     WriteCheckpoint,
+    WriteDeviceMetadata,
 )
 from dracpu.core.node_config import NodeConfig
 from dracpu.core.slices import CpuDeviceMode, Device, GroupBy
@@ -116,12 +119,14 @@ def device_of(config: NodeConfig, cpu: int) -> str:
 
 @dataclass
 class FakeDisk:
-    """CDI specs and the checkpoint as the state owner's adapters would leave them.
+    """CDI specs, device metadata (the claim record each was written from) and the checkpoint
+    as the state owner's adapters would leave them.
 
     ``fail_at``: the number of the effect execution (0-based, counting every effect run,
     compensations included) that raises instead of happening."""
 
     cdi: dict[str, CpuSet] = field(default_factory=dict)
+    metadata: dict[str, PreparedClaim] = field(default_factory=dict)
     checkpoint: bytes = field(default_factory=lambda: encode(CheckpointData(), 1))
     slices: tuple[Device, ...] | None = None
     fail_at: int | None = None
@@ -134,6 +139,10 @@ class FakeDisk:
         if number == self.fail_at:
             if isinstance(effect, WriteCdiSpec):  # half done: a write may land before the error
                 self.cdi[effect.claim_uid] = effect.cpus
+            if isinstance(effect, WriteDeviceMetadata):
+                self.metadata[effect.claim.claim_uid] = effect.claim
+            if isinstance(effect, DeleteDeviceMetadata):  # the specs went, the files did not
+                self.metadata.pop(effect.claim_uid, None)
             raise CdiError(f"injected failure of {type(effect).__name__}")
         match effect:
             case WriteCdiSpec(claim_uid=claim_uid, cpus=claim_cpus):
@@ -143,6 +152,13 @@ class FakeDisk:
             case PruneCdiSpecs(keep=keep):
                 for key in [k for k in self.cdi if k not in keep]:
                     del self.cdi[key]
+            case WriteDeviceMetadata(claim=claim):
+                self.metadata[claim.claim_uid] = claim
+            case DeleteDeviceMetadata(claim_uid=claim_uid):
+                self.metadata.pop(claim_uid, None)
+            case PruneDeviceMetadata(keep=keep):
+                for key in [k for k in self.metadata if k not in keep]:
+                    del self.metadata[key]
             case WriteCheckpoint(checkpoint=data):
                 self.checkpoint = encode(data, decode(self.checkpoint).sequence + 1)
             case PublishSlices(devices=devices):
@@ -180,6 +196,19 @@ def run(state: NodeState, command: Command, disk: FakeDisk) -> tuple[NodeState, 
     return new, reply.value
 
 
+def _unpodded(claim: PreparedClaim) -> PreparedClaim:
+    return replace(claim, pod_uids=frozenset())
+
+
 def disk_matches(state: NodeState, disk: FakeDisk) -> None:
+    """The files are those of ``state``: the checkpoint, a CDI spec per claim, the device
+    metadata of each claim with results; a claim without results (adopted) may keep metadata
+    a failed Prepare wrote for it, of no other claim."""
     assert disk.claims() == dict(state.claims)
     assert disk.cdi == {u: c.cpus for u, c in state.claims.items()}
+    # The metadata is written from the claim record; the pods it is reserved for are not in it
+    # (a fresh look that changes them rewrites no metadata).
+    with_results = {u: _unpodded(c) for u, c in state.claims.items() if c.results}
+    written = {u: _unpodded(c) for u, c in disk.metadata.items() if u in with_results}
+    assert written == with_results
+    assert disk.metadata.keys() <= state.claims.keys()

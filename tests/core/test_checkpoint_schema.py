@@ -47,12 +47,13 @@ def sample() -> CheckpointData:
                     UID_B,
                     CpuSet.parse("8,12"),
                     "team",
-                    "claim-b",
+                    "pod-1-cpus-x7k2p",
                     None,
                     (
                         DeviceResult("a", "node-1", "cpudev003"),
                         DeviceResult("b", "node-1", "cpudevmachine", 1, CpuSet.parse("12")),
                     ),
+                    pod_claim_name="cpus",
                 ),
             }
         )
@@ -82,7 +83,7 @@ def test_empty_round_trip() -> None:
     raw = encode(CheckpointData(), 1)
     assert decode(raw) == StoredCheckpoint(CheckpointData(), 1)
     doc = json.loads(raw)
-    assert doc["version"] == CHECKPOINT_VERSION == 2
+    assert doc["version"] == CHECKPOINT_VERSION == 3
     assert doc["claims"] == {}
     assert doc["sequence"] == 1
 
@@ -97,6 +98,7 @@ def test_layout_is_the_documented_one() -> None:
         "mems": "0",
         "namespace": "default",
         "name": "claim-a",
+        "podClaimName": None,
         "podUids": [POD_1, POD_2],  # sorted
         "results": [
             {
@@ -109,7 +111,8 @@ def test_layout_is_the_documented_one() -> None:
         ],
     }
     assert doc["claims"][UID_B]["mems"] is None
-    assert "podUids" not in doc["claims"][UID_B]  # no pods known: the key is left out
+    assert doc["claims"][UID_B]["podUids"] == []  # no pods known
+    assert doc["claims"][UID_B]["podClaimName"] == "cpus"
     assert doc["claims"][UID_B]["results"][1]["cpuset"] == "12"
 
 
@@ -146,33 +149,54 @@ def test_sequence_is_covered_by_the_checksum() -> None:
         decode(json.dumps(doc).encode())
 
 
+def _older(doc: dict[str, Any], version: int) -> dict[str, Any]:
+    """A version-3 document as an earlier build wrote it: without "podClaimName" and "podUids"
+    (version 2), and without "sequence" (version 1)."""
+    doc = {**doc, "version": version}
+    doc["claims"] = {
+        uid: {k: v for k, v in claim.items() if k not in ("podClaimName", "podUids")}
+        for uid, claim in doc["claims"].items()
+    }
+    if version == 1:
+        del doc["sequence"]
+    return doc
+
+
 def test_version_1_documents_decode_as_sequence_0() -> None:
-    # What earlier dracpu builds wrote: the same layout without "sequence".
-    doc = json.loads(encode(sample(), 1))
-    del doc["sequence"]
-    doc["version"] = 1
-    stored = decode(rewrite(doc))
+    # What earlier dracpu builds wrote: the same layout without "sequence", "podClaimName" and
+    # "podUids".
+    stored = decode(rewrite(_older(json.loads(encode(sample(), 1)), 1)))
     assert stored.sequence == 0
-    assert dict(stored.data.claims) == dict(sample().claims)
+    assert dict(stored.data.claims) == {
+        uid: replace(claim, pod_claim_name=None, pod_uids=frozenset())
+        for uid, claim in sample().claims.items()
+    }
 
 
-def test_documents_of_earlier_builds_without_pod_uids_decode_with_no_pods() -> None:
-    # Version 1, and version 2 before "podUids": claims without the key.
-    for version in (1, 2):
-        doc = json.loads(encode(sample(), 3))
-        del doc["claims"][UID_A]["podUids"]
-        if version == 1:
-            del doc["sequence"]
-        doc["version"] = version
-        claims = claims_of(rewrite(doc))
-        assert claims[UID_A] == replace(sample().claims[UID_A], pod_uids=frozenset())
-        assert claims[UID_B] == sample().claims[UID_B]
+def test_version_2_documents_decode_without_pod_claim_names_and_pods() -> None:
+    stored = decode(rewrite(_older(json.loads(encode(sample(), 6)), 2)))
+    assert stored.sequence == 6
+    assert dict(stored.data.claims) == {
+        uid: replace(claim, pod_claim_name=None, pod_uids=frozenset())
+        for uid, claim in sample().claims.items()
+    }
 
 
-def test_a_claim_without_pods_is_written_as_earlier_builds_wrote_it() -> None:
-    # So a downgrade reads every claim whose pods are not known.
-    doc = json.loads(encode(sample(), 3))
-    assert set(doc["claims"][UID_B]) == {"cpus", "mems", "namespace", "name", "results"}
+@pytest.mark.parametrize(
+    ("version", "change", "message"),
+    [
+        (2, {"podClaimName": "cpus"}, "must have keys"),  # version 2 had no such key
+        (3, {"podClaimName": 5}, "podClaimName must be a string"),
+        (2, {"podUids": [POD_1]}, "must have keys"),
+        (3, {"podUids": "pod"}, "podUids must be a list"),
+    ],
+)
+def test_pod_claim_names_are_checked(version: int, change: dict[str, Any], message: str) -> None:
+    doc = json.loads(encode(sample(), 2))
+    doc["version"] = version
+    doc["claims"][UID_A].update(change)
+    with pytest.raises(CheckpointError, match=message):
+        decode(rewrite(doc))
 
 
 def test_trailing_spaces_pad_a_valid_document() -> None:
@@ -208,7 +232,7 @@ def test_whitespace_changes_do_not_break_the_checksum() -> None:
         (b"[]", "must be a JSON object"),
         (b'{"claims": {}}', "no integer 'version'"),
         (b'{"version": "1", "claims": {}}', "no integer 'version'"),
-        (b'{"version": 3, "claims": {}, "checksum": "sha256:00"}', "version 3 is unknown"),
+        (b'{"version": 4, "claims": {}, "checksum": "sha256:00"}', "version 4 is unknown"),
         (b'{"version": 0, "claims": {}, "checksum": "sha256:00"}', "version 0 is unknown"),
         (b'{"version": 1, "claims": {}}', "keys must be"),
         (b'{"version": 2, "claims": {}, "checksum": "sha256:00"}', "version 2 keys must be"),

@@ -43,9 +43,11 @@ from dracpu.core.effects import (
     ContainerPinned,
     ContainerUpdate,
     DeleteCdiSpec,
+    DeleteDeviceMetadata,
     Effect,
     PodsReconciled,
     PruneCdiSpecs,
+    PruneDeviceMetadata,
     PublishSlices,
     Reply,
     Resynced,
@@ -53,6 +55,7 @@ from dracpu.core.effects import (
     UpdateContainers,
     WriteCdiSpec,
     WriteCheckpoint,
+    WriteDeviceMetadata,
 )
 from dracpu.core.node_config import NodeConfig
 from dracpu.core.slices import CpuDeviceMode, GroupBy
@@ -154,6 +157,7 @@ def test_prepare_individual_effects_in_crash_safe_order() -> None:
     assert claim.name == "claim-1"
     assert effects == [
         WriteCdiSpec(uid(1), cpus("1,9")),
+        WriteDeviceMetadata(claim, INDIVIDUAL),
         WriteCheckpoint(CheckpointData(new.claims)),
         Reply(ClaimPrepared(uid(1), cpus("1,9"), None, claim.results)),
     ]
@@ -234,7 +238,12 @@ def test_prepare_grouped_single_result() -> None:
     assert value.cpus <= cpus("4-7,12-15")
     # packed: one whole core (siblings c and c+8)
     assert len(GROUPED.topology.cores_of(value.cpus)) == 1
-    assert [type(e) for e in effects] == [WriteCdiSpec, WriteCheckpoint, Reply]
+    assert [type(e) for e in effects] == [
+        WriteCdiSpec,
+        WriteDeviceMetadata,
+        WriteCheckpoint,
+        Reply,
+    ]
 
 
 def test_prepare_grouped_multi_result_claim_is_one_cpuset() -> None:
@@ -385,7 +394,11 @@ def test_prepare_is_idempotent_and_rewrites_the_cdi_spec(mode: str) -> None:
     assert isinstance(value, ClaimPrepared)
     new, effects = apply(state, again)
     assert new is state
-    assert effects == [WriteCdiSpec(uid(1), value.cpus), Reply(value)]
+    assert effects == [
+        WriteCdiSpec(uid(1), value.cpus),
+        WriteDeviceMetadata(state.claims[uid(1)], config),
+        Reply(value),
+    ]
 
 
 def test_same_uid_with_other_devices_is_a_conflict() -> None:
@@ -405,6 +418,7 @@ def test_unprepare_frees_cpus_after_deleting_the_cdi_spec() -> None:
     new, _value, effects = ok(state, UnprepareClaim(uid(1)))
     assert effects == [
         DeleteCdiSpec(uid(1)),
+        DeleteDeviceMetadata(uid(1), ("r0", "r1")),  # the claim's requests: no listing
         WriteCheckpoint(CheckpointData(new.claims)),
         Reply(ClaimUnprepared(uid(1), cpus("1,9"))),
     ]
@@ -418,7 +432,11 @@ def test_unprepare_unknown_claim_succeeds() -> None:
     state = NodeState.initial(GROUPED)
     new, effects = apply(state, UnprepareClaim(uid(7)))
     assert new is state
-    assert effects == [DeleteCdiSpec(uid(7)), Reply(ClaimUnprepared(uid(7), CpuSet()))]
+    assert effects == [
+        DeleteCdiSpec(uid(7)),
+        DeleteDeviceMetadata(uid(7), None),  # requests unknown: its files are looked for
+        Reply(ClaimUnprepared(uid(7), CpuSet())),
+    ]
 
 
 # --- shared pool, reserved and isolated CPUs -----------------------------------------------------
@@ -608,12 +626,16 @@ def test_prepare_records_the_pods_and_a_changed_reservation_is_checkpointed() ->
         NodeState.initial(INDIVIDUAL), reserved(individual(INDIVIDUAL, 1, [4]), "pod-a")
     )
     assert state.claims[uid(1)].pod_uids == {"pod-a"}
-    assert isinstance(effects[1], WriteCheckpoint)
-    assert effects[1].checkpoint.claims[uid(1)].pod_uids == {"pod-a"}
-    # The same reservation again: the CDI spec is rewritten, nothing else.
+    assert isinstance(effects[2], WriteCheckpoint)
+    assert effects[2].checkpoint.claims[uid(1)].pod_uids == {"pod-a"}
+    # The same reservation again: the claim's files are rewritten, nothing else.
     again, value, effects = ok(state, reserved(individual(INDIVIDUAL, 1, [4]), "pod-a"))
     assert again is state
-    assert effects == [WriteCdiSpec(uid(1), cpus("4")), Reply(value)]
+    assert effects == [
+        WriteCdiSpec(uid(1), cpus("4")),
+        WriteDeviceMetadata(state.claims[uid(1)], INDIVIDUAL),
+        Reply(value),
+    ]
     # A shared claim gains a consumer: the record and the checkpoint say so, the CPUs stay.
     grown, value, effects = ok(state, reserved(individual(INDIVIDUAL, 1, [4]), "pod-a", "pod-b"))
     assert isinstance(value, ClaimPrepared)
@@ -622,7 +644,12 @@ def test_prepare_records_the_pods_and_a_changed_reservation_is_checkpointed() ->
         state.claims[uid(1)], pod_uids=frozenset({"pod-a", "pod-b"})
     )
     assert grown.claimed == state.claimed
-    assert [type(e) for e in effects] == [WriteCdiSpec, WriteCheckpoint, Reply]
+    assert [type(e) for e in effects] == [
+        WriteCdiSpec,
+        WriteDeviceMetadata,
+        WriteCheckpoint,
+        Reply,
+    ]
     assert decode(encode(grown.checkpoint(), 2)).data == grown.checkpoint()
 
 
@@ -787,7 +814,7 @@ def test_unprepare_widens_at_once_when_the_runtime_allows_unsolicited_updates() 
     before = state.pin_seq
     state, _, effects = ok(state, UnprepareClaim(uid(1)))
     assert state.pin_seq == before + 1
-    assert effects[2:] == [
+    assert effects[3:] == [
         Reply(ClaimUnprepared(uid(1), cpus("4"))),
         UpdateContainers((ContainerUpdate("shared-1", cpus("1-7,9-15"), None, state.pin_seq),)),
     ]
@@ -802,7 +829,8 @@ def test_failed_unsolicited_update_is_sent_again() -> None:
     state, _, _ = ok(state, Synchronize((shared_container(1),), unsolicited_updates=True))
     state, _, _ = ok(state, individual(INDIVIDUAL, 1, [4]))
     state, _, _ = ok(state, CreateContainer(claim_container(state, 1, 1)))
-    disk = FakeDisk(fail_at=2)  # DeleteCdiSpec, WriteCheckpoint ok; UpdateContainers fails
+    # DeleteCdiSpec, DeleteDeviceMetadata, WriteCheckpoint ok; UpdateContainers fails
+    disk = FakeDisk(fail_at=3)
     state, value = run(state, UnprepareClaim(uid(1)), disk)
     assert value == ClaimUnprepared(uid(1), cpus("4"))
     assert state.claims == {}  # committed despite the post-commit failure
@@ -916,6 +944,7 @@ def test_claim_missing_from_two_listings_is_released() -> None:
     assert value == PodsReconciled((uid(1),), (uid(1),), True)
     assert effects == [
         DeleteCdiSpec(uid(1)),
+        DeleteDeviceMetadata(uid(1), ("r0",)),
         WriteCheckpoint(CheckpointData(state.claims)),
         Reply(value),
     ]
@@ -981,7 +1010,12 @@ def test_adopted_claim_is_completed_by_a_consistent_prepare() -> None:
     assert isinstance(value, ClaimPrepared)
     assert value.cpus == cpus("5,13")
     assert new.claims[uid(1)].results != ()
-    assert [type(e) for e in effects] == [WriteCdiSpec, WriteCheckpoint, Reply]
+    assert effects == [
+        WriteCdiSpec(uid(1), cpus("5,13")),
+        WriteDeviceMetadata(new.claims[uid(1)], INDIVIDUAL),
+        WriteCheckpoint(CheckpointData(new.claims)),
+        Reply(value),
+    ]
 
 
 def test_an_adopted_claim_takes_its_own_memory_pinning_when_prepared() -> None:
@@ -1022,6 +1056,9 @@ def test_resync_rewrites_specs_prunes_and_publishes() -> None:
         WriteCdiSpec(uid(1), cpus("4")),
         WriteCdiSpec(uid(2), cpus("5")),
         PruneCdiSpecs(frozenset({uid(1), uid(2)})),
+        WriteDeviceMetadata(state.claims[uid(1)], INDIVIDUAL),
+        WriteDeviceMetadata(state.claims[uid(2)], INDIVIDUAL),
+        PruneDeviceMetadata(frozenset({uid(1), uid(2)})),
         PublishSlices(tuple(INDIVIDUAL.devices.values())),
         Reply(Resynced(2)),
     ]
@@ -1105,6 +1142,7 @@ def test_failure_at_any_commit_effect_keeps_the_old_state_on_disk(
     for fail_at in range(len(commit)):
         disk = FakeDisk(
             cdi={u: c.cpus for u, c in state.claims.items()},
+            metadata={u: c for u, c in state.claims.items() if c.results},
             checkpoint=encode(state.checkpoint(), 1),
             fail_at=fail_at,
         )
@@ -1121,7 +1159,9 @@ def test_success_leaves_the_new_state_on_disk(
     case: str, state: NodeState, command: Command
 ) -> None:
     disk = FakeDisk(
-        cdi={u: c.cpus for u, c in state.claims.items()}, checkpoint=encode(state.checkpoint(), 1)
+        cdi={u: c.cpus for u, c in state.claims.items()},
+        metadata={u: c for u, c in state.claims.items() if c.results},
+        checkpoint=encode(state.checkpoint(), 1),
     )
     new, value = run(state, command, disk)
     assert not isinstance(value, DracpuError), (case, value)
@@ -1130,18 +1170,44 @@ def test_success_leaves_the_new_state_on_disk(
 
 def test_rollback_restores_files_in_reverse_order() -> None:
     state, _, _ = ok(NodeState.initial(INDIVIDUAL), individual(INDIVIDUAL, 1, [4]))
+    claim = state.claims[uid(1)]
     error = CdiError("boom")
+    other = PreparedClaim(uid(2), cpus("5"), "ns", "b", results=(DeviceResult("r", NODE, "x"),))
     undo = rollback(
         state,
-        [WriteCdiSpec(uid(2), cpus("5")), DeleteCdiSpec(uid(1)), WriteCheckpoint(CheckpointData())],
+        [
+            WriteCdiSpec(uid(2), cpus("5")),
+            WriteDeviceMetadata(other, INDIVIDUAL),
+            DeleteCdiSpec(uid(1)),
+            DeleteDeviceMetadata(uid(1), ("r0",)),
+            WriteCheckpoint(CheckpointData()),
+        ],
         error,
     )
     assert undo == [
         WriteCheckpoint(state.checkpoint()),
+        WriteDeviceMetadata(claim, INDIVIDUAL),
         WriteCdiSpec(uid(1), cpus("4")),
+        DeleteDeviceMetadata(uid(2), ("r",)),  # the requests the failed command wrote
         DeleteCdiSpec(uid(2)),
         Reply(error),
     ]
+
+
+def test_rollback_leaves_the_metadata_of_a_claim_held_without_results() -> None:
+    # An adopted claim (known from its CDI spec only) has no metadata of its own to put back:
+    # what a failed Prepare of it wrote stays (it describes the claim, and the next Prepare
+    # writes it again), and a Resync never writes one for it.
+    state = NodeState.initial(INDIVIDUAL)
+    state, _, _ = ok(state, AdoptClaims((AdoptedClaim(uid(1), cpus("5,13")),)))
+    _, effects = apply(state, individual(INDIVIDUAL, 1, [5, 13]))
+    commit, _, _ = commit_phase(effects)
+    assert [type(e) for e in commit] == [WriteCdiSpec, WriteDeviceMetadata, WriteCheckpoint]
+    undo = rollback(state, commit, CdiError("boom"))
+    assert undo[:-1] == [WriteCheckpoint(state.checkpoint()), WriteCdiSpec(uid(1), cpus("5,13"))]
+    _, effects = apply(state, Resync())
+    assert not any(isinstance(e, WriteDeviceMetadata) for e in effects)
+    assert PruneDeviceMetadata(frozenset({uid(1)})) in effects  # its files are kept
 
 
 # --- invariants ----------------------------------------------------------------------------------

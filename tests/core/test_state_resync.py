@@ -18,12 +18,14 @@ from dracpu.core.effects import (
     ContainerPinned,
     NodeChanged,
     PruneCdiSpecs,
+    PruneDeviceMetadata,
     PublishSlices,
     Reply,
     Resynced,
     StrandedClaim,
     UpdateContainers,
     WriteCdiSpec,
+    WriteDeviceMetadata,
 )
 from dracpu.core.health import reported_devices
 from dracpu.core.slices import CAPACITY_CPU, CpuDeviceMode
@@ -74,6 +76,8 @@ def test_a_cpu_going_offline_keeps_its_claim_whole_and_the_other_device_names() 
     assert effects == [
         WriteCdiSpec(uid(1), cpus("4")),  # the CDI spec keeps the offline CPU
         PruneCdiSpecs(frozenset({uid(1)})),
+        WriteDeviceMetadata(new.claims[uid(1)], config),  # its device is no longer published
+        PruneDeviceMetadata(frozenset({uid(1)})),
         PublishSlices(tuple(config.devices.values())),
         Reply(value),
     ]

@@ -2,8 +2,10 @@
 
 podman resolves ``--device dra.k8s.io/cpu=claim-<uid>`` with the CDI library vendored in it and
 injects the spec's env into the container, the same path containerd and CRI-O take for a DRA
-claim. podman 4.3 (Debian 12) reads specs only from the default dirs ``/etc/cdi`` and
-``/var/run/cdi`` (it has no spec-dir flag or setting), so each podman call runs in a private
+claim; and ``--device dra.cpu/metadata=<uid>_<request>`` bind-mounts a claim's device metadata
+file (KEP-5304) read-only where a workload looks for it. podman 4.3 (Debian 12) reads specs
+only from the default dirs ``/etc/cdi`` and ``/var/run/cdi`` (it has no spec-dir flag or
+setting), so each podman call runs in a private
 mount namespace (``unshare -m``) where a fresh tmpfs covers ``/run`` and the test's CDI dir is
 bind-mounted on ``/run/cdi``: the host's dirs are never touched.
 
@@ -14,6 +16,7 @@ environment (the skip shows podman's error).
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import shutil
@@ -28,8 +31,14 @@ from pathlib import Path
 import pytest
 
 from dracpu.adapters.cdi_files import write_spec
+from dracpu.adapters.metadata_files import write_claim
 from dracpu.core.cdi_spec import device_id, parse_env, spec_file_name
+from dracpu.core.checkpoint_schema import PreparedClaim
+from dracpu.core.commands import DeviceResult
 from dracpu.core.cpuset import CpuSet
+from dracpu.core.device_metadata import claim_files, container_path, metadata_device_id
+from dracpu.core.node_config import NodeConfig
+from dracpu.sim.topologies import FIXTURES, build_topology
 
 IMAGE = "localhost/dracpu-busybox:test"
 # Mounts a tmpfs over /run (so /run/cdi can exist without creating it on the host), binds the CDI
@@ -96,8 +105,14 @@ class Podman:
 
     def run_env(self, cdi_dir: Path, devices: Sequence[str]) -> subprocess.CompletedProcess[str]:
         """``env`` in a container that asks for the given CDI devices."""
+        return self.run_in(cdi_dir, devices, ["env"])
+
+    def run_in(
+        self, cdi_dir: Path, devices: Sequence[str], argv: Sequence[str]
+    ) -> subprocess.CompletedProcess[str]:
+        """``argv`` in a container that asks for the given CDI devices."""
         flags = [arg for device in devices for arg in ("--device", device)]
-        return self.run(cdi_dir, ["run", "--rm", "--pull", "never", *flags, IMAGE, "env"])
+        return self.run(cdi_dir, ["run", "--rm", "--pull", "never", *flags, IMAGE, *argv])
 
 
 def _ulimit(kind: int) -> int:
@@ -127,7 +142,7 @@ def podman(tmp_path_factory: pytest.TempPathFactory) -> Podman:
     assert busybox is not None
     with tarfile.open(rootfs, "w") as tar:
         tar.add(busybox, arcname="bin/busybox")
-        for applet in ("sh", "env"):
+        for applet in ("sh", "env", "cat", "touch", "true"):
             link = tarfile.TarInfo(f"bin/{applet}")
             link.type = tarfile.SYMTYPE
             link.linkname = "busybox"
@@ -192,3 +207,43 @@ def test_podman_4_3_accepts_cdi_0_5_0_but_not_0_6_0(podman: Podman, tmp_path: Pa
     result = podman.run_env(tmp_path, [device_id(uid)])
     assert result.returncode != 0
     assert f"unresolvable CDI devices {device_id(uid)}" in result.stderr
+
+
+def test_podman_mounts_a_claim_s_device_metadata_read_only(podman: Podman, tmp_path: Path) -> None:
+    uid = str(uuid.uuid4())
+    config = NodeConfig.build("node-a", build_topology(FIXTURES["dual-socket-smt2"]))
+    claim = PreparedClaim(
+        uid,
+        CpuSet.parse("2-3"),
+        "team",
+        "pod-1-cpus-x7k2p",
+        None,
+        (DeviceResult("cpus", "node-a", "cpudevnuma000", 2),),
+        pod_claim_name="cpus",
+    )
+    cdi, metadata = tmp_path / "cdi", tmp_path / "plugin" / "dra-device-metadata"
+    write_spec(cdi, uid, claim.cpus)
+    write_claim(metadata, cdi, config, claim)
+    [item] = claim_files(config, claim, str(metadata))
+    inside = container_path(claim, "cpus")
+    assert inside == (
+        "/var/run/kubernetes.io/dra-device-attributes/resourceclaimtemplates/cpus/cpus/"
+        "dra.cpu-metadata.json"
+    )
+    devices = [device_id(uid), metadata_device_id(uid, "cpus")]
+    # The kubelet passes both ids of the request's device; the runtime applies both specs.
+    shown = podman.run_in(cdi, devices, ["cat", inside])
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.encode() == item.document
+    assert json.loads(shown.stdout)["metadata"]["uid"] == uid
+    assert parse_env(_env_lines(podman.run_env(cdi, devices))) == {uid: claim.cpus}
+    # read-only: the workload cannot change what the driver wrote
+    denied = podman.run_in(cdi, devices, ["touch", inside])
+    assert denied.returncode != 0
+    assert "Read-only file system" in denied.stderr + denied.stdout
+    # without the spec, the device is unresolvable: the mount cannot silently go missing
+    (cdi / item.spec_name).unlink()
+    missing = podman.run_in(cdi, devices, ["true"])
+    assert missing.returncode != 0
+    assert "unresolvable CDI devices" in missing.stderr
+    assert metadata_device_id(uid, "cpus") in missing.stderr

@@ -38,9 +38,14 @@ async def _prepared_cpus(sim: NodeSim, claim: SimClaim) -> set[int]:
     """Prepare one claim; check the kubelet's answer and the CDI file; its CPUs."""
     answer = (await sim.prepare(claim))[claim.uid]
     assert answer.error == ""
-    assert [d.cdi_device_ids for d in answer.devices] == [
-        (f"dra.k8s.io/cpu=claim-{claim.uid}",)
-    ] * len(claim.results)
+    # the claim's env on every device; its request's metadata mount on the first (one request)
+    claim_id, metadata_id = (
+        f"dra.k8s.io/cpu=claim-{claim.uid}",
+        f"dra.cpu/metadata={claim.uid}_cpus",
+    )
+    assert [d.cdi_device_ids for d in answer.devices] == [(claim_id, metadata_id)] + [
+        (claim_id,)
+    ] * (len(claim.results) - 1)
     text = sim.cdi_cpus(claim.uid)
     assert text is not None
     return cpus(text)

@@ -117,7 +117,7 @@ async def test_registers_with_dracpu_and_prepares_over_both_versions(tmp_path: P
             assert kubelet.registrations() == {"dra.cpu": reg}
 
             first = await kubelet.aprepare([ref])
-            cdi = (f"dra.k8s.io/cpu=claim-{ref.uid}",)
+            cdi = (f"dra.k8s.io/cpu=claim-{ref.uid}", f"dra.cpu/metadata={ref.uid}_cpu")
             assert first == {
                 ref.uid: PrepareResult(
                     devices=(Device(("cpu",), NODE, "cpudevnuma001", cdi, "s1"),)

@@ -47,7 +47,7 @@ class Files(NodeFiles):
     event loop's thread (it never should)."""
 
     def __init__(self, config: Config) -> None:
-        super().__init__(config.cdi_dir, config.checkpoint_path)
+        super().__init__(config.cdi_dir, config.checkpoint_path, config.device_metadata_dir)
         self.ran: list[Effect] = []
         self.on_loop: list[bool] = []
         self.failing: list[type[Effect]] = []

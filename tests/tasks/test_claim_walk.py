@@ -77,7 +77,7 @@ class WalkFiles(NodeFiles):
     """The owner's real file effects, each noted (in its worker thread) as it begins."""
 
     def __init__(self, config: Config, api: FakeApiServer, uid: str) -> None:
-        super().__init__(config.cdi_dir, config.checkpoint_path)
+        super().__init__(config.cdi_dir, config.checkpoint_path, config.device_metadata_dir)
         self.api = api
         self.uid = uid
         self.owner: StateOwner | None = None
@@ -195,7 +195,7 @@ async def test_one_claim_from_node_prepare_resources_to_the_containers_cpuset() 
 
             # 2. DraService._read: the claim was read with the kubernetes client (a GET of the
             #    claim, before the owner's first effect began; no status PATCH yet).
-            first, second = node.files.began
+            first, metadata, second = node.files.began
             assert ("GET", claim_path) in first.requests
             assert ("PATCH", f"{claim_path}/status") not in first.requests
             get = next(r for r in api.requests if (r.method, r.path) == ("GET", claim_path))
@@ -207,14 +207,23 @@ async def test_one_claim_from_node_prepare_resources_to_the_containers_cpuset() 
             assert len(held) == COUNT
             assert held <= NUMA0_CPUS
 
-            # 4. The commit phase, in order: the CDI spec, then the checkpoint, both before the
-            #    owner adopted the new state.
-            assert (first.effect, second.effect) == ("WriteCdiSpec", "WriteCheckpoint")
+            # 4. The commit phase, in order: the CDI spec, the device metadata (its file and the
+            #    CDI spec that mounts it), then the checkpoint, all before the owner adopted the
+            #    new state.
+            assert (first.effect, metadata.effect, second.effect) == (
+                "WriteCdiSpec",
+                "WriteDeviceMetadata",
+                "WriteCheckpoint",
+            )
             assert not first.committed
+            assert not metadata.committed
             assert not second.committed
             spec_name = f"dra.k8s.io-cpu_claim-{uid}.json"
+            metadata_spec = f"dra.cpu_metadata_{uid}_cpus.json"
             assert spec_name not in first.cdi_files
-            assert spec_name in second.cdi_files
+            assert spec_name in metadata.cdi_files
+            assert metadata_spec not in metadata.cdi_files
+            assert {spec_name, metadata_spec} <= set(second.cdi_files)
             spec = json.loads((node.config.cdi_dir / spec_name).read_text())
             assert spec["kind"] == "dra.k8s.io/cpu"
             [device] = spec["devices"]
@@ -226,11 +235,14 @@ async def test_one_claim_from_node_prepare_resources_to_the_containers_cpuset() 
             checkpoint = newest_checkpoint(node.config)
             assert cpus(checkpoint["claims"][uid]["cpus"]) == held
 
-            # 5. The answer: the claim's device with our CDI device id; then, after the answer,
-            #    the status PATCH with the cpuset.
+            # 5. The answer: the claim's device with our CDI device id and its metadata's; then,
+            #    after the answer, the status PATCH with the cpuset.
             assert answer[uid].error == ""
             [prepared] = answer[uid].devices
-            assert prepared.cdi_device_ids == (f"dra.k8s.io/cpu=claim-{uid}",)
+            assert prepared.cdi_device_ids == (
+                f"dra.k8s.io/cpu=claim-{uid}",
+                f"dra.cpu/metadata={uid}_cpus",
+            )
             assert (prepared.pool_name, prepared.device_name) == (NODE, NUMA0)
             assert prepared.request_names == ("cpus",)
             with anyio.fail_after(WITHIN):

@@ -37,6 +37,7 @@ from dracpu.config import Config
 from dracpu.core.allocator import Strategy
 from dracpu.core.commands import Command, DeviceResult, PrepareClaim
 from dracpu.core.cpuset import EMPTY, CpuSet
+from dracpu.core.device_metadata import METADATA_DIR_NAME, POD_CLAIM_NAME_ANNOTATION
 from dracpu.core.effects import (
     ClaimPrepared,
 )
@@ -283,6 +284,7 @@ async def running_node(
         host_root=host_root("dual-socket-smt2"),
         cdi_dir=cdi_dir,
         state_dir=checkpoint.parent,
+        kubelet_root_dir=tmp_path / "kubelet",
     )
     claims = FakeClaims() if claims is None else claims
     send, receive = _command_stream()
@@ -387,7 +389,12 @@ async def test_prepare_answers_devices_writes_cdi_checkpoint_and_status(
         entry = reply.claims[uid]
         assert entry.error == ""
         assert _devices(entry) == [
-            (["cpu"], NODE, "cpudevnuma001", [f"dra.k8s.io/cpu=claim-{uid}"])
+            (
+                ["cpu"],
+                NODE,
+                "cpudevnuma001",
+                [f"dra.k8s.io/cpu=claim-{uid}", f"dra.cpu/metadata={uid}_cpu"],
+            )
         ]
         if version == "v1":
             assert entry.devices[0].HasField("share_id")
@@ -441,6 +448,65 @@ async def test_unprepare_removes_spec_and_frees_cpus_unknown_claim_succeeds(
         reply = await prepare(node, version, _ref(second))
         assert reply.claims[_ref(second)[1]].error == ""
         assert _env_cpus(node.spec_env(_ref(second)[1]), _ref(second)[1]) == full
+
+
+def _listing(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def _metadata_mount(cdi_dir: Path, uid: str, request: str) -> tuple[Any, Any]:
+    """The mount of a request's metadata CDI spec and the document it mounts (plain JSON)."""
+    spec = json.loads((cdi_dir / f"dra.cpu_metadata_{uid}_{request}.json").read_text())
+    [mount] = spec["devices"][0]["containerEdits"]["mounts"]
+    return mount, json.loads(Path(mount["hostPath"]).read_text())
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+async def test_each_request_gets_its_metadata_mount_on_its_first_device(
+    tmp_path: Path, version: str
+) -> None:
+    """The Go helper's rule (kubeletplugin NodePrepareResources): the metadata CDI id of a
+    request goes on the first device of that request only. The claim was made from a template
+    (its pod-claim-name annotation): the mount goes under resourceclaimtemplates/<pod name>."""
+    claims = FakeClaims()
+    obj = claim_object(
+        "pod-1-cpus-x7k2p",
+        [
+            grouped_result("cpudevnuma000", "1", request="main"),
+            grouped_result("cpudevnuma001", "2", request="side"),
+            grouped_result("cpudevnuma000", "1", request="main"),
+        ],
+    )
+    obj["metadata"]["annotations"] = {POD_CLAIM_NAME_ANNOTATION: "cpus"}
+    claims.add(obj)
+    ns, uid, name = _ref(obj)
+    claim_id = f"dra.k8s.io/cpu=claim-{uid}"
+    async with running_node(tmp_path, claims) as node:
+        reply = await prepare(node, version, (ns, uid, name))
+        assert reply.claims[uid].error == ""
+        assert _devices(reply.claims[uid]) == [
+            (["main"], NODE, "cpudevnuma000", [claim_id, f"dra.cpu/metadata={uid}_main"]),
+            (["side"], NODE, "cpudevnuma001", [claim_id, f"dra.cpu/metadata={uid}_side"]),
+            (["main"], NODE, "cpudevnuma000", [claim_id]),
+        ]
+        metadata_dir = tmp_path / "kubelet" / "plugins" / DRIVER / METADATA_DIR_NAME
+        for request, count in (("main", 2), ("side", 1)):
+            mount, document = _metadata_mount(node.cdi_dir, uid, request)
+            assert mount == {
+                "hostPath": str(metadata_dir / f"{uid}_{request}.json"),
+                "containerPath": "/var/run/kubernetes.io/dra-device-attributes/"
+                f"resourceclaimtemplates/cpus/{request}/dra.cpu-metadata.json",
+                "options": ["ro", "bind"],
+            }
+            assert document["podClaimName"] == "cpus"
+            assert document["metadata"]["name"] == name
+            [entry] = document["requests"]
+            assert (entry["name"], len(entry["devices"])) == (request, count)
+
+        reply = await unprepare(node, version, (ns, uid, name))
+        assert reply.claims[uid].error == ""
+        assert _listing(node.cdi_dir) == []
+        assert _listing(metadata_dir) == []
 
 
 async def test_repeated_prepare_is_idempotent_and_rewrites_a_lost_cdi_spec(tmp_path: Path) -> None:
@@ -993,7 +1059,12 @@ async def test_the_patches_start_only_after_the_answer(tmp_path: Path, version: 
         uid = _ref(fast)[1]
         reply = PEERS[version].NodePrepareResourcesResponse.FromString(call.sent)
         assert _devices(reply.claims[uid]) == [
-            (["cpu"], NODE, "cpudevnuma000", [f"dra.k8s.io/cpu=claim-{uid}"])
+            (
+                ["cpu"],
+                NODE,
+                "cpudevnuma000",
+                [f"dra.k8s.io/cpu=claim-{uid}", f"dra.cpu/metadata={uid}_cpu"],
+            )
         ]
         assert reply.claims[_ref(slow)[1]].error == ""
         # share_id (5) in v1 only: read as v1, the v1beta1 answer has none
@@ -1184,7 +1255,8 @@ async def test_dra_socket_mode_dir_stale_file_and_removal(tmp_path: Path) -> Non
         assert reply.claims[_ref(obj)[1]].error == ""
 
     assert not node.socket.exists()
-    assert list(plugin_dir.iterdir()) == []
+    # the prepared claim's device metadata stays (the claim does), nothing else
+    assert [p.name for p in plugin_dir.iterdir()] == [METADATA_DIR_NAME]
 
 
 @pytest.mark.parametrize(
@@ -1215,7 +1287,7 @@ async def test_dra_socket_replaces_whatever_an_earlier_run_left_at_its_path(
         assert stat.S_IMODE(path.lstat().st_mode) == 0o600
         reply = await prepare(node, "v1", _ref(obj))
         assert reply.claims[_ref(obj)[1]].error == ""
-    assert list(path.parent.iterdir()) == []
+    assert [p.name for p in path.parent.iterdir()] == [METADATA_DIR_NAME]
     assert other.read_text() == "someone else's"
 
 

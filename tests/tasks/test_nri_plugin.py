@@ -190,6 +190,7 @@ async def open_node(
             memory_pinning=pin_memory,
             cdi_dir=tmp / "cdi",
             state_dir=tmp / "state",
+            kubelet_root_dir=tmp / "kubelet",
         )
         files = Files(config)
         owner = StateOwner(config, receive, container_updates=link.submit, files=files)

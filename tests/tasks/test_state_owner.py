@@ -9,6 +9,7 @@ owner meets the disk.
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -41,12 +42,15 @@ from dracpu.core.effects import (
     ClaimUnprepared,
     ContainerUpdate,
     DeleteCdiSpec,
+    DeleteDeviceMetadata,
     Effect,
     PruneCdiSpecs,
+    PruneDeviceMetadata,
     PublishSlices,
     UpdateContainers,
     WriteCdiSpec,
     WriteCheckpoint,
+    WriteDeviceMetadata,
 )
 from dracpu.core.slices import CpuDeviceMode
 from dracpu.errors import CdiError, CheckpointError, ClaimError, DracpuError
@@ -75,6 +79,7 @@ def _config(trees: SysfsTrees, scratch: Path, **changes: object) -> Config:
         "host_root": trees.root("dual-socket-smt2"),
         "cdi_dir": scratch / "cdi",
         "state_dir": scratch / "state",
+        "kubelet_root_dir": scratch / "kubelet",
     }
     values.update(changes)
     return Config(**values)  # type: ignore[arg-type]
@@ -94,6 +99,19 @@ def _saved(config: Config) -> dict[str, CpuSet]:
 
 def _specs(config: Config) -> dict[str, CpuSet | CdiError]:
     return cdi_files.list_our_specs(config.cdi_dir)
+
+
+def _metadata(config: Config) -> dict[str, list[str]]:
+    """The requests of each claim that has both a metadata spec and the file it mounts."""
+    found: dict[str, list[str]] = {}
+    for spec in sorted(config.cdi_dir.glob("dra.cpu_metadata_*.json")):
+        [device] = json.loads(spec.read_text())["devices"]
+        uid, _, request = device["name"].partition("_")
+        [mount] = device["containerEdits"]["mounts"]
+        assert Path(mount["hostPath"]) == config.device_metadata_dir / f"{uid}_{request}.json"
+        assert json.loads(Path(mount["hostPath"]).read_text())["metadata"]["uid"] == uid
+        found.setdefault(uid, []).append(request)
+    return found
 
 
 def _grouped(uid: str, count: int, device: str = "cpudevnuma000") -> PrepareClaim:
@@ -172,10 +190,11 @@ async def test_a_prepare_writes_its_spec_then_the_checkpoint_then_commits_and_an
     async with running(trees, scratch) as node:
         prepared = await node.ask(_grouped(UID_A, 2))
         assert isinstance(prepared, ClaimPrepared)
-        assert node.ran() == [WriteCdiSpec, WriteCheckpoint]
-        assert node.files.on_loop == [False, False]  # in a worker thread, both in one hop
+        assert node.ran() == [WriteCdiSpec, WriteDeviceMetadata, WriteCheckpoint]
+        assert node.files.on_loop == [False] * 3  # in a worker thread, all in one hop
         assert node.owner.state.claims[UID_A].cpus == prepared.cpus
         assert _specs(node.config) == {UID_A: prepared.cpus}
+        assert _metadata(node.config) == {UID_A: ["cpus"]}
         assert _saved(node.config) == {UID_A: prepared.cpus}
         stats = node.owner.statistics()
         assert (stats.commands_applied, stats.commands_failed, stats.effects_failed) == (1, 0, 0)
@@ -184,8 +203,9 @@ async def test_a_prepare_writes_its_spec_then_the_checkpoint_then_commits_and_an
         node.files.ran.clear()
         unprepared = await node.ask(UnprepareClaim(UID_A))
         assert unprepared == ClaimUnprepared(UID_A, prepared.cpus)
-        assert node.ran() == [DeleteCdiSpec, WriteCheckpoint]
+        assert node.ran() == [DeleteCdiSpec, DeleteDeviceMetadata, WriteCheckpoint]
         assert _specs(node.config) == {}
+        assert _metadata(node.config) == {}
         assert _saved(node.config) == {}
 
 
@@ -212,10 +232,18 @@ async def test_a_failed_checkpoint_write_keeps_the_old_state_and_puts_the_files_
         with pytest.raises(CheckpointError, match="No space left on device"):
             await node.ask(_grouped(UID_B, 3))
         assert list(node.owner.state.claims) == [UID_A]
-        # The spec was written, the checkpoint failed; the rollback puts back the old files:
-        # the checkpoint first, then B's spec goes (newest first).
-        assert node.ran() == [WriteCdiSpec, WriteCheckpoint, WriteCheckpoint, DeleteCdiSpec]
+        # The spec and metadata were written, the checkpoint failed; the rollback puts back
+        # the old files: the checkpoint first, then B's metadata and spec go (newest first).
+        assert node.ran() == [
+            WriteCdiSpec,
+            WriteDeviceMetadata,
+            WriteCheckpoint,
+            WriteCheckpoint,
+            DeleteDeviceMetadata,
+            DeleteCdiSpec,
+        ]
         assert _specs(node.config) == {UID_A: first.cpus}
+        assert _metadata(node.config) == {UID_A: ["cpus"]}
         assert _saved(node.config) == {UID_A: first.cpus}
         stats = node.owner.statistics()
         assert (stats.commands_applied, stats.commands_failed, stats.effects_failed) == (1, 1, 1)
@@ -320,14 +348,21 @@ async def test_a_command_past_its_deadline_runs_no_further_effect_and_is_rolled_
 
                 node.tg.start_soon(release)
                 message = (
-                    r"^the commit phase \(cut off after PruneCdiSpecs\) did not finish within "
-                    r"0.2 s$"
+                    r"^the commit phase \(cut off after PruneDeviceMetadata\) did not finish "
+                    r"within 0.2 s$"
                 )
                 with pytest.raises(DracpuError, match=message):
                     await node.ask(Resync())  # the specs and the prune, then the publish
             # The hop that had begun ran to its end; the publish after it never began; the
-            # rollback rewrote the spec of the old state.
-            assert node.ran() == [WriteCdiSpec, PruneCdiSpecs, WriteCdiSpec]
+            # rollback rewrote the files of the old state, newest first.
+            assert node.ran() == [
+                WriteCdiSpec,
+                PruneCdiSpecs,
+                WriteDeviceMetadata,
+                PruneDeviceMetadata,
+                WriteDeviceMetadata,
+                WriteCdiSpec,
+            ]
             with pytest.raises(anyio.WouldBlock):
                 receive.receive_nowait()
             assert list(node.owner.state.claims) == [UID_A]
@@ -534,7 +569,16 @@ async def test_a_commit_phase_takes_one_hop_and_other_effects_split_it(
             await node.ask(Resync())
             assert receive.receive_nowait() == "resync"
     # Resync: the specs and the prune in one hop, the publish after it (on the event loop).
-    assert hops == [[WriteCdiSpec, WriteCdiSpec, PruneCdiSpecs]]
+    assert hops == [
+        [
+            WriteCdiSpec,
+            WriteCdiSpec,
+            PruneCdiSpecs,
+            WriteDeviceMetadata,
+            WriteDeviceMetadata,
+            PruneDeviceMetadata,
+        ]
+    ]
 
 
 async def test_desired_specs_follow_the_command_in_flight(trees: SysfsTrees, scratch: Path) -> None:
@@ -684,7 +728,12 @@ async def test_an_unreadable_checkpoint_fails_the_restore(trees: SysfsTrees, scr
 
 
 async def test_a_missing_topology_fails_the_start(scratch: Path) -> None:
-    config = Config(node_name="n", host_root=scratch / "empty", cdi_dir=scratch / "cdi")
+    config = Config(
+        node_name="n",
+        host_root=scratch / "empty",
+        cdi_dir=scratch / "cdi",
+        kubelet_root_dir=scratch / "kubelet",
+    )
     with pytest.raises(DracpuError):
         await _owner(config).run()
 
@@ -750,7 +799,7 @@ async def test_a_failed_adoption_fails_the_start_and_keeps_the_specs(
 
 
 async def test_prune_removes_only_our_specs_that_are_not_kept(scratch: Path) -> None:
-    files = NodeFiles(scratch, scratch / "state" / "checkpoint.json")
+    files = NodeFiles(scratch, scratch / "state" / "checkpoint.json", scratch / "metadata")
     for uid in (UID_A, UID_B):
         cdi_files.write_spec(scratch, uid, CpuSet.parse("1"))
     (scratch / FOREIGN).write_text("{}")

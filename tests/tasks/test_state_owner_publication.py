@@ -23,6 +23,7 @@ def config(trees: SysfsTrees, scratch: Path, *, expose: bool) -> Config:
         host_root=trees.root("dual-socket-smt2"),
         cdi_dir=scratch / "cdi",
         state_dir=scratch / "state",
+        kubelet_root_dir=scratch / "kubelet",
         expose_pcie_roots=expose,
     )
 

@@ -68,7 +68,9 @@ __all__ = [
     "scan_dir",
     "spec_path",
     "temp_file_name",
+    "temp_target",
     "touch_probe",
+    "write_atomically",
     "write_spec",
 ]
 
@@ -109,10 +111,16 @@ def temp_file_name(claim_uid: str) -> str:
     return "." + spec_file_name(claim_uid) + _TEMP_MARK + secrets.token_hex(8)
 
 
-def is_our_temp_file(name: str) -> bool:
-    """True for a temp file name :func:`temp_file_name` makes."""
+def temp_target(name: str) -> str | None:
+    """The final name of a temp file name :func:`write_atomically` makes, else ``None``."""
     match = _TEMP_RE.fullmatch(name)
-    return match is not None and claim_uid_from_file_name(match.group("final")) is not None
+    return match.group("final") if match else None
+
+
+def is_our_temp_file(name: str) -> bool:
+    """True for a temp file name of one of our claims' specs (:func:`temp_file_name`)."""
+    final = temp_target(name)
+    return final is not None and claim_uid_from_file_name(final) is not None
 
 
 def probe_file_name() -> str:
@@ -177,19 +185,36 @@ def write_spec(cdi_dir: str | os.PathLike[str], claim_uid: str, cpus: CpuSet) ->
     ``dra.k8s.io-cpu_claim-<uid>.json``; no fsync (see the module docstring). The dir is
     created if missing. On any failure the temp file is removed and an existing spec is left as
     it was.
-
-    On the Prepare path: plain string paths (pathlib's parsing was a large part of this
-    function's Python time, ``cdi.write_spec`` in ``bench/bench_cdi.py``) and the dir is created
-    only when the temp file cannot be (it exists, almost always).
     """
     data = spec_bytes(claim_uid, cpus)  # validates uid and cpuset before touching the disk
     directory = os.fspath(cdi_dir)
-    final = os.path.join(directory, spec_file_name(claim_uid))
-    temp = os.path.join(directory, temp_file_name(claim_uid))
+    return Path(
+        write_atomically(directory, spec_file_name(claim_uid), data, "CDI spec", ensure_dir)
+    )
+
+
+def write_atomically(
+    directory: str,
+    name: str,
+    data: bytes,
+    what: str,
+    make_dir: Callable[[str], None],
+) -> str:
+    """Write ``data`` to ``<directory>/<name>`` the way runtimes must see a CDI spec appear:
+    a temp file ``.<name>.tmp-<random>`` in the same dir (mode 0644) → write → rename over the
+    final name; no fsync. ``make_dir(directory)`` creates the dir when the temp file cannot be
+    (it exists, almost always). On any failure the temp file is removed, an existing file is
+    left as it was, and :class:`CdiError` says ``cannot write <what> '<path>': <reason>``.
+
+    On the Prepare path: plain string paths (pathlib's parsing was a large part of a spec
+    write's Python time, ``cdi.write_spec`` in ``bench/bench_cdi.py``).
+    """
+    final = os.path.join(directory, name)
+    temp = os.path.join(directory, "." + name + _TEMP_MARK + secrets.token_hex(8))
     try:
-        fd = _create(temp, directory)
+        fd = _create(temp, directory, make_dir)
     except OSError as exc:  # the temp file's random name would only make the message vary
-        raise CdiError(f"cannot write CDI spec {final!r}: {exc.strerror or exc}") from exc
+        raise CdiError(f"cannot write {what} {final!r}: {exc.strerror or exc}") from exc
     renamed = False
     try:
         try:
@@ -200,20 +225,20 @@ def write_spec(cdi_dir: str | os.PathLike[str], claim_uid: str, cpus: CpuSet) ->
         os.rename(temp, final)
         renamed = True
     except OSError as exc:
-        raise CdiError(f"cannot write CDI spec {final!r}: {exc.strerror or exc}") from exc
+        raise CdiError(f"cannot write {what} {final!r}: {exc.strerror or exc}") from exc
     finally:
         if not renamed:
             with contextlib.suppress(OSError):
                 os.unlink(temp)
-    return Path(final)
+    return final
 
 
-def _create(temp: str, directory: str) -> int:
+def _create(temp: str, directory: str, make_dir: Callable[[str], None]) -> int:
     """Create the temp file; create the dir if that is what is missing (or say it is not one)."""
     try:
         return os.open(temp, _CREATE_FLAGS, SPEC_MODE)
     except (FileNotFoundError, NotADirectoryError):
-        ensure_dir(directory)  # CdiError if it cannot be made or is not a directory
+        make_dir(directory)  # CdiError if it cannot be made or is not a directory
         return os.open(temp, _CREATE_FLAGS, SPEC_MODE)
 
 

@@ -1,13 +1,16 @@
-"""The node state's files: CDI specs and the checkpoint, the way the state owner uses them.
+"""The node state's files: CDI specs, device metadata and the checkpoint, the way the state
+owner uses them.
 
 The state owner (:mod:`dracpu.tasks.state_owner`) runs the file effects of
 :mod:`dracpu.core.effects` (``WriteCdiSpec``, ``DeleteCdiSpec``, ``PruneCdiSpecs``,
+``WriteDeviceMetadata``, ``DeleteDeviceMetadata``, ``PruneDeviceMetadata``,
 ``WriteCheckpoint``) through :meth:`NodeFiles.run_batch`, and reads the files back at start
 (:meth:`NodeFiles.restore_checkpoint`, :meth:`NodeFiles.our_specs`). Every call blocks (a
 written checkpoint is ``fdatasync``-ed, a deleted spec's directory ``fsync``-ed): the owner makes
 them in a worker thread, never on the event loop. The formats and the crash-safety rules are
-:mod:`dracpu.adapters.cdi_files` and :mod:`dracpu.adapters.checkpoint_file`; failures are their
-:class:`~dracpu.errors.CdiError` and :class:`~dracpu.errors.CheckpointError`.
+:mod:`dracpu.adapters.cdi_files`, :mod:`dracpu.adapters.metadata_files` and
+:mod:`dracpu.adapters.checkpoint_file`; failures are their :class:`~dracpu.errors.CdiError` and
+:class:`~dracpu.errors.CheckpointError`.
 """
 
 from __future__ import annotations
@@ -16,15 +19,18 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from dracpu.adapters import cdi_files, checkpoint_file
+from dracpu.adapters import cdi_files, checkpoint_file, metadata_files
 from dracpu.core.checkpoint_schema import CheckpointData
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.effects import (
     DeleteCdiSpec,
+    DeleteDeviceMetadata,
     Effect,
     PruneCdiSpecs,
+    PruneDeviceMetadata,
     WriteCdiSpec,
     WriteCheckpoint,
+    WriteDeviceMetadata,
 )
 from dracpu.errors import CdiError, DracpuError
 
@@ -33,14 +39,24 @@ __all__ = ["FILE_EFFECTS", "NodeFiles"]
 logger = logging.getLogger(__name__)
 
 # The effects that do file I/O (and fsync): run in a worker thread, never on the event loop.
-FILE_EFFECTS = (WriteCdiSpec, DeleteCdiSpec, PruneCdiSpecs, WriteCheckpoint)
+FILE_EFFECTS = (
+    WriteCdiSpec,
+    DeleteCdiSpec,
+    PruneCdiSpecs,
+    WriteDeviceMetadata,
+    DeleteDeviceMetadata,
+    PruneDeviceMetadata,
+    WriteCheckpoint,
+)
 
 
 class NodeFiles:
-    """The CDI specs of our claims in ``cdi_dir`` and the checkpoint at ``checkpoint_path``."""
+    """The CDI specs of our claims in ``cdi_dir``, their device metadata in ``metadata_dir``
+    (and its CDI specs in ``cdi_dir``) and the checkpoint at ``checkpoint_path``."""
 
-    def __init__(self, cdi_dir: Path, checkpoint_path: Path) -> None:
+    def __init__(self, cdi_dir: Path, checkpoint_path: Path, metadata_dir: Path) -> None:
         self.cdi_dir = cdi_dir
+        self.metadata_dir = metadata_dir
         self._checkpoint = checkpoint_file.CheckpointStore(checkpoint_path)
 
     @property
@@ -66,6 +82,14 @@ class NodeFiles:
                 removed = self._prune(keep)
                 if removed:
                     logger.info("removed CDI specs no prepared claim owns: %s", removed)
+            case WriteDeviceMetadata(claim=claim, config=config):
+                metadata_files.write_claim(self.metadata_dir, self.cdi_dir, config, claim)
+            case DeleteDeviceMetadata(claim_uid=uid, requests=requests):
+                metadata_files.delete_claim(self.metadata_dir, self.cdi_dir, uid, requests)
+            case PruneDeviceMetadata(keep=keep):
+                gone = metadata_files.prune(self.metadata_dir, self.cdi_dir, keep)
+                if gone:
+                    logger.info("removed device metadata no prepared claim owns: %s", gone)
             case WriteCheckpoint(checkpoint=data):
                 self._checkpoint.write(data)
             case _:

@@ -1,37 +1,38 @@
 """The checkpoint: what survives a restart of dracpu (and a reboot of the node), as versioned JSON.
 
 Only the prepared claims are persisted: containers are learnt again from NRI ``Synchronize``.
-Layout (version 2)::
+Layout (version 3)::
 
     {"checksum": "sha256:<hex>",
      "claims": {"<claimUID>": {"cpus": "4-5", "mems": "0" | null,
                                "namespace": "ns", "name": "claim",
-                               "podUids": ["<podUID>", ...],            (optional)
+                               "podClaimName": "cpus" | null,
+                               "podUids": ["<podUID>", ...],
                                "results": [{"request": "req", "pool": "node", "device": "dev",
                                             "consumedCpus": 2 | null, "cpuset": "4-5" | null}]}},
      "sequence": 7,
-     "version": 2}
+     "version": 3}
 
 ``checksum`` is the SHA-256 of the canonical JSON (sorted keys, no whitespace, ASCII) of the
 document without the ``checksum`` key, so a flipped byte or a truncated file is detected even
 when it still parses. ``sequence`` (an integer >= 1, covered by the checksum) numbers the writes:
 the checkpoint is kept in two slot files written in turn (:mod:`dracpu.adapters.checkpoint_file`),
-and the valid slot with the highest sequence is the newest. Version 1 (written by earlier dracpu
-builds: the same without ``sequence``) still decodes, as sequence 0. Whitespace around the
+and the valid slot with the highest sequence is the newest. Versions 1 (written by earlier dracpu
+builds: without ``sequence``, ``podClaimName`` and ``podUids``; it decodes as sequence 0) and 2
+(without ``podClaimName`` and ``podUids``) still decode, their claims without a pod claim name
+and without known pods. Whitespace around the
 document (the spaces that pad a slot overwritten by a shorter document) is allowed.
 
 ``mems`` are NUMA node ids (``null``: no memory pinning). ``results`` are the claim's allocation
-results, needed to tell an idempotent re-prepare from a conflicting one; an adopted claim (found
-as a CDI spec only) has none.
+results, needed to tell an idempotent re-prepare from a conflicting one and to write its device
+metadata again; an adopted claim (found as a CDI spec only) has none. ``podClaimName``: the
+claim's ``resource.kubernetes.io/pod-claim-name`` annotation (a claim made from a template), which
+decides where its device metadata appears in the container (:mod:`dracpu.core.device_metadata`).
 
 ``podUids`` (sorted, distinct) are the UIDs of the pods the claim is reserved for (its
 ``status.reservedFor`` entries of resource ``pods``, read at Prepare and on a fresh look by the
-NRI task): only their containers may use the claim's CPUs. The key is optional within version 2
-and written only when the list is not empty, so a claim without known pods (adopted from its
-CDI spec, prepared by an earlier build, or reserved for no pod) is written as before, and a
-document of an earlier build decodes with no pods. A build from before the key refuses a claim
-that has it (its keys are fixed); after such a downgrade the claims are adopted from their CDI
-specs, as after a downgrade to version 1.
+NRI task): only their containers may use the claim's CPUs; empty when not known (a claim
+adopted from its CDI spec, or decoded from version 1 or 2, which lack the key).
 
 :func:`decode` refuses anything else with a :class:`CheckpointError` naming the problem: not
 UTF-8, not JSON, wrong shape, unknown version, bad checksum, bad field types, malformed or
@@ -61,14 +62,16 @@ __all__ = [
     "encode",
 ]
 
-CHECKPOINT_VERSION = 2  # bump on any incompatible change of the layout above (2: + "sequence")
+# Bump on any incompatible change of the layout above (2: + "sequence"; 3: + "podClaimName").
+CHECKPOINT_VERSION = 3
 _LEGACY_VERSION = 1  # the layout of earlier builds: no "sequence"; decodes as sequence 0
+_KNOWN_VERSIONS = (_LEGACY_VERSION, 2, CHECKPOINT_VERSION)
 _CHECKSUM_PREFIX = "sha256:"
 _SHA256_HEX_LEN = 64  # hashlib.sha256().hexdigest() length
 _TOP_KEYS = frozenset({"version", "checksum", "claims", "sequence"})
 _LEGACY_TOP_KEYS = frozenset({"version", "checksum", "claims"})
-_CLAIM_KEYS = frozenset({"cpus", "mems", "namespace", "name", "results"})
-_POD_UIDS = "podUids"  # optional claim key: written only when the claim has pods
+_CLAIM_KEYS = frozenset({"cpus", "mems", "namespace", "name", "podClaimName", "podUids", "results"})
+_LEGACY_CLAIM_KEYS = _CLAIM_KEYS - {"podClaimName", "podUids"}  # versions 1 and 2
 _RESULT_KEYS = frozenset({"request", "pool", "device", "consumedCpus", "cpuset"})
 _FRAGMENT_SLACK = 64  # memoized claim fragments beyond 2x the live claims before a sweep
 
@@ -84,6 +87,8 @@ class PreparedClaim:
     ``pods``), whose containers alone may use it; empty when not known (adopted, prepared by an
     earlier build, or reserved for no pod): then the first container to show the claim's env
     keeps it (:mod:`dracpu.core.state_containers`).
+    ``pod_claim_name``: the claim's ``resource.kubernetes.io/pod-claim-name`` annotation (a
+    claim made from a template), ``None`` without one.
     """
 
     claim_uid: str
@@ -93,6 +98,7 @@ class PreparedClaim:
     mems: CpuSet | None = None
     results: tuple[DeviceResult, ...] = ()
     pod_uids: frozenset[str] = frozenset()
+    pod_claim_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,16 +139,15 @@ def _result_doc(result: DeviceResult) -> dict[str, Any]:
 
 
 def _claim_doc(claim: PreparedClaim) -> dict[str, Any]:
-    doc: dict[str, Any] = {
+    return {
         "cpus": str(claim.cpus),
         "mems": None if claim.mems is None else str(claim.mems),
         "namespace": claim.namespace,
         "name": claim.name,
+        "podClaimName": claim.pod_claim_name,
+        "podUids": sorted(claim.pod_uids),
         "results": [_result_doc(r) for r in claim.results],
     }
-    if claim.pod_uids:
-        doc[_POD_UIDS] = sorted(claim.pod_uids)
-    return doc
 
 
 def _fragment(claim: PreparedClaim) -> bytes:
@@ -167,7 +172,7 @@ def encode(data: CheckpointData, sequence: int) -> bytes:
     ``json.dumps(doc, sort_keys=True, separators=(",", ":"))`` gives) plus a final newline.
 
     Built from memoized per-claim fragments: with sorted keys the document is
-    ``{"checksum":…,"claims":{…},"sequence":…,"version":2}`` and the checksummed payload is the
+    ``{"checksum":…,"claims":{…},"sequence":…,"version":3}`` and the checksummed payload is the
     same text without the ``"checksum"`` member, so it is hashed and spliced rather than dumped
     twice.
     """
@@ -204,8 +209,8 @@ def _canonical_str(text: str) -> bytes:
 
 
 def decode(raw: bytes) -> StoredCheckpoint:
-    """Parse and verify a checkpoint document (version 1 or 2); :class:`CheckpointError` says
-    what is wrong."""
+    """Parse and verify a checkpoint document (version 1, 2 or 3); :class:`CheckpointError`
+    says what is wrong."""
     try:
         doc = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
@@ -219,19 +224,19 @@ def decode(raw: bytes) -> StoredCheckpoint:
     version = doc.get("version")
     if type(version) is not int:
         raise CheckpointError(f"checkpoint has no integer 'version' (got {version!r})")
-    if version not in (_LEGACY_VERSION, CHECKPOINT_VERSION):
+    if version not in _KNOWN_VERSIONS:
         raise CheckpointError(
             f"checkpoint version {version} is unknown: this dracpu reads versions "
-            f"{_LEGACY_VERSION} and {CHECKPOINT_VERSION}"
+            + ", ".join(map(str, _KNOWN_VERSIONS))
         )
-    top_keys = _TOP_KEYS if version == CHECKPOINT_VERSION else _LEGACY_TOP_KEYS
+    top_keys = _LEGACY_TOP_KEYS if version == _LEGACY_VERSION else _TOP_KEYS
     keys = set(doc)
     if keys != top_keys:
         raise CheckpointError(
             f"checkpoint version {version} keys must be {sorted(top_keys)}, got {sorted(keys)}"
         )
     sequence = doc.get("sequence", 0)
-    if version == CHECKPOINT_VERSION and (type(sequence) is not int or sequence < 1):
+    if version != _LEGACY_VERSION and (type(sequence) is not int or sequence < 1):
         raise CheckpointError(f"checkpoint sequence must be an integer >= 1, not {sequence!r}")
     checksum = doc.pop("checksum")
     if (
@@ -253,8 +258,9 @@ def decode(raw: bytes) -> StoredCheckpoint:
         raise CheckpointError("checkpoint 'claims' must be an object")
     claims: dict[str, PreparedClaim] = {}
     held = 0
+    claim_keys = _CLAIM_KEYS if version == CHECKPOINT_VERSION else _LEGACY_CLAIM_KEYS
     for uid, claim_doc in claims_doc.items():
-        claim = _decode_claim(uid, claim_doc)
+        claim = _decode_claim(uid, claim_doc, claim_keys)
         if held & claim.cpus.mask:
             raise CheckpointError(
                 f"checkpoint claim {uid} holds cpus {claim.cpus & CpuSet.from_mask(held)} "
@@ -282,15 +288,12 @@ def _string(value: object, what: str) -> str:
     return value
 
 
-def _decode_claim(uid: str, doc: object) -> PreparedClaim:
+def _decode_claim(uid: str, doc: object, keys: frozenset[str]) -> PreparedClaim:
     if not uid:
         raise CheckpointError("checkpoint has a claim with an empty UID")
-    if not isinstance(doc, dict) or set(doc) - {_POD_UIDS} != _CLAIM_KEYS:
+    if not isinstance(doc, dict) or set(doc) != keys:
         got = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
-        raise CheckpointError(
-            f"checkpoint claim {uid} must have keys {sorted(_CLAIM_KEYS)} "
-            f"(and optionally {_POD_UIDS!r}): {got}"
-        )
+        raise CheckpointError(f"checkpoint claim {uid} must have keys {sorted(keys)}: {got}")
     cpus = _cpuset(doc["cpus"], f"claim {uid} cpus")
     assert cpus is not None  # not optional
     if not cpus:
@@ -300,6 +303,9 @@ def _decode_claim(uid: str, doc: object) -> PreparedClaim:
     if not isinstance(results_doc, list):
         raise CheckpointError(f"checkpoint claim {uid} results must be a list")
     results = tuple(_decode_result(uid, i, r) for i, r in enumerate(results_doc))
+    pod_claim_name = doc.get("podClaimName")
+    if pod_claim_name is not None:
+        pod_claim_name = _string(pod_claim_name, f"claim {uid} podClaimName")
     return PreparedClaim(
         claim_uid=uid,
         cpus=cpus,
@@ -307,18 +313,19 @@ def _decode_claim(uid: str, doc: object) -> PreparedClaim:
         name=_string(doc["name"], f"claim {uid} name"),
         mems=mems,
         results=tuple(sorted(results, key=DeviceResult.sort_key)),
-        pod_uids=_pod_uids(uid, doc.get(_POD_UIDS, [])),
+        pod_uids=_pod_uids(uid, doc.get("podUids", [])),
+        pod_claim_name=pod_claim_name,
     )
 
 
 def _pod_uids(uid: str, doc: object) -> frozenset[str]:
     if not isinstance(doc, list) or not all(isinstance(p, str) and p for p in doc):
         raise CheckpointError(
-            f"checkpoint claim {uid} {_POD_UIDS} must be a list of non-empty strings, not {doc!r}"
+            f"checkpoint claim {uid} podUids must be a list of non-empty strings, not {doc!r}"
         )
     pods = frozenset(doc)
     if len(pods) != len(doc):
-        raise CheckpointError(f"checkpoint claim {uid} {_POD_UIDS} lists a pod twice: {doc!r}")
+        raise CheckpointError(f"checkpoint claim {uid} podUids lists a pod twice: {doc!r}")
     return pods
 
 

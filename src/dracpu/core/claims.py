@@ -56,6 +56,7 @@ from typing import Any
 from dracpu import DRIVER_NAME
 from dracpu.core.commands import DeviceResult
 from dracpu.core.cpuset import MAX_CPU_ID, CpuSet
+from dracpu.core.device_metadata import POD_CLAIM_NAME_ANNOTATION
 from dracpu.core.quantity import parse_positive_whole
 from dracpu.errors import ClaimError, QuantityError
 
@@ -127,7 +128,10 @@ class OpaqueConfig:
 
 @dataclass(frozen=True, slots=True)
 class ClaimAllocation:
-    """What Prepare needs from one ResourceClaim."""
+    """What Prepare needs from one ResourceClaim.
+
+    ``pod_claim_name``: its ``resource.kubernetes.io/pod-claim-name`` annotation (a claim the
+    resourceclaim controller made from a template), ``None`` without one."""
 
     uid: str
     namespace: str
@@ -137,6 +141,7 @@ class ClaimAllocation:
     configs: tuple[OpaqueConfig, ...]
     pod_uids: frozenset[str] = frozenset()
     """The pods the claim is reserved for (:func:`reserved_pods`)."""
+    pod_claim_name: str | None = None
 
     def device_results(self) -> tuple[DeviceResult, ...]:
         """The results as :class:`~dracpu.core.commands.PrepareClaim` takes them."""
@@ -212,6 +217,7 @@ def read_claim(
         devices=devices,
         configs=configs,
         pod_uids=reserved_pods(claim),
+        pod_claim_name=_pod_claim_name(label, metadata.get("annotations")),
     )
 
 
@@ -237,6 +243,18 @@ def reserved_pods(claim: Mapping[str, Any]) -> frozenset[str]:
             continue
         pods.add(_required_text(where, entry, "uid"))
     return frozenset(pods)
+
+
+def _pod_claim_name(label: str, annotations: object) -> str | None:
+    """The claim's ``resource.kubernetes.io/pod-claim-name`` annotation, if it has one."""
+    if not isinstance(annotations, Mapping):
+        return None
+    value = annotations.get(POD_CLAIM_NAME_ANNOTATION)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ClaimError(f"{label}: annotation {POD_CLAIM_NAME_ANNOTATION} is not a string")
+    return value
 
 
 _RESULT_KEYS = ("request", "pool", "device")

@@ -111,6 +111,8 @@ class PrepareClaim:
     the result (:class:`DeviceResult`). ``pod_uids``: the pods its ``status.reservedFor`` names
     (only their containers may use its CPUs); a Prepare of a prepared claim with other pods (a
     shared claim gains consumers) updates the record (known pods are never emptied).
+    ``pod_claim_name``: the claim's ``resource.kubernetes.io/pod-claim-name`` annotation (where
+    its device metadata appears in the container), ``None`` without one.
     """
 
     claim_uid: str
@@ -119,6 +121,7 @@ class PrepareClaim:
     results: tuple[DeviceResult, ...]
     pin_memory: bool | None = None
     pod_uids: frozenset[str] = frozenset()
+    pod_claim_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

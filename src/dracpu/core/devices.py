@@ -86,6 +86,7 @@ __all__ = [
     "CpuDeviceMode",
     "Device",
     "GroupBy",
+    "cpu_attributes",
     "devices_by_name",
     "individual_numbering",
     "published_devices",
@@ -283,13 +284,30 @@ def _add_pcie_roots(
         )
 
 
+def cpu_attributes(topology: Topology, cpu: int) -> dict[str, AttributeValue]:
+    """The topology attributes of one CPU, in upstream's order: what its individual-mode
+    device publishes before ``pcieRoot`` and ours (also the per-CPU entries of a grouped
+    claim's device metadata, :mod:`dracpu.core.device_metadata`)."""
+    info = topology.info(cpu)
+    return {
+        ATTR_NUMA_NODE: info.numa_node,
+        ATTR_SOCKET_ID: info.socket_id,
+        ATTR_SMT_ENABLED: topology.smt_enabled,
+        ATTR_CACHE_L3_ID: NO_L3_CACHE if info.l3_id is None else info.l3_id,
+        ATTR_CORE_TYPE: info.core_type.value,
+        ATTR_CORE_ID: info.core_id,
+        ATTR_CPU_ID: cpu,
+        ATTR_LEGACY_NUMA_NODE_ID: info.numa_node,
+        ATTR_DRANET_NUMA_NODE: info.numa_node,
+    }
+
+
 def _individual_devices(
     topology: Topology,
     allocatable: CpuSet,
     roots: _PcieRoots,
     numbering: Mapping[int, int] | None,
 ) -> list[Device]:
-    smt = topology.smt_enabled
     isolated = topology.isolated
     order = _individual_order(topology, allocatable)
     if numbering is None:
@@ -301,19 +319,8 @@ def _individual_devices(
         numbered = sorted((numbering[cpu], cpu) for cpu in order)
     devices: list[Device] = []
     for index, cpu in numbered:
-        info = topology.info(cpu)
         name = f"{_PREFIX_CPU}{index:03d}"
-        attributes: dict[str, AttributeValue] = {
-            ATTR_NUMA_NODE: info.numa_node,
-            ATTR_SOCKET_ID: info.socket_id,
-            ATTR_SMT_ENABLED: smt,
-            ATTR_CACHE_L3_ID: NO_L3_CACHE if info.l3_id is None else info.l3_id,
-            ATTR_CORE_TYPE: info.core_type.value,
-            ATTR_CORE_ID: info.core_id,
-            ATTR_CPU_ID: cpu,
-            ATTR_LEGACY_NUMA_NODE_ID: info.numa_node,
-            ATTR_DRANET_NUMA_NODE: info.numa_node,
-        }
+        attributes = cpu_attributes(topology, cpu)
         _add_pcie_roots(name, attributes, roots.of_cpu(cpu))
         attributes[ATTR_ISOLATED] = cpu in isolated
         devices.append(

@@ -4,8 +4,9 @@
 order. :class:`Reply` is special: its value goes back to the requester's one-shot reply stream.
 
 Every effect list holds exactly one :class:`Reply`. The effects before it are the **commit
-phase**, already in crash-safe order (Prepare: ``WriteCdiSpec`` → ``WriteCheckpoint`` → ``Reply``;
-Unprepare: ``DeleteCdiSpec`` → ``WriteCheckpoint`` → ``Reply``); the effects after it are
+phase**, already in crash-safe order (Prepare: ``WriteCdiSpec`` → ``WriteDeviceMetadata`` →
+``WriteCheckpoint`` → ``Reply``; Unprepare: ``DeleteCdiSpec`` → ``DeleteDeviceMetadata`` →
+``WriteCheckpoint`` → ``Reply``); the effects after it are
 **post-commit** (e.g. ``UpdateContainers`` widening the shared pool after an Unprepare), whose
 failure is logged and never undoes the command. How the owner runs them, and rolls back, is
 described in :mod:`dracpu.core.state` (``commit_phase``, ``rollback``).
@@ -17,9 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dracpu.core.checkpoint_schema import CheckpointData
+from dracpu.core.checkpoint_schema import CheckpointData, PreparedClaim
 from dracpu.core.commands import DeviceResult
 from dracpu.core.cpuset import EMPTY, CpuSet
+from dracpu.core.node_config import NodeConfig
 from dracpu.core.slices import Device
 
 __all__ = [
@@ -31,10 +33,12 @@ __all__ = [
     "ContainerRejected",
     "ContainerUpdate",
     "DeleteCdiSpec",
+    "DeleteDeviceMetadata",
     "Effect",
     "NodeChanged",
     "PodsReconciled",
     "PruneCdiSpecs",
+    "PruneDeviceMetadata",
     "PublishSlices",
     "Reply",
     "Resynced",
@@ -43,6 +47,7 @@ __all__ = [
     "UpdateContainers",
     "WriteCdiSpec",
     "WriteCheckpoint",
+    "WriteDeviceMetadata",
 ]
 
 
@@ -74,6 +79,35 @@ class DeleteCdiSpec:
 @dataclass(frozen=True, slots=True)
 class PruneCdiSpecs:
     """Remove every CDI spec of ours whose claim UID is not in ``keep`` (orphans)."""
+
+    keep: frozenset[str]
+
+
+@dataclass(frozen=True, slots=True)
+class WriteDeviceMetadata:
+    """(Re)write the KEP-5304 device metadata of a prepared claim that has results: per
+    request, its metadata file, then the CDI spec that mounts it
+    (:func:`dracpu.core.device_metadata.claim_files` of ``claim`` under ``config``, built in
+    the worker thread that writes them)."""
+
+    claim: PreparedClaim
+    config: NodeConfig
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteDeviceMetadata:
+    """Remove a claim's metadata CDI specs, then its metadata files; nothing there is success.
+    ``requests``: the requests it has metadata for (a prepared claim's), ``None`` when they are
+    not known (a claim not prepared here, or adopted): then its files are looked for."""
+
+    claim_uid: str
+    requests: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PruneDeviceMetadata:
+    """Remove the device metadata (CDI specs, files, leftovers of interrupted writes) of every
+    claim whose UID is not in ``keep``."""
 
     keep: frozenset[str]
 
@@ -120,6 +154,9 @@ Effect = (
     | WriteCdiSpec
     | DeleteCdiSpec
     | PruneCdiSpecs
+    | WriteDeviceMetadata
+    | DeleteDeviceMetadata
+    | PruneDeviceMetadata
     | WriteCheckpoint
     | UpdateContainers
     | PublishSlices
@@ -300,10 +337,10 @@ def _names(names: tuple[str, ...]) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Resynced:
-    """Answer to Resync: how many CDI specs were rewritten; what a SIGHUP changed (``None``:
-    nothing was read again); the shared containers moved to the new pool at once
-    (``repinned``, unsolicited updates) or waiting for their next event (``waiting``: the
-    runtime does not take unsolicited updates)."""
+    """Answer to Resync: how many claims' CDI specs (and device metadata) were rewritten; what a
+    SIGHUP changed (``None``: nothing was read again); the shared containers moved to the new
+    pool at once (``repinned``, unsolicited updates) or waiting for their next event
+    (``waiting``: the runtime does not take unsolicited updates)."""
 
     claims: int
     changed: NodeChanged | None = None

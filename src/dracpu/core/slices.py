@@ -45,6 +45,7 @@ from dracpu.core.devices import (
     CpuDeviceMode,
     Device,
     GroupBy,
+    cpu_attributes,
     devices_by_name,
     individual_numbering,
     published_devices,
@@ -93,6 +94,7 @@ __all__ = [
     "NO_L3_CACHE",
     "SliceOptions",
     "build_resource_slices",
+    "cpu_attributes",
     "devices_by_name",
     "individual_numbering",
     "max_devices_per_slice",
@@ -100,6 +102,7 @@ __all__ = [
     "slice_name",
     "validate_pool",
     "validate_slice",
+    "wire_attribute",
 ]
 
 # KEP-5517 (k8s.io/api resource/v1 NodeAllocatableMapping, 1.37 shape): the node resource our
@@ -147,7 +150,8 @@ def slice_name(node_name: str, index: int) -> str:
     return f"{node_name[:keep].rstrip('.-')}-{digest}{suffix}"
 
 
-def _wire_attribute(value: AttributeValue) -> dict[str, Any]:
+def wire_attribute(value: AttributeValue) -> dict[str, Any]:
+    """An attribute value as a ``DeviceAttribute`` of the API (``{"int": 3}``, ...)."""
     if isinstance(value, bool):  # before int: bool is an int in Python
         return {"bool": value}
     if isinstance(value, int):
@@ -162,7 +166,7 @@ def _wire_device(
 ) -> dict[str, Any]:
     wire: dict[str, Any] = {
         "name": device.name,
-        "attributes": {key: _wire_attribute(value) for key, value in device.attributes.items()},
+        "attributes": {key: wire_attribute(value) for key, value in device.attributes.items()},
     }
     if device.capacity:
         capacity: dict[str, Any] = {}

@@ -33,9 +33,10 @@ Rules (each checked by :func:`check_invariants` after every command in the prope
    ``pin_seq``, which only grows.
 
 Effects and rollback. The effects before the one :class:`Reply` are the commit phase, in
-crash-safe order: Prepare reserves in the new state, then ``WriteCdiSpec`` → ``WriteCheckpoint``
-→ ``Reply``; Unprepare ``DeleteCdiSpec`` → (CPUs freed in the new state) → ``WriteCheckpoint`` →
-``Reply``. The state owner (:mod:`dracpu.tasks.state_owner`) runs them like this::
+crash-safe order: Prepare reserves in the new state, then ``WriteCdiSpec`` →
+``WriteDeviceMetadata`` → ``WriteCheckpoint`` → ``Reply``; Unprepare ``DeleteCdiSpec`` →
+``DeleteDeviceMetadata`` → (CPUs freed in the new state) → ``WriteCheckpoint`` → ``Reply``. The
+state owner (:mod:`dracpu.tasks.state_owner`) runs them like this::
 
     new, effects = apply(state, command)
     commit, reply, after = commit_phase(effects)
@@ -83,18 +84,22 @@ from dracpu.core.commands import (
 from dracpu.core.cpuset import EMPTY, CpuSet
 from dracpu.core.effects import (
     DeleteCdiSpec,
+    DeleteDeviceMetadata,
     Effect,
     PruneCdiSpecs,
+    PruneDeviceMetadata,
     PublishSlices,
     Reply,
     UpdateContainers,
     WriteCdiSpec,
     WriteCheckpoint,
+    WriteDeviceMetadata,
 )
 from dracpu.core.node_config import NodeConfig
 from dracpu.core.reconfigure import held_at_restore
 from dracpu.core.state_claims import (
     adopt,
+    metadata_files,
     pods_listed,
     prepare,
     resync,
@@ -217,7 +222,9 @@ def rollback(old: NodeState, started: Sequence[Effect], error: DracpuError) -> l
     """Effects that undo the commit-phase effects ``started`` (including the one that failed:
     its outcome is unknown), restoring the files of ``old``, then ``Reply(error)``.
 
-    The owner keeps ``old`` and runs these, logging (not raising) their own failures.
+    The owner keeps ``old`` and runs these, logging (not raising) their own failures. A claim's
+    device metadata is put back only where ``old`` has it (a claim with results); a claim that
+    ``old`` holds without results (adopted) keeps whatever metadata is there.
     """
     undo: list[Effect] = []
     seen: set[object] = set()
@@ -229,6 +236,18 @@ def rollback(old: NodeState, started: Sequence[Effect], error: DracpuError) -> l
                 seen.add(("cdi", uid))
                 claim = old.claims.get(uid)
                 undo.append(DeleteCdiSpec(uid) if claim is None else WriteCdiSpec(uid, claim.cpus))
+            case (
+                WriteDeviceMetadata(claim=PreparedClaim(claim_uid=uid))
+                | DeleteDeviceMetadata(claim_uid=uid)
+            ):
+                if ("metadata", uid) in seen:
+                    continue
+                seen.add(("metadata", uid))
+                claim = old.claims.get(uid)
+                if claim is None:
+                    undo.append(DeleteDeviceMetadata(uid, _metadata_requests(started, uid)))
+                else:
+                    undo.extend(metadata_files(old.config, claim))
             case WriteCheckpoint():
                 if "checkpoint" not in seen:
                     seen.add("checkpoint")
@@ -237,12 +256,23 @@ def rollback(old: NodeState, started: Sequence[Effect], error: DracpuError) -> l
                 if "slices" not in seen:
                     seen.add("slices")
                     undo.append(PublishSlices(tuple(old.config.devices.values())))
-            case PruneCdiSpecs() | UpdateContainers() | Reply():
-                pass  # prune removes orphans only; the others are never in the commit phase
+            case PruneCdiSpecs() | PruneDeviceMetadata() | UpdateContainers() | Reply():
+                pass  # prunes remove orphans only; the others are never in the commit phase
             case _:
                 assert_never(effect)
     undo.append(Reply(error))
     return undo
+
+
+def _metadata_requests(started: Sequence[Effect], uid: str) -> tuple[str, ...] | None:
+    """The requests the commit phase wrote device metadata for (``None``: it wrote none)."""
+    requests = {
+        result.request
+        for effect in started
+        if isinstance(effect, WriteDeviceMetadata) and effect.claim.claim_uid == uid
+        for result in effect.claim.results
+    }
+    return tuple(sorted(requests)) if requests else None
 
 
 # --- invariants -----------------------------------------------------------------------------------

@@ -1,9 +1,12 @@
 """The node state's claims: what Prepare, Unprepare, a fresh look at a claim's pods, adoption,
 pod listings and Resync do to it (a part of :func:`dracpu.core.state.apply`).
 
-A claim's CPUs are reserved in the new state before its CDI spec and the checkpoint are
-written, and freed in it after its spec is deleted: the effect lists say so, in crash-safe order
-(see :mod:`dracpu.core.state`).
+A claim's CPUs are reserved in the new state before its files (CDI spec, device metadata) and
+the checkpoint are written, and freed in it after its files are deleted: the effect lists say so,
+in crash-safe order (see :mod:`dracpu.core.state`). Which effects write a claim's files is
+:func:`claim_files` (a Resync emits the same effects, every claim's CDI spec before any device
+metadata), which remove them :func:`release_files`: every path that releases a claim, Unprepare
+or a pod-resources listing, goes through that one.
 """
 
 from __future__ import annotations
@@ -25,20 +28,24 @@ from dracpu.core.commands import (
     UpdateClaimPods,
 )
 from dracpu.core.cpuset import EMPTY, CpuSet
+from dracpu.core.device_metadata import check_names, requests_of
 from dracpu.core.effects import (
     ClaimPrepared,
     ClaimsAdopted,
     ClaimUnprepared,
     DeleteCdiSpec,
+    DeleteDeviceMetadata,
     Effect,
     PodsReconciled,
     PruneCdiSpecs,
+    PruneDeviceMetadata,
     PublishSlices,
     Reply,
     Resynced,
     UpdateContainers,
     WriteCdiSpec,
     WriteCheckpoint,
+    WriteDeviceMetadata,
 )
 from dracpu.core.node_config import NodeConfig
 from dracpu.core.reconfigure import reconfigure
@@ -48,7 +55,46 @@ from dracpu.core.state_values import NodeState, mutable
 from dracpu.core.topology import Topology
 from dracpu.errors import AllocationError, ClaimConflictError, ClaimError, InsufficientCpusError
 
-__all__ = ["adopt", "pods_listed", "prepare", "resync", "unprepare", "update_claim_pods"]
+__all__ = [
+    "adopt",
+    "claim_files",
+    "metadata_files",
+    "pods_listed",
+    "prepare",
+    "release_files",
+    "resync",
+    "unprepare",
+    "update_claim_pods",
+]
+
+
+def claim_files(config: NodeConfig, claim: PreparedClaim) -> list[Effect]:
+    """The effects that (re)write a prepared claim's files, in order: its CDI spec, then its
+    device metadata (:func:`metadata_files`)."""
+    return [WriteCdiSpec(claim.claim_uid, claim.cpus), *metadata_files(config, claim)]
+
+
+def metadata_files(config: NodeConfig, claim: PreparedClaim) -> list[Effect]:
+    """The effect that (re)writes a prepared claim's device metadata, if it has any: a claim
+    without results (adopted from its CDI spec: its requests and names are unknown) has none,
+    nor has one whose names cannot make paths (Prepare refuses those; only a checkpoint
+    written otherwise could hold one)."""
+    if not claim.results:
+        return []
+    try:
+        check_names(claim.claim_uid, claim.name, claim.pod_claim_name, claim.results)
+    except ClaimError:
+        return []
+    return [WriteDeviceMetadata(claim, config)]
+
+
+def release_files(claim_uid: str, claim: PreparedClaim | None) -> list[Effect]:
+    """The effects that remove a released claim's files, in order: its CDI spec (no container
+    can get its CPUs any more), then its device metadata (of the requests of ``claim``, its
+    record; ``None``: not prepared here, whatever a failed earlier attempt left). Unprepare and
+    the release of a leaked claim (a pod-resources listing) both use this."""
+    requests = requests_of(claim.results) if claim is not None and claim.results else None
+    return [DeleteCdiSpec(claim_uid), DeleteDeviceMetadata(claim_uid, requests)]
 
 
 def _normalized(results: Iterable[DeviceResult]) -> tuple[DeviceResult, ...]:
@@ -234,9 +280,9 @@ def prepare(state: NodeState, command: PrepareClaim) -> tuple[NodeState, list[Ef
         prepared = ClaimPrepared(uid, existing.cpus, existing.mems, results)
         pods = _pods(existing, command.pod_uids)
         if existing.results == results:
-            # Idempotent; rewrite the CDI spec (a reboot empties /var/run/cdi, k/k#141433).
+            # Idempotent; rewrite the files (a reboot empties /var/run/cdi, k/k#141433).
             if existing.pod_uids == pods:
-                return state, [WriteCdiSpec(uid, existing.cpus), Reply(prepared)]
+                return state, [*claim_files(state.config, existing), Reply(prepared)]
             # The same claim, reserved for other pods now (a shared claim gains consumers).
             claim = replace(existing, pod_uids=pods)
         elif existing.results:
@@ -246,6 +292,7 @@ def prepare(state: NodeState, command: PrepareClaim) -> tuple[NodeState, list[Ef
             )
         else:
             _consistent_with_adopted(state.config, uid, existing.cpus, results)
+            check_names(uid, command.name, command.pod_claim_name, results)
             # Adoption knew only the CPUs: the claim's own memory pinning (its opaque config) is
             # known now. Its running containers get it at their next pin.
             claim = replace(
@@ -254,31 +301,40 @@ def prepare(state: NodeState, command: PrepareClaim) -> tuple[NodeState, list[Ef
                 name=command.name,
                 results=results,
                 pod_uids=pods,
+                pod_claim_name=command.pod_claim_name,
                 mems=_claim_mems(state.config, existing.cpus, command.pin_memory),
             )
         claims = mutable(state.claims)
         claims[uid] = claim
         new = replace(state, claims=MappingProxyType(claims))
         return new, [
-            WriteCdiSpec(uid, claim.cpus),
+            *claim_files(new.config, claim),
             WriteCheckpoint(new.checkpoint()),
             Reply(ClaimPrepared(uid, claim.cpus, claim.mems, results)),
         ]
     if not results:
-        # No result of ours: nothing to hold, no CDI spec (upstream: success, no devices).
+        # No result of ours: nothing to hold, no files (upstream: success, no devices).
         return state, [Reply(ClaimPrepared(uid, EMPTY, None, ()))]
+    check_names(uid, command.name, command.pod_claim_name, results)
     cpus = _pick(state, uid, results)
     claimed = state.claimed | cpus
     _check_shared_pool(state, claimed, f"preparing claim {uid} with cpus {cpus}")
     mems = _claim_mems(state.config, cpus, command.pin_memory)
     claim = PreparedClaim(
-        uid, cpus, command.namespace, command.name, mems, results, command.pod_uids
+        uid,
+        cpus,
+        command.namespace,
+        command.name,
+        mems,
+        results,
+        pod_uids=command.pod_uids,
+        pod_claim_name=command.pod_claim_name,
     )
     claims = mutable(state.claims)
     claims[uid] = claim
     new = replace(state, claims=MappingProxyType(claims), claimed=claimed)
     return new, [
-        WriteCdiSpec(uid, cpus),
+        *claim_files(new.config, claim),
         WriteCheckpoint(new.checkpoint()),
         Reply(ClaimPrepared(uid, cpus, mems, results)),
     ]
@@ -330,12 +386,12 @@ def unprepare(state: NodeState, command: UnprepareClaim) -> tuple[NodeState, lis
     uid = command.claim_uid
     existing = state.claims.get(uid)
     if existing is None:
-        # Unknown: success; still remove a spec a failed earlier attempt may have left.
-        return state, [DeleteCdiSpec(uid), Reply(ClaimUnprepared(uid, EMPTY))]
+        # Unknown: success; still remove files a failed earlier attempt may have left.
+        return state, [*release_files(uid, None), Reply(ClaimUnprepared(uid, EMPTY))]
     new = _release(state, [uid])
     new, after = unsolicited_widening(new)
     return new, [
-        DeleteCdiSpec(uid),
+        *release_files(uid, existing),
         WriteCheckpoint(new.checkpoint()),
         Reply(ClaimUnprepared(uid, existing.cpus)),
         *after,
@@ -380,7 +436,7 @@ def pods_listed(state: NodeState, command: PodsListed) -> tuple[NodeState, list[
     new = replace(_release(state, release), unlisted=unlisted - set(release))
     new, after = unsolicited_widening(new)
     return new, [
-        *(DeleteCdiSpec(uid) for uid in release),
+        *(effect for uid in release for effect in release_files(uid, state.claims[uid])),
         WriteCheckpoint(new.checkpoint()),
         Reply(PodsReconciled(tuple(release), tuple(sorted(unlisted)), True)),
         *after,
@@ -426,7 +482,7 @@ def adopt(state: NodeState, command: AdoptClaims) -> tuple[NodeState, list[Effec
         return state, [reply]
     new = replace(state, claims=MappingProxyType(claims), claimed=claimed)
     return new, [
-        *(WriteCdiSpec(uid, claims[uid].cpus) for uid in adopted),
+        *(effect for uid in adopted for effect in claim_files(new.config, claims[uid])),
         WriteCheckpoint(new.checkpoint()),
         reply,
     ]
@@ -447,9 +503,15 @@ def resync(state: NodeState, command: Resync) -> tuple[NodeState, list[Effect]]:
     pool = new.shared_pool
     waiting = sum(1 for cid in new.shared if pool and new.containers[cid].cpus != pool)
     uids = sorted(new.claims)
+    keep = frozenset(uids)
+    # The claims' CDI specs (what pins their CPUs) all before any device metadata: a metadata
+    # write that fails (its dir unwritable) ends the commit phase, and must not keep a CDI spec
+    # from being written or an orphan spec from being pruned.
     return new, [
         *(WriteCdiSpec(uid, new.claims[uid].cpus) for uid in uids),
-        PruneCdiSpecs(frozenset(uids)),
+        PruneCdiSpecs(keep),
+        *(effect for uid in uids for effect in metadata_files(new.config, new.claims[uid])),
+        PruneDeviceMetadata(keep),
         PublishSlices(tuple(new.config.devices.values())),
         Reply(Resynced(len(uids), changed, repinned, waiting)),
         *after,

@@ -97,12 +97,13 @@ def build_resource_claim(
     device_class: str = DRIVER_NAME,
     allocated: bool = True,
     reserved_for: Sequence[Mapping[str, Any]] = (),
+    annotations: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """A schema-valid ``resource.k8s.io/v1`` ResourceClaim whose allocation has ``results``
     (``{"request", "driver", "pool", "device", ...}``); one ``ExactCount`` request per distinct
     main request name. ``allocated=False`` leaves ``status`` empty. ``reserved_for``: its
     ``status.reservedFor`` consumers (``{"resource": "pods", "name", "uid"}``: what the
-    scheduler writes for the pods it binds)."""
+    scheduler writes for the pods it binds). ``annotations``: its ``metadata.annotations``."""
     requests: dict[str, int] = {}
     for result in results:
         main = str(result.get("request", "")).split("/", 1)[0]
@@ -110,7 +111,12 @@ def build_resource_claim(
     claim: dict[str, Any] = {
         "apiVersion": RESOURCE_API,
         "kind": "ResourceClaim",
-        "metadata": {"namespace": namespace, "name": name, "uid": uid or str(uuid.uuid4())},
+        "metadata": {
+            "namespace": namespace,
+            "name": name,
+            "uid": uid or str(uuid.uuid4()),
+            **({"annotations": dict(annotations)} if annotations else {}),
+        },
         "spec": {
             "devices": {
                 "requests": [

@@ -95,6 +95,8 @@ DEFAULT_RUNTIME_VERSION = "2.4.0"
 # CDI spec files of our kind: <cdi-dir>/dra.k8s.io-cpu_claim-<uid>.json.
 _CDI_PREFIX = "dra.k8s.io-cpu_claim-"
 _CDI_KIND = "dra.k8s.io/cpu"
+# k8s.io/api resource/v1 PodResourceClaimAnnotation (set by the resourceclaim controller).
+_POD_CLAIM_NAME = "resource.kubernetes.io/pod-claim-name"
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,6 +337,7 @@ class NodeSim:
         request: str = "cpus",
         reserved_for: Iterable[FakePod] = (),
         configs: Sequence[Mapping[str, Any]] = (),
+        pod_claim_name: str | None = None,
     ) -> SimClaim:
         """Play the scheduler: allocate ``cpus`` CPUs from the published devices and write the
         ResourceClaim (allocated, for this node). Grouped mode: the first device (or
@@ -342,7 +345,9 @@ class NodeSim:
         individual mode: the first ``cpus`` free devices in published order. ``reserved_for``:
         the pods it is bound to (``status.reservedFor``; the scheduler reserves a claim for
         each pod it schedules with it, before the kubelet prepares it). ``configs``: the
-        allocation's ``devices.config`` entries (``{"source", "requests", "opaque"}``)."""
+        allocation's ``devices.config`` entries (``{"source", "requests", "opaque"}``).
+        ``pod_claim_name``: the claim was made from a template, for the pod's claim of that
+        name (the ``resource.kubernetes.io/pod-claim-name`` annotation)."""
         devices = self.published()
         if not devices:
             raise SimError("no device is published: the scheduler cannot allocate")
@@ -379,8 +384,14 @@ class NodeSim:
                         "device": chosen,
                     }
                 )
+        annotations = {_POD_CLAIM_NAME: pod_claim_name} if pod_claim_name else None
         claim = self.write_claim(
-            name, results, namespace=namespace, reserved_for=reserved_for, configs=configs
+            name,
+            results,
+            namespace=namespace,
+            reserved_for=reserved_for,
+            configs=configs,
+            annotations=annotations,
         )
         self._claims[claim.uid] = claim
         return claim
@@ -395,6 +406,7 @@ class NodeSim:
         allocated: bool = True,
         reserved_for: Iterable[FakePod] = (),
         configs: Sequence[Mapping[str, Any]] = (),
+        annotations: Mapping[str, str] | None = None,
     ) -> SimClaim:
         """Write a ResourceClaim with exactly these ``results`` and ``configs`` (tests of bad
         input); no capacity bookkeeping."""
@@ -409,6 +421,7 @@ class NodeSim:
             reserved_for=[
                 {"resource": "pods", "name": pod.name, "uid": pod.uid} for pod in reserved_for
             ],
+            annotations=annotations,
         )
         stored = self.api.add_resource_claim(obj)
         return SimClaim(namespace, name, stored["metadata"]["uid"], [dict(r) for r in results])

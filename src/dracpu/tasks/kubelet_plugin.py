@@ -22,7 +22,10 @@ a time over all calls):
    prepared: a reboot empties ``/var/run/cdi``);
 3. answer one entry per claim: a device per result of ours, with the main request name (the
    Go helper strips ``/<subrequest>``; the kubelet matches containers by main request names),
-   pool, device and the claim's CDI id ``dra.k8s.io/cpu=claim-<uid>``;
+   pool, device and the claim's CDI id ``dra.k8s.io/cpu=claim-<uid>``, and on the first
+   device of each request the CDI id that mounts that request's device metadata
+   (``dra.cpu/metadata=<uid>_<request>``, :mod:`dracpu.core.device_metadata`), as the Go
+   helper does with ``EnableDeviceMetadata``;
 4. best effort, record the cpuset in the claim's ``status.devices[].data``
    (:mod:`dracpu.tasks.status_patches`), only once the WHOLE answer (message and trailers) has
    been handed to the transport: the Prepare rpc method works on the call's grpclib stream,
@@ -72,6 +75,7 @@ from dracpu.core.cdi_spec import device_id
 from dracpu.core.claim_config import claim_overrides
 from dracpu.core.claims import ClaimAllocation, read_claim
 from dracpu.core.commands import Command, PrepareClaim, UnprepareClaim
+from dracpu.core.device_metadata import metadata_ids_by_device
 from dracpu.core.effects import ClaimPrepared, ClaimUnprepared
 from dracpu.errors import DracpuError, KubeAPIError, KubeNotFoundError
 from dracpu.tasks import state_owner
@@ -243,6 +247,7 @@ class DraService:
                     results=overrides.results,
                     pin_memory=overrides.pin_memory,
                     pod_uids=allocation.pod_uids,
+                    pod_claim_name=allocation.pod_claim_name,
                 )
                 result = await state_owner.request(self._owner, command)
                 if not isinstance(result, ClaimPrepared):
@@ -274,17 +279,18 @@ class DraService:
                 extra={**context, "cpus": str(result.cpus)},
             )
             await self.patches.record(ref, obj, allocation, result.cpus, deferred)
-        cdi_ids = (device_id(ref.uid),)
+        cdi_id = device_id(ref.uid)
+        metadata_ids = metadata_ids_by_device(ref.uid, [d.request for d in allocation.devices])
         return PrepareOutcome(
             devices=tuple(
                 PreparedDevice(
                     request_names=(device.request,),
                     pool_name=device.pool,
                     device_name=device.device,
-                    cdi_device_ids=cdi_ids,
+                    cdi_device_ids=(cdi_id,) if metadata_id is None else (cdi_id, metadata_id),
                     share_id=device.share_id,
                 )
-                for device in allocation.devices
+                for device, metadata_id in zip(allocation.devices, metadata_ids, strict=True)
             )
         )
 

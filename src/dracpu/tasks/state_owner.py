@@ -258,7 +258,11 @@ class StateOwner:
         self._receive = receive
         self._republish = republish
         self._container_updates = container_updates
-        self._files = NodeFiles(config.cdi_dir, config.checkpoint_path) if files is None else files
+        self._files = (
+            NodeFiles(config.cdi_dir, config.checkpoint_path, config.device_metadata_dir)
+            if files is None
+            else files
+        )
         self._command_deadline = command_deadline
         # The file effects run in anyio's worker threads, one hop at a time and in order: the
         # owner awaits each hop, and this limiter keeps any other caller out of the way.
