@@ -176,7 +176,7 @@ def write_spec(cdi_dir: str | os.PathLike[str], claim_uid: str, cpus: CpuSet) ->
     Temp file in the same dir (mode 0644, never a ``.json`` name) → write → rename over
     ``dra.k8s.io-cpu_claim-<uid>.json``; no fsync (see the module docstring). The dir is
     created if missing. On any failure the temp file is removed and an existing spec is left as
-    it was.
+    it was; a spec that holds these bytes already is no failure when no file can be created.
 
     On the Prepare path: plain string paths (pathlib's parsing was 40 % of this function's
     Python time) and the dir is created only when the temp file cannot be (it exists, almost
@@ -189,6 +189,10 @@ def write_spec(cdi_dir: str | os.PathLike[str], claim_uid: str, cpus: CpuSet) ->
     try:
         fd = _create(temp, directory)
     except OSError as exc:  # the temp file's random name would only make the message vary
+        if _holds(final, data):
+            # Nothing to write (a rollback of a delete that never happened, on a read-only or
+            # full file system): no failure.
+            return Path(final)
         raise CdiError(f"cannot write CDI spec {final!r}: {exc.strerror or exc}") from exc
     renamed = False
     try:
@@ -206,6 +210,15 @@ def write_spec(cdi_dir: str | os.PathLike[str], claim_uid: str, cpus: CpuSet) ->
             with contextlib.suppress(OSError):
                 os.unlink(temp)
     return Path(final)
+
+
+def _holds(path: str, data: bytes) -> bool:
+    """Whether the regular file ``path`` holds exactly ``data``."""
+    try:
+        with open(path, "rb") as file:
+            return os.fstat(file.fileno()).st_size == len(data) and file.read() == data
+    except OSError:
+        return False
 
 
 def _create(temp: str, directory: str) -> int:
