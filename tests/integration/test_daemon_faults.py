@@ -214,6 +214,26 @@ async def test_an_unprepare_with_a_bad_claim_uid_is_refused_without_an_error() -
         ]
 
 
+async def test_a_claim_that_cannot_be_read_fails_its_prepare_naming_the_cause() -> None:
+    async with open_node_sim() as sim:
+        await sim.wait_published()
+        claim = sim.allocate("unread", 2)
+        what = f"get resourceclaim default/{claim.name}: "
+        # No answer at all (aiohttp sends a GET a second time on a dropped connection).
+        sim.api.fail_next(2, status=None, method="GET", path="resourceclaims")
+        assert (await sim.prepare(claim))[claim.uid].error == (
+            f"{what}cannot reach the API server {sim.api.url}: connection closed by the server "
+            "before the answer was complete"
+        )
+        sim.api.fail_next(status=503, method="GET", path="resourceclaims", message="etcd is away")
+        assert (await sim.prepare(claim))[claim.uid].error == (
+            f"{what}the API server {sim.api.url} answered 503 Service Unavailable: etcd is away"
+        )
+        assert sim.cdi_cpus(claim.uid) is None
+        assert (await sim.prepare(claim))[claim.uid].error == ""  # the kubelet's retry works
+        assert sim.daemon.messages("error") == []
+
+
 async def test_a_missing_nri_socket_is_waited_out() -> None:
     async with open_node_sim(start=False) as sim:
         socket_path = sim.paths.root / "late-nri" / "nri.sock"  # no runtime listens here yet
