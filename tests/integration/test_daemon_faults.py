@@ -108,7 +108,7 @@ async def test_a_read_only_cdi_dir_at_start_is_waited_out() -> None:
             assert waiting[0].endswith(f": {reason}; Prepare fails until then")
             assert not any(m.startswith("task ") for m in errors)
             # Undoing a spec write that never happened is no error.
-            assert not any("rollback" in m for m in errors)
+            assert not any("rollback" in m for m in errors), errors
 
             mount.set_read_only(False)
             assert await _ready_within(sim, RECOVERY) < RECOVERY

@@ -556,17 +556,15 @@ class StateOwner:
                 try:
                     await self._execute(effect)
                 except DracpuError as exc:
+                    if str(exc) == str(error):
+                        # The undo of the effect that failed, failing the same way: that effect
+                        # left its file as it was (a spec is written by rename, a checkpoint
+                        # slot the store could not mark says so itself), so there is nothing
+                        # to put back, and nothing new to report.
+                        logger.debug("%s: rollback effect %s: %s", name, _kind(effect), exc)
+                        continue
                     self._effects_failed += 1
-                    # A checkpoint that cannot be written is reported once, as the state dir's
-                    # condition: its undo failing the same way says nothing new.
-                    known = isinstance(exc, CheckpointError) and self._dir_retry_at is not None
-                    logger.log(
-                        logging.DEBUG if known else logging.ERROR,
-                        "%s: rollback effect %s failed: %s",
-                        name,
-                        _kind(effect),
-                        exc,
-                    )
+                    logger.error("%s: rollback effect %s failed: %s", name, _kind(effect), exc)
         if scope.cancelled_caught:
             self._effects_failed += 1
             logger.error("%s: rollback did not finish within %g s", name, self._command_deadline)
