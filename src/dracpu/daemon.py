@@ -34,10 +34,11 @@ yet.)
 
 Each task is started with ``await tg.start(...)``; once it calls ``task_status.started()`` its
 readiness flag turns ready, and ``/readyz`` answers 200 when all have. A task may later report
-not ready through its :class:`~dracpu.tasks.http.ReadinessFlag`. Two flags are not a task's:
+not ready through its :class:`~dracpu.tasks.http.ReadinessFlag`. Three flags are not a task's:
 ``kubelet-registration`` turns ready when the kubelet reports that it registered the plugin, and
 not ready when it refuses it; ``cdi-dir`` is ready while specs can be written into the CDI dir
-(the CDI watcher waits out a read-only, full or missing dir, saying why).
+(the CDI watcher waits out a read-only, full or missing dir, saying why); ``state-dir`` while
+the checkpoint can be written (the state owner waits the same out).
 
 Stopping (SIGTERM/SIGINT, or a task failure): ``/readyz`` turns 503, then the tasks are
 cancelled one by one in REVERSE start order, each awaited, so the request sources stop before
@@ -102,6 +103,7 @@ __all__ = [
     "EXIT_OK",
     "CDI_DIR",
     "KUBELET_REGISTRATION",
+    "STATE_DIR",
     "STOP_TIMEOUT",
     "Shutdown",
     "TaskRun",
@@ -125,6 +127,8 @@ STOP_TIMEOUT = 4.5
 KUBELET_REGISTRATION = "kubelet-registration"
 # The readiness flag that says whether CDI specs can be written (the CDI watcher's verdict).
 CDI_DIR = "cdi-dir"
+# The readiness flag that says whether the checkpoint can be written (the state owner's verdict).
+STATE_DIR = "state-dir"
 
 
 class TaskRun(Protocol):
@@ -353,7 +357,11 @@ class _Node:
         self.link = NriLink()
         self.republish_send, self.republish_receive = slice_publisher.republish_channel()
         self.owner = StateOwner(
-            config, receive, republish=self.republish_send, container_updates=self.link.submit
+            config,
+            receive,
+            republish=self.republish_send,
+            container_updates=self.link.submit,
+            state_dir=readiness.flag(STATE_DIR, reason="the checkpoint has not been written yet"),
         )
         self.metrics = DraCpuMetrics(self.node_state)
 

@@ -309,10 +309,18 @@ def test_a_real_read_only_dir(tmp_path: Path) -> None:
         assert delete_spec(tmp_path, UID) is False
         with pytest.raises(CdiError, match=r"cannot remove CDI spec .*: Read-only file system"):
             delete_spec(tmp_path, OTHER)
+        # Writing what the spec holds already is none either (the rollback of that delete);
+        # other content is.
+        assert write_spec(tmp_path, OTHER, CPUS) == tmp_path / spec_file_name(OTHER)
+        with pytest.raises(CdiError, match=r"cannot write CDI spec .*: Read-only file system"):
+            write_spec(tmp_path, OTHER, CpuSet.parse("7"))
+        with pytest.raises(CdiError, match=r"cannot write CDI spec .*: Read-only file system"):
+            write_spec(tmp_path, UID, CPUS)
         with pytest.raises(CdiError, match="is on a read-only file system"):
             check_not_full(tmp_path)
         with pytest.raises(CdiError, match="Read-only file system"):
             check_writable(tmp_path, probe_file_name())
+    assert read_spec(tmp_path, OTHER) == CPUS
     with pytest.raises(CdiError, match="cannot check CDI dir"):
         check_not_full(tmp_path / "missing")
 

@@ -505,6 +505,87 @@ def test_a_failed_write_keeps_the_previous_checkpoint_and_the_next_write_works(
     assert restored(path) == many(6)
 
 
+def full_disk(fd: int, buffer: memoryview, offset: int) -> int:
+    """``os.pwrite`` on a full file system: what fits in the file's blocks is written (a
+    regular file's blocks below its size are its own), nothing beyond."""
+    room = os.fstat(fd).st_size - offset
+    if room <= 0:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return os.pwrite(fd, buffer[:room], offset)
+
+
+def test_on_a_full_disk_only_a_slot_that_must_be_created_or_grow_fails(path: Path) -> None:
+    store = CheckpointStore(path, pwrite=full_disk)
+    store.restore()
+    with pytest.raises(CheckpointError) as failed:
+        store.write(data())
+    # The cause in words, and no empty slot left to be moved aside as damaged at the next start.
+    assert str(failed.value) == f"cannot write checkpoint {path}: No space left on device"
+    assert listing(path.parent) == []
+    # The rollback of that write: the content the (missing) newest checkpoint holds, no write.
+    store.write(CheckpointData(), skip_unchanged=True)
+    assert listing(path.parent) == []
+    assert CheckpointStore(path).restore() == CheckpointData()
+    # Slots that exist take any document that fits in them, full disk or not.
+    roomy = CheckpointStore(path)
+    roomy.write(many(3))
+    roomy.write(many(3))
+    store = CheckpointStore(path, pwrite=full_disk)
+    store.write(many(5))
+    assert restored(path) == many(5)
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        store.write(many(40))  # past the slot's 4 KiB
+    assert restored(path) == many(5)
+
+
+def test_the_undo_of_a_failed_write_is_written_only_when_the_write_may_have_left_a_document(
+    path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    syncs = Syncs()
+    spoiling = FailingPwrite()  # armed: fails the one-byte mark of a failed write
+
+    def pwrite(fd: int, buffer: memoryview, offset: int) -> int:
+        if len(buffer) == 1 and spoiling.armed:
+            raise OSError(errno.EIO, "Input/output error")
+        return os.pwrite(fd, buffer, offset)
+
+    store = CheckpointStore(path, fdatasync=syncs.fdatasync, pwrite=pwrite)
+    store.write(many(3))  # slot 0, sequence 1
+    store.write(many(4))  # slot 1, sequence 2: the newest
+    # The sync fails after the whole document went in, and it cannot be marked invalid: the
+    # slot may hold a newer valid document, so the undo is a real write.
+    syncs.fail = OSError(errno.EIO, "Input/output error")
+    spoiling.armed = True
+    with caplog.at_level(logging.WARNING, logger=LOGGER), pytest.raises(CheckpointError):
+        store.write(many(5))
+    assert read_newest(path) == StoredCheckpoint(many(5), 3)  # what the undo must replace
+    assert "cannot mark the failed checkpoint write of " in caplog.text
+    syncs.fail, spoiling.armed = None, False
+    store.write(many(4), skip_unchanged=True)
+    assert read_newest(path) == StoredCheckpoint(many(4), 3)
+    # Marked invalid: nothing to undo, nothing written.
+    syncs.fail = OSError(errno.EIO, "Input/output error")
+    with pytest.raises(CheckpointError):
+        store.write(many(6))
+    syncs.fail = None
+    before = [p.read_bytes() for p in slot_paths(path)]
+    store.write(many(4), skip_unchanged=True)
+    assert [p.read_bytes() for p in slot_paths(path)] == before
+    assert read_newest(path) == StoredCheckpoint(many(4), 3)
+
+
+def test_a_state_dir_that_cannot_be_created_names_it(tmp_path: Path) -> None:
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere" / "at-all")  # a dangling link
+    path = tmp_path / "gone" / "state" / CHECKPOINT_FILE_NAME
+    store = CheckpointStore(path)
+    assert store.restore() == CheckpointData()
+    with pytest.raises(CheckpointError) as failed:
+        store.write(data())
+    assert str(failed.value) == (
+        f"cannot write checkpoint {path}: cannot create its dir {path.parent}: File exists"
+    )
+
+
 def test_a_restart_after_a_failed_write_restores_the_previous_checkpoint(
     path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -11,6 +11,7 @@ statuses, deadlines, cancellation, the server's life on its socket and its stop.
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import os
 import re
@@ -39,6 +40,7 @@ from h2.events import StreamReset as H2StreamReset
 from h2.settings import SettingCodes
 
 from dracpu.adapters.grpc_unix import (
+    CLOSED_STREAMS_KEPT,
     STOP_TIMEOUT,
     Encoded,
     MessageCodec,
@@ -315,6 +317,34 @@ async def test_more_calls_than_the_stream_limit_wait_and_all_complete(socket_pat
 
     assert replies == [request[::-1] for request in requests]
     assert counted.peak == limit
+
+
+async def test_a_long_lived_connection_remembers_only_its_last_closed_streams(
+    socket_path: Path,
+) -> None:
+    """h2 keeps how each closed stream ended (to answer late frames); on the kubelet's one
+    connection that record must not grow with every call for the life of the plugin."""
+    calls = CLOSED_STREAMS_KEPT + 300
+
+    def many_calls(channel: grpc.Channel) -> None:
+        method = channel.unary_unary(ECHO)
+        for start in range(0, calls, 100):
+            futures = [
+                method.future(blob(b"x"), timeout=CALL_TIMEOUT)
+                for _ in range(start, min(calls, start + 100))
+            ]
+            assert [unblob(f.result()) for f in futures] == [b"x"] * len(futures)
+
+    async with serving({ECHO: reverse}, socket_path) as server:
+        with grpc.insecure_channel(unix_target(socket_path)) as channel:
+            await anyio.to_thread.run_sync(many_calls, channel)
+            assert server.open_connections == 1
+            kept = [
+                len(connection._closed_streams)
+                for connection in gc.get_objects()
+                if isinstance(connection, H2Connection) and not connection.config.client_side
+            ]
+    assert max(kept) == CLOSED_STREAMS_KEPT
 
 
 async def test_a_3_mib_request_and_a_5_mib_reply_cross_whole(socket_path: Path) -> None:

@@ -428,6 +428,12 @@ def test_unprepare_frees_cpus_after_deleting_the_cdi_spec() -> None:
     ok(new, individual(INDIVIDUAL, 2, [1, 9]))  # the CPUs can be prepared again
 
 
+@pytest.mark.parametrize("bad", ["", "claim-1", "not-a-uuid", "../../etc/x"])
+def test_unprepare_needs_a_uuid_and_has_no_effect(bad: str) -> None:
+    # As Prepare: refused before any effect, so no spec delete fails and nothing rolls back.
+    refused(NodeState.initial(GROUPED), UnprepareClaim(bad), ClaimError, "not an RFC 4122 UUID")
+
+
 def test_unprepare_unknown_claim_succeeds() -> None:
     state = NodeState.initial(GROUPED)
     new, effects = apply(state, UnprepareClaim(uid(7)))

@@ -1,5 +1,6 @@
 """Conditions the real ``dracpu run`` process waits out instead of exiting: a read-only CDI dir
-at start, a missing NRI socket, an API server outage. Each test holds the condition, checks that
+at start, a full state dir at start, a missing NRI socket, an API server outage; and a bad
+claim UID answered without an error line. Each test holds the condition, checks that
 the daemon is alive, says why it is not ready (``/readyz``, ``/metrics``) and keeps serving what
 it can, then lifts the condition and checks that the daemon recovers by itself within seconds.
 
@@ -14,11 +15,12 @@ from collections.abc import Callable
 import anyio
 import pytest
 
+from dracpu.sim.fake_kubelet import ClaimRef
 from dracpu.sim.fake_runtime import open_fake_runtime
 from dracpu.sim.faults import api_outage
 from dracpu.sim.node import NodeSim, open_node_sim
-from tests.integration.conftest import cpus, node_cpus
-from tests.mounts import read_only_bind
+from tests.integration.conftest import checkpoint_claims, cpus, node_cpus
+from tests.mounts import full_tmpfs, read_only_bind
 
 pytestmark = pytest.mark.anyio
 
@@ -99,11 +101,14 @@ async def test_a_read_only_cdi_dir_at_start_is_waited_out() -> None:
             spec = cdi / f"dra.k8s.io-cpu_claim-{refused.uid}.json"
             assert error == f"cannot write CDI spec {str(spec)!r}: Read-only file system"
             # Said once, however many tries: the daemon's log is not flooded.
-            waiting = [m for m in sim.daemon.messages("error") if m.startswith("using CDI dir")]
+            errors = sim.daemon.messages("error")
+            waiting = [m for m in errors if m.startswith("using CDI dir")]
             assert len(waiting) == 1
             assert waiting[0].startswith(f"using CDI dir {cdi} failed, retrying in ")
             assert waiting[0].endswith(f": {reason}; Prepare fails until then")
-            assert not any(m.startswith("task ") for m in sim.daemon.messages("error"))
+            assert not any(m.startswith("task ") for m in errors)
+            # Undoing a spec write that never happened is no error.
+            assert not any("rollback" in m for m in errors), errors
 
             mount.set_read_only(False)
             assert await _ready_within(sim, RECOVERY) < RECOVERY
@@ -121,6 +126,112 @@ async def test_a_read_only_cdi_dir_at_start_is_waited_out() -> None:
                 for m in sim.daemon.messages("info")
             )
             assert await sim.stop_daemon() == 0
+
+
+async def test_a_full_state_dir_at_start_is_waited_out() -> None:
+    async with open_node_sim() as sim:
+        await sim.wait_published()
+        kept = sim.allocate("kept", 2)
+        assert (await sim.prepare(kept))[kept.uid].error == ""
+        held = cpus(sim.cdi_cpus(kept.uid) or "")
+        assert await sim.stop_daemon() == 0
+        state = sim.paths.state_dir
+        newest = sim.paths.checkpoint.read_bytes()
+        for path in state.iterdir():
+            path.unlink()
+
+        with full_tmpfs(state) as disk:
+            # One slot, as an earlier build leaves it: the second must be created, on a full
+            # file system. (Slots that exist take their writes, full or not.)
+            (state / "checkpoint.json").write_bytes(newest)
+            disk.fill()
+            await sim.start_daemon(wait_ready=False)
+            reason = (
+                f"cannot write checkpoint {state / 'checkpoint.1.json'}: No space left on device"
+            )
+
+            def only_the_state_dir(status: int, body: str) -> None:
+                assert status in (0, 503)
+                if "[+]slice-publisher ok" in body:  # every task started: only the dir is amiss
+                    assert [line for line in body.splitlines() if line.startswith("[-]")] == [
+                        f"[-]state-dir not ready: {reason}"
+                    ]
+
+            await _hold(sim, HELD, only_the_state_dir)
+            assert (await _readyz(sim))[0] == 503
+            assert await _metric(sim, 'dracpu_task_ready{task="state-dir"}') == (
+                'dracpu_task_ready{task="state-dir"} 0.0'
+            )
+            # Prepare and Unprepare fail per claim, saying why, and lose nothing: the claim of
+            # before is held, its spec is in place and its container is pinned; the new one
+            # holds nothing.
+            refused = sim.allocate("refused", 2)
+            assert (await sim.prepare(refused))[refused.uid].error == reason
+            assert sim.cdi_cpus(refused.uid) is None
+            assert await sim.unprepare(kept) == {kept.uid: reason}
+            assert cpus(sim.cdi_cpus(kept.uid) or "") == held
+            _, container = await sim.run_container("app", claims=[kept])
+            assert cpus(container.cpus) == held
+            # One error line for the whole condition; undoing writes that left nothing is none.
+            errors = sim.daemon.messages("error")
+            assert len(errors) == 1, errors
+            assert errors[0].startswith(f"writing the checkpoint in {state} failed, retrying in ")
+            assert errors[0].endswith(f": {reason}; Prepare and Unprepare fail until then")
+
+            disk.free()
+            assert await _ready_within(sim, RECOVERY) < RECOVERY
+            assert (await sim.prepare(refused))[refused.uid].error == ""
+            got = cpus(sim.cdi_cpus(refused.uid) or "")
+            assert got
+            assert got.isdisjoint(held)
+            saved = checkpoint_claims(sim.paths.checkpoint)
+            assert {uid: cpus(claim["cpus"]) for uid, claim in saved.items()} == {
+                kept.uid: held,
+                refused.uid: got,
+            }
+            assert any(
+                m.startswith(f"writing the checkpoint in {state} works again after ")
+                for m in sim.daemon.messages("info")
+            )
+            assert await sim.stop_daemon() == 0
+
+
+async def test_an_unprepare_with_a_bad_claim_uid_is_refused_without_an_error() -> None:
+    async with open_node_sim() as sim:
+        await sim.wait_published()
+        bad = ClaimRef(namespace="default", uid="../not-a-uuid", name="broken")
+        assert await sim.unprepare(bad) == {
+            bad.uid: "cannot unprepare claim '../not-a-uuid': its UID is not an RFC 4122 UUID"
+        }
+        assert sim.daemon.messages("error") == []
+        assert await _metric(sim, "dracpu_state_owner_effects_failed_total ") == (
+            "dracpu_state_owner_effects_failed_total 0.0"
+        )
+        _, body = await sim.daemon.get("/metrics")
+        commands = [m for m in body.splitlines() if m.startswith("dracpu_state_owner_commands_")]
+        assert [m for m in commands if "Unprepare" in m or 'outcome="failed"' in m] == [
+            'dracpu_state_owner_commands_total{command="UnprepareClaim",outcome="error"} 1.0'
+        ]
+
+
+async def test_a_claim_that_cannot_be_read_fails_its_prepare_naming_the_cause() -> None:
+    async with open_node_sim() as sim:
+        await sim.wait_published()
+        claim = sim.allocate("unread", 2)
+        what = f"get resourceclaim default/{claim.name}: "
+        # No answer at all (aiohttp sends a GET a second time on a dropped connection).
+        sim.api.fail_next(2, status=None, method="GET", path="resourceclaims")
+        assert (await sim.prepare(claim))[claim.uid].error == (
+            f"{what}cannot reach the API server {sim.api.url}: connection closed by the server "
+            "before the answer was complete"
+        )
+        sim.api.fail_next(status=503, method="GET", path="resourceclaims", message="etcd is away")
+        assert (await sim.prepare(claim))[claim.uid].error == (
+            f"{what}the API server {sim.api.url} answered 503 Service Unavailable: etcd is away"
+        )
+        assert sim.cdi_cpus(claim.uid) is None
+        assert (await sim.prepare(claim))[claim.uid].error == ""  # the kubelet's retry works
+        assert sim.daemon.messages("error") == []
 
 
 async def test_a_missing_nri_socket_is_waited_out() -> None:

@@ -46,7 +46,8 @@ async def test_ready_with_every_task_then_sighup_resyncs_and_sigterm_stops_withi
         status, body = await sim.daemon.get("/readyz")
         assert status == 200
         assert body == (
-            "".join(f"[+]{task} ok\n" for task in TASKS)
+            "[+]state-dir ok\n"
+            + "".join(f"[+]{task} ok\n" for task in TASKS)
             + "[+]cdi-dir ok\n[+]kubelet-registration ok\nreadyz check passed\n"
         )
         assert await sim.daemon.get("/healthz") == (200, "ok\n")

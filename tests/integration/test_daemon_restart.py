@@ -1,21 +1,25 @@
-"""Crash safety on the real daemon: claims survive SIGKILL through the checkpoint, the
-CDI specs come back at start, a torn checkpoint slot falls back to the other slot, a corrupt
-checkpoint (both slots) is moved aside and the claims adopted from their CDI specs, and NRI
-``Synchronize`` re-pins the running containers."""
+"""Crash safety on the real daemon: claims survive SIGKILL through the checkpoint (also in the
+middle of a stream of Prepares, round after round), the CDI specs come back at start, a torn
+checkpoint slot falls back to the other slot, a corrupt checkpoint (both slots) is moved aside
+and the claims adopted from their CDI specs, and NRI ``Synchronize`` re-pins the running
+containers."""
 
 from __future__ import annotations
 
 import dataclasses
 import uuid
 
+import anyio
 import pytest
 
-from dracpu.sim.node import NodeSim, SimClaim, open_node_sim
+from dracpu.sim.node import NodeSim, SimClaim, open_node_sim, wait_until
 from tests.integration.conftest import checkpoint_claims, cpus, node_cpus
 
 pytestmark = pytest.mark.anyio
 
 FOREIGN_SPEC = "vendor.example-gpu.json"  # another vendor's CDI spec: never ours to touch
+KILL_ROUNDS = 3  # SIGKILL rounds under load (each a restart: about a second)
+CLAIMS_PER_ROUND = 8
 
 
 async def _prepare(sim: NodeSim, claim: SimClaim) -> set[int]:
@@ -58,6 +62,60 @@ async def test_a_killed_daemon_keeps_its_claims_and_repins_containers_at_synchro
         assert await _prepare(sim, claim) == held
         rest = sim.allocate("rest", 12, device="cpudevnuma000")
         assert await _prepare(sim, rest) == numa0 - held
+
+
+async def test_sigkill_amid_prepares_loses_no_answered_claim_and_holds_no_cpu_twice() -> None:
+    async with open_node_sim(shared_containers=2) as sim:
+        await sim.wait_published()
+        answered: dict[str, set[int]] = {}  # claims the kubelet was told are prepared
+        for round_ in range(KILL_ROUNDS):
+            claims = [sim.allocate(f"r{round_}-{n}", 1 + n % 2) for n in range(CLAIMS_PER_ROUND)]
+            unknown: list[SimClaim] = []  # calls that died with the daemon
+            first = anyio.Event()
+
+            async def prepare(claim: SimClaim, unknown: list[SimClaim], first: anyio.Event) -> None:
+                try:
+                    result = (await sim.prepare(claim))[claim.uid]
+                except Exception:  # grpcio's error of a call cut short by the kill
+                    unknown.append(claim)
+                    return
+                assert result.error == ""
+                answered[claim.uid] = cpus(sim.cdi_cpus(claim.uid) or "")
+                first.set()
+
+            async with anyio.create_task_group() as tg:
+                for claim in claims:
+                    tg.start_soon(prepare, claim, unknown, first)
+                await first.wait()  # the others are queued or in flight
+                assert await sim.daemon.kill() == -9
+            await sim.start_daemon()
+
+            saved = {
+                uid: cpus(c["cpus"]) for uid, c in checkpoint_claims(sim.paths.checkpoint).items()
+            }
+            # Every claim the kubelet was told about is held, on the CPUs it was told.
+            assert {uid: saved.get(uid) for uid in answered} == answered
+            # The kubelet's retry of a call that died gets the CPUs the daemon may have chosen
+            # before the kill, or new ones.
+            for claim in unknown:
+                assert (await sim.prepare(claim))[claim.uid].error == ""
+                got = cpus(sim.cdi_cpus(claim.uid) or "")
+                assert got == saved.get(claim.uid, got)
+                answered[claim.uid] = got
+            # No CPU is held twice.
+            held = [cpu for claim_cpus in answered.values() for cpu in claim_cpus]
+            assert len(held) == len(set(held))
+            assert len(answered) == (round_ + 1) * CLAIMS_PER_ROUND
+            # Synchronize re-pinned the shared containers off every claim held at the restart
+            # (a claim prepared later takes its CPUs when its container starts).
+            restored = set().union(*saved.values())
+            await wait_until(
+                "the shared containers re-pinned off the restored claims",
+                lambda: all(cpus(sim.cpus_of(c)).isdisjoint(restored) for c in sim.shared_ids()),  # noqa: B023
+                timeout=20,
+                failed=sim.daemon.exited,
+            )
+        assert sim.daemon.messages("error") == []
 
 
 async def test_cdi_specs_deleted_while_the_daemon_was_down_are_rewritten_at_start() -> None:
@@ -116,7 +174,8 @@ async def test_a_torn_newest_slot_falls_back_to_the_other_and_adopts_the_lost_cl
         first = sim.allocate("first", 2, device="cpudevnuma000")
         second = sim.allocate("second", 3, device="cpudevnuma001")
         held = {first.uid: await _prepare(sim, first), second.uid: await _prepare(sim, second)}
-        older, newest = sim.paths.checkpoint_slots  # two writes: slot 0, then slot 1
+        # Three writes: the start's in slot 0, the first claim's in slot 1, the second's in 0.
+        newest, older = sim.paths.checkpoint_slots
         assert sim.paths.checkpoint == newest
         assert await sim.daemon.kill() == -9
 
@@ -125,9 +184,9 @@ async def test_a_torn_newest_slot_falls_back_to_the_other_and_adopts_the_lost_cl
         newest.write_bytes(torn)
         await sim.start_daemon()
 
-        assert (sim.paths.state_dir / "checkpoint.1.json.corrupt-1").read_bytes() == torn
+        assert (sim.paths.state_dir / "checkpoint.json.corrupt-1").read_bytes() == torn
         assert any(
-            m.startswith(f"checkpoint {newest} is unusable") and f"using {older} (sequence 1)" in m
+            m.startswith(f"checkpoint {newest} is unusable") and f"using {older} (sequence 2)" in m
             for m in sim.daemon.messages("warning")
         )
         assert sim.daemon.messages("error") == []

@@ -5,7 +5,9 @@ machine for its restore."""
 from __future__ import annotations
 
 import atexit
+import errno
 import functools
+import os
 import shutil
 import tempfile
 import threading
@@ -13,14 +15,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from dracpu.adapters.checkpoint_file import CheckpointStore
 from dracpu.adapters.node_files import NodeFiles
 from dracpu.config import Config
+from dracpu.core.checkpoint_schema import CheckpointData
 from dracpu.core.effects import DeleteCdiSpec, Effect, WriteCdiSpec
 from dracpu.errors import CheckpointError
 from dracpu.sim.topologies import FIXTURES, write_sysfs
 from tests.fixtures import FAST_TMP
 
-__all__ = ["Files", "host_root"]
+__all__ = ["Files", "Flag", "host_root"]
 
 STEP = 10.0  # seconds a held effect waits at most for its gate (2 shared cores)
 
@@ -43,8 +47,10 @@ class Files(NodeFiles):
     """The real files, and faults: ``failing`` effects raise (once each) before they touch
     anything; ``bugs`` raise a non-DracpuError; ``gates`` hold an effect of that type (and
     ``claim_gates`` a CDI write or delete of that claim) in the worker thread until the test sets
-    the event. ``ran`` lists every effect begun, in order; ``on_loop`` whether each ran in the
-    event loop's thread (it never should)."""
+    the event; while ``full`` is set, the checkpoint's writes fail as on a full disk (its
+    ``pwrite`` does: what the store does about it is the real store's). ``ran`` lists every
+    effect begun, in order; ``checkpoint_tests`` the owner's tests of the state dir;
+    ``on_loop`` whether each ran in the event loop's thread (it never should)."""
 
     def __init__(self, config: Config) -> None:
         super().__init__(config.cdi_dir, config.checkpoint_path, config.device_metadata_dir)
@@ -56,6 +62,9 @@ class Files(NodeFiles):
         self.claim_gates: dict[str, threading.Event] = {}
         self.held: set[type[Effect]] = set()
         self.held_claims: set[str] = set()
+        self.full = False
+        self.checkpoint_tests: list[CheckpointData] = []
+        self._checkpoint = CheckpointStore(config.checkpoint_path, pwrite=self._pwrite)
 
     def run(self, effect: Effect) -> None:
         self.ran.append(effect)
@@ -74,6 +83,15 @@ class Files(NodeFiles):
             self.failing.remove(kind)
             raise CheckpointError(f"{kind.__name__}: No space left on device")
         super().run(effect)
+
+    def write_checkpoint(self, data: CheckpointData) -> None:
+        self.checkpoint_tests.append(data)
+        super().write_checkpoint(data)
+
+    def _pwrite(self, fd: int, buffer: memoryview, offset: int) -> int:
+        if self.full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return os.pwrite(fd, buffer, offset)
 
     @contextmanager
     def holding(self, kind: type[Effect]) -> Iterator[threading.Event]:
@@ -98,3 +116,22 @@ class Files(NodeFiles):
 
 def _claim_of(effect: Effect) -> str:
     return effect.claim_uid if isinstance(effect, WriteCdiSpec | DeleteCdiSpec) else ""
+
+
+class Flag:
+    """A readiness flag that remembers: ``reasons`` lists every not-ready reason set, in
+    order."""
+
+    def __init__(self) -> None:
+        self._ready = False
+        self.reasons: list[str] = []
+
+    def is_ready(self) -> bool:
+        return self._ready
+
+    def set_ready(self) -> None:
+        self._ready = True
+
+    def set_not_ready(self, reason: str) -> None:
+        self._ready = False
+        self.reasons.append(reason)

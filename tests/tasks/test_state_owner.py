@@ -9,6 +9,7 @@ owner meets the disk.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import uuid
@@ -59,7 +60,7 @@ from dracpu.tasks.slice_publisher import republish_channel
 from dracpu.tasks.state_owner import Request, StateOwner, create_request_stream, request
 from tests.fixtures import SysfsTrees
 from tests.tasks.both_backends import anyio_backend  # noqa: F401 (a fixture)
-from tests.tasks.owner_files import Files
+from tests.tasks.owner_files import Files, Flag
 
 pytestmark = pytest.mark.anyio
 
@@ -150,11 +151,16 @@ async def running(
     *,
     deadline: float = state_owner.COMMAND_DEADLINE,
     max_buffer_size: int = state_owner.COMMAND_QUEUE_SIZE,
+    state_dir: Flag | None = None,
+    full: bool = False,
     **changes: object,
 ) -> AsyncIterator[Node]:
-    """A restored owner serving commands; the effects of the restore are not in ``files.ran``."""
+    """A restored owner serving commands; the effects of the restore are not in ``files.ran``.
+    ``state_dir``: the owner's state-dir flag (its retries come every 20 ms); ``full``: the
+    checkpoint's writes fail from the start."""
     config = _config(trees, scratch, **changes)
     files = Files(config)
+    files.full = full
     updates: list[UpdateContainers] = []
     send: Send
     receive: Receive
@@ -165,6 +171,8 @@ async def running(
         container_updates=updates.append,
         files=files,
         command_deadline=deadline,
+        state_dir=state_dir,
+        retry_delays=lambda: itertools.repeat(0.02),
     )
     async with send, anyio.create_task_group() as tg:
         await tg.start(owner.run)
@@ -249,6 +257,71 @@ async def test_a_failed_checkpoint_write_keeps_the_old_state_and_puts_the_files_
         assert (stats.commands_applied, stats.commands_failed, stats.effects_failed) == (1, 1, 1)
         assert stats.by_command[("PrepareClaim", "failed")] == 1
         assert isinstance(await node.ask(_grouped(UID_B, 3)), ClaimPrepared)  # the owner goes on
+
+
+async def test_a_state_dir_full_at_start_is_waited_out_and_prepare_fails_per_claim(
+    trees: SysfsTrees, scratch: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    flag = Flag()
+    with caplog.at_level(logging.DEBUG, logger="dracpu"):
+        async with running(trees, scratch, state_dir=flag, full=True) as node:
+            slot = checkpoint_file.slot_paths(node.config.checkpoint_path)[0]
+            reason = f"cannot write checkpoint {slot}: No space left on device"
+            assert (flag.is_ready(), set(flag.reasons)) == (False, {reason})  # the start's test
+            with pytest.raises(CheckpointError) as refused:
+                await node.ask(_grouped(UID_A, 2))
+            assert str(refused.value) == reason
+            assert node.owner.state.claims == {}
+            assert _specs(node.config) == {}  # the spec written before the checkpoint is gone
+            assert not slot.exists()
+            stats = node.owner.statistics()
+            assert (stats.commands_failed, stats.effects_failed) == (1, 1)  # no rollback failure
+            # Retried between requests while it lasts, each a write of the committed state.
+            await until(lambda: len(node.files.checkpoint_tests) >= 3, "three retries")
+            assert not flag.is_ready()
+            node.files.full = False
+            await until(lambda: flag.is_ready(), "the state dir back")
+            assert _saved(node.config) == {}
+            prepared = await node.ask(_grouped(UID_A, 2))
+            assert isinstance(prepared, ClaimPrepared)
+            assert _saved(node.config) == {UID_A: prepared.cpus}
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [  # one line for the whole condition, however many tries
+        f"writing the checkpoint in {slot.parent} failed, retrying in 0.0 s: {reason}; "
+        "Prepare and Unprepare fail until then"
+    ]
+    assert any(
+        r.getMessage().startswith(f"writing the checkpoint in {slot.parent} works again after ")
+        for r in caplog.records
+    )
+
+
+async def test_a_state_dir_that_fills_up_keeps_every_claim_until_it_can_write_again(
+    trees: SysfsTrees, scratch: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    flag = Flag()
+    async with running(trees, scratch, state_dir=flag) as node:
+        assert flag.is_ready()
+        held = await node.ask(_grouped(UID_A, 2))
+        assert isinstance(held, ClaimPrepared)
+        node.files.full = True
+        with caplog.at_level(logging.WARNING, logger="dracpu"):
+            with pytest.raises(CheckpointError, match="No space left on device"):
+                await node.ask(_grouped(UID_B, 3))
+            with pytest.raises(CheckpointError, match="No space left on device"):
+                await node.ask(UnprepareClaim(UID_A))
+        # Nothing lost: A is held, its spec is back, the checkpoint still says so; B holds nothing.
+        assert {uid: c.cpus for uid, c in node.owner.state.claims.items()} == {UID_A: held.cpus}
+        assert _specs(node.config) == {UID_A: held.cpus}
+        assert _saved(node.config) == {UID_A: held.cpus}
+        assert not flag.is_ready()
+        # Undoing the checkpoint writes that left nothing is no write, hence no error.
+        assert not [r for r in caplog.records if "rollback" in r.getMessage()]
+        assert node.owner.statistics().effects_failed == 2
+        node.files.full = False
+        await until(lambda: flag.is_ready(), "the state dir back")
+        assert await node.ask(UnprepareClaim(UID_A)) == ClaimUnprepared(UID_A, held.cpus)
+        assert _saved(node.config) == {}
 
 
 async def test_a_failed_batch_leaves_no_trace_of_the_effects_that_never_began(
@@ -649,18 +722,21 @@ async def test_a_fresh_node_restores_empty_and_hands_its_devices_to_the_publishe
         assert dict(state.claims) == {}
         assert [d.name for d in owner.devices()] == [f"cpudevnuma00{n}" for n in range(4)]
         assert receive.receive_nowait() == "resync"
-    # nothing to persist yet: no slot written
-    assert not any(p.exists() for p in checkpoint_file.slot_paths(config.checkpoint_path))
+    # An empty checkpoint in slot 0: the proof that the state dir takes writes, before the
+    # first Prepare needs it.
+    zero, one = checkpoint_file.slot_paths(config.checkpoint_path)
+    assert decode(zero.read_bytes()) == StoredCheckpoint(CheckpointData(), 1)
+    assert not one.exists()
 
 
-def _owner(config: Config) -> StateOwner:
+def _owner(config: Config, **options: Any) -> StateOwner:
     """An owner to restore only (its command stream is closed: it serves nothing)."""
     send: Send
     receive: Receive
     send, receive = create_request_stream()
     send.close()
     receive.close()
-    return StateOwner(config, receive)
+    return StateOwner(config, receive, **options)
 
 
 async def test_restore_keeps_fitting_claims_drops_others_and_rewrites_specs(
@@ -745,9 +821,10 @@ async def test_prepares_checkpoint_into_alternate_slots_and_a_restart_takes_the_
         await node.ask(_grouped(UID_A, 2))
         await node.ask(_grouped(UID_B, 3))
         state = node.owner.state
+    # The start wrote slot 0 (sequence 1), A's Prepare slot 1, B's slot 0 again.
     zero, one = checkpoint_file.slot_paths(node.config.checkpoint_path)
-    assert dict(decode(zero.read_bytes()).data.claims) == {UID_A: state.claims[UID_A]}
-    assert decode(one.read_bytes()) == StoredCheckpoint(state.checkpoint(), 2)
+    assert dict(decode(one.read_bytes()).data.claims) == {UID_A: state.claims[UID_A]}
+    assert decode(zero.read_bytes()) == StoredCheckpoint(state.checkpoint(), 3)
     restarted = await _owner(node.config).restore()
     assert dict(restarted.claims) == dict(state.claims)
 
@@ -761,9 +838,10 @@ async def test_a_prepare_whose_checkpoint_write_was_torn_is_adopted_from_its_cdi
         state = node.owner.state
     config = node.config
     # The power failed in the middle of B's checkpoint write (after its CDI spec was written):
-    # that write was never acknowledged, so the kubelet still thinks B is unprepared.
+    # that write was never acknowledged, so the kubelet still thinks B is unprepared. (The start
+    # wrote slot 0, A's Prepare slot 1, B's slot 0.)
     zero, one = checkpoint_file.slot_paths(config.checkpoint_path)
-    one.write_bytes(one.read_bytes()[:100])
+    zero.write_bytes(zero.read_bytes()[:100])
     with caplog.at_level(logging.WARNING, logger="dracpu"):
         restarted = await _owner(config).restore()
     assert {uid: c.cpus for uid, c in restarted.claims.items()} == {
@@ -773,13 +851,13 @@ async def test_a_prepare_whose_checkpoint_write_was_torn_is_adopted_from_its_cdi
     assert restarted.claims[UID_B].results == ()  # adopted from its spec: the kubelet's retry
     assert _saved(config) == {uid: c.cpus for uid, c in state.claims.items()}
     messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any(f"using {zero} (sequence 1)" in m for m in messages)
+    assert any(f"using {one} (sequence 2)" in m for m in messages)
     assert any(
         f"adopted 1 claims from CDI specs the checkpoint lacked: ['{UID_B}']" in m for m in messages
     )
 
 
-async def test_a_failed_adoption_fails_the_start_and_keeps_the_specs(
+async def test_a_failed_adoption_keeps_the_claims_and_the_specs(
     trees: SysfsTrees, scratch: Path
 ) -> None:
     config = _config(trees, scratch)
@@ -787,15 +865,25 @@ async def test_a_failed_adoption_fails_the_start_and_keeps_the_specs(
     cdi_files.write_spec(config.cdi_dir, UID_B, CpuSet.parse("8-9"))  # only its spec knows it
     before = _saved(config)
     files = Files(config)
-    files.failing.append(WriteCheckpoint)
-    owner = _owner(config)
-    owner._files = files
-    with pytest.raises(DracpuError, match=r"start-up AdoptClaims failed, not starting: .*No space"):
-        await owner.restore()
-    # Neither rolled back nor pruned: the next start can still adopt the claim.
-    assert [type(e) for e in files.ran] == [WriteCdiSpec, WriteCheckpoint]
-    assert _specs(config) == {UID_B: CpuSet.parse("8-9")}
+    files.full = True
+    flag = Flag()
+    owner = _owner(config, files=files, state_dir=flag)
+    state = await owner.restore()
+    # Neither rolled back nor pruned: the specs stay their record, and the claim is held.
+    assert {uid: c.cpus for uid, c in state.claims.items()} == {
+        UID_A: CpuSet.parse("4-5"),
+        UID_B: CpuSet.parse("8-9"),
+    }
+    assert _specs(config) == {UID_A: CpuSet.parse("4-5"), UID_B: CpuSet.parse("8-9")}
     assert _saved(config) == before
+    slot = checkpoint_file.slot_paths(config.checkpoint_path)[1]
+    assert set(flag.reasons) == {f"cannot write checkpoint {slot}: No space left on device"}
+    assert not slot.exists()  # the slot the failed writes created is gone again
+    # The state dir's next test writes them down.
+    files.full = False
+    await owner._write_checkpoint()
+    assert _saved(config) == {UID_A: CpuSet.parse("4-5"), UID_B: CpuSet.parse("8-9")}
+    assert flag.is_ready()
 
 
 async def test_prune_removes_only_our_specs_that_are_not_kept(scratch: Path) -> None:

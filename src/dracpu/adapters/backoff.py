@@ -9,6 +9,8 @@ log lines that say each change of a failure once.
 - :class:`RetryLog`: what a retry loop logs. An outage of an hour retried every few seconds
   must not write a thousand identical lines, yet the operator must see when it began, when its
   cause changed and when it ended.
+- :class:`Health`: where a retry loop reports the condition it waits out (a readiness flag:
+  ``/readyz`` shows the reason, ``dracpu_task_ready`` the state).
 
 Cancellation is never caught here: anyio cancels with ``asyncio.CancelledError`` /
 ``trio.Cancelled``, both ``BaseException``.
@@ -20,6 +22,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import anyio
 
@@ -28,6 +31,7 @@ __all__ = [
     "DEFAULT_FACTOR",
     "DEFAULT_INITIAL",
     "DEFAULT_JITTER",
+    "Health",
     "Pause",
     "RetryLog",
     "backoff_delays",
@@ -67,6 +71,15 @@ def backoff_delays(
         yield min(cap, max(0.0, scaled))
         count += 1
         base = min(cap, base * factor)  # stays finite: never grows past cap
+
+
+class Health(Protocol):
+    """Where a condition that is waited out goes (:class:`dracpu.tasks.http.ReadinessFlag` is
+    one)."""
+
+    def set_ready(self) -> None: ...
+
+    def set_not_ready(self, reason: str) -> None: ...
 
 
 class Pause:

@@ -184,7 +184,8 @@ def write_spec(cdi_dir: str | os.PathLike[str], claim_uid: str, cpus: CpuSet) ->
     Temp file in the same dir (mode 0644, never a ``.json`` name) → write → rename over
     ``dra.k8s.io-cpu_claim-<uid>.json``; no fsync (see the module docstring). The dir is
     created if missing. On any failure the temp file is removed and an existing spec is left as
-    it was.
+    it was; a spec that holds these bytes already is no failure when no file can be created
+    (:func:`write_atomically`).
     """
     data = spec_bytes(claim_uid, cpus)  # validates uid and cpuset before touching the disk
     directory = os.fspath(cdi_dir)
@@ -204,7 +205,8 @@ def write_atomically(
     a temp file ``.<name>.tmp-<random>`` in the same dir (mode 0644) → write → rename over the
     final name; no fsync. ``make_dir(directory)`` creates the dir when the temp file cannot be
     (it exists, almost always). On any failure the temp file is removed, an existing file is
-    left as it was, and :class:`CdiError` says ``cannot write <what> '<path>': <reason>``.
+    left as it was, and :class:`CdiError` says ``cannot write <what> '<path>': <reason>``; when
+    no temp file can be created but the file holds ``data`` already, there is nothing to do.
 
     On the Prepare path: plain string paths (pathlib's parsing was a large part of a spec
     write's Python time, ``cdi.write_spec`` in ``bench/bench_cdi.py``).
@@ -214,6 +216,10 @@ def write_atomically(
     try:
         fd = _create(temp, directory, make_dir)
     except OSError as exc:  # the temp file's random name would only make the message vary
+        if _holds(final, data):
+            # Nothing to write (a rollback of a delete that never happened, on a read-only or
+            # full file system): no failure.
+            return final
         raise CdiError(f"cannot write {what} {final!r}: {exc.strerror or exc}") from exc
     renamed = False
     try:
@@ -231,6 +237,15 @@ def write_atomically(
             with contextlib.suppress(OSError):
                 os.unlink(temp)
     return final
+
+
+def _holds(path: str, data: bytes) -> bool:
+    """Whether the regular file ``path`` holds exactly ``data``."""
+    try:
+        with open(path, "rb") as file:
+            return os.fstat(file.fileno()).st_size == len(data) and file.read() == data
+    except OSError:
+        return False
 
 
 def _create(temp: str, directory: str, make_dir: Callable[[str], None]) -> int:

@@ -27,11 +27,19 @@ sectors) can only damage the other slot, whose new content was never acknowledge
 - no file yet: created (``O_CREAT|O_EXCL``, 0600), written, ``fsync``, then the directory is
   fsynced so the new entry is durable (only on creation).
 
-A failed write raises :class:`CheckpointError` naming the file and changes nothing in what the
-store takes for the newest slot: the next write (the state owner's rollback) goes to the same
-slot again, with the same sequence number. Its first byte is overwritten (best effort) so that the
-slot does not decode: a write that failed in ``fdatasync`` has its complete new document in the
-page cache, and a restart must not take that unacknowledged document for the newest.
+A failed write raises :class:`CheckpointError` naming the file and the cause in words, and
+changes nothing in what the store takes for the newest slot: the next write goes to the same
+slot again, with the same sequence number. What it leaves in that slot never decodes: a
+document cut short never does (the checksum covers all of it), and a slot the write created is
+removed again (a full disk: an empty slot would be moved aside as damaged at the next start); a
+document that got in whole (the ``fdatasync`` failed: the complete new document is in the page
+cache) has its first byte overwritten, best effort, so that a restart never takes the
+unacknowledged document for the newest. A full disk stops a write only when its slot must be
+created or grow: the blocks of an existing slot are its own. The state owner's rollback then
+writes the old content again; with ``skip_unchanged``
+a write of the content the newest slot already holds is skipped unless a failed write may have
+left a newer document (that best effort failed), so undoing a write that left nothing is no
+write, and no error on a disk that is still full or read-only.
 
 Restore (:meth:`CheckpointStore.restore`): both slots are read first; one that exists but
 cannot be read (permissions, I/O error, a directory in the way) raises :class:`CheckpointError`
@@ -223,6 +231,12 @@ class CheckpointStore:
         self._extent: list[int | None] = [None, None]
         # Per slot: created by this store, but its directory entry is not known durable yet.
         self._entry_pending = [False, False]
+        self._written = 0  # bytes of the slot write in progress that are in the file
+        # The content of the newest slot (None: not read yet), and whether a failed write may
+        # have left a newer valid document in the other slot (then the same content is written
+        # again all the same: see the module docstring).
+        self._current: CheckpointData | None = None
+        self._leftover = False
 
     @property
     def path(self) -> Path:
@@ -258,12 +272,16 @@ class CheckpointStore:
         )
         return stored.data
 
-    def write(self, data: CheckpointData) -> None:
+    def write(self, data: CheckpointData, *, skip_unchanged: bool = False) -> None:
         """Make ``data`` the newest checkpoint, durably, before returning (see the module
-        docstring); :class:`CheckpointError` naming the file if it cannot."""
+        docstring); :class:`CheckpointError` naming the file and the cause if it cannot.
+        ``skip_unchanged``: write nothing when the newest slot holds ``data`` already and no
+        failed write may have left a newer document."""
         if not self._known:
             slots = _read_slots(self.slots)
             self._learn(slots, _newest(slots))
+        if skip_unchanged and not self._leftover and data == self._current:
+            return
         target = 0 if self._newest is None else 1 - self._newest
         sequence = self._sequence + 1
         raw = encode(data, sequence)
@@ -271,12 +289,16 @@ class CheckpointStore:
         extent, self._extent[target] = self._extent[target], None  # unknown until it is done
         try:
             self._write_slot(target, raw, extent)
-        except OSError as exc:
-            self._spoil(path)
-            raise CheckpointError(f"cannot write checkpoint {path}: {exc}") from exc
+        except _SlotWriteError as failed:
+            self._leftover = failed.whole and not self._spoil(path)
+            raise CheckpointError(f"cannot write checkpoint {failed.describe(path)}") from (
+                failed.__cause__
+            )
         self._extent[target] = len(raw)
         self._newest = target
         self._sequence = sequence
+        self._current = data
+        self._leftover = False
 
     # --- internals ---------------------------------------------------------------------------
 
@@ -285,6 +307,7 @@ class CheckpointStore:
         self._newest = newest
         stored = None if newest is None else slots[newest].stored
         self._sequence = 0 if stored is None else stored.sequence
+        self._current = CheckpointData() if stored is None else stored.data
         self._extent = [slot.extent for slot in slots]
 
     def _move_aside(self, slot: _Slot, used: _Slot | None) -> None:
@@ -317,56 +340,94 @@ class CheckpointStore:
 
     def _write_slot(self, index: int, raw: bytes, extent: int | None) -> None:
         """``raw`` at offset 0 of slot ``index``, padded with spaces, synced (see the module
-        docstring)."""
+        docstring); :class:`_SlotWriteError` when it fails (a slot it created and could not
+        write whole is removed again)."""
         path = self.slots[index]
         created = False
+        self._written = 0
+        try:
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                try:
+                    _ensure_dir(path.parent)
+                except OSError as exc:
+                    raise _SlotWriteError(f"dir {path.parent}", whole=False) from exc
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+                created = True
+                self._entry_pending[index] = True
+            try:
+                if created:
+                    os.fchmod(fd, FILE_MODE)  # the mode of os.open is masked by the umask
+                size = os.fstat(fd).st_size
+                end = max(len(raw), size if extent is None else extent)
+                if end > size:  # the file grows: by whole steps
+                    end = -(-end // GROWTH_STEP) * GROWTH_STEP
+                self._pwrite_all(fd, raw + b" " * (end - len(raw)) if end > len(raw) else raw)
+                if created:
+                    self._fsync(fd)
+                else:
+                    self._fdatasync(fd)
+            finally:
+                os.close(fd)
+            if self._entry_pending[index]:
+                _fsync_dir(path.parent, self._fsync)
+                self._entry_pending[index] = False
+        except OSError as exc:
+            # A document cut short is never valid (its checksum covers all of it): only a whole
+            # one needs marking. A slot this write created holds nothing else: it goes again.
+            whole = self._written >= len(raw)
+            if created and not whole and _remove_quietly(path):
+                self._entry_pending[index] = False
+            raise _SlotWriteError(None, whole=whole) from exc
+
+    def _spoil(self, path: Path) -> bool:
+        """Best effort after a failed write: make ``path`` not decode (see the module
+        docstring); whether it does not (if even this fails, the slot holds what the failed
+        write left)."""
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
         except FileNotFoundError:
-            _ensure_dir(path.parent)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
-            created = True
-            self._entry_pending[index] = True
-        try:
-            if created:
-                os.fchmod(fd, FILE_MODE)  # the mode of os.open is masked by the umask
-            size = os.fstat(fd).st_size
-            end = max(len(raw), size if extent is None else extent)
-            if end > size:  # the file grows: by whole steps
-                end = -(-end // GROWTH_STEP) * GROWTH_STEP
-            self._pwrite_all(fd, raw + b" " * (end - len(raw)) if end > len(raw) else raw)
-            if created:
-                self._fsync(fd)
-            else:
-                self._fdatasync(fd)
-        finally:
-            os.close(fd)
-        if self._entry_pending[index]:
-            _fsync_dir(path.parent, self._fsync)
-            self._entry_pending[index] = False
-
-    def _spoil(self, path: Path) -> None:
-        """Best effort after a failed write: make ``path`` not decode (see the module
-        docstring); if even this fails, the slot holds what the failed write left."""
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-        except OSError:
-            return
+            return True
+        except OSError as exc:
+            logger.warning("cannot mark the failed checkpoint write of %s: %s", path, exc)
+            return False
         try:
             self._pwrite(fd, memoryview(_SPOILER), 0)
         except OSError as exc:
             logger.warning("cannot mark the failed checkpoint write of %s: %s", path, exc)
+            return False
         finally:
             os.close(fd)
+        return True
 
     def _pwrite_all(self, fd: int, buffer: bytes) -> None:
+        """``buffer`` at offset 0; :attr:`_written` says how far it got."""
         view = memoryview(buffer)
-        offset = 0
-        while offset < len(buffer):
+        while self._written < len(buffer):
+            offset = self._written
             written = self._pwrite(fd, view[offset:], offset)
             if written <= 0:
                 raise OSError(errno.EIO, f"pwrite wrote {written} bytes at offset {offset}")
-            offset += written
+            self._written += written
+
+
+class _SlotWriteError(Exception):
+    """A slot write failed (the ``OSError`` is the cause); ``whole``: the new document was
+    written whole before it did (its padding or sync failed). ``what`` names what failed when
+    it was not the slot itself (its dir)."""
+
+    def __init__(self, what: str | None, *, whole: bool) -> None:
+        super().__init__(what)
+        self.what = what
+        self.whole = whole
+
+    def describe(self, path: Path) -> str:
+        """``<path>: <cause in words>`` for the error message."""
+        cause = self.__cause__
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)
+        where = str(path) if self.what is None else f"{path}: cannot create its {self.what}"
+        return f"{where}: {reason}"
 
 
 # --- files ----------------------------------------------------------------------------------------
@@ -385,6 +446,17 @@ def _ensure_dir(directory: Path) -> None:
         return
     directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
     directory.chmod(DIR_MODE)  # mkdir's mode is masked by the umask
+
+
+def _remove_quietly(path: Path) -> bool:
+    """Remove ``path``; whether it is gone."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return True
 
 
 def _move_aside(path: Path) -> Path:

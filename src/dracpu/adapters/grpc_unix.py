@@ -11,6 +11,8 @@ anything with ``__mapping__``) on a unix socket path for the life of an ``async 
   parse is answered ``INVALID_ARGUMENT`` naming the message type and the problem (grpclib's own
   codec would let the exception escape as ``UNKNOWN``), and the server keeps serving; an answer
   sent many times may be encoded once and sent as :class:`Encoded` bytes;
+- a connection remembers how its last :data:`CLOSED_STREAMS_KEPT` streams ended, not h2's
+  2**16 (see there): the kubelet keeps its connection for the life of the plugin;
 - the rest is grpclib's: HTTP/2 by python-hyper ``h2``, one task per call, the call's
   ``grpc-timeout`` (the handler is cancelled when it passes and the call ends
   ``DEADLINE_EXCEEDED``; grpclib starts the clock when the request's head has been read), a
@@ -51,6 +53,7 @@ import anyio
 import anyio.lowlevel
 import grpclib.const
 import grpclib.server
+import h2.connection
 import h2.exceptions
 from grpclib._typing import IServable
 from grpclib.const import Status
@@ -62,6 +65,7 @@ from dracpu.adapters.socket_files import BACKLOG, listening_socket
 from dracpu.errors import DracpuError
 
 __all__ = [
+    "CLOSED_STREAMS_KEPT",
     "STOP_TIMEOUT",
     "Encoded",
     "GrpcUnixServer",
@@ -80,6 +84,18 @@ logger = logging.getLogger(__name__)
 # need to notice the cancellation. Bounded so a stuck handler cannot hold up the daemon's 5 s
 # stop.
 STOP_TIMEOUT = 1.0
+
+# h2 remembers how each closed stream of a connection ended, to answer a frame that arrives for
+# it late (a RST_STREAM back for a stream it reset; python-hyper/h2#48), in an ordered dict of
+# up to H2Connection.MAX_CLOSED_STREAMS entries, 2**16 by default: one more per call until then.
+# The kubelet keeps its connection to the DRA socket for the life of the plugin and makes two
+# calls per pod (Prepare, Unprepare), so the daemon's memory would grow for some 30,000 pods. A
+# late frame trails its stream by a round trip on a unix socket, while a peer may have at most
+# 100 streams open (h2's SETTINGS_MAX_CONCURRENT_STREAMS): ten times that covers it. Set on the
+# class (grpclib builds the h2 connection itself), so every h2 connection of the process keeps
+# this many.
+CLOSED_STREAMS_KEPT = 1024
+h2.connection.H2Connection.MAX_CLOSED_STREAMS = CLOSED_STREAMS_KEPT
 # Event-loop turns the stop lets pass for connections already accepted to be set up: asyncio
 # needs two (its accept task makes the protocol and the transport, which then calls
 # connection_made), a few more while a protocol still waits for its connection; a peer that

@@ -5,7 +5,9 @@ The state owner (:mod:`dracpu.tasks.state_owner`) runs the file effects of
 :mod:`dracpu.core.effects` (``WriteCdiSpec``, ``DeleteCdiSpec``, ``PruneCdiSpecs``,
 ``WriteDeviceMetadata``, ``DeleteDeviceMetadata``, ``PruneDeviceMetadata``,
 ``WriteCheckpoint``) through :meth:`NodeFiles.run_batch`, and reads the files back at start
-(:meth:`NodeFiles.restore_checkpoint`, :meth:`NodeFiles.our_specs`). Every call blocks (a
+(:meth:`NodeFiles.restore_checkpoint`, :meth:`NodeFiles.our_specs`); it writes the checkpoint
+of the state it holds with :meth:`NodeFiles.write_checkpoint` at start and while the state dir
+cannot be written (a test of it, see :mod:`dracpu.tasks.state_owner`). Every call blocks (a
 written checkpoint is ``fdatasync``-ed, a deleted spec's directory ``fsync``-ed): the owner makes
 them in a worker thread, never on the event loop. The formats and the crash-safety rules are
 :mod:`dracpu.adapters.cdi_files`, :mod:`dracpu.adapters.metadata_files` and
@@ -91,9 +93,16 @@ class NodeFiles:
                 if gone:
                     logger.info("removed device metadata no prepared claim owns: %s", gone)
             case WriteCheckpoint(checkpoint=data):
-                self._checkpoint.write(data)
+                # The same content as the newest checkpoint is the rollback of a write that
+                # failed and left nothing: no write, hence no error on a disk still full.
+                self._checkpoint.write(data, skip_unchanged=True)
             case _:
                 raise DracpuError(f"{type(effect).__name__} is not a file effect")
+
+    def write_checkpoint(self, data: CheckpointData) -> None:
+        """Write ``data`` as the newest checkpoint even when it is so already (whether the
+        state dir takes writes); :class:`~dracpu.errors.CheckpointError` when it cannot."""
+        self._checkpoint.write(data)
 
     def restore_checkpoint(self) -> CheckpointData:
         """The newest valid checkpoint (missing: no claims; corrupt: moved aside, no claims);

@@ -384,6 +384,9 @@ def _release(state: NodeState, uids: Iterable[str]) -> NodeState:
 
 def unprepare(state: NodeState, command: UnprepareClaim) -> tuple[NodeState, list[Effect]]:
     uid = command.claim_uid
+    if not is_valid_claim_uid(uid):
+        # As Prepare: a UID that names no spec file must not reach the CDI effects.
+        raise ClaimError(f"cannot unprepare claim {uid!r}: its UID is not an RFC 4122 UUID")
     existing = state.claims.get(uid)
     if existing is None:
         # Unknown: success; still remove files a failed earlier attempt may have left.

@@ -49,14 +49,13 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Protocol
 
 import anyio
 import anyio.abc
 from watchfiles import Change, awatch
 
 from dracpu.adapters import cdi_files
-from dracpu.adapters.backoff import RetryLog, backoff_delays
+from dracpu.adapters.backoff import Health, RetryLog, backoff_delays
 from dracpu.core.cdi_spec import claim_uid_from_file_name, plan_reconcile
 from dracpu.core.cpuset import CpuSet
 from dracpu.errors import CdiError
@@ -211,14 +210,6 @@ def reconcile(
     return reconcile_scan(
         cdi_dir, scan, desired, only=only, orphan_grace=orphan_grace, stale_age=stale_age
     )
-
-
-class Health(Protocol):
-    """Where the dir's condition goes (:class:`dracpu.tasks.http.ReadinessFlag` is one)."""
-
-    def set_ready(self) -> None: ...
-
-    def set_not_ready(self, reason: str) -> None: ...
 
 
 class _Ending(enum.Enum):

@@ -302,10 +302,8 @@ class DraService:
             raise DracpuError(
                 f"ResourceClaim {ref.namespace}/{ref.name} (UID {ref.uid}) not found"
             ) from exc
-        except KubeAPIError as exc:
-            raise DracpuError(
-                f"cannot get ResourceClaim {ref.namespace}/{ref.name}: {exc}"
-            ) from exc
+        except KubeAPIError as exc:  # it names the operation, the server and the cause
+            raise DracpuError(str(exc)) from exc
         allocation = read_claim(obj, uid=ref.uid, pool=self._node_name, driver=self._driver)
         return obj, allocation
 

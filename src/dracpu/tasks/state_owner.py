@@ -16,8 +16,11 @@ their effects are one concept, kept in one place; what a command does to the sta
    reported unhealthy);
 3. adopt the claims whose CDI spec of ours exists but which the checkpoint lacks
    (:class:`~dracpu.core.commands.AdoptClaims`: an upgrade from the upstream driver, a lost
-   checkpoint); if that fails the start fails, since the specs are the only record of them;
-4. :class:`~dracpu.core.commands.Resync`: rewrite the CDI spec of every prepared claim (a
+   checkpoint); they are kept even when their files cannot be written (the specs stay their
+   record until the checkpoint holds them: never rolled back, never pruned);
+4. write the checkpoint of the restored state: it drops the refused claims, holds the adopted
+   ones, and proves that the state dir takes writes (see "The state dir" below);
+5. :class:`~dracpu.core.commands.Resync`: rewrite the CDI spec of every prepared claim (a
    reboot empties ``/var/run/cdi``), delete the specs of ours that no prepared claim owns, and
    hand the devices to the slice publisher.
 
@@ -48,6 +51,17 @@ a republish request to the slice publisher). After each commit the health board 
 devices to report when the node config changed (a SIGHUP's ``Resync``) or the claims on CPUs
 that went offline did (:meth:`StateOwner._follow_health`).
 
+The state dir: a checkpoint that cannot be written (a read-only or full file system, a missing
+dir that cannot be created) is waited out, never a reason to exit (a DaemonSet would crash-loop,
+and while it is down the runtime creates containers without pinning). Every command that writes
+the checkpoint fails meanwhile and is rolled back (Prepare and Unprepare fail per claim, naming
+the file and the cause); what runs keeps running (container events write no checkpoint). The
+owner reports the condition on its ``state_dir`` flag (``/readyz`` shows the reason; the daemon
+names the flag ``state-dir``), logs each change of it once
+(:class:`~dracpu.adapters.backoff.RetryLog`), and between requests writes the checkpoint of the
+committed state again after a backoff (0.25 s growing to 2 s): the first write that works, its
+own or a command's, turns the flag ready.
+
 Errors: a :class:`~dracpu.errors.DracpuError` from an effect is an expected failure (a full
 disk): answered, logged, counted (``apply`` answers bad input itself, with the old state). Any
 other exception is a bug: the requester is answered with a DracpuError wrapping it, then the
@@ -74,7 +88,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from types import MappingProxyType
@@ -93,6 +107,7 @@ from anyio import (
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from dracpu.adapters.backoff import Health, RetryLog, backoff_delays
 from dracpu.adapters.node_files import FILE_EFFECTS, NodeFiles
 from dracpu.adapters.sysfs import read_topology
 from dracpu.config import Config
@@ -114,7 +129,7 @@ from dracpu.core.node_config import NodeConfig
 from dracpu.core.reconfigure import stranded_claims
 from dracpu.core.slices import Device
 from dracpu.core.state import NodeState, apply, commit_phase, restore_state, rollback
-from dracpu.errors import CdiError, DracpuError
+from dracpu.errors import CdiError, CheckpointError, DracpuError
 from dracpu.tasks.device_health import DeviceHealthBoard
 from dracpu.tasks.slice_publisher import request_republish
 
@@ -140,6 +155,11 @@ COMMAND_QUEUE_SIZE = 64
 # fsync) and hand-offs to other tasks; 4 s leaves room for a slow fsync and keeps a graceful
 # stop within the daemon's 5 s.
 COMMAND_DEADLINE = 4.0
+
+# Retries of a checkpoint that cannot be written (as the CDI dir's, tasks/cdi_watcher): quick
+# at first (a mount being set up, space being freed), then every 2 s at most. Every Prepare fails
+# until one works: the state dir must be used again within seconds of its repair.
+_STATE_DIR_RETRY = partial(backoff_delays, initial=0.25, cap=2.0)
 
 # A claim's CDI change before a batch marked it: none (the key was absent).
 _UNMARKED = object()
@@ -241,7 +261,9 @@ class StateOwner:
     ends). ``republish``: the sending end of the slice publisher's republish channel;
     ``container_updates``: where ``UpdateContainers`` effects go (``None``: dropped with a debug
     log, the next NRI ``Synchronize`` re-pins every container anyway). ``files``: the CDI specs
-    and the checkpoint (default: the config's directories).
+    and the checkpoint (default: the config's directories). ``state_dir``: told whether the
+    checkpoint can be written, with the reason when not; ``retry_delays`` makes the delays
+    between the writes that test it meanwhile.
     """
 
     def __init__(
@@ -253,6 +275,8 @@ class StateOwner:
         container_updates: ContainerUpdates | None = None,
         files: NodeFiles | None = None,
         command_deadline: float = COMMAND_DEADLINE,
+        state_dir: Health | None = None,
+        retry_delays: Callable[[], Iterator[float]] = _STATE_DIR_RETRY,
     ) -> None:
         self.config = config
         self._receive = receive
@@ -277,6 +301,14 @@ class StateOwner:
         self._failed = 0
         self._effects_failed = 0
         self._by_command: Counter[tuple[str, str]] = Counter()
+        # The state dir's condition: the next test of it while the checkpoint cannot be written.
+        self._state_dir = state_dir
+        self._retry_delays = retry_delays
+        self._dir_log = RetryLog(
+            logger, f"writing the checkpoint in {self._files.checkpoint_path.parent}"
+        )
+        self._dir_delays: Iterator[float] | None = None
+        self._dir_retry_at: float | None = None  # None: the checkpoint can be written
 
     # --- what other tasks read -------------------------------------------------------------------
 
@@ -325,11 +357,53 @@ class StateOwner:
         try:
             await self.restore()
             task_status.started()
-            async for req in self._receive:
+            while (req := await self._next_request()) is not None:
                 await self._handle(req)
         finally:
             self._refuse_queued()
             self._receive.close()
+
+    async def _next_request(self) -> Request[Command] | None:
+        """The next request (``None``: every send side is closed); while the checkpoint cannot
+        be written, it is written again whenever its retry is due."""
+        while True:
+            retry_at = self._dir_retry_at
+            with anyio.CancelScope(deadline=math.inf if retry_at is None else retry_at):
+                try:
+                    return await self._receive.receive()
+                except EndOfStream:
+                    return None
+            await self._write_checkpoint()
+
+    async def _write_checkpoint(self) -> None:
+        """Write the committed state's checkpoint (even unchanged): the state dir's test."""
+        data = self.state.checkpoint()
+        try:
+            await anyio.to_thread.run_sync(
+                self._files.write_checkpoint, data, limiter=self._files_limiter
+            )
+        except CheckpointError as error:
+            self._state_dir_failed(error)
+        else:
+            self._state_dir_works()
+
+    def _state_dir_failed(self, error: CheckpointError) -> None:
+        if self._dir_delays is None:
+            self._dir_delays = self._retry_delays()
+        delay = next(self._dir_delays)
+        self._dir_retry_at = anyio.current_time() + delay
+        problem = str(error)
+        self._dir_log.failed(
+            f"{problem}; Prepare and Unprepare fail until then", retry_in=delay, level=logging.ERROR
+        )
+        if self._state_dir is not None:
+            self._state_dir.set_not_ready(problem)
+
+    def _state_dir_works(self) -> None:
+        self._dir_delays = self._dir_retry_at = None
+        self._dir_log.recovered()
+        if self._state_dir is not None:
+            self._state_dir.set_ready()
 
     def _refuse_queued(self) -> None:
         while True:
@@ -410,8 +484,14 @@ class StateOwner:
                     end += 1
                 await self._run_files(effects[index:end], started)
                 index = end
+            if self._dir_retry_at is not None and any(
+                isinstance(effect, WriteCheckpoint) for effect in effects
+            ):
+                self._state_dir_works()
         except DracpuError as error:
             self._effects_failed += 1
+            if isinstance(error, CheckpointError):
+                self._state_dir_failed(error)
             raise _CommitFailed(error, started) from error
         except anyio.get_cancelled_exc_class():
             if started:  # the deadline passed; the effects begun have all run to their end
@@ -486,6 +566,13 @@ class StateOwner:
                 try:
                     await self._execute(effect)
                 except DracpuError as exc:
+                    if str(exc) == str(error):
+                        # The undo of the effect that failed, failing the same way: that effect
+                        # left its file as it was (a spec is written by rename, a checkpoint
+                        # slot the store could not mark says so itself), so there is nothing
+                        # to put back, and nothing new to report.
+                        logger.debug("%s: rollback effect %s: %s", name, _kind(effect), exc)
+                        continue
                     self._effects_failed += 1
                     logger.error("%s: rollback effect %s failed: %s", name, _kind(effect), exc)
         if scope.cancelled_caught:
@@ -590,22 +677,20 @@ class StateOwner:
             "restored %d prepared claims from %s", len(state.claims), config.checkpoint_path
         )
         self._state = state
-        adopted = await self._adopt()
-        if refused and not adopted:  # the checkpoint must hold exactly the claims we keep
-            try:
-                await self._execute(WriteCheckpoint(self.state.checkpoint()))
-            except DracpuError as error:
-                logger.error("start-up checkpoint write failed: %s", error)
+        await self._adopt()
+        # The checkpoint must hold exactly the claims we keep (refused ones dropped, adopted ones
+        # added); and whether the state dir takes writes is known before the first Prepare.
+        await self._write_checkpoint()
         await self._start_command(Resync())
         return self.state
 
-    async def _adopt(self) -> bool:
-        """Adopt our CDI specs that the checkpoint lacks; whether the checkpoint was written."""
+    async def _adopt(self) -> None:
+        """Adopt our CDI specs that the checkpoint lacks."""
         try:
             specs = await anyio.to_thread.run_sync(self._files.our_specs)
         except CdiError as exc:
             logger.error("cannot look for CDI specs to adopt: %s", exc)
-            return False
+            return
         claims = self.state.claims
         candidates: list[AdoptedClaim] = []
         for uid, cpus in sorted(specs.items()):
@@ -616,18 +701,18 @@ class StateOwner:
                 continue
             candidates.append(AdoptedClaim(uid, cpus))
         if not candidates:
-            return False
-        before = self.state
-        # The specs are the only record of these claims: if adopting them fails, starting
-        # anyway would prune them (the Resync below) and a rollback would delete them. Fail the
-        # start instead; the DaemonSet restarts us and the next try finds the specs untouched.
+            return
+        # The specs are the only record of these claims: a rollback would delete them and
+        # dropping them would have the Resync below prune them. So they are kept even when
+        # their files cannot be written (a read-only CDI dir, a full state dir): the specs are
+        # still there, the checkpoint write after this and the state dir's retries write them
+        # down, and a restart meanwhile adopts them again.
         await self._start_command(AdoptClaims(tuple(candidates)), roll_back=False)
-        return self.state is not before
 
     async def _start_command(self, command: Command, *, roll_back: bool = True) -> None:
         """Apply ``command`` as :meth:`_handle` does, before anyone can send one: the commit
         phase, then the new state, then the post-commit effects; on a failure the old state is
-        kept and rolled back (``roll_back``) or the failure raised (the start fails)."""
+        kept and rolled back (``roll_back``), or the new state kept all the same."""
         name = type(command).__name__
         old = self.state
         new, effects = self._apply(old, command)
@@ -636,12 +721,18 @@ class StateOwner:
             await self._commit(commit)
         except _CommitFailed as failed:
             if not roll_back:
-                raise DracpuError(
-                    f"start-up {name} failed, not starting: {failed.error}"
-                ) from failed.error
-            logger.error("start-up %s failed: %s", name, failed.error)
-            await self._roll_back(name, old, failed.started, failed.error)
-            return
+                # The file's condition is reported on its own (a CDI dir or state dir that
+                # cannot be written); what this means for the command is said here.
+                logger.warning(
+                    "start-up %s could not write all its files, its claims are kept all the "
+                    "same: %s",
+                    name,
+                    failed.error,
+                )
+            else:
+                logger.error("start-up %s failed: %s", name, failed.error)
+                await self._roll_back(name, old, failed.started, failed.error)
+                return
         self._state = new
         self._follow_health(old, new)
         _report(reply.value)
