@@ -25,6 +25,7 @@ from dracpu.core.commands import (
     Container,
     CreateContainer,
     PodsListed,
+    PrepareClaim,
     RuntimeDisconnected,
     StopContainer,
     Synchronize,
@@ -401,8 +402,7 @@ def test_random_histories_release_exactly_the_orphans_the_rules_name(
                 del model.runs[key]
         else:
             # A Prepare of the claim (the kubelet wants it) or its end ends a run of misses.
-            key = getattr(command, "claim_uid", None)
-            if key is not None and not isinstance(command, CreateContainer):
-                model.runs.pop(key, None)
+            if isinstance(command, PrepareClaim | UnprepareClaim):
+                model.runs.pop(command.claim_uid, None)
         assert {k: t for k, (t, _) in model.runs.items()} == dict(new.unlisted)
         state = new
