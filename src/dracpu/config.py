@@ -34,8 +34,9 @@ use. Our own settings have camelCase keys of their own (``cdiDir``, ``nriSocket`
 ``hostRoot``, ``logFormat``, ``verbosity``, ``memoryPinning``, ``nriPluginName``,
 ``nriPluginIndex``, ``podresourcesInterval``, ``orphanGrace``). Durations are written as
 Kubernetes' Go flags take them (``time.ParseDuration``: ``500ms``, ``90s``, ``5m``, ``1h30m``);
-a plain number is seconds (a YAML number too). Unknown keys, keys spelled with another case, duplicate keys and values of
-the wrong YAML type are errors; every bad key of a file is named in the one error line.
+a plain number is seconds (a YAML number too). Unknown keys, keys spelled with another case,
+duplicate keys and values of the wrong YAML type are errors; every bad key of a file is named in
+the one error line.
 
 The node name falls back to the lower-cased host name when neither ``--node-name`` (alias
 ``--hostname-override``), ``NODE_NAME`` nor ``hostnameOverride`` gives one: the kubelet

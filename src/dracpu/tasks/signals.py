@@ -3,7 +3,8 @@
 - ``SIGHUP`` sends :class:`~dracpu.core.commands.Resync` to the state owner (rewrite CDI specs,
   prune orphans, republish slices). The request runs beside the signal loop, so a slow owner
   never delays a stop; SIGHUPs that arrive while a resync is running are coalesced into one
-  more resync after it.
+  more resync after it. Each SIGHUP also calls the ``on_sighup`` callbacks (the pod-resources
+  sync's request for a List).
 - ``SIGTERM`` / ``SIGINT`` call ``stop(reason)``: the supervisor stops the tasks in reverse start
   order within its grace period. A second one calls ``stop`` again, which the supervisor takes
   as "stop now".
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import anyio
 from anyio import TASK_STATUS_IGNORED
@@ -66,9 +67,11 @@ async def run(
     owner: MemoryObjectSendStream[Request[Command]],
     stop: Callable[[str], None],
     *,
+    on_sighup: Sequence[Callable[[], None]] = (),
     task_status: TaskStatus[None] = TASK_STATUS_IGNORED,
 ) -> None:
-    """Handle SIGHUP, SIGTERM and SIGINT until cancelled.
+    """Handle SIGHUP, SIGTERM and SIGINT until cancelled. ``on_sighup``: called at each SIGHUP
+    (they must not block).
 
     Resource handling: ``owner`` (give this task its own clone) is closed on exit; the signal
     handlers are removed on exit, restoring the default ones.
@@ -83,6 +86,8 @@ async def run(
                 async for signum in signals:
                     if signum == signal.SIGHUP:
                         resyncer.trigger(tg)
+                        for callback in on_sighup:
+                            callback()
                     else:
                         name = signal.Signals(signum).name
                         logger.info("%s received: stopping", name)
