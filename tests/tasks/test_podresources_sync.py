@@ -140,13 +140,17 @@ async def running(
 async def test_lists_at_start_then_every_interval_and_tells_the_owner() -> None:
     kubelet, owner = Kubelet([listing(U1)]), Owner()
     ticks = iter(range(1000, 2000, 10))
-    async with running(kubelet, owner, interval=0.1, grace=90.0, clock=lambda: next(ticks)):
+    async with running(kubelet, owner, interval=0.1, grace=90.0, clock=lambda: next(ticks)) as (
+        _,
+        status,
+    ):
         await until(lambda: len(owner.commands) >= 3, "three listings")
     first = owner.commands[0]
     assert first == PodsListed(
         frozenset({U1}), frozenset({("ns", "named")}), reports_claims=True, at=1000, grace=90.0
     )
     assert [c.at for c in owner.commands[:3]] == [1000, 1010, 1020]
+    assert status.listing == listing(U1)  # who holds what, for whoever asks
     gaps = [b - a for a, b in itertools.pairwise(kubelet.times)]
     assert all(0.09 <= gap < 1.0 for gap in gaps[:2]), gaps
 

@@ -30,6 +30,7 @@ from types import MappingProxyType
 from typing import TypeVar, cast
 
 import grpclib.client
+import grpclib.const
 import grpclib.exceptions
 import h2.exceptions
 
@@ -198,16 +199,16 @@ class PodResourcesClient:
         except grpclib.exceptions.GRPCError as exc:
             self.close()
             code = exc.status.name
+            if exc.status is grpclib.const.Status.DEADLINE_EXCEEDED:  # the kubelet's own clock
+                raise self._late(code) from exc
             message = f": {exc.message}" if exc.message else ""
             raise PodResourcesError(
                 f"PodResources List on {self.socket}: the kubelet answered {code}{message}",
                 code=code,
             ) from exc
-        except TimeoutError as exc:
+        except TimeoutError as exc:  # ours ran out first
             self.close()
-            raise PodResourcesError(
-                f"PodResources List on {self.socket}: no answer within {self.timeout:g} s"
-            ) from exc
+            raise self._late(grpclib.const.Status.DEADLINE_EXCEEDED.name) from exc
         except OSError as exc:  # connect: missing socket, nobody listening, permissions
             self.close()
             reason = exc.strerror or str(exc) or type(exc).__name__
@@ -225,6 +226,13 @@ class PodResourcesClient:
             # betterproto2 cannot parse the answer
             self.close()
             raise _malformed(f"{type(exc).__name__}: {exc}") from exc
+
+    def _late(self, code: str) -> PodResourcesError:
+        """The call's deadline passed: the kubelet said so (it gets our ``grpc-timeout``), or
+        our side gave up first; either way the same error."""
+        return PodResourcesError(
+            f"PodResources List on {self.socket}: no answer within {self.timeout:g} s", code=code
+        )
 
     def close(self) -> None:
         """Close the channel; the next call connects anew."""

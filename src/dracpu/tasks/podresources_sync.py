@@ -94,6 +94,9 @@ class PodResourcesStatus:
     """Claims the last listing missed that are kept for now (their grace runs)."""
     last_error: str = ""
     """Why the last List failed (``""`` once one works)."""
+    listing: PodResourcesListing | None = None
+    """The last answer read: our claims and the containers (pod namespace and name, container
+    name; PodResources gives no pod UID) that reference each."""
 
     @property
     def working(self) -> bool:
@@ -207,6 +210,7 @@ async def _reconcile(
                 listing.pods,
             )
     status.answered = True
+    status.listing = listing
     status.reports_claims = listing.reports_claims
     status.last_error = ""
     status.lists["ok" if listing.reports_claims else "no_claims"] += 1
