@@ -63,15 +63,17 @@ async def test_an_adopted_spec_no_pod_uses_is_released_at_start() -> None:
         orphan = str(uuid.uuid4())  # a spec left behind: no pod on the node uses this claim
         _write_spec(sim, orphan, "8-9,40-41")
         await sim.start_daemon()
+
         # The List at start released it: at once, long before the next periodic List (60 s).
-        await wait_until(
-            "the orphan's CDI spec to go", lambda: sim.cdi_cpus(orphan) is None, timeout=10
-        )
+        def released_warnings() -> list[str]:
+            return [m for m in sim.daemon.messages("warning") if "released orphan claim" in m]
+
+        await wait_until("the release to be logged", lambda: bool(released_warnings()), timeout=10)
+        assert sim.cdi_cpus(orphan) is None
         assert f"adopted 1 claims from CDI specs the checkpoint lacked: ['{orphan}']" in (
             sim.daemon.messages("warning")
         )
-        released = [m for m in sim.daemon.messages("warning") if "released orphan claim" in m]
-        assert released == [
+        assert released_warnings() == [
             f"released orphan claim {orphan} (name unknown, cpus 8-9,40-41): no pod on the "
             "node references it in the kubelet's PodResources and no running container uses "
             "it (known only from its CDI spec: one listing after the runtime's Synchronize is "

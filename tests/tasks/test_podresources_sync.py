@@ -152,7 +152,7 @@ async def test_lists_at_start_then_every_interval_and_tells_the_owner() -> None:
     assert [c.at for c in owner.commands[:3]] == [1000, 1010, 1020]
     assert status.listing == listing(U1)  # who holds what, for whoever asks
     gaps = [b - a for a, b in itertools.pairwise(kubelet.times)]
-    assert all(0.09 <= gap < 1.0 for gap in gaps[:2]), gaps
+    assert all(0.09 <= gap < 5.0 for gap in gaps[:2]), gaps
 
 
 async def test_interval_zero_lists_only_at_start_and_on_request_at_most_every_100ms() -> None:
@@ -202,7 +202,7 @@ async def test_failures_back_off_and_a_request_ends_the_wait_but_not_after_rate_
     waits = iter([0.2, 0.2, 60.0, 0.3, 0.6])  # the third wait is long: a request ends it
     async with running(kubelet, owner, interval=60, delays=lambda: waits) as (trigger, status):
         await until(lambda: len(kubelet.times) == 3, "three failed Lists")
-        assert 0.19 <= kubelet.times[1] - kubelet.times[0] < 1.0
+        assert 0.19 <= kubelet.times[1] - kubelet.times[0] < 5.0
         assert status.lists["error"] == 3
         assert not status.working
         assert status.last_error == str(missing)
@@ -211,6 +211,8 @@ async def test_failures_back_off_and_a_request_ends_the_wait_but_not_after_rate_
         trigger.request()  # ... but not while the kubelet's rate limit says wait
         await until(lambda: len(kubelet.times) == 6, "the Lists after rate limiting")
         await until(lambda: status.working, "a List that works")
+        await anyio.sleep(0.3)
+        assert len(kubelet.times) == 6  # that List answered the request: none more
     assert kubelet.times[4] - kubelet.times[3] >= 0.29
     assert kubelet.times[5] - kubelet.times[4] >= 0.59
     assert status.lists == {"error": 3, "rate_limited": 2, "ok": 1}
@@ -401,7 +403,7 @@ async def test_an_orphan_goes_after_the_grace_and_a_referenced_claim_stays() -> 
         gone_at = anyio.current_time()
         await until(lambda: U2 not in node.owner.state.claims, "the orphan released")
         assert anyio.current_time() - gone_at >= 0.5  # not before the grace
-        assert node.status.released == 1
+        await until(lambda: node.status.released == 1, "the release counted")
         assert set(node.owner.state.claims) == {U1}
         assert node.owner.state.shared_pool >= CpuSet.parse("3-4")
         assert cdi_specs(node) == {spec_file_name(U1)}

@@ -327,7 +327,12 @@ async def _orphan(sim: NodeSim, keeper: Any) -> Step:
     _expect(took >= ORPHAN_GRACE, f"claim lost was released {took:.1f} s after its pod ended")
     _expect(sim.cdi_cpus(keeper.uid) is not None, "the first claim went although its pod runs")
     prefix = f"released orphan claim {lost.uid} "
-    warning = [m for m in sim.daemon.messages("warning") if m.startswith(prefix)]
+
+    def warnings() -> list[str]:
+        return [m for m in sim.daemon.messages("warning") if m.startswith(prefix)]
+
+    await wait_until("the daemon to log the release", lambda: bool(warnings()), timeout=5)
+    warning = warnings()
     _expect(len(warning) == 1, f"the daemon logged {len(warning)} warnings naming claim lost")
     lines = [
         f"{label:<26} cpus {held} (exclusive), claim {lost.namespace}/{lost.name} {lost.uid}",

@@ -117,6 +117,10 @@ class ListTrigger:
         self._pending = True
         self._pause.wake()
 
+    def begin(self) -> None:
+        """A List begins: it answers every request made so far."""
+        self._pending = False
+
     async def wait(self, seconds: float) -> bool:
         """Until a request (at once if one is pending) or ``seconds`` have passed; whether a
         request ended it. The request is taken."""
@@ -153,6 +157,7 @@ async def run(
         task_status.started()
         while True:
             began = anyio.current_time()
+            trigger.begin()
             at = clock()
             try:
                 listing = await lister()
