@@ -120,6 +120,15 @@ async def test_a_claim_whose_pod_went_away_goes_after_the_grace_and_a_referenced
         gone = anyio.current_time()
         await wait_until("the orphan to go", lambda: sim.cdi_cpus(lost.uid) is None, timeout=10)
         assert anyio.current_time() - gone >= 1.0  # not before the grace
+        # The spec goes first; the checkpoint follows, then the owner's answer and the log line.
+        await wait_until(
+            "the release to be logged",
+            lambda: any(
+                m.startswith(f"released orphan claim {lost.uid} (default/lost, cpus ")
+                for m in sim.daemon.messages("warning")
+            ),
+            timeout=10,
+        )
         assert set(checkpoint_claims(sim.paths.checkpoint)) == {keeper.uid}
         [shared] = sim.shared_ids()
         await wait_until(
