@@ -66,6 +66,7 @@ def test_defaults_are_the_documented_ones() -> None:
     assert config.bind_address == BindAddress("", 8080)
     assert (config.log_format, config.verbosity, config.memory_pinning) == ("text", 0, False)
     assert (config.nri_plugin_name, config.nri_plugin_index) == ("dra.cpu", "00")
+    assert (config.podresources_interval, config.orphan_grace) == (60.0, 300.0)
 
 
 def test_derived_paths() -> None:
@@ -235,7 +236,9 @@ def test_our_own_file_keys(tmp_path: Path) -> None:
         "verbosity: 5\n"
         "memoryPinning: true\n"
         "nriPluginName: dra.cpu-test\n"
-        "nriPluginIndex: 07\n",  # YAML reads an unquoted 07 as the number 7
+        "nriPluginIndex: 07\n"  # YAML reads an unquoted 07 as the number 7
+        "podresourcesInterval: 90s\n"
+        "orphanGrace: 600\n",  # a YAML number is seconds
     )
     config = _load(["--config", path])
     assert config == Config(
@@ -249,6 +252,8 @@ def test_our_own_file_keys(tmp_path: Path) -> None:
         memory_pinning=True,
         nri_plugin_name="dra.cpu-test",
         nri_plugin_index="07",
+        podresources_interval=90.0,
+        orphan_grace=600.0,
     )
 
 
@@ -484,6 +489,17 @@ def test_bad_environment_values(env: dict[str, str], expected: str) -> None:
             'cdiDir: invalid value ["a"]: must be a string, not a list',
         ),
         ("apiVersion: v1beta1\n", 'apiVersion: invalid value "v1beta1": must be "v1alpha1"'),
+        ("orphanGrace: -1\n", "orphanGrace: invalid value -1: must not be negative"),
+        (
+            "orphanGrace: true\n",
+            "orphanGrace: invalid value true: must be a duration (e.g. 90s, 5m) or a number of "
+            "seconds, not a boolean",
+        ),
+        (
+            "podresourcesInterval: 10ms\n",
+            'podresourcesInterval: invalid value "10ms": must be 0 (off) or at least 100ms: the '
+            "kubelet allows 100 PodResources requests per second to all its clients together",
+        ),
         (
             "zzz: 1\nbindAddress: ':1'\nCPUDeviceMode: grouped\n",
             'key "CPUDeviceMode" is spelled differently from the schema; use "cpuDeviceMode"; '
@@ -711,3 +727,77 @@ def test_a_file_setting_is_overridden_by_a_deprecated_flag(tmp_path: Path) -> No
     path = _file(tmp_path, "apiVersion: v1alpha1\ngroupBy: socket\nreservedCPUs: '0'\n")
     config = _go_load(["--config", path, "--node-name=n", "--reserved-cpus=2-3"])
     assert (config.group_by, config.reserved_cpus) == (GroupBy.SOCKET, CpuSet.parse("2-3"))
+
+
+# --- durations (--podresources-interval, --orphan-grace) -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("500ms", 0.5),
+        ("90s", 90.0),
+        ("5m", 300.0),
+        ("1h30m", 5400.0),
+        ("1.5h", 5400.0),
+        ("2h45m0.5s", 9900.5),
+        ("+5s", 5.0),
+        ("1500us", 0.0015),
+        ("1500\u00b5s", 0.0015),
+        ("250000000ns", 0.25),
+        ("0", 0.0),
+        ("90", 90.0),  # a plain number is seconds
+        ("2.5", 2.5),
+        ("0s", 0.0),
+    ],
+)
+def test_durations_are_go_durations_or_seconds(text: str, seconds: float) -> None:
+    assert _load(["--node-name", "n", f"--orphan-grace={text}"]).orphan_grace == pytest.approx(
+        seconds
+    )
+    if seconds == 0 or seconds >= 0.1:
+        config = _load(["--node-name", "n", "--podresources-interval", text])
+        assert config.podresources_interval == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "reason"),
+    [
+        (
+            "--orphan-grace",
+            "5x",
+            "unknown unit 'x' (use ns, us, ms, s, m or h, e.g. 500ms, 90s, 5m)",
+        ),
+        ("--orphan-grace", "-5s", "must not be negative"),
+        ("--orphan-grace", "-1", "must not be negative"),
+        ("--orphan-grace", "", "is not a duration (e.g. 500ms, 90s, 5m, 1h30m)"),
+        ("--orphan-grace", "m", "is not a duration (e.g. 500ms, 90s, 5m, 1h30m)"),
+        ("--orphan-grace", "1.5.5s", "is not a duration (e.g. 500ms, 90s, 5m, 1h30m)"),
+        (
+            "--orphan-grace",
+            "5 m",
+            "unknown unit ' m' (use ns, us, ms, s, m or h, e.g. 500ms, 90s, 5m)",
+        ),
+        (
+            "--podresources-interval",
+            "99ms",
+            "must be 0 (off) or at least 100ms: the kubelet allows 100 PodResources requests per "
+            "second to all its clients together",
+        ),
+        (
+            "--podresources-interval",
+            "1d",
+            "unknown unit 'd' (use ns, us, ms, s, m or h, e.g. 500ms, 90s, 5m)",
+        ),
+    ],
+)
+def test_bad_durations_name_the_flag_and_the_value(flag: str, value: str, reason: str) -> None:
+    assert _error(["--node-name", "n", f"{flag}={value}"]) == (
+        f'{flag}: invalid value "{value}": {reason}'
+    )
+
+
+def test_duration_flags_win_over_the_file(tmp_path: Path) -> None:
+    path = _file(tmp_path, "podresourcesInterval: 2m\norphanGrace: 1h\n")
+    config = _load(["--config", path, "--node-name", "n", "--orphan-grace", "90s"])
+    assert (config.podresources_interval, config.orphan_grace) == (120.0, 90.0)

@@ -37,8 +37,10 @@ implement it, and honours a claim's ``cpuConfig.cpuset`` without it,
 ``kubeletRootDir`` in the file (``schemaExcludedFields``: the Helm chart renders them as flags,
 next to the mounts that must match), and so do we, naming the flag to use. Our own settings
 have camelCase keys of their own (``cdiDir``, ``nriSocket``, ``stateDir``, ``hostRoot``,
-``logFormat``, ``verbosity``, ``memoryPinning``, ``nriPluginName``, ``nriPluginIndex``).
-Unknown keys, keys spelled with another case, duplicate keys and values of
+``logFormat``, ``verbosity``, ``memoryPinning``, ``nriPluginName``, ``nriPluginIndex``,
+``podresourcesInterval``, ``orphanGrace``). Durations are written as Kubernetes' Go flags take
+them (``time.ParseDuration``: ``500ms``, ``90s``, ``5m``, ``1h30m``); a plain number is seconds
+(a YAML number too). Unknown keys, keys spelled with another case, duplicate keys and values of
 the wrong YAML type are errors; every bad key of a file is named in the one error line.
 
 The node name falls back to the lower-cased host name when neither ``--node-name`` (alias
@@ -78,6 +80,7 @@ __all__ = [
     "ALLOCATOR_EXTERNAL",
     "CONFIG_API_VERSION",
     "DEPRECATED_FLAGS",
+    "MIN_PODRESOURCES_INTERVAL",
     "UNIX_PATH_MAX",
     "BindAddress",
     "Config",
@@ -86,6 +89,7 @@ __all__ = [
     "changed_settings",
     "go_style_flags",
     "load_config",
+    "parse_duration",
     "read_yaml_mapping",
 ]
 
@@ -108,6 +112,14 @@ DEFAULT_HOST_ROOT = Path("/")
 DEFAULT_BIND_ADDRESS = ":8080"  # upstream --bind-address default
 DEFAULT_NRI_PLUGIN_NAME = DRIVER_NAME  # upstream stub.WithPluginName("dra.cpu")
 DEFAULT_NRI_PLUGIN_INDEX = "00"  # upstream stub.WithPluginIdx("00")
+# The pod-resources sync (docs/architecture.md "PodResources reconciliation"): a List every
+# minute costs the kubelet next to nothing; an orphan is released after 5 minutes of misses,
+# far longer than the kubelet takes to unprepare the claims of a pod that ended.
+DEFAULT_PODRESOURCES_INTERVAL = 60.0  # seconds; 0 turns the periodic List off
+DEFAULT_ORPHAN_GRACE = 300.0  # seconds
+# The kubelet's PodResources server allows 100 requests per second to all its clients together
+# (pkg/kubelet/apis/podresources/grpc/ratelimit.go DefaultQPS): we take at most a tenth.
+MIN_PODRESOURCES_INTERVAL = 0.1
 
 # Socket and file names under the kubelet root, as the kubeletplugin helper upstream derives
 # them (RegistrarDirectoryPath, PluginDataDirectoryPath; "<driver>-reg.sock" while rolling
@@ -234,6 +246,10 @@ class Config:
     """Name we register with the runtime's NRI."""
     nri_plugin_index: str = DEFAULT_NRI_PLUGIN_INDEX
     """Two-digit NRI plugin index: the runtime calls plugins in index order."""
+    podresources_interval: float = DEFAULT_PODRESOURCES_INTERVAL
+    """Seconds between two kubelet PodResources ``List`` calls; 0: only at start and on SIGHUP."""
+    orphan_grace: float = DEFAULT_ORPHAN_GRACE
+    """Seconds a prepared claim must be missing from the listings before it is released."""
     sysfs_overlay: Path | None = None
     """A YAML file of sysfs paths and their contents laid over ``<host_root>/sys`` (upstream's
     ``sysfsOverlay``, for machines whose sysfs lacks the topology); ``None``: none."""
@@ -452,6 +468,19 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> frozenset[str]:
         help=f"two-digit NRI plugin index (default {DEFAULT_NRI_PLUGIN_INDEX})",
     )
     flag(
+        "--podresources-interval",
+        metavar="DURATION",
+        help="how often to ask the kubelet's PodResources API which claims its pods hold, "
+        "e.g. 90s or 5m; a plain number is seconds; 0: only at start and on SIGHUP "
+        f"(default {_go_duration(DEFAULT_PODRESOURCES_INTERVAL)})",
+    )
+    flag(
+        "--orphan-grace",
+        metavar="DURATION",
+        help="release a prepared claim that no pod references and no container uses once "
+        f"the listings have missed it this long (default {_go_duration(DEFAULT_ORPHAN_GRACE)})",
+    )
+    flag(
         "--expose-pcie-roots",
         action=_GoBoolAction,
         nargs="?",
@@ -626,6 +655,81 @@ def _nri_plugin_index(raw: object) -> str:
     return text
 
 
+# Go's time.ParseDuration units, in seconds (src/time/format.go unitMap; "us" has two more
+# spellings with the micro sign and the Greek mu).
+_DURATION_UNITS: Mapping[str, float] = MappingProxyType(
+    {
+        "ns": 1e-9,
+        "us": 1e-6,
+        "\u00b5s": 1e-6,
+        "\u03bcs": 1e-6,
+        "ms": 1e-3,
+        "s": 1.0,
+        "m": 60.0,
+        "h": 3600.0,
+    }
+)
+_DURATION_PART = re.compile(r"([0-9]*(?:\.[0-9]*)?)([^0-9.]+)")
+_PLAIN_SECONDS = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds of a duration as Kubernetes' Go flags take it (``time.ParseDuration``:
+    ``500ms``, ``1.5h``, ``1h30m``, ``0``), or of a plain number (seconds). Negative durations
+    are refused. Raises :class:`ValueError` with the reason."""
+    if _PLAIN_SECONDS.fullmatch(text):
+        return float(text)
+    if text.startswith("-"):
+        raise ValueError("must not be negative")
+    body = text[1:] if text.startswith("+") else text
+    if not body:
+        raise ValueError("is not a duration (e.g. 500ms, 90s, 5m, 1h30m)")
+    seconds = 0.0
+    position = 0
+    while position < len(body):
+        match = _DURATION_PART.match(body, position)
+        if match is None or match[1] in ("", "."):
+            raise ValueError("is not a duration (e.g. 500ms, 90s, 5m, 1h30m)")
+        unit = _DURATION_UNITS.get(match[2])
+        if unit is None:
+            raise ValueError(
+                f"unknown unit {match[2]!r} (use ns, us, ms, s, m or h, e.g. 500ms, 90s, 5m)"
+            )
+        seconds += float(match[1]) * unit
+        position = match.end()
+    return seconds
+
+
+def _go_duration(seconds: float) -> str:
+    """A default in flag help: 60.0 -> ``1m0s`` as Go prints it, kept short: ``60s``, ``5m``."""
+    if seconds % 60 == 0 and seconds >= 60:
+        return f"{int(seconds // 60)}m"
+    return f"{seconds:g}s"
+
+
+def _duration(raw: object) -> float:
+    if isinstance(raw, bool):
+        raise _BadValue("must be a duration (e.g. 90s, 5m) or a number of seconds, not a boolean")
+    if isinstance(raw, int | float):
+        if raw < 0:
+            raise _BadValue("must not be negative")
+        return float(raw)
+    try:
+        return parse_duration(_string(raw))
+    except ValueError as exc:
+        raise _BadValue(str(exc)) from exc
+
+
+def _podresources_interval(raw: object) -> float:
+    seconds = _duration(raw)
+    if 0 < seconds < MIN_PODRESOURCES_INTERVAL:
+        raise _BadValue(
+            "must be 0 (off) or at least 100ms: the kubelet allows 100 PodResources requests "
+            "per second to all its clients together"
+        )
+    return seconds
+
+
 def _vmodule(raw: object) -> tuple[tuple[str, int], ...]:
     text = _string(raw)
     if not text:
@@ -698,6 +802,13 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("memory_pinning", "--memory-pinning", "memoryPinning", _boolean),
     _Setting("nri_plugin_name", "--nri-plugin-name", "nriPluginName", _nri_plugin_name),
     _Setting("nri_plugin_index", "--nri-plugin-index", "nriPluginIndex", _nri_plugin_index),
+    _Setting(
+        "podresources_interval",
+        "--podresources-interval",
+        "podresourcesInterval",
+        _podresources_interval,
+    ),
+    _Setting("orphan_grace", "--orphan-grace", "orphanGrace", _duration),
     _Setting("sysfs_overlay", "--sysfs-overlay", "sysfsOverlay", _optional_path),
     _Setting(
         "expose_pcie_roots",

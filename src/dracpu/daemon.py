@@ -19,7 +19,9 @@ tasks, in this order:
 7. ``registration``: the plugin-registration socket, once the DRA socket serves (the kubelet
    connects to the endpoint as soon as it has our answer);
 8. ``nri-plugin``: pins containers through the runtime's NRI socket, reconnecting by itself;
-9. ``slice-publisher``: publishes the devices as ResourceSlices, retrying API errors itself.
+9. ``podresources-sync``: asks the kubelet's PodResources API which claims its pods hold, at
+   start (after NRI ``Synchronize``), periodically and on SIGHUP, and releases orphan claims;
+10. ``slice-publisher``: publishes the devices as ResourceSlices, retrying API errors itself.
 
 The Kubernetes client is opened once, before the tasks (in-cluster, or ``--kubeconfig``), and
 shared by the kubelet plugin (claims), the NRI plugin (a claim read again before a container of
@@ -29,8 +31,7 @@ Memory: the cyclic garbage collector is off during the start-up; once every task
 objects of the start-up (modules, the restored state, the clients) are frozen out of it
 (``gc.freeze``) and it is turned back on, so a full collection never walks them (it would pause
 a Prepare; docs/performance.md), and the heap is frozen again before :func:`main` returns, so the
-exit after SIGTERM skips the interpreter's collections over it. (``podresources-sync`` has no task
-yet.)
+exit after SIGTERM skips the interpreter's collections over it.
 
 Each task is started with ``await tg.start(...)``; once it calls ``task_status.started()`` its
 readiness flag turns ready, and ``/readyz`` answers 200 when all have. A task may later report
@@ -72,6 +73,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from dracpu import __version__
 from dracpu.adapters.kube import KubeClient, open_kube_client
+from dracpu.adapters.pod_resources import PodResourcesClient
 from dracpu.config import Config
 from dracpu.core.commands import Command
 from dracpu.core.slices import SliceOptions
@@ -86,6 +88,7 @@ from dracpu.tasks import (
     kubelet_plugin,
     metrics,
     nri_plugin,
+    podresources_sync,
     registration,
     signals,
     slice_publisher,
@@ -364,6 +367,8 @@ class _Node:
             state_dir=readiness.flag(STATE_DIR, reason="the checkpoint has not been written yet"),
         )
         self.metrics = DraCpuMetrics(self.node_state)
+        self.list_trigger = podresources_sync.ListTrigger()
+        self.podresources = podresources_sync.PodResourcesStatus()
 
     def node_state(self) -> NodeState | None:
         """The state owner's committed state, ``None`` until the owner has restored the node."""
@@ -379,7 +384,11 @@ class _Node:
     async def run_signals(self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
         reloader = Reloader(self.config, self.source)
         await signals.run(
-            self.send.clone(), self.shutdown.request, reloader=reloader, task_status=task_status
+            self.send.clone(),
+            self.shutdown.request,
+            reloader=reloader,
+            on_sighup=(self.list_trigger.request,),
+            task_status=task_status,
         )
 
     async def run_cdi_watcher(self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
@@ -432,6 +441,21 @@ class _Node:
             task_status=task_status,
         )
 
+    async def run_podresources_sync(
+        self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED
+    ) -> None:
+        config = self.config
+        with PodResourcesClient(config.pod_resources_socket) as client:
+            await podresources_sync.run(
+                self.send.clone(),
+                client.list,
+                interval=config.podresources_interval,
+                grace=config.orphan_grace,
+                trigger=self.list_trigger,
+                status=self.podresources,
+                task_status=task_status,
+            )
+
     async def run_slice_publisher(
         self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED
     ) -> None:
@@ -449,7 +473,9 @@ class _Node:
         )
 
     def tasks(self) -> list[TaskSpec]:
-        registry = metrics.build_registry(self.readiness, self.owner.statistics, self.link.status)
+        registry = metrics.build_registry(
+            self.readiness, self.owner.statistics, self.link.status, self.podresources
+        )
         registry.register(self.metrics)
         return [
             TaskSpec("signals", self.run_signals),
@@ -464,6 +490,7 @@ class _Node:
             TaskSpec(
                 "nri-plugin", self.run_nri_plugin, outlives=("kubelet-plugin", "registration")
             ),
+            TaskSpec("podresources-sync", self.run_podresources_sync),
             TaskSpec("slice-publisher", self.run_slice_publisher),
         ]
 

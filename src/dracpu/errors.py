@@ -28,6 +28,7 @@ __all__ = [
     "KubeNotFoundError",
     "KubeServerError",
     "LocalProtocolError",
+    "PodResourcesError",
     "ProtocolError",
     "QuantityError",
     "RemoteProtocolError",
@@ -116,6 +117,17 @@ class KubeConflictError(KubeClientError):
 class KubeServerError(KubeAPIError):
     """A 5xx or 429 answer, or no answer (connection refused or reset, TLS failure, timeout,
     DNS failure, proxy refusal): transient, retried with backoff."""
+
+
+class PodResourcesError(DracpuError):
+    """The kubelet's PodResources API could not be asked, answered with an error, or answered
+    something that cannot be read. The message names the socket and the cause; ``code`` is the
+    gRPC status name the kubelet answered (``"RESOURCE_EXHAUSTED"``: its rate limit), ``None``
+    when no answer came."""
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 # --- added for dracpu.core.quantity -------------------------------------------------------------

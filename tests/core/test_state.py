@@ -45,7 +45,6 @@ from dracpu.core.effects import (
     DeleteCdiSpec,
     DeleteDeviceMetadata,
     Effect,
-    PodsReconciled,
     PruneCdiSpecs,
     PruneDeviceMetadata,
     PublishSlices,
@@ -932,52 +931,6 @@ def test_a_failed_pin_decided_anew_meanwhile_is_not_invalidated() -> None:
     assert gone.containers["shared-1"].seq == 2
 
 
-# --- pod resources reconciliation ----------------------------------------------------------------
-
-
-def test_claim_missing_from_two_listings_is_released() -> None:
-    state = NodeState.initial(INDIVIDUAL)
-    state, _, _ = ok(state, individual(INDIVIDUAL, 1, [4]))
-    state, _, _ = ok(state, individual(INDIVIDUAL, 2, [5]))
-    state, value, effects = ok(state, PodsListed(frozenset({uid(2)})))
-    assert value == PodsReconciled((), (uid(1),), True)
-    assert effects == [Reply(value)]
-    assert uid(1) in state.claims
-    state, value, _ = ok(state, PodsListed(frozenset({uid(1), uid(2)})))  # back: no release
-    state, value, _ = ok(state, PodsListed(frozenset({uid(2)})))
-    assert value == PodsReconciled((), (uid(1),), True)
-    state, value, effects = ok(state, PodsListed(frozenset({uid(2)})))
-    assert value == PodsReconciled((uid(1),), (uid(1),), True)
-    assert effects == [
-        DeleteCdiSpec(uid(1)),
-        DeleteDeviceMetadata(uid(1), ("r0",)),
-        WriteCheckpoint(CheckpointData(state.claims)),
-        Reply(value),
-    ]
-    assert set(state.claims) == {uid(2)}
-    assert state.unlisted == frozenset()
-
-
-def test_listing_contradicted_by_a_running_container_releases_nothing() -> None:
-    state = NodeState.initial(INDIVIDUAL)
-    state, _, _ = ok(state, individual(INDIVIDUAL, 1, [4]))
-    state, _, _ = ok(state, individual(INDIVIDUAL, 2, [5]))
-    state, _, _ = ok(state, PodsListed(frozenset()))
-    state, _, _ = ok(state, CreateContainer(claim_container(state, 1, 1)))
-    state, value, _ = ok(state, PodsListed(frozenset()))
-    assert value == PodsReconciled((), (uid(1), uid(2)), False)
-    assert len(state.claims) == 2
-    assert state.unlisted == frozenset()
-
-
-def test_listing_without_claim_data_releases_nothing() -> None:
-    state, _, _ = ok(NodeState.initial(INDIVIDUAL), individual(INDIVIDUAL, 1, [4]))
-    for _ in range(3):
-        state, value, _ = ok(state, PodsListed(frozenset(), reports_claims=False))
-        assert value == PodsReconciled((), (uid(1),), False)
-    assert uid(1) in state.claims
-
-
 # --- adoption, resync, restore -------------------------------------------------------------------
 
 
@@ -1124,7 +1077,8 @@ def rollback_cases() -> list[tuple[str, NodeState, Command]]:
     base = NodeState.initial(INDIVIDUAL)
     held, _, _ = ok(base, individual(INDIVIDUAL, 1, [4]))
     adopted, _, _ = ok(held, AdoptClaims((AdoptedClaim(uid(2), cpus("6")),)))
-    listed, _, _ = ok(held, PodsListed(frozenset()))
+    synced, _, _ = ok(held, Synchronize(()))
+    listed, _, _ = ok(synced, PodsListed(frozenset()))
     return [
         ("prepare", held, individual(INDIVIDUAL, 2, [5, 13])),
         ("re-prepare", held, individual(INDIVIDUAL, 1, [4])),

@@ -183,7 +183,8 @@ def draw_command(data: st.DataObject, state: NodeState) -> Command:
         case "listed":
             listed = data.draw(st.sets(st.integers(0, UIDS - 1)), label="listed")
             reports = data.draw(st.booleans(), label="reports")
-            return PodsListed(frozenset(uid(n) for n in listed), reports)
+            at = data.draw(st.sampled_from([0.0, 10.0, 1000.0]), label="at")
+            return PodsListed(frozenset(uid(n) for n in listed), reports_claims=reports, at=at)
         case "pods":
             n = data.draw(st.integers(0, UIDS - 1), label="claim")
             return UpdateClaimPods(uid(n), draw_pods(data))

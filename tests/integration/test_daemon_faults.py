@@ -18,7 +18,7 @@ import pytest
 from dracpu.sim.fake_kubelet import ClaimRef
 from dracpu.sim.fake_runtime import open_fake_runtime
 from dracpu.sim.faults import api_outage
-from dracpu.sim.node import NodeSim, open_node_sim
+from dracpu.sim.node import NodeSim, open_node_sim, wait_until
 from tests.integration.conftest import checkpoint_claims, cpus, node_cpus
 from tests.mounts import full_tmpfs, read_only_bind
 
@@ -284,9 +284,15 @@ async def test_slices_are_back_within_5s_of_an_8s_api_outage() -> None:
         await sim.wait_published()
         took = await api_outage(sim, OUTAGE)  # the same as bench/bench_soak.py's five
         assert took < RECOVERY
-        # One line when publishing began to fail, one when it worked again.
+
+        # One line when publishing began to fail, one when it worked again (logged after the
+        # write the server stored: it may follow the slices by a few milliseconds).
+        def back_lines() -> list[str]:
+            return [m for m in sim.daemon.messages("info") if "publishing ResourceSlices" in m]
+
+        await wait_until("the recovery to be logged", lambda: bool(back_lines()), timeout=5)
         failed = [m for m in sim.daemon.messages("warning") if "publishing ResourceSlices" in m]
-        back = [m for m in sim.daemon.messages("info") if "publishing ResourceSlices" in m]
+        back = back_lines()
         assert [m.split(",")[0] for m in failed] == ["publishing ResourceSlices failed"]
         assert [m.split(" after")[0] for m in back] == ["publishing ResourceSlices works again"]
         assert sim.daemon.messages("error") == []

@@ -28,6 +28,7 @@ TASKS = (
     "kubelet-plugin",
     "registration",
     "nri-plugin",
+    "podresources-sync",
     "slice-publisher",
 )
 
@@ -84,8 +85,11 @@ async def test_ready_with_every_task_then_sighup_resyncs_and_sigterm_stops_withi
         assert "SIGTERM received: stopping" in messages
         assert messages[-2:] == ["stopping (SIGTERM)", "stopped"]
         assert sim.daemon.messages("error") == []
-        # Every socket the daemon made is gone; the runtime's NRI socket stays.
-        assert _sockets_under(sim.paths.kubelet_root) == []
+        # Every socket the daemon made is gone; the runtime's NRI socket and the kubelet's
+        # PodResources socket stay.
+        assert _sockets_under(sim.paths.kubelet_root) == [
+            sim.paths.kubelet_root / "pod-resources" / "kubelet.sock"
+        ]
         assert _sockets_under(sim.paths.nri_socket.parent) == [sim.paths.nri_socket]
 
 
@@ -141,7 +145,7 @@ async def test_a_task_that_cannot_start_exits_1_with_the_error_logged() -> None:
         taken.listen()
         port = taken.getsockname()[1]
         async with open_node_sim(
-            start=False, extra_args=[f"--bind-address=127.0.0.1:{port}"]
+            start=False, pod_resources=False, extra_args=[f"--bind-address=127.0.0.1:{port}"]
         ) as sim:
             await sim.start_daemon(register=False, wait_ready=False)
             assert await _exit_code(sim) == 1

@@ -34,6 +34,7 @@ from dracpu.sim.fake_kubelet import (
     PrepareResult,
     RegistrationRefused,
 )
+from dracpu.sim.fake_podresources import KubeletPods, PodResourcesServer
 from dracpu.tasks import registration
 from dracpu.tasks.http import Readiness
 from dracpu.tasks.registration import RegistrationState
@@ -482,3 +483,96 @@ def test_calls_need_a_registered_driver(tmp_path: Path) -> None:
         pytest.raises(FakeKubeletError, match="0 are registered"),
     ):
         kubelet.prepare([ClaimRef("ns", str(uuid.uuid4()), "a")])
+
+
+# --- PodResources ---------------------------------------------------------------------------------
+
+G_PODRES = load_pb2("podresources/v1/api.proto")
+
+
+def _list(socket_path: Path) -> Any:
+    """One ``List`` with a plain grpcio client (the fake's own peer, not dracpu's client)."""
+    with grpc.insecure_channel(f"unix:{socket_path}") as channel:
+        call = channel.unary_unary(
+            "/v1.PodResourcesLister/List",
+            request_serializer=G_PODRES.ListPodResourcesRequest.SerializeToString,
+            response_deserializer=G_PODRES.ListPodResourcesResponse.FromString,
+        )
+        return call(G_PODRES.ListPodResourcesRequest(), timeout=5)
+
+
+def _claims_of(answer: Any) -> dict[tuple[str, str], list[tuple[str, str, list[str]]]]:
+    return {
+        (pod.name, container.name): [
+            (d.claim_name, r.driver_name, [c.name for c in r.cdi_devices])
+            for d in container.dynamic_resources
+            for r in d.claim_resources
+        ]
+        for pod in answer.pod_resources
+        for container in pod.containers
+    }
+
+
+@pytest.mark.anyio
+async def test_pod_resources_lists_the_pods_claims_that_dracpu_prepared(tmp_path: Path) -> None:
+    claims = FakeClaims()
+    obj = claim_object("a", [grouped_result("cpudevnuma001", "2", share_id="s1")])
+    claims.add(obj)
+    ref = _ref(obj)
+    cdi = f"dra.k8s.io/cpu=claim-{ref.uid}"
+    metadata = f"dra.cpu/metadata={ref.uid}_cpu"  # the request's device metadata (KEP-5304)
+    async with daemon(tmp_path, claims) as d:
+        with FakeKubelet(d.registry) as kubelet:
+            server = kubelet.serve_pod_resources()
+            assert server.socket == d.registry.parent / "pod-resources" / "kubelet.sock"
+            await kubelet.aregister()
+            kubelet.pods.add_pod(ref.namespace, "web", {"app": [ref.uid], "log": []})
+            # Not prepared yet: not in the kubelet's claim cache, not listed.
+            answer = await anyio.to_thread.run_sync(_list, server.socket)
+            assert _claims_of(answer) == {("web", "app"): [], ("web", "log"): []}
+
+            await kubelet.aprepare([ref])
+            answer = await anyio.to_thread.run_sync(_list, server.socket)
+            assert _claims_of(answer) == {
+                ("web", "app"): [(ref.name, "dra.cpu", [cdi, metadata])],
+                ("web", "log"): [],
+            }
+            resource = answer.pod_resources[0].containers[0].dynamic_resources[0]
+            assert resource.claim_namespace == ref.namespace
+            assert resource.claim_resources[0].device_name == "cpudevnuma001"
+            assert resource.claim_resources[0].share_id == "s1"
+
+            server.dynamic_resources = False  # the gate off
+            blind = await anyio.to_thread.run_sync(_list, server.socket)
+            assert _claims_of(blind) == {("web", "app"): [], ("web", "log"): []}
+            server.dynamic_resources = True
+
+            await kubelet.aunprepare([ref])
+            answer = await anyio.to_thread.run_sync(_list, server.socket)
+            assert _claims_of(answer) == {("web", "app"): [], ("web", "log"): []}
+            kubelet.pods.remove_pod(ref.namespace, "web")
+            assert len((await anyio.to_thread.run_sync(_list, server.socket)).pod_resources) == 0
+        assert not server.socket.exists()  # closing the kubelet removes its socket
+
+
+def test_pod_resources_faults_and_the_rate_limit(tmp_path: Path) -> None:
+    with FakeKubelet(tmp_path / "plugins_registry") as kubelet:
+        server = kubelet.serve_pod_resources()
+        server.fail("UNAVAILABLE")
+        with pytest.raises(grpc.RpcError) as info:
+            _list(server.socket)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert len(_list(server.socket).pod_resources) == 0
+        assert [c.code for c in server.calls] == ["UNAVAILABLE", "OK"]
+        server.stop()
+        assert not server.socket.exists()
+    # The kubelet's bucket (burst 10; the refill slowed down here): the 11th call is refused.
+    with PodResourcesServer(tmp_path / "kubelet.sock", KubeletPods(), qps=1e-3) as limited:
+        answers: list[tuple[str, str]] = []
+        for _ in range(11):
+            try:
+                _list(limited.socket)
+                answers.append(("OK", ""))
+            except grpc.RpcError as exc:
+                answers.append((exc.code().name, exc.details()))
+    assert answers == [("OK", "")] * 10 + [("RESOURCE_EXHAUSTED", "rejected by rate limit")]

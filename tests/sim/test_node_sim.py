@@ -101,7 +101,7 @@ def test_dracpu_sim_walks_a_claim_through_the_node(capsys: pytest.CaptureFixture
     assert cli_main(["sim", "--shared", "2", "--cpus", "6"]) == 0
     out = capsys.readouterr().out.splitlines()
     titles = [line for line in out if line.startswith("[")]
-    assert [t.split("]")[0] for t in titles] == [f"[{n}" for n in range(1, 9)]
+    assert [t.split("]")[0] for t in titles] == [f"[{n}" for n in range(1, 10)]
     assert titles[0].startswith("[1] dracpu run is ready (")
     assert titles[3] == (
         "[4] The scheduler allocates claim demo/demo: 6 CPUs of cpudevnuma000 "
@@ -110,10 +110,19 @@ def test_dracpu_sim_walks_a_claim_through_the_node(capsys: pytest.CaptureFixture
     assert titles[4].startswith("[5] kubelet NodePrepareResources: cpus 0-2,32-34 (3 cores")
     assert "    demo/demo-app/main         cpus 0-2,32-34 (exclusive)" in out
     assert out.count("    default/shared-0/main      cpus 0-63 -> 3-31,35-63") == 1
-    assert titles[6].endswith("widened at once (unsolicited NRI UpdateContainers)")
+    # A second claim (cpu 3) whose pod ends without Unprepare goes after the grace (2 s).
+    assert titles[6].startswith(
+        "[7] A pod ends but the kubelet never unprepares its claim: the daemon releases the orphan "
+    )
+    assert titles[6].endswith(" s later (List every 500ms, --orphan-grace 2s)")
+    assert float(titles[6].split("orphan ")[1].split(" s later")[0]) >= 2.0
+    assert any(line.startswith("    daemon: released orphan claim ") for line in out)
+    assert "    CDI spec removed; claim demo/demo still prepared" in out
+    assert out.count("    default/shared-0/main      cpus 4-31,35-63 -> 3-31,35-63") == 1
+    assert titles[7].endswith("widened at once (unsolicited NRI UpdateContainers)")
     assert out.count("    default/shared-1/main      cpus 3-31,35-63 -> 0-63") == 1
     # cpu 63 goes offline: unhealthy within the second, then SIGHUP shrinks NUMA node 3
-    assert titles[7] == "[8] cpu 63 goes offline (CPU hotplug in the fake sysfs), then SIGHUP"
+    assert titles[8] == "[9] cpu 63 goes offline (CPU hotplug in the fake sysfs), then SIGHUP"
     assert any(
         line.startswith(
             '    kubelet health stream (v1): cpudevnuma003 UNHEALTHY, "cpu 63 is offline" ('
@@ -124,7 +133,7 @@ def test_dracpu_sim_walks_a_claim_through_the_node(capsys: pytest.CaptureFixture
     assert "      cpudevnuma003: dra.cpu/cpu 16 -> 15" in out
     assert "    kubelet health stream: 4 devices (was 4), 0 unhealthy" in out
     assert out.count("    default/shared-0/main      cpus -> 0-62 (re-pinned at once)") == 1
-    assert out[-1].startswith("OK: 8 steps checked in ")
+    assert out[-1].startswith("OK: 9 steps checked in ")
 
 
 def test_dracpu_sim_json_with_an_old_runtime(capsys: pytest.CaptureFixture[str]) -> None:
@@ -132,11 +141,13 @@ def test_dracpu_sim_json_with_an_old_runtime(capsys: pytest.CaptureFixture[str])
     assert cli_main(argv) == 0
     document = json.loads(capsys.readouterr().out)
     assert document["ok"] is True
-    assert len(document["steps"]) == 8
+    assert len(document["steps"]) == 9
     assert document["steps"][4]["cpus"] == "0,32"
-    assert document["steps"][6]["widened"].startswith("at the next container event (NRI v0.10")
-    assert document["steps"][6]["shared"] == {"ctr-0002": "0-63"}
-    hotplug = document["steps"][7]
+    assert document["steps"][6]["cpus"] == "1"  # the orphan
+    assert document["steps"][6]["releasedAfter"] >= 2.0
+    assert document["steps"][7]["widened"].startswith("at the next container event (NRI v0.10")
+    assert document["steps"][7]["shared"] == {"ctr-0002": "0-63"}
+    hotplug = document["steps"][8]
     assert hotplug["unhealthy"] == {"cpudevnuma003": "cpu 63 is offline"}
     assert hotplug["resized"] == {"cpudevnuma003": ["16", "15"]}
     assert set(hotplug["healthAfter"].values()) == {"HEALTHY"}

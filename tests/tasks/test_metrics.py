@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from dracpu.tasks.http import Readiness
 from dracpu.tasks.metrics import build_registry
 from dracpu.tasks.nri_link import NriLink, NriStatus
+from dracpu.tasks.podresources_sync import PodResourcesStatus
 from dracpu.tasks.state_owner import OwnerStatistics
 
 
@@ -56,7 +57,39 @@ def test_sources_left_out_report_nothing() -> None:
     text = generate_latest(build_registry(readiness)).decode()
     names = {family.name for family in text_string_to_metric_families(text)}
     assert {"dracpu_ready", "dracpu_task_ready", "dracpu_build_info"} <= names
-    assert not any(name.startswith(("dracpu_nri", "dracpu_state_owner")) for name in names)
+    assert not any(
+        name.startswith(("dracpu_nri", "dracpu_state_owner", "dracpu_podresources"))
+        for name in names
+    )
+
+
+def test_the_pod_resources_sync_is_read_at_scrape_time() -> None:
+    status = PodResourcesStatus()
+    registry = build_registry(Readiness(), podresources_status=status)
+    before = _samples(generate_latest(registry).decode())
+    assert before[("dracpu_podresources_sync_working", ())] == 0.0
+    assert before[("dracpu_podresources_answered", ())] == 0.0
+    assert before[("dracpu_orphan_claims_released_total", ())] == 0.0
+
+    status.answered = True  # answered, but no claim shown: not working
+    status.lists.update({"no_claims": 2, "error": 1})
+    middle = _samples(generate_latest(registry).decode())
+    assert middle[("dracpu_podresources_answered", ())] == 1.0
+    assert middle[("dracpu_podresources_sync_working", ())] == 0.0
+
+    status.reports_claims = True
+    status.lists.update({"ok": 4, "rate_limited": 3})
+    status.released, status.waiting = 2, 5
+    after = _samples(generate_latest(registry).decode())
+    assert after[("dracpu_podresources_sync_working", ())] == 1.0
+    assert after[("dracpu_orphan_claims_released_total", ())] == 2.0
+    assert after[("dracpu_podresources_orphan_candidates", ())] == 5.0
+    lists = {
+        labels[0][1]: value
+        for (name, labels), value in after.items()
+        if name == "dracpu_podresources_lists_total"
+    }
+    assert lists == {"ok": 4.0, "no_claims": 2.0, "rate_limited": 3.0, "error": 1.0}
 
 
 def test_the_owner_and_the_nri_side_together() -> None:

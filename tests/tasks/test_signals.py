@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from functools import partial
 
 import anyio
 import pytest
@@ -54,6 +55,30 @@ async def test_sighup_resyncs_and_sighups_during_a_resync_are_coalesced(
         await anyio.wait_all_tasks_blocked()
         assert receive.statistics().current_buffer_used == 0
         assert stops == []
+        tg.cancel_scope.cancel()
+
+
+async def test_sighup_calls_the_callbacks_beside_the_resync() -> None:
+    streams: Streams = create_request_stream()
+    send, receive = streams
+    asked: list[str] = []
+    stops: list[str] = []
+    async with send, receive, anyio.create_task_group() as tg:
+        callbacks = (lambda: asked.append("a"), lambda: asked.append("b"))
+        await tg.start(partial(signals.run, send.clone(), stops.append, on_sighup=callbacks))
+        os.kill(os.getpid(), signal.SIGHUP)
+        with anyio.fail_after(5):
+            resync = await receive.receive()
+        with resync.reply:
+            resync.reply.send_nowait(Resynced(claims=0))
+        with anyio.fail_after(5):
+            while asked != ["a", "b"]:  # noqa: ASYNC110 - plain list appends
+                await anyio.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)  # a stop calls none of them
+        with anyio.fail_after(5):
+            while not stops:  # noqa: ASYNC110 - plain list appends
+                await anyio.sleep(0.01)
+        assert asked == ["a", "b"]
         tg.cancel_scope.cancel()
 
 

@@ -164,18 +164,31 @@ class UpdateClaimPods:
 
 @dataclass(frozen=True, slots=True)
 class PodsListed:
-    """The kubelet's PodResources ``List``: the claim UIDs the node's active pods still use.
+    """The kubelet's PodResources ``List``: which of our claims the node's active pods reference.
 
-    The adapter takes the UID from each of our CDI device ids (``dra.k8s.io/cpu=claim-<uid>``).
-    ``reports_claims``: ``False`` when the listing cannot show DRA claims at all (the kubelet's
-    ``KubeletPodResourcesDynamicResources`` gate is off): nothing is released then.
+    ``claims_in_use``: the claim UIDs, read from our CDI device ids
+    (``dra.k8s.io/cpu=claim-<uid>``) in the pods' ``dynamic_resources``. ``names_in_use``:
+    ``(namespace, name)`` of claims of our driver listed without a CDI device id we can read: a
+    prepared claim of that name is in use, and so is every claim we know no name of (adopted
+    from its CDI spec). ``reports_claims``: ``False`` when the answer cannot show DRA claims at
+    all (no ``dynamic_resources`` anywhere: the kubelet's ``KubeletPodResourcesDynamicResources``
+    gate is off, or no pod holds a claim of any driver: the two look the same); nothing is
+    released then and earlier misses are forgotten.
 
-    A prepared claim is released only when it is missing from two listings in a row, no known
-    container uses it, and the listing is not contradicted by a running container of ours.
+    ``at``: when the listing was asked for, in monotonic seconds of the task's clock (the core
+    reads no clock); ``grace``: ``--orphan-grace`` in seconds. A prepared claim that no listed
+    pod references and no known container carries in its env is released once it has been
+    missing from every listing since one taken at least ``grace`` earlier; a claim known only
+    from its CDI spec (adopted, never prepared by the kubelet since) at the first such listing.
+    Nothing is released while the runtime's containers are not known (no NRI ``Synchronize``
+    since the start or since the runtime went away). See ``docs/architecture.md``.
     """
 
     claims_in_use: frozenset[str]
+    names_in_use: frozenset[tuple[str, str]] = frozenset()
     reports_claims: bool = True
+    at: float = 0.0
+    grace: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

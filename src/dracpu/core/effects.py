@@ -40,6 +40,7 @@ __all__ = [
     "PruneCdiSpecs",
     "PruneDeviceMetadata",
     "PublishSlices",
+    "ReleasedClaim",
     "Reply",
     "Resynced",
     "StrandedClaim",
@@ -233,12 +234,29 @@ class Synchronized:
 
 
 @dataclass(frozen=True, slots=True)
-class PodsReconciled:
-    """Answer to PodsListed: claims released as leaked, claims missing from this listing, and
-    whether the listing was trusted (``False``: nothing released)."""
+class ReleasedClaim:
+    """A prepared claim released as an orphan by a pod-resources listing, as Unprepare would.
 
-    released: tuple[str, ...]
-    unlisted: tuple[str, ...]
+    ``adopted``: it was known only from its CDI spec (one listing was enough); ``missing_since``:
+    the ``at`` of the first listing of the run of listings that missed it."""
+
+    claim_uid: str
+    cpus: CpuSet
+    namespace: str
+    name: str
+    adopted: bool
+    missing_since: float
+
+
+@dataclass(frozen=True, slots=True)
+class PodsReconciled:
+    """Answer to PodsListed: the claims released as orphans, the claims missing from this
+    listing that are kept for now (their grace runs, or the runtime's containers are not
+    known), and whether the listing could show claims at all (``False``: nothing released,
+    earlier misses forgotten)."""
+
+    released: tuple[ReleasedClaim, ...]
+    waiting: tuple[str, ...]
     trusted: bool
 
 

@@ -158,7 +158,8 @@ def apply(state: NodeState, command: Command) -> tuple[NodeState, list[Effect]]:
             case Synchronize():
                 return synchronize(state, command)
             case RuntimeDisconnected():
-                return replace(state, unsolicited_updates=False), [Reply(None)]
+                gone = replace(state, unsolicited_updates=False, containers_known=False)
+                return gone, [Reply(None)]
             case InvalidateContainers():
                 return invalidate(state, command.failed)
             case PodsListed():
@@ -331,8 +332,8 @@ def check_invariants(state: NodeState, previous: NodeState | None = None) -> Non
     for uid in state.owners:
         if uid not in state.claims:
             fail(f"claim {uid} has an owner but is not prepared")
-    if not state.unlisted <= state.claims.keys():
-        fail(f"unlisted claims {sorted(state.unlisted - state.claims.keys())} are not prepared")
+    if not state.unlisted.keys() <= state.claims.keys():
+        fail(f"unlisted claims {sorted(state.unlisted.keys() - state.claims.keys())} are gone")
     for cid, record in state.containers.items():
         if not record.claims:
             continue

@@ -40,6 +40,7 @@ from dracpu.core.effects import (
     PruneCdiSpecs,
     PruneDeviceMetadata,
     PublishSlices,
+    ReleasedClaim,
     Reply,
     Resynced,
     UpdateContainers,
@@ -279,6 +280,8 @@ def prepare(state: NodeState, command: PrepareClaim) -> tuple[NodeState, list[Ef
     if existing is not None:
         prepared = ClaimPrepared(uid, existing.cpus, existing.mems, results)
         pods = _pods(existing, command.pod_uids)
+        # The kubelet asks for it: a pod wants it, whatever a listing missed.
+        state = _listed_again(state, uid)
         if existing.results == results:
             # Idempotent; rewrite the files (a reboot empties /var/run/cdi, k/k#141433).
             if existing.pod_uids == pods:
@@ -350,6 +353,15 @@ def _devices(results: Iterable[DeviceResult]) -> str:
     )
 
 
+def _listed_again(state: NodeState, uid: str) -> NodeState:
+    """The state without a pod-resources miss of claim ``uid``."""
+    if uid not in state.unlisted:
+        return state
+    unlisted = mutable(state.unlisted)
+    del unlisted[uid]
+    return replace(state, unlisted=MappingProxyType(unlisted))
+
+
 def _release(state: NodeState, uids: Iterable[str]) -> NodeState:
     """The state without these (prepared) claims.
 
@@ -372,13 +384,16 @@ def _release(state: NodeState, uids: Iterable[str]) -> NodeState:
         for cid in stale:
             del kept[cid]
         containers = MappingProxyType(kept)
+    unlisted = state.unlisted
+    if not gone.isdisjoint(unlisted):
+        unlisted = MappingProxyType({u: t for u, t in unlisted.items() if u not in gone})
     return replace(
         state,
         claims=MappingProxyType(claims),
         claimed=state.claimed - CpuSet.from_mask(freed),
         owners=MappingProxyType(owners),
         containers=containers,
-        unlisted=state.unlisted - gone,
+        unlisted=unlisted,
     )
 
 
@@ -422,26 +437,59 @@ def update_claim_pods(state: NodeState, command: UpdateClaimPods) -> tuple[NodeS
     return new, [WriteCheckpoint(new.checkpoint()), Reply(None)]
 
 
+def _carried(state: NodeState) -> set[str]:
+    """The claims a known container names in its ``DRA_CPUSET_*`` env (verified or not)."""
+    return {env.claim_uid for r in state.containers.values() for env in r.container.claims}
+
+
+def _referenced(claim: PreparedClaim, command: PodsListed) -> bool:
+    """Whether the listing references ``claim``: by UID, or by name where the kubelet gave no
+    UID (a claim we know no name of may be any of those)."""
+    if claim.claim_uid in command.claims_in_use:
+        return True
+    names = command.names_in_use
+    return bool(names) and (not claim.name or (claim.namespace, claim.name) in names)
+
+
 def pods_listed(state: NodeState, command: PodsListed) -> tuple[NodeState, list[Effect]]:
-    in_use = command.claims_in_use
-    unlisted = frozenset(uid for uid in state.claims if uid not in in_use)
-    held = {uid for record in state.containers.values() for uid in record.claims}
-    trusted = command.reports_claims and not (unlisted & held)
-    if not trusted:
-        # The listing contradicts a running container (or cannot show claims): release nothing
-        # and forget earlier misses, so two trusted listings in a row are needed again.
-        new = replace(state, unlisted=frozenset())
-        return new, [Reply(PodsReconciled((), tuple(sorted(unlisted)), False))]
-    release = sorted(unlisted & state.unlisted)
-    if not release:
-        new = replace(state, unlisted=unlisted)
-        return new, [Reply(PodsReconciled((), tuple(sorted(unlisted)), True))]
-    new = replace(_release(state, release), unlisted=unlisted - set(release))
+    """A pod-resources listing: mark the claims it misses, release the orphans (see
+    :class:`~dracpu.core.commands.PodsListed` for the rules)."""
+    if not command.reports_claims:
+        new = replace(state, unlisted=MappingProxyType({})) if state.unlisted else state
+        return new, [Reply(PodsReconciled((), (), False))]
+    carried = _carried(state)
+    unlisted: dict[str, float] = {}
+    released: list[ReleasedClaim] = []
+    for uid in sorted(state.claims):
+        claim = state.claims[uid]
+        if uid in carried or _referenced(claim, command):
+            continue
+        since = state.unlisted.get(uid)
+        adopted = not claim.results
+        ripe = adopted or (since is not None and command.at - since >= command.grace)
+        if since is None:
+            since = command.at
+        if ripe and state.containers_known:
+            released.append(
+                ReleasedClaim(uid, claim.cpus, claim.namespace, claim.name, adopted, since)
+            )
+        else:
+            unlisted[uid] = since
+    waiting = tuple(unlisted)
+    if not released:
+        new = replace(state, unlisted=MappingProxyType(unlisted))
+        return new, [Reply(PodsReconciled((), waiting, True))]
+    new = _release(state, [r.claim_uid for r in released])
+    new = replace(new, unlisted=MappingProxyType(unlisted))
     new, after = unsolicited_widening(new)
     return new, [
-        *(effect for uid in release for effect in release_files(uid, state.claims[uid])),
+        *(
+            effect
+            for r in released
+            for effect in release_files(r.claim_uid, state.claims[r.claim_uid])
+        ),
         WriteCheckpoint(new.checkpoint()),
-        Reply(PodsReconciled(tuple(release), tuple(sorted(unlisted)), True)),
+        Reply(PodsReconciled(tuple(released), waiting, True)),
         *after,
     ]
 

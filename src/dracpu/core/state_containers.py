@@ -293,6 +293,7 @@ def synchronize(state: NodeState, command: Synchronize) -> tuple[NodeState, list
         shared=frozenset(shared),
         owners=MappingProxyType(owners),
         unsolicited_updates=command.unsolicited_updates,
+        containers_known=True,
         pin_seq=seq,
     )
     return new, [Reply(Synchronized(tuple(updates), tuple(rejected), tuple(unpinned)))]

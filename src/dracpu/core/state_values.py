@@ -49,6 +49,10 @@ def _no_owners() -> Mapping[str, ClaimOwner]:
     return MappingProxyType({})
 
 
+def _no_misses() -> Mapping[str, float]:
+    return MappingProxyType({})
+
+
 @dataclass(frozen=True, slots=True)
 class ClaimOwner:
     """The one (pod, container name) allowed to use a claim until it is unprepared."""
@@ -84,8 +88,11 @@ class NodeState:
     """Everything the state owner knows. Treat as immutable: ``apply`` builds a new one.
 
     ``claimed`` is the union of the claims' CPUs; ``shared`` the ids of the shared containers;
-    ``owners`` who uses each claim; ``unlisted`` the claims missing from the last pod-resources
-    listing; ``unsolicited_updates`` whether the runtime takes plugin-initiated updates;
+    ``owners`` who uses each claim; ``unlisted`` the claims missing from every pod-resources
+    listing since the one taken at the time given (monotonic seconds of the sync task's clock);
+    ``containers_known`` whether :attr:`containers` is the runtime's word (an NRI
+    ``Synchronize`` since the start, and the runtime not gone since); ``unsolicited_updates``
+    whether the runtime takes plugin-initiated updates;
     ``pin_seq`` the number of the last decision that pinned containers (it only grows: the NRI
     task orders the writes that reach the runtime by it).
     """
@@ -96,7 +103,8 @@ class NodeState:
     containers: Mapping[str, ContainerRecord] = field(default_factory=_no_containers)
     shared: frozenset[str] = frozenset()
     owners: Mapping[str, ClaimOwner] = field(default_factory=_no_owners)
-    unlisted: frozenset[str] = frozenset()
+    unlisted: Mapping[str, float] = field(default_factory=_no_misses)
+    containers_known: bool = False
     unsolicited_updates: bool = False
     pin_seq: int = 0
 

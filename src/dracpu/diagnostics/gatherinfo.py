@@ -210,6 +210,8 @@ def _our_config(config: Config) -> dict[str, Any]:
         "memoryPinning": config.memory_pinning,
         "nriPluginName": config.nri_plugin_name,
         "nriPluginIndex": config.nri_plugin_index,
+        "podresourcesInterval": config.podresources_interval,
+        "orphanGrace": config.orphan_grace,
     }
 
 

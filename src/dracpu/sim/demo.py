@@ -10,7 +10,11 @@ through its life, checking every step and printing what happened:
 5. the kubelet prepares it: the CPUs, the CDI spec, the claim's ``status.devices`` cpuset;
 6. the runtime creates the pod's container with the CDI env: it gets exactly the claim's CPUs,
    and every shared container shrinks to the rest;
-7. the pod ends and the kubelet unprepares the claim: the CDI spec goes and the shared
+7. a second claim's pod ends and the kubelet never unprepares it (a lost call): the kubelet's
+   PodResources stops listing it while it still lists the first claim's pod, and the daemon
+   releases the orphan after the grace (the demo's daemon lists every 500 ms with a grace of
+   2 s), its CPUs shared again; the first claim stays;
+8. the first pod ends and the kubelet unprepares its claim: the CDI spec goes and the shared
    containers get the CPUs back (at once when the runtime's NRI takes unsolicited updates, else
    at the next container event, which the demo then causes);
 8. a CPU goes offline in the fake sysfs: the kubelet's health stream reports its device
@@ -63,6 +67,13 @@ DEFERRED_CHECK = 0.3
 # CPUs are read every second; a 1024-CPU node's slices take a few hundred ms).
 HOTPLUG_TIMEOUT = 15.0
 DEMO_NAMESPACE = "demo"
+# The pod-resources sync of the demo's daemon: quick, so the orphan goes within seconds (the
+# defaults are a List a minute and a grace of 5 minutes).
+LIST_INTERVAL = "500ms"
+ORPHAN_GRACE = 2.0
+DEMO_FLAGS = (f"--podresources-interval={LIST_INTERVAL}", f"--orphan-grace={ORPHAN_GRACE:g}s")
+# How long the demo waits for the orphan to go: the grace, two Lists and slack for a busy host.
+ORPHAN_TIMEOUT = ORPHAN_GRACE + 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +140,7 @@ async def run_demo(options: DemoOptions, emit: Callable[[Step], None]) -> list[S
         memory_pinning=options.memory_pinning,
         runtime_version=options.runtime_version,
         shared_containers=options.shared,
+        extra_args=DEMO_FLAGS,
         start=False,
         keep=options.keep,
     ) as sim:
@@ -141,6 +153,7 @@ async def run_demo(options: DemoOptions, emit: Callable[[Step], None]) -> list[S
         done(prepare_step)
         create_step, pod = await _create(sim, claim, held)
         done(create_step)
+        done(await _orphan(sim, claim))
         done(await _unprepare(sim, claim, pod, held))
         done(await _hotplug(sim, options))
         if options.keep:
@@ -233,7 +246,15 @@ def _allocate(sim: NodeSim, options: DemoOptions) -> tuple[Step, Any]:
     return step, claim
 
 
+def _admit(sim: NodeSim, pod_name: str, claim: Any) -> None:
+    """The kubelet admits a pod before it prepares the pod's claims, so its PodResources lists
+    the claim from the Prepare on (not only once the container runs: under load that can be
+    later than the daemon's orphan grace)."""
+    sim.kubelet.pods.add_pod(DEMO_NAMESPACE, pod_name, {"main": [claim.uid]})
+
+
 async def _prepare(sim: NodeSim, claim: Any) -> tuple[Step, CpuSet]:
+    _admit(sim, "demo-app", claim)
     started = time.monotonic()
     answer = (await sim.prepare(claim))[claim.uid]
     took = time.monotonic() - started
@@ -288,6 +309,74 @@ async def _create(sim: NodeSim, claim: Any, held: CpuSet) -> tuple[Step, Any]:
         lines,
         {"container": container.id, "cpus": str(pinned), "shared": after},
     ), pod
+
+
+def _room_for_another_claim(sim: NodeSim) -> bool:
+    """Whether a claim of one more CPU leaves the shared containers a CPU."""
+    pools = [_cpus(sim.cpus_of(cid)) for cid in sim.shared_ids()]
+    return not pools or min(len(pool) for pool in pools) >= 2
+
+
+async def _orphan(sim: NodeSim, keeper: Any) -> Step:
+    if not _room_for_another_claim(sim):
+        return Step(
+            "Orphan release skipped: a second claim would leave the shared containers no CPU",
+            [],
+            {"skipped": True},
+        )
+    lost = sim.allocate("lost", 1, namespace=DEMO_NAMESPACE)
+    _admit(sim, "lost-app", lost)
+    answer = (await sim.prepare(lost))[lost.uid]
+    _expect(answer.error == "", f"NodePrepareResources of claim lost failed: {answer.error}")
+    held = _cpus(sim.cdi_cpus(lost.uid) or "")
+    pod, container = await sim.run_container("lost-app", claims=[lost], namespace=DEMO_NAMESPACE)
+    _expect(_cpus(container.cpus) == held, f"claim lost's container got cpus {container.cpus}")
+    label = _container_label(sim, container.id)
+    narrow = {cid: sim.cpus_of(cid) for cid in sim.shared_ids()}
+    await sim.remove_pod(pod)  # ... and the kubelet never calls NodeUnprepareResources
+    started = time.monotonic()
+    await wait_until(
+        "the orphan claim to be released",
+        lambda: sim.cdi_cpus(lost.uid) is None,
+        timeout=ORPHAN_TIMEOUT,
+    )
+    took = time.monotonic() - started
+    sim.deallocate(lost)
+    _expect(took >= ORPHAN_GRACE, f"claim lost was released {took:.1f} s after its pod ended")
+    _expect(sim.cdi_cpus(keeper.uid) is not None, "the first claim went although its pod runs")
+    prefix = f"released orphan claim {lost.uid} "
+
+    def warnings() -> list[str]:
+        return [m for m in sim.daemon.messages("warning") if m.startswith(prefix)]
+
+    await wait_until("the daemon to log the release", lambda: bool(warnings()), timeout=5)
+    warning = warnings()
+    _expect(len(warning) == 1, f"the daemon logged {len(warning)} warnings naming claim lost")
+    lines = [
+        f"{label:<26} cpus {held} (exclusive), claim {lost.namespace}/{lost.name} {lost.uid}",
+        "the pod ends; the kubelet's PodResources List no longer shows the claim (it still "
+        f"shows {keeper.namespace}/{keeper.name}: its pod runs)",
+        f"daemon: {warning[0].split(':')[0]}",
+        f"CDI spec removed; claim {keeper.namespace}/{keeper.name} still prepared",
+    ]
+
+    def widened() -> bool:
+        return all(held <= _cpus(sim.cpus_of(cid)) for cid in narrow)
+
+    if await _unsolicited_updates(sim):
+        await wait_until("the shared containers to widen", widened, timeout=WIDEN_TIMEOUT)
+        lines += [
+            f"{_container_label(sim, cid):<26} cpus {old} -> {sim.cpus_of(cid)}"
+            for cid, old in narrow.items()
+        ]
+    else:
+        lines.append(f"cpus {held} are shared again from the next container event")
+    return Step(
+        "A pod ends but the kubelet never unprepares its claim: the daemon releases the orphan "
+        f"{took:.1f} s later (List every {LIST_INTERVAL}, --orphan-grace {ORPHAN_GRACE:g}s)",
+        lines,
+        {"claim": lost.uid, "cpus": str(held), "releasedAfter": round(took, 3)},
+    )
 
 
 async def _unsolicited_updates(sim: NodeSim) -> bool:

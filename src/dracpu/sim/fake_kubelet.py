@@ -23,7 +23,11 @@ written out literally, and the kubelet's rules (kubernetes/kubernetes ``pkg/kube
 - device health (KEP-4680): :meth:`FakeKubelet.watch_health` opens ``NodeWatchResources`` as a
   kubelet of the 1.37 cycle does (``v1.DRAResourceHealth`` if the plugin advertised it, else
   ``v1alpha1``; none advertised: no stream), without a deadline, and hands over every list the
-  plugin sends (:class:`HealthWatch`).
+  plugin sends (:class:`HealthWatch`);
+- PodResources: :attr:`FakeKubelet.pods` holds the pods the simulation runs and the kubelet's
+  claim cache (every claim a successful Prepare answered, until its Unprepare);
+  :meth:`FakeKubelet.serve_pod_resources` serves them on the PodResources socket
+  (:mod:`dracpu.sim.fake_podresources`).
 
 The calls are synchronous grpcio calls; ``a*`` methods run them in a worker thread
 (``anyio.to_thread``) so async tests and the simulator can drive the daemon on the same loop.
@@ -52,6 +56,7 @@ from dracpu.sim._pb2.dra.v1beta1 import api_pb2 as dra_v1beta1
 from dracpu.sim._pb2.dra_health.v1 import api_pb2 as health_v1
 from dracpu.sim._pb2.dra_health.v1alpha1 import api_pb2 as health_v1alpha1
 from dracpu.sim._pb2.pluginregistration.v1 import api_pb2 as reg
+from dracpu.sim.fake_podresources import CachedClaim, ClaimDevice, KubeletPods, PodResourcesServer
 
 __all__ = [
     "CALL_TIMEOUT",
@@ -60,6 +65,7 @@ __all__ = [
     "HEALTH_SERVICES",
     "KUBELET_SERVICES",
     "NOTIFY_TIMEOUT",
+    "POD_RESOURCES_SOCKET",
     "ClaimRef",
     "Device",
     "DeviceHealthReport",
@@ -93,6 +99,9 @@ GET_INFO_TIMEOUT = 1.0
 DIAL_TIMEOUT = 10.0
 NOTIFY_TIMEOUT = 5.0
 CALL_TIMEOUT = 45.0
+# The PodResources socket under the kubelet's root (pkg/kubelet/apis/podresources: the directory
+# pod-resources, the socket kubelet.sock).
+POD_RESOURCES_SOCKET = Path("pod-resources") / "kubelet.sock"
 # How often wait_for_socket looks at the registry directory (the kubelet uses fsnotify).
 _POLL_INTERVAL = 0.02
 
@@ -347,17 +356,30 @@ class FakeKubelet:
         self._lock = threading.Lock()
         self._registrations: dict[str, Registration] = {}
         self._channels: dict[str, Any] = {}  # driver -> grpc.Channel to its endpoint
+        self.pods = KubeletPods()
+        self.pod_resources: PodResourcesServer | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Close every channel; registrations are forgotten."""
+        """Close every channel; registrations are forgotten; the PodResources socket goes."""
         with self._lock:
             channels = list(self._channels.values())
             self._channels.clear()
             self._registrations.clear()
         for channel in channels:
             channel.close()
+        if self.pod_resources is not None:
+            self.pod_resources.stop()
+
+    def serve_pod_resources(self, socket: Path | None = None) -> PodResourcesServer:
+        """Serve PodResources on ``socket`` (default ``<kubelet root>/pod-resources/kubelet.sock``,
+        the kubelet root being the registry directory's parent) from :attr:`pods`."""
+        if self.pod_resources is None:
+            path = self.registry_dir.parent / POD_RESOURCES_SOCKET if socket is None else socket
+            self.pod_resources = PodResourcesServer(path, self.pods)
+        self.pod_resources.start()
+        return self.pod_resources
 
     def __enter__(self) -> FakeKubelet:
         return self
@@ -541,6 +563,8 @@ class FakeKubelet:
         ver, response = self._dra_call(
             "NodePrepareResources", claims, driver, version, call_timeout
         )
+        registration, _ = self._driver(driver)
+        refs = {c.uid: c for c in claims}
         results: dict[str, PrepareResult] = {}
         for uid, entry in response.claims.items():
             devices = tuple(
@@ -554,6 +578,20 @@ class FakeKubelet:
                 for d in entry.devices
             )
             results[uid] = PrepareResult(devices=devices, error=entry.error)
+            if not entry.error:  # the kubelet caches what a driver prepared (its claim info)
+                ref = refs[uid]
+                self.pods.claim_prepared(
+                    CachedClaim(
+                        ref.namespace,
+                        ref.name,
+                        uid,
+                        registration.driver,
+                        tuple(
+                            ClaimDevice(d.pool_name, d.device_name, d.cdi_device_ids, d.share_id)
+                            for d in devices
+                        ),
+                    )
+                )
         return results
 
     def unprepare(
@@ -568,6 +606,9 @@ class FakeKubelet:
         _, response = self._dra_call(
             "NodeUnprepareResources", claims, driver, version, call_timeout
         )
+        for uid, entry in response.claims.items():
+            if not entry.error:
+                self.pods.claim_unprepared(uid)
         return {uid: entry.error for uid, entry in response.claims.items()}
 
     def _dra_call(

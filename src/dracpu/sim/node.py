@@ -12,15 +12,17 @@ daemon process itself is apart (:mod:`dracpu.sim.daemon_process`).
    with any shared containers that "already run";
 4. ``python -m dracpu run`` as a subprocess, pointed at all of the above and at a temporary
    kubelet root, CDI dir and state dir (logs: JSON lines in ``<root>/logs/daemon-<n>.log``);
-5. the fake kubelet (:mod:`dracpu.sim.fake_kubelet`, grpcio): it finds the registration socket
-   and registers the plugin; then ``/readyz`` must answer 200.
+5. the fake kubelet (:mod:`dracpu.sim.fake_kubelet`, grpcio): it serves its PodResources socket
+   (the pods the simulation runs, the claims it prepared), finds the registration socket and
+   registers the plugin; then ``/readyz`` must answer 200.
 
 The :class:`NodeSim` it yields plays the rest of the cluster: the scheduler
 (:meth:`NodeSim.allocate` picks a published device with enough free capacity and writes the
 ResourceClaim with ``status.allocation``), the kubelet (:meth:`NodeSim.prepare`,
 :meth:`NodeSim.unprepare`, :meth:`NodeSim.kubelet_restart`) and the runtime applying CDI
 (:meth:`NodeSim.run_container` reads the claim's CDI spec file, as a runtime resolves
-``dra.k8s.io/cpu=claim-<uid>``, and puts its env into the new container). The daemon can be
+``dra.k8s.io/cpu=claim-<uid>``, and puts its env into the new container; the kubelet lists the
+pod and its claims in PodResources until :meth:`NodeSim.remove_pod`). The daemon can be
 stopped, killed and started again (:meth:`NodeSim.restart_daemon`) while the peers keep their
 state, as on a real node::
 
@@ -513,6 +515,7 @@ class NodeSim:
         """A container that runs already (before the daemon or unknown to it): in the table,
         not announced to the plugin (it learns of it at Synchronize)."""
         pod = self.runtime.add_pod(pod_name, namespace="default")
+        self.kubelet.pods.add_pod("default", pod_name, {name: ()})
         return self.runtime.add_container(pod, name, cpus=cpus)
 
     async def run_container(
@@ -527,12 +530,16 @@ class NodeSim:
         """Create and start a container through the runtime (NRI CreateContainer/Start), with
         the CDI env of ``claims`` injected as the runtime would, in a new pod ``pod_name`` (or
         in ``pod``, made with ``runtime.add_pod``: a pod a claim was reserved for). The reply's
-        adjustment and updates are applied to the runtime's table."""
+        adjustment and updates are applied to the runtime's table. The kubelet lists the pod in
+        PodResources, its container referencing ``claims``."""
         env: list[str] = []
+        uids: list[str] = []
         for claim in claims:
             env.extend(self.cdi_env(claim.uid))
+            uids.append(claim.uid)
         if pod is None:
             pod = self.runtime.add_pod(pod_name, namespace=namespace)
+        self.kubelet.pods.add_pod(pod.namespace, pod.name, {name: uids})
         await self.runtime.run_pod_sandbox(pod)
         container = self.runtime.new_container(pod, name, env=env)
         await self.runtime.create_container(pod, container)
@@ -540,7 +547,9 @@ class NodeSim:
         return pod, self.runtime.containers[container.id]
 
     async def remove_pod(self, pod: FakePod) -> None:
-        """Stop and remove the pod's containers and the pod (NRI events)."""
+        """Stop and remove the pod's containers and the pod (NRI events); the kubelet no longer
+        lists it (its claims stay prepared until :meth:`unprepare`)."""
+        self.kubelet.pods.remove_pod(pod.namespace, pod.name)
         await self.runtime.stop_pod_sandbox(pod.id)
         await self.runtime.remove_pod_sandbox(pod.id)
 
@@ -608,6 +617,7 @@ async def open_node_sim(
     shared_containers: int = 0,
     extra_args: Sequence[str] = (),
     start: bool = True,
+    pod_resources: bool = True,
     root: Path | None = None,
     keep: bool = False,
 ) -> AsyncIterator[NodeSim]:
@@ -619,9 +629,10 @@ async def open_node_sim(
     ``runtime_version``: what the fake runtime claims to be (it decides the NRI version).
     ``shared_containers``: pods with one container each that run before the daemon starts.
     ``start=False``: the peers run but no daemon is launched yet (call
-    :meth:`NodeSim.start_daemon`). ``root``: where to put the node's files (default: a fresh
-    temporary directory, removed at the end unless ``keep``). Asyncio backend only (aiohttp,
-    the gRPC server).
+    :meth:`NodeSim.start_daemon`). ``pod_resources=False``: the kubelet has no PodResources
+    socket (``sim.kubelet.serve_pod_resources()`` opens it later). ``root``: where to put the
+    node's files (default: a fresh temporary directory, removed at the end unless ``keep``).
+    Asyncio backend only (aiohttp, the gRPC server).
     """
     spec = fixture(topology)
     device_mode, grouping = CpuDeviceMode(mode), GroupBy(group_by)
@@ -642,6 +653,8 @@ async def open_node_sim(
         ):
             api.add_node(node_name)
             with FakeKubelet(paths.registry_dir) as kubelet:
+                if pod_resources:
+                    kubelet.serve_pod_resources()
                 sim = NodeSim(
                     paths=paths,
                     api=api,

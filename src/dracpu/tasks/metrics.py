@@ -3,8 +3,10 @@
 :func:`build_registry` makes the registry ``/metrics`` serves (:mod:`dracpu.tasks.http`), never
 prometheus_client's process-global one. Each collector reads its task's state at scrape time:
 the readiness flags and the state owner's counters (``dracpu_ready``, ``dracpu_task_ready``,
-``dracpu_state_owner_*``) and the NRI side (``dracpu_nri_*``: connected, synchronized, the
-runtime and its versions, unsolicited updates by outcome).
+``dracpu_state_owner_*``), the NRI side (``dracpu_nri_*``: connected, synchronized, the
+runtime and its versions, unsolicited updates by outcome) and the pod-resources sync
+(``dracpu_podresources_*``: whether it works, Lists by outcome, orphan claims released and
+waiting).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from prometheus_client.metrics_core import (
 from dracpu import __version__
 from dracpu.tasks.http import Readiness
 from dracpu.tasks.nri_link import NriStatus
+from dracpu.tasks.podresources_sync import PodResourcesStatus
 from dracpu.tasks.state_owner import OwnerStatistics
 
 __all__ = ["build_registry"]
@@ -117,13 +120,55 @@ class _NriCollector:
         yield runtime
 
 
+class _PodResourcesCollector:
+    """The pod-resources sync, read from its :class:`PodResourcesStatus`."""
+
+    def __init__(self, status: PodResourcesStatus) -> None:
+        self._status = status
+
+    def collect(self) -> Iterable[Metric]:
+        status = self._status
+        yield GaugeMetricFamily(
+            "dracpu_podresources_sync_working",
+            "1 while the kubelet answers PodResources List and its answers show DRA claims "
+            "(orphan claims can be released), else 0.",
+            value=float(status.working),
+        )
+        yield GaugeMetricFamily(
+            "dracpu_podresources_answered",
+            "1 when the last PodResources List was answered, else 0.",
+            value=float(status.answered),
+        )
+        lists = CounterMetricFamily(
+            "dracpu_podresources_lists",
+            "PodResources List calls by outcome (ok, no_claims: the answer showed no DRA claim "
+            "at all, rate_limited, error).",
+            labels=["outcome"],
+        )
+        for outcome in ("ok", "no_claims", "rate_limited", "error"):
+            lists.add_metric([outcome], float(status.lists[outcome]))
+        yield lists
+        yield CounterMetricFamily(
+            "dracpu_orphan_claims_released",
+            "Prepared claims released because no pod referenced them and no container used them.",
+            value=float(status.released),
+        )
+        yield GaugeMetricFamily(
+            "dracpu_podresources_orphan_candidates",
+            "Prepared claims the last PodResources listing missed, kept while their grace runs.",
+            value=float(status.waiting),
+        )
+
+
 def build_registry(
     readiness: Readiness,
     owner_statistics: Callable[[], OwnerStatistics] | None = None,
     nri_status: Callable[[], NriStatus] | None = None,
+    podresources_status: PodResourcesStatus | None = None,
 ) -> CollectorRegistry:
     """Our own metrics registry: build info, process and Python metrics, readiness, the state
-    owner's counters and the NRI side (each left out when its source is ``None``)."""
+    owner's counters, the NRI side and the pod-resources sync (each left out when its source
+    is ``None``)."""
     registry = CollectorRegistry()
     Info("dracpu_build", "dracpu build information.", registry=registry).info(
         {"version": __version__, "python_version": platform.python_version()}
@@ -133,4 +178,6 @@ def build_registry(
     registry.register(_DaemonCollector(owner_statistics, readiness))
     if nri_status is not None:
         registry.register(_NriCollector(nri_status))
+    if podresources_status is not None:
+        registry.register(_PodResourcesCollector(podresources_status))
     return registry

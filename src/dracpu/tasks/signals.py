@@ -6,7 +6,8 @@
   containers re-pinned), then logs the answer in one line (:func:`dracpu.tasks.reload.report`).
   Without a reloader it sends a plain ``Resync()``. The resync runs beside the signal loop, so
   a slow owner never delays a stop; SIGHUPs that arrive while a resync is running are
-  coalesced into one more resync after it.
+  coalesced into one more resync after it. Each SIGHUP also calls the ``on_sighup``
+  callbacks (the pod-resources sync's request for a List).
 - ``SIGTERM`` / ``SIGINT`` call ``stop(reason)``: the supervisor stops the tasks in reverse start
   order within its grace period. A second one calls ``stop`` again, which the supervisor takes
   as "stop now".
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import anyio
 from anyio import TASK_STATUS_IGNORED
@@ -76,10 +77,12 @@ async def run(
     stop: Callable[[str], None],
     *,
     reloader: Reloader | None = None,
+    on_sighup: Sequence[Callable[[], None]] = (),
     task_status: TaskStatus[None] = TASK_STATUS_IGNORED,
 ) -> None:
     """Handle SIGHUP, SIGTERM and SIGINT until cancelled; ``reloader`` builds a SIGHUP's
-    Resync (``None``: a plain ``Resync()``).
+    Resync (``None``: a plain ``Resync()``); ``on_sighup``: called at each SIGHUP (they must not
+    block).
 
     Resource handling: ``owner`` (give this task its own clone) is closed on exit; the signal
     handlers are removed on exit, restoring the default ones.
@@ -94,6 +97,8 @@ async def run(
                 async for signum in signals:
                     if signum == signal.SIGHUP:
                         resyncer.trigger(tg)
+                        for callback in on_sighup:
+                            callback()
                     else:
                         name = signal.Signals(signum).name
                         logger.info("%s received: stopping", name)
