@@ -69,6 +69,7 @@ __all__ = [
     "STOP_TIMEOUT",
     "Encoded",
     "GrpcUnixServer",
+    "H2ProtocolError",
     "MessageCodec",
     "Servable",
     "StreamClosed",
@@ -111,6 +112,10 @@ StreamClosed = h2.exceptions.StreamClosedError
 grpclib cancelled the call: python-hyper ``h2``'s exception, which grpclib lets through and has
 no name of its own for (its server catches h2's around a call's trailers, ``server.py``). This
 module is the one place of ours that names h2; handlers catch :data:`StreamClosed`."""
+
+H2ProtocolError = h2.exceptions.ProtocolError
+"""What grpclib lets through from ``h2`` when a peer breaks HTTP/2 itself (a client's call on a
+connection the kubelet broke off, :mod:`dracpu.adapters.pod_resources`)."""
 
 StreamHandler = Callable[["grpclib.server.Stream[Any, Any]"], Coroutine[Any, Any, None]]
 """An rpc method as grpclib calls it: it receives and answers on the call's stream."""

@@ -32,10 +32,10 @@ from typing import TypeVar, cast
 import grpclib.client
 import grpclib.const
 import grpclib.exceptions
-import h2.exceptions
 
 from dracpu import DRIVER_NAME
 from dracpu._gen.podresources import v1 as podres
+from dracpu.adapters.grpc_unix import H2ProtocolError
 from dracpu.core.cdi_spec import CDI_KIND, DEVICE_PREFIX, is_valid_claim_uid
 from dracpu.errors import PodResourcesError
 
@@ -216,7 +216,7 @@ class PodResourcesClient:
         except (
             grpclib.exceptions.StreamTerminatedError,
             grpclib.exceptions.ProtocolError,
-            h2.exceptions.ProtocolError,
+            H2ProtocolError,
         ) as exc:
             self.close()
             raise PodResourcesError(
