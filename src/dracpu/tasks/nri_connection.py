@@ -1,5 +1,9 @@
 """One NRI connection to the runtime: the multiplexed socket, the handlers, the update sender.
 
+One module, a little longer than most: the handlers and the sender share one connection's
+lifetime and its ordering rule, and splitting them would pass the connection's state between
+modules (the queue and the rule itself live in :mod:`dracpu.tasks.nri_link`).
+
 On the socket, :class:`~dracpu.wire.mux.MuxConnection` carries two ttrpc connections: conn 1,
 where we serve ``nri.pkg.api.v1alpha1.Plugin`` to the runtime, and conn 2, where we call the
 runtime's ``nri.pkg.api.v1alpha1.Runtime`` (containerd/nri ``pkg/net/multiplex``,
