@@ -14,9 +14,10 @@ test *ARGS:
     scripts/test {{ARGS}}
 
 # the optional external peers some tests use, from Debian (they skip, saying why, without them):
-# podman (a real CDI consumer) and grpc-go (the kubelet's gRPC stack, built in GOPATH mode)
+# podman (a real CDI consumer), grpc-go (the kubelet's gRPC stack, built in GOPATH mode) and
+# shellcheck (the e2e scripts)
 peers:
-    apt-get install -y podman runc busybox-static golang-go golang-google-grpc-dev
+    apt-get install -y podman runc busybox-static golang-go golang-google-grpc-dev shellcheck
 
 # regenerate requirements/*.lock from pyproject.toml: pinned, hashed, for Python 3.11 on any
 # platform; the current pins are kept unless ARGS say otherwise (e.g. --upgrade-package NAME)
