@@ -174,7 +174,6 @@ GRANTS: dict[str, set[Grant]] = {
         ("resource.k8s.io", "resourceclaims/driver", "associated-node:patch", (DRIVER_NAME,)),
     },
     "list_resource_slices": {("resource.k8s.io", "resourceslices", "list", ())},
-    "get_resource_slice": {("resource.k8s.io", "resourceslices", "get", ())},
     "create_resource_slice": {("resource.k8s.io", "resourceslices", "create", ())},
     "update_resource_slice": {("resource.k8s.io", "resourceslices", "update", ())},
     "delete_resource_slice": {("resource.k8s.io", "resourceslices", "delete", ())},

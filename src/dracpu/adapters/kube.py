@@ -369,12 +369,6 @@ class KubeClient:
             )
         return items, _resource_version(obj) or ""
 
-    async def get_resource_slice(self, name: str) -> dict[str, Any]:
-        """GET one ResourceSlice."""
-        return await self._request(
-            "GET", _SLICE, f"get resourceslice {name}", path_params={"name": name}
-        )
-
     async def create_resource_slice(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         """POST a ResourceSlice; the object as stored (compare it with what was sent: the server
         drops fields of disabled features). 409 if the name exists."""
