@@ -46,6 +46,20 @@ async def _metric(sim: NodeSim, line_start: str) -> str:
     return found[0]
 
 
+def _only_not_ready(flag: str, reason: str) -> Callable[[int, str], None]:
+    """A check of one /readyz answer while only ``flag`` is amiss: not ready (or no answer yet)
+    and, once every task has started, ``flag`` the one line not ready, for ``reason``."""
+
+    def check(status: int, body: str) -> None:
+        assert status in (0, 503)
+        if "[+]slice-publisher ok" in body:  # every task started: only the flag is amiss
+            assert [line for line in body.splitlines() if line.startswith("[-]")] == [
+                f"[-]{flag} not ready: {reason}"
+            ]
+
+    return check
+
+
 async def _hold(sim: NodeSim, seconds: float, check: Callable[[int, str], None]) -> None:
     """For ``seconds``: the daemon runs, and ``check(status, body)`` holds for ``/readyz``."""
     deadline = time.monotonic() + seconds
@@ -83,14 +97,7 @@ async def test_a_read_only_cdi_dir_at_start_is_waited_out() -> None:
             await sim.start_daemon(wait_ready=False)
             reason = f"cannot create files in CDI dir {str(cdi)!r}: Read-only file system"
 
-            def only_the_cdi_dir(status: int, body: str) -> None:
-                assert status in (0, 503)
-                if "[+]slice-publisher ok" in body:  # every task started: only the dir is amiss
-                    assert [line for line in body.splitlines() if line.startswith("[-]")] == [
-                        f"[-]cdi-dir not ready: {reason}"
-                    ]
-
-            await _hold(sim, HELD, only_the_cdi_dir)
+            await _hold(sim, HELD, _only_not_ready("cdi-dir", reason))
             assert (await _readyz(sim))[0] == 503
             assert await _metric(sim, 'dracpu_task_ready{task="cdi-dir"}') == (
                 'dracpu_task_ready{task="cdi-dir"} 0.0'
@@ -150,14 +157,7 @@ async def test_a_full_state_dir_at_start_is_waited_out() -> None:
                 f"cannot write checkpoint {state / 'checkpoint.1.json'}: No space left on device"
             )
 
-            def only_the_state_dir(status: int, body: str) -> None:
-                assert status in (0, 503)
-                if "[+]slice-publisher ok" in body:  # every task started: only the dir is amiss
-                    assert [line for line in body.splitlines() if line.startswith("[-]")] == [
-                        f"[-]state-dir not ready: {reason}"
-                    ]
-
-            await _hold(sim, HELD, only_the_state_dir)
+            await _hold(sim, HELD, _only_not_ready("state-dir", reason))
             assert (await _readyz(sim))[0] == 503
             assert await _metric(sim, 'dracpu_task_ready{task="state-dir"}') == (
                 'dracpu_task_ready{task="state-dir"} 0.0'

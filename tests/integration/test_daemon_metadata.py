@@ -17,20 +17,13 @@ import pytest
 from dracpu.sim.fake_kubelet import PrepareResult
 from dracpu.sim.node import NodeSim, SimClaim, open_node_sim
 from tests.core import upstream_driver
+from tests.core.test_device_metadata import PER_CPU  # the per-CPU lists and their fields
 from tests.integration.conftest import cpus
 
 pytestmark = pytest.mark.anyio
 
 CONTAINER_DIR = "/var/run/kubernetes.io/dra-device-attributes"
 METADATA_KIND = "dra.cpu/metadata"
-PER_CPU = {
-    "dra.cpu/allocatedCPUIDs": ("ints", "cpu"),
-    "dra.cpu/allocatedCoreIDs": ("ints", "core"),
-    "dra.cpu/allocatedSocketIDs": ("ints", "socket"),
-    "dra.cpu/allocatedNUMANodeIDs": ("ints", "numa"),
-    "dra.cpu/allocatedCacheL3IDs": ("ints", "l3"),
-    "dra.cpu/allocatedCoreTypes": ("strings", "core_type"),
-}
 
 
 def resolve(sim: NodeSim, cdi_id: str) -> dict[str, Any]:
