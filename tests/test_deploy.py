@@ -26,7 +26,11 @@ from dracpu.config import go_style_flags, load_config
 from tests.kustomize import build, render
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kustomize"
-TREES = {"base": DEPLOY / "base", "kind": DEPLOY / "overlays" / "kind"}
+TREES = {
+    "base": DEPLOY / "base",
+    "kind": DEPLOY / "overlays" / "kind",
+    "local": DEPLOY / "overlays" / "local",
+}
 # The Kubernetes version whose schemas we validate against: the newest kubernetes-validate ships.
 K8S_VERSION = kubernetes_validate.latest_version()
 
@@ -94,7 +98,7 @@ def test_deviceclass_selects_our_driver() -> None:
     ]
 
 
-@pytest.mark.parametrize(("tree", "reserved"), [("base", ""), ("kind", "0")])
+@pytest.mark.parametrize(("tree", "reserved"), [("base", ""), ("kind", "0"), ("local", "")])
 def test_the_daemonsets_command_and_config_are_accepted_by_the_cli(
     tree: str, reserved: str, tmp_path: Path
 ) -> None:
@@ -130,8 +134,13 @@ def test_the_daemonset_is_hardened(tree: str) -> None:
         "readOnlyRootFilesystem": True,
         "seccompProfile": {"type": "RuntimeDefault"},
     }
-    for key in ("hostPID", "hostIPC", "hostNetwork"):
+    for key in ("hostPID", "hostIPC"):
         assert not pod.get(key), key
+    # Only the local cluster's overlay, which has no pod network, runs on the host's; there
+    # the daemon serves on loopback alone.
+    if pod.get("hostNetwork"):
+        assert tree == "local"
+        assert "--bind-address=127.0.0.1:8080" in container["args"]
     assert all(v.get("hostPath", {}).get("path") != "/" for v in pod["volumes"])
 
 
