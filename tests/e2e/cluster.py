@@ -25,6 +25,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from tests.e2e import kube as kube_module
 from tests.e2e.kube import (
     Kubectl,
@@ -35,6 +37,7 @@ from tests.e2e.kube import (
     poll,
 )
 from tests.e2e.workloads import (
+    CLAIM_REQUEST,
     CPU_CAPACITY,
     DRIVER,
     OBSERVE,
@@ -51,6 +54,7 @@ __all__ = [
     "NodeFacts",
     "Observed",
     "Target",
+    "claim_result",
     "claim_size",
     "fits",
     "grouped_device_numa",
@@ -188,6 +192,18 @@ def claim_size(node: NodeFacts) -> int:
     return 2 if fits(node, 2, claims=2) else 1
 
 
+def claim_result(claim: Mapping[str, Any], node: str) -> dict[str, Any]:
+    """The one allocation result of our driver in the claim, checked to be on ``node``."""
+    allocation = (claim.get("status") or {}).get("allocation")
+    assert allocation, f"claim {claim['metadata']['name']} is not allocated"
+    results = [r for r in allocation["devices"]["results"] if r.get("driver") == DRIVER]
+    assert len(results) == 1, f"expected one result of {DRIVER}: {results}"
+    (result,) = results
+    assert result["pool"] == node, f"allocated from pool {result['pool']}, not node {node}"
+    assert result["request"] == CLAIM_REQUEST
+    return dict(result)
+
+
 def grouped_device_numa(device: str) -> int:
     """``cpudevnuma003`` -> 3."""
     match = _NUMA_DEVICE.match(device)
@@ -296,6 +312,41 @@ class Cluster:
 
         names = poll(ready, bool, timeout=timeout, what=f"a Ready dracpu pod on node {node}")
         return names[0]
+
+    def daemon_exec(self, node: str, *command: str, timeout: float = 60.0) -> str:
+        """Run ``command`` in the node's Ready dracpu container; its stdout."""
+        pod = self.ready_daemon(node)
+        return self.kube.run(
+            "exec",
+            "-n",
+            DAEMON_NAMESPACE,
+            pod,
+            "-c",
+            DAEMON_CONTAINER,
+            "--",
+            *command,
+            timeout=timeout,
+        )
+
+    def checkpoint(self, node: str) -> dict[str, dict[str, Any]]:
+        """The claims in the node's dracpu checkpoint, by claim UID, as its gatherinfo report
+        shows them (read by the running daemon's own command from the state directory)."""
+        report = yaml.safe_load(self.daemon_exec(node, "/dracpu", "gatherinfo", "--stdout"))
+        claims = report["dracpu"]["checkpoint"]["claims"]
+        return {claim["uid"]: claim for claim in claims}
+
+    def restart_daemons(self, *, timeout: float = START_TIMEOUT) -> None:
+        """A rolling update of the DaemonSet (``kubectl rollout restart``), waited out."""
+        self.kube.run("rollout", "restart", "-n", DAEMON_NAMESPACE, "daemonset/dracpu")
+        self.kube.run(
+            "rollout",
+            "status",
+            "-n",
+            DAEMON_NAMESPACE,
+            "daemonset/dracpu",
+            f"--timeout={int(timeout)}s",
+            timeout=timeout + 30,
+        )
 
     def daemon_logs(self, node: str) -> str:
         pods = self.daemon_pods(node)

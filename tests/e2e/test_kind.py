@@ -29,10 +29,9 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.cluster import Cluster, Target, grouped_device_numa
+from tests.e2e.cluster import Cluster, Target, claim_result, grouped_device_numa
 from tests.e2e.kube import format_cpulist, parse_cpulist, parse_quantity, poll
 from tests.e2e.workloads import (
-    CLAIM_REQUEST,
     CPU_CAPACITY,
     DRIVER,
     claim_template,
@@ -73,18 +72,6 @@ NO_ROOM_FOR_TWO_CLAIMS = (
     "the node cannot hold two exclusive claims and a shared CPU at once (2 CPUs need 3)"
 )
 NO_ROOM_FOR_TWO_CPUS = "the node cannot hold a 2-CPU claim and a shared CPU at once (needs 3)"
-
-
-def _claim_result(claim: dict[str, Any], node: str) -> dict[str, Any]:
-    """The one allocation result of our driver in the claim, checked to be on ``node``."""
-    allocation = (claim.get("status") or {}).get("allocation")
-    assert allocation, f"claim {claim['metadata']['name']} is not allocated"
-    results = [r for r in allocation["devices"]["results"] if r.get("driver") == DRIVER]
-    assert len(results) == 1, f"expected one result of {DRIVER}: {results}"
-    (result,) = results
-    assert result["pool"] == node, f"allocated from pool {result['pool']}, not node {node}"
-    assert result["request"] == CLAIM_REQUEST
-    return dict(result)
 
 
 def _status_cpuset(claim: dict[str, Any], result: dict[str, Any]) -> str | None:
@@ -160,7 +147,7 @@ def test_claimed_cpus_pin_the_container(cluster: Cluster, target: Target, namesp
     assert cpus <= node.allocatable
 
     claim = cluster.claim_of(namespace, "exclusive")
-    result = _claim_result(claim, node.name)
+    result = claim_result(claim, node.name)
     numa = grouped_device_numa(result["device"])
     assert cpus <= node.numa[numa], f"cpus {format_cpulist(cpus)} outside NUMA node {numa}"
     assert parse_quantity(result["consumedCapacity"][CPU_CAPACITY]) == size
@@ -318,7 +305,7 @@ def test_fractional_claims_get_whole_cpus(cluster: Cluster, target: Target, name
         cluster.start(fractional)
         cpus = cluster.exclusive_cpus(namespace, "fractional")
         assert len(cpus) == 2, f"1500m rounded to {format_cpulist(cpus)!r}"
-        result = _claim_result(cluster.claim_of(namespace, "fractional"), node.name)
+        result = claim_result(cluster.claim_of(namespace, "fractional"), node.name)
         assert parse_quantity(result["consumedCapacity"][CPU_CAPACITY]) == 2
     else:
         cluster.create(fractional)

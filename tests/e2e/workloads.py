@@ -120,13 +120,35 @@ def shared_pod(
     return pod
 
 
-def claim_template(name: str, namespace: str, cpus: str) -> dict[str, Any]:
-    """A ResourceClaimTemplate asking for ``cpus`` (a quantity: "2", "1500m") of one device."""
+def claim_template(
+    name: str,
+    namespace: str,
+    cpus: str | None,
+    *,
+    cpu_config: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A ResourceClaimTemplate asking for ``cpus`` (a quantity: "2", "1500m") of one grouped
+    device, or (``None``) for one device with no capacity request: an individual-mode device.
+    ``cpu_config``: the claim's opaque config of our driver (docs/claim-config.md)."""
     template = load_manifest("claim-template.yaml")
     template["metadata"]["name"] = name
     template["metadata"]["namespace"] = namespace
-    (request,) = template["spec"]["spec"]["devices"]["requests"]
-    request["exactly"]["capacity"]["requests"] = {CPU_CAPACITY: cpus}
+    devices = template["spec"]["spec"]["devices"]
+    (request,) = devices["requests"]
+    if cpus is None:
+        del request["exactly"]["capacity"]
+    else:
+        request["exactly"]["capacity"]["requests"] = {CPU_CAPACITY: cpus}
+    if cpu_config is not None:
+        devices["config"] = [
+            {
+                "requests": [CLAIM_REQUEST],
+                "opaque": {
+                    "driver": DRIVER,
+                    "parameters": {"apiVersion": "v1alpha1", "cpuConfig": dict(cpu_config)},
+                },
+            }
+        ]
     return template
 
 
