@@ -223,7 +223,8 @@ class ContainerRejected:
 
 @dataclass(frozen=True, slots=True)
 class Synchronized:
-    """Answer to Synchronize: one update per container to send in the response.
+    """Answer to Synchronize: one update per container to send in the response, every shared
+    container's before any exclusive container's (the order the runtime applies them in).
 
     ``unpinned``: shared containers left alone because the shared pool is empty (NRI treats an
     empty cpuset as "no change", so they keep whatever they had)."""
