@@ -75,6 +75,7 @@ from dracpu.errors import (
     CdiError,
     ClaimConflictError,
     ClaimError,
+    ClaimNotReservedError,
     DracpuError,
     InsufficientCpusError,
 )
@@ -825,6 +826,45 @@ def test_synchronize_confines_a_copied_env_and_pins_the_claims_own_container() -
     assert "not reserved for pod pod-b" in value.rejected[0].reason
     assert state.shared == {"a-copier"}
     assert state.owners == {}
+
+
+def test_a_copier_noted_by_a_fresh_look_is_refused_without_another_look() -> None:
+    state, _, _ = ok(
+        NodeState.initial(INDIVIDUAL), reserved(individual(INDIVIDUAL, 1, [4]), "pod-a")
+    )
+    copier = replace(claim_container(state, 2, 1, pod="pod-b"), id="a-copier")
+    _, value, _ = ok(state, Synchronize((copier,)))
+    assert isinstance(value, Synchronized)
+    assert [(r.container_id, r.noted) for r in value.rejected] == [("a-copier", False)]
+    assert unreserved_claims(state, copier) == (state.claims[uid(1)],)  # to look at
+    # The look found pod-b not reserved: noted on the claim, and checkpointed.
+    state, _, effects = ok(
+        state,
+        UpdateClaimPods(uid(1), frozenset({"pod-a"}), frozenset({"web"}), frozenset({"pod-b"})),
+    )
+    assert state.claims[uid(1)].copiers == {"pod-b"}
+    assert state.claims[uid(1)].pod_names == {"web"}
+    assert isinstance(effects[0], WriteCheckpoint)
+    assert effects[0].checkpoint.claims[uid(1)].copiers == {"pod-b"}
+    # Noted: nothing to look at, the refusal says so, Synchronize marks it noted.
+    assert unreserved_claims(state, copier) == ()
+    refused(state, CreateContainer(copier), ClaimNotReservedError, "not reserved for pod pod-b")
+    _, [reply] = apply(state, CreateContainer(copier))
+    assert isinstance(reply, Reply)
+    assert isinstance(reply.value, ClaimNotReservedError)
+    assert reply.value.noted
+    _, value, _ = ok(state, Synchronize((copier,)))
+    assert isinstance(value, Synchronized)
+    assert [(r.container_id, r.noted) for r in value.rejected] == [("a-copier", True)]
+    # The same look again changes nothing; a pod of the claim is never a copier.
+    same, _, effects = ok(
+        state,
+        UpdateClaimPods(uid(1), frozenset({"pod-a"}), frozenset({"web"}), frozenset({"pod-b"})),
+    )
+    assert same is state
+    assert effects == [Reply(None)]
+    grown, _, _ = ok(state, reserved(individual(INDIVIDUAL, 1, [4]), "pod-a", "pod-b"))
+    assert grown.claims[uid(1)].copiers == frozenset()
 
 
 def test_update_container_answers_like_create() -> None:

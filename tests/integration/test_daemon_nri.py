@@ -13,13 +13,22 @@ import pytest
 from dracpu.sim._pb2.nri.v1alpha1 import api_pb2 as nri
 from dracpu.sim.fake_runtime import PluginFailedError, claim_env
 from dracpu.sim.node import NodeSim, open_node_sim, wait_until
-from tests.integration.conftest import cpus, node_cpus
+from tests.integration.conftest import checkpoint_claims, cpus, node_cpus
 
 pytestmark = pytest.mark.anyio
 
 
 def _shared(sim: NodeSim) -> dict[str, set[int]]:
     return {cid: cpus(sim.cpus_of(cid)) for cid in sim.shared_ids()}
+
+
+def _claim_gets(sim: NodeSim, name: str) -> list[str]:
+    """The GETs of a ResourceClaim the API server answered (Prepare's, and the fresh looks)."""
+    return [
+        r.path
+        for r in sim.api.requests
+        if r.method == "GET" and r.path.endswith(f"/resourceclaims/{name}")
+    ]
 
 
 def _unsolicited(sim: NodeSim) -> int:
@@ -136,7 +145,7 @@ async def test_a_copied_claim_env_is_refused_confined_and_the_claims_own_contain
     """Tried against containerd 2.3.4: a second pod that copied the exact DRA_CPUSET env of a
     prepared claim, before the claim's own container started, was pinned to the claim's CPUs and
     the rightful container refused. The claim belongs to the pods its status.reservedFor names."""
-    async with open_node_sim(shared_containers=1) as sim:
+    async with open_node_sim(shared_containers=1, extra_args=["--v=4"]) as sim:
         everything = node_cpus(sim)
         await sim.wait_published()
         rightful = sim.runtime.add_pod("rightful")
@@ -156,7 +165,8 @@ async def test_a_copied_claim_env_is_refused_confined_and_the_claims_own_contain
         assert f"claim default/exclusive ({claim.uid})" in str(caught.value)
         assert thief.id not in sim.runtime.containers
 
-        # The copier's container appeared while the daemon was away: Synchronize confines it.
+        # The copier's container appeared while the daemon was away: Synchronize confines it
+        # (the look at the refusal noted the pod as a copier: said at DEBUG this time).
         await sim.stop_daemon()
         sim.runtime.add_container(copier, "thief", container_id="a-thief", env=copied, cpus=held)
         await sim.start_daemon()
@@ -165,7 +175,7 @@ async def test_a_copied_claim_env_is_refused_confined_and_the_claims_own_contain
         assert cpus(sim.cpus_of("a-thief")) == pool
         assert any(
             "a-thief confined to the shared pool" in m and f"not reserved for pod {copier.uid}" in m
-            for m in sim.daemon.messages("warning")
+            for m in sim.daemon.messages("debug")
         )
 
         # The claim's own container is then pinned to the claim's CPUs.
@@ -174,6 +184,41 @@ async def test_a_copied_claim_env_is_refused_confined_and_the_claims_own_contain
         assert _shared(sim) == dict.fromkeys(sim.shared_ids(), pool)
         assert cpus(sim.cpus_of("a-thief")) == pool
         assert sim.daemon.messages("error") == []
+
+
+async def test_a_container_confined_for_a_copied_env_is_warned_about_once() -> None:
+    """Seen against containerd: a container confined at Synchronize for a copied env was warned
+    about, and its claim read from the API server, at every start of dracpu for as long as it
+    ran. The look that confirms the copy notes the pod on the claim, in the checkpoint."""
+    async with open_node_sim(shared_containers=1, extra_args=["--v=4"]) as sim:
+        everything = node_cpus(sim)
+        await sim.wait_published()
+        rightful = sim.runtime.add_pod("rightful")
+        claim = sim.allocate("exclusive", 4, reserved_for=[rightful])
+        assert (await sim.prepare(claim))[claim.uid].error == ""
+        held = sim.cdi_cpus(claim.uid)
+        assert held is not None
+        pool = everything - cpus(held)
+        looks = len(_claim_gets(sim, claim.name))  # Prepare's
+
+        # A pod that copied the claim's env starts while dracpu is down.
+        await sim.stop_daemon()
+        copier = sim.runtime.add_pod("copier")
+        sim.runtime.add_container(
+            copier, "thief", container_id="a-thief", env=sim.cdi_env(claim.uid), cpus=held
+        )
+        for start in range(3):
+            await sim.start_daemon()
+            await sim.runtime.wait_plugin(20)
+            assert cpus(sim.cpus_of("a-thief")) == pool
+            warned = [m for m in sim.daemon.messages("warning") if "a-thief" in m]
+            assert len(warned) == (1 if start == 0 else 0), warned
+            if start == 0:
+                assert f"not reserved for pod {copier.uid}" in warned[0]
+            assert any("a-thief confined" in m for m in sim.daemon.messages("debug")) == (start > 0)
+            assert len(_claim_gets(sim, claim.name)) == looks + 1  # one look, at the first start
+            await sim.stop_daemon()
+        assert checkpoint_claims(sim.paths.checkpoint)[claim.uid]["copierPods"] == [copier.uid]
 
 
 async def test_the_containers_of_a_claims_pods_share_its_cpus_and_another_pod_is_refused() -> None:

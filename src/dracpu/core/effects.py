@@ -215,10 +215,12 @@ class ContainerForgotten:
 @dataclass(frozen=True, slots=True)
 class ContainerRejected:
     """A container of a Synchronize whose claims could not be verified: confined to the shared
-    pool instead of its claimed CPUs."""
+    pool instead of its claimed CPUs. ``noted``: the reason is a copy of claims that have noted
+    its pod as a copier (reported when they did: say it no louder than DEBUG)."""
 
     container_id: str
     reason: str
+    noted: bool = False
 
 
 @dataclass(frozen=True, slots=True)

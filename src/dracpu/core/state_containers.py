@@ -42,7 +42,13 @@ from dracpu.core.effects import (
     UpdateContainers,
 )
 from dracpu.core.state_values import ContainerRecord, NodeState, mutable
-from dracpu.errors import ClaimConflictError, ClaimError, DracpuError, InsufficientCpusError
+from dracpu.errors import (
+    ClaimConflictError,
+    ClaimError,
+    ClaimNotReservedError,
+    DracpuError,
+    InsufficientCpusError,
+)
 
 __all__ = [
     "create_container",
@@ -64,7 +70,8 @@ def reserved_for(claim: PreparedClaim, pod_uid: str) -> bool:
 
 def unreserved_claims(state: NodeState, container: Container) -> tuple[PreparedClaim, ...]:
     """The prepared claims the container's env names, with the cpuset they hold, that are not
-    reserved for its pod: the claims to read again before the container is refused."""
+    reserved for its pod and have not noted it as a copier: the claims to read again before the
+    container is refused."""
     found: list[PreparedClaim] = []
     for env in container.claims:
         claim = state.claims.get(env.claim_uid)
@@ -72,6 +79,7 @@ def unreserved_claims(state: NodeState, container: Container) -> tuple[PreparedC
             claim is not None
             and claim.cpus == env.cpus
             and not reserved_for(claim, container.pod_uid)
+            and container.pod_uid not in claim.copiers
         ):
             found.append(claim)
     return tuple(found)
@@ -86,12 +94,15 @@ def _claim_label(claim: PreparedClaim) -> str:
 def _verify(
     state: NodeState, container: Container, owners: Mapping[str, str]
 ) -> tuple[CpuSet, CpuSet | None]:
-    """The CPUs and mems of a container with claims; raises when its env cannot be trusted."""
+    """The CPUs and mems of a container with claims; raises when its env cannot be trusted (a
+    claim not reserved for its pod last, :class:`ClaimNotReservedError`, after every other
+    reason)."""
     what = container.describe()
     if container.env_error is not None:
         raise ClaimError(f"{what}: {container.env_error}")
     cpus = EMPTY
     mems: CpuSet | None = None
+    unreserved: list[PreparedClaim] = []
     for env in container.claims:
         claim = state.claims.get(env.claim_uid)
         if claim is None:
@@ -105,11 +116,8 @@ def _verify(
                 f"is prepared with cpus {claim.cpus} (spoofed DRA_CPUSET env)"
             )
         if not reserved_for(claim, container.pod_uid):
-            raise ClaimError(
-                f"{what}: {_claim_label(claim)} is not reserved for pod {container.pod_uid} "
-                f"(its status.reservedFor names {len(claim.pod_uids)} other pod(s)); "
-                "its DRA_CPUSET env was copied from another pod's claim"
-            )
+            unreserved.append(claim)
+            continue
         owner = owners.get(env.claim_uid)
         if not claim.pod_uids and owner is not None and owner != container.pod_uid:
             raise ClaimConflictError(
@@ -120,6 +128,14 @@ def _verify(
         cpus |= claim.cpus
         if claim.mems is not None:
             mems = claim.mems if mems is None else mems | claim.mems
+    if unreserved:
+        claim = unreserved[0]
+        raise ClaimNotReservedError(
+            f"{what}: {_claim_label(claim)} is not reserved for pod {container.pod_uid} "
+            f"(its status.reservedFor names {len(claim.pod_uids)} other pod(s)); "
+            "its DRA_CPUSET env was copied from another pod's claim",
+            noted=all(container.pod_uid in c.copiers for c in unreserved),
+        )
     return cpus, mems
 
 
@@ -288,7 +304,8 @@ def synchronize(state: NodeState, command: Synchronize) -> tuple[NodeState, list
             try:
                 cpus, mems = _verify(state, container, owners)
             except DracpuError as error:
-                rejected.append(ContainerRejected(container.id, str(error)))
+                noted = isinstance(error, ClaimNotReservedError) and error.noted
+                rejected.append(ContainerRejected(container.id, str(error), noted))
             else:
                 uids = tuple(env.claim_uid for env in container.claims)
                 owners.update((uid, container.pod_uid) for uid in _taken(state, uids))
