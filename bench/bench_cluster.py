@@ -1,8 +1,9 @@
 """Pod start with a claim and without, and the kubelet's own DRA histograms, on the real cluster.
 
-Needs the local cluster with dracpu deployed (``just cluster up && just cluster deploy``; it
-reads ``KUBECONFIG``, which ``eval "$(just cluster env)"`` sets); without one it says so on
-stderr and prints nothing.
+Needs the local cluster with dracpu deployed (``just cluster up && just cluster deploy``); it
+uses that cluster's own kubeconfig (``$DRACPU_CLUSTER_STATE/admin.kubeconfig``), never
+``KUBECONFIG``, so it cannot start pods on another cluster. Without it, it says so on stderr and
+prints nothing.
 
 * ``cluster.pod_start.claim`` / ``cluster.pod_start.plain``: milliseconds from the pod's creation
   (the API call returned) to the watch event that shows it Running, for a busybox pod holding a
@@ -215,15 +216,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=20, help="pods of each kind (default 20)")
     args = parser.parse_args()
+    state = Path(os.environ.get("DRACPU_CLUSTER_STATE", "/var/tmp/dracpu-cluster"))
+    kubeconfig = state / "admin.kubeconfig"
     try:
-        config.load_kube_config()  # type: ignore[no-untyped-call]
+        config.load_kube_config(config_file=str(kubeconfig))  # type: ignore[no-untyped-call]
         core = client.CoreV1Api()
         (node,) = [str(n.metadata.name) for n in core.list_node().items if n.metadata]
     except Exception as exc:  # any failure here means: no cluster to measure
         print(
-            f"bench_cluster: no one-node cluster at KUBECONFIG={os.environ.get('KUBECONFIG')} "
-            f"({exc}); run `just cluster up && just cluster deploy` and "
-            '`eval "$(just cluster env)"` first',
+            f"bench_cluster: no local cluster ({kubeconfig}: {exc}); run "
+            "`just cluster up && just cluster deploy` first",
             file=sys.stderr,
         )
         return
