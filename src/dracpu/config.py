@@ -38,7 +38,8 @@ implement it, and honours a claim's ``cpuConfig.cpuset`` without it,
 next to the mounts that must match), and so do we, naming the flag to use. Our own settings
 have camelCase keys of their own (``cdiDir``, ``nriSocket``, ``stateDir``, ``hostRoot``,
 ``logFormat``, ``verbosity``, ``memoryPinning``, ``nriPluginName``, ``nriPluginIndex``,
-``podresourcesInterval``, ``orphanGrace``). Durations are written as Kubernetes' Go flags take
+``podresourcesInterval``, ``orphanGrace``, ``confineHostCgroups``: a YAML list, or on the
+command line one comma-separated value). Durations are written as Kubernetes' Go flags take
 them (``time.ParseDuration``: ``500ms``, ``90s``, ``5m``, ``1h30m``); a plain number is seconds
 (a YAML number too). Unknown keys, keys spelled with another case, duplicate keys and values of
 the wrong YAML type are errors; every bad key of a file is named in the one error line.
@@ -72,6 +73,7 @@ import yaml
 
 from dracpu import DRIVER_NAME
 from dracpu.core.cpuset import CpuSet
+from dracpu.core.host_cgroups import check_cgroup_paths
 from dracpu.core.slices import CpuDeviceMode, GroupBy
 from dracpu.errors import ConfigError, DracpuError
 
@@ -259,6 +261,9 @@ class Config:
     publish_node_allocatable_resource_mapping: bool = False
     """Publish KEP-5517 ``nodeAllocatableResources`` (``cpu``) on every device (the cluster needs
     ``DRANodeAllocatableResources``), as upstream's config key does."""
+    confine_host_cgroups: tuple[str, ...] = ()
+    """Host cgroups (paths under ``<host_root>/sys/fs/cgroup``) kept on the shared pool plus the
+    reserved CPUs (:mod:`dracpu.core.host_cgroups`); empty: none."""
     notices: tuple[str, ...] = field(default=(), compare=False)
     """Warnings about how the settings were given (deprecated flags), for the daemon to log
     once; not compared."""
@@ -479,6 +484,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> frozenset[str]:
         metavar="DURATION",
         help="release a prepared claim that no pod references and no container uses once "
         f"the listings have missed it this long (default {_go_duration(DEFAULT_ORPHAN_GRACE)})",
+    )
+    flag(
+        "--confine-host-cgroups",
+        metavar="CGROUP,...",
+        help="host cgroups (paths under the cgroup root, e.g. system.slice,kubelet.slice) kept "
+        "on the shared pool plus the reserved CPUs as claims come and go; never the pods' "
+        "cgroup (default none)",
     )
     flag(
         "--expose-pcie-roots",
@@ -743,6 +755,19 @@ def _vmodule(raw: object) -> tuple[tuple[str, int], ...]:
     return tuple(items)
 
 
+def _host_cgroups(raw: object) -> tuple[str, ...]:
+    """A YAML list of cgroup paths, or (a flag) one string of them separated by commas."""
+    if isinstance(raw, list):
+        items = [_string(item) for item in raw]
+    else:
+        text = _string(raw)
+        items = [item.strip() for item in text.split(",")] if text.strip() else []
+    try:
+        return check_cgroup_paths(items)
+    except ValueError as exc:
+        raise _BadValue(f"cgroup {exc}") from None
+
+
 def _allocator(raw: object) -> object:
     text = _string(raw)
     if text == ALLOCATOR_EXTERNAL:
@@ -810,6 +835,7 @@ _SETTINGS: tuple[_Setting, ...] = (
     ),
     _Setting("orphan_grace", "--orphan-grace", "orphanGrace", _duration),
     _Setting("sysfs_overlay", "--sysfs-overlay", "sysfsOverlay", _optional_path),
+    _Setting("confine_host_cgroups", "--confine-host-cgroups", "confineHostCgroups", _host_cgroups),
     _Setting(
         "expose_pcie_roots",
         "--expose-pcie-roots",

@@ -10,7 +10,9 @@ log lines of its answer.
 
    - *applied now*: ``reservedCPUs`` (the state machine checks it against the claims:
      :mod:`dracpu.core.reconfigure`), ``memoryPinning`` (the default of claims prepared from
-     now on), ``verbosity``, ``logFormat`` and ``--vmodule`` (the logging is set up again);
+     now on), ``confineHostCgroups`` (a cgroup no longer listed gets back what it held before
+     dracpu confined it), ``verbosity``, ``logFormat`` and ``--vmodule`` (the logging is set up
+     again);
    - *structural*, every other one (device mode, grouping, node name, kubeconfig, paths and
      sockets, bind address, NRI plugin name and index, the sysfs overlay and the content of its
      file, the node-allocatable mapping): the running value stays in force and one error line
@@ -52,7 +54,16 @@ __all__ = ["APPLIED_NOW", "ConfigSource", "Reloader", "report"]
 logger = logging.getLogger(__name__)
 
 # The Config fields a SIGHUP applies; every other one needs a restart (the module docstring).
-APPLIED_NOW = frozenset({"reserved_cpus", "memory_pinning", "verbosity", "log_format", "vmodule"})
+APPLIED_NOW = frozenset(
+    {
+        "reserved_cpus",
+        "memory_pinning",
+        "confine_host_cgroups",
+        "verbosity",
+        "log_format",
+        "vmodule",
+    }
+)
 _LOGGING = ("log_format", "verbosity", "vmodule")
 
 ReadTopology = Callable[[Path, bool], Topology]
@@ -122,6 +133,7 @@ class Reloader:
             topology=topology,
             reserved=settings.reserved_cpus,
             pin_memory=settings.memory_pinning,
+            host_cgroups=settings.confine_host_cgroups,
         )
 
     async def _settings(self) -> Config | None:
