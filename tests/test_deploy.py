@@ -23,7 +23,8 @@ from dracpu import DRIVER_NAME
 from dracpu.adapters.host_cgroups import cgroup_root
 from dracpu.adapters.kube import KubeClient
 from dracpu.cli import _build_parser
-from dracpu.config import go_style_flags, load_config
+from dracpu.config import load_config
+from dracpu.config.go_flags import go_style_flags
 from tests.kustomize import build, render
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kustomize"
