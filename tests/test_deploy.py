@@ -31,6 +31,7 @@ DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kustomize"
 TREES = {
     "base": DEPLOY / "base",
     "kind": DEPLOY / "overlays" / "kind",
+    "local": DEPLOY / "overlays" / "local",
     "host-cgroups": DEPLOY / "overlays" / "host-cgroups",
 }
 # The Kubernetes version whose schemas we validate against: the newest kubernetes-validate ships.
@@ -102,7 +103,12 @@ def test_deviceclass_selects_our_driver() -> None:
 
 @pytest.mark.parametrize(
     ("tree", "reserved", "cgroups"),
-    [("base", "", ()), ("kind", "0", ()), ("host-cgroups", "", ("system.slice",))],
+    [
+        ("base", "", ()),
+        ("kind", "0", ()),
+        ("local", "", ()),
+        ("host-cgroups", "", ("system.slice",)),
+    ],
 )
 def test_the_daemonsets_command_and_config_are_accepted_by_the_cli(
     tree: str, reserved: str, cgroups: tuple[str, ...], tmp_path: Path
@@ -140,8 +146,13 @@ def test_the_daemonset_is_hardened(tree: str) -> None:
         "readOnlyRootFilesystem": True,
         "seccompProfile": {"type": "RuntimeDefault"},
     }
-    for key in ("hostPID", "hostIPC", "hostNetwork"):
+    for key in ("hostPID", "hostIPC"):
         assert not pod.get(key), key
+    # Only the local cluster's overlay, which has no pod network, runs on the host's; there
+    # the daemon serves on loopback alone.
+    if pod.get("hostNetwork"):
+        assert tree == "local"
+        assert "--bind-address=127.0.0.1:8080" in container["args"]
     assert all(v.get("hostPath", {}).get("path") != "/" for v in pod["volumes"])
 
 
@@ -180,7 +191,7 @@ def test_only_the_host_cgroups_overlay_mounts_the_cgroup_fs_and_writable() -> No
             if "cgroup" in mount["mountPath"]
         ]
 
-    assert cgroup_mounts("base") == cgroup_mounts("kind") == []
+    assert cgroup_mounts("base") == cgroup_mounts("kind") == cgroup_mounts("local") == []
     ((mount, volume),) = cgroup_mounts("host-cgroups")
     # where the daemon looks (adapters.host_cgroups.cgroup_root of HOST_ROOT), not read-only
     assert mount["mountPath"] == str(cgroup_root(Path("/host")))

@@ -179,7 +179,8 @@ def test_no_driver_process_is_an_error(monkeypatch: pytest.MonkeyPatch, tmp_path
 
 def test_the_driver_is_found_by_its_process_name_and_dumps_on_sigusr1(tmp_path: Path) -> None:
     # A stand-in driver: a process named dracpu (its command is a link of that name) that
-    # catches SIGUSR1 and writes a dump where the daemon's task writes it.
+    # catches SIGUSR1 and writes a dump where the daemon's task writes it, atomically as the
+    # task does (a plain write can be seen empty, between its truncate and its write).
     state = tmp_path / "state"
     state.mkdir()
     program = tmp_path / "driver.py"
@@ -189,7 +190,8 @@ def test_the_driver_is_found_by_its_process_name_and_dumps_on_sigusr1(tmp_path: 
         f"path = Path({str(state / 'debug-dump.json')!r})\n"
         "def dump(*_):\n"
         "    doc = {'pid': os.getpid(), 'state': 'not restored yet', 'recentLog': ['a line']}\n"
-        "    path.write_text(json.dumps(doc))\n"
+        "    path.with_suffix('.tmp').write_text(json.dumps(doc))\n"
+        "    os.replace(path.with_suffix('.tmp'), path)\n"
         "signal.signal(signal.SIGUSR1, dump)\n"
         "print('ready', flush=True)\n"
         "time.sleep(60)\n"

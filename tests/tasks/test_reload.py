@@ -82,6 +82,9 @@ def _source(host: Host, scratch: Path, *flags: str) -> ConfigSource:
             f"--host-root={host.root}",
             f"--cdi-dir={scratch / 'cdi'}",
             f"--state-dir={scratch / 'state'}",
+            # The device metadata lives under the kubelet's root: a scratch one, never the
+            # machine's /var/lib/kubelet (a restore rewrites every claim's metadata file).
+            f"--kubelet-root-dir={scratch / 'kubelet'}",
             *flags,
         ]
     )
