@@ -6,6 +6,7 @@ tests/integration/test_upstream_chart.py; here the pieces, and the failures a br
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from types import MappingProxyType
 import pytest
 import yaml
 
+from dracpu.adapters.host_cgroups import CgroupState
 from dracpu.core.checkpoint_schema import CheckpointData, PreparedClaim, encode
 from dracpu.core.commands import Container
 from dracpu.core.cpuset import CpuSet
@@ -146,6 +148,7 @@ def test_the_report_has_upstreams_shape_and_ours(node: DriverProcess) -> None:
         }
     ]
     assert ours["cdiSpecs"] == {}
+    assert ours["hostCgroupsFound"] is None  # nothing confined
     # This test process does not catch SIGUSR1: it is not sent (it would end the process).
     assert ours["debugDump"] == {"error": f"process {os.getpid()} does not handle SIGUSR1 (yet)"}
 
@@ -156,6 +159,14 @@ def test_a_broken_part_is_reported_in_place(node: DriverProcess, tmp_path: Path)
     doc = report(node)
     assert set(doc["dracpu"]["checkpoint"]) == {"error"}
     assert doc["cpuDetails"]["topology"]["numCPUs"] > 0  # the rest is still there
+
+
+def test_what_the_confined_host_cgroups_held_is_in_the_report(
+    node: DriverProcess, tmp_path: Path
+) -> None:
+    found = {"version": 1, "hierarchy": "v2", "found": {"system.slice": ""}}
+    (tmp_path / "state" / "host-cgroups.json").write_text(json.dumps(found))
+    assert report(node)["dracpu"]["hostCgroupsFound"] == found
 
 
 def test_no_driver_process_is_an_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -245,8 +256,16 @@ def test_the_debug_dump_lists_claims_containers_and_the_pins_last_sent() -> None
         ),
         shared=frozenset({"c-shared"}),
     )
-    dump = snapshot(state, ["l1"], 0.0)
+    cgroups = (
+        CgroupState("system.slice", CpuSet.parse("0-3")),
+        CgroupState("runtime.slice", None, "no such cgroup"),
+    )
+    dump = snapshot(state, ["l1"], 0.0, cgroups)
     assert dump["written"] == "1970-01-01T00:00:00Z"
+    assert dump["hostCgroups"] == [
+        {"cgroup": "system.slice", "confinedTo": "0-3", "problem": ""},
+        {"cgroup": "runtime.slice", "confinedTo": None, "problem": "no such cgroup"},
+    ]
     assert dump["claims"] == [
         {
             "uid": "u1",

@@ -116,7 +116,7 @@ async def test_the_settings_are_read_again_reserved_applies_structural_keys_are_
     setups = Logging()
     reloader = Reloader(source.loaded, source, setup=setups)
     first = await reloader.command()
-    assert first == Resync(read_topology(host.root), CpuSet.parse("0,32"), False)
+    assert first == Resync(read_topology(host.root), CpuSet.parse("0,32"), False, ())
     assert setups.calls == []
     assert _errors(caplog) == []
 
