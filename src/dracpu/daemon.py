@@ -61,6 +61,7 @@ restarts us; a requested stop exits 0. Cancellation is never swallowed.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -72,6 +73,7 @@ import anyio
 from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from prometheus_client import CollectorRegistry
 
 from dracpu import __version__
 from dracpu.adapters.kube import KubeClient, open_kube_client
@@ -97,6 +99,7 @@ from dracpu.tasks import (
     state_owner,
 )
 from dracpu.tasks.dra_cpu_metrics import DraCpuMetrics
+from dracpu.tasks.handover import HandOver
 from dracpu.tasks.http import Readiness
 from dracpu.tasks.nri_link import NriLink
 from dracpu.tasks.reload import ConfigSource, Reloader
@@ -128,6 +131,9 @@ EXIT_INTERRUPTED = 130  # Ctrl-C before the signal handlers were installed (128 
 # leaves half a second to close the event loop and exit. The kubelet waits 30 s by default
 # (terminationGracePeriodSeconds) before it kills the container.
 STOP_TIMEOUT = 4.5
+# At a stop with a successor waiting: the longest wait, NRI still connected, for it to restore
+# the state and synchronize with the runtime (tasks/handover.py), within STOP_TIMEOUT.
+HANDOVER_TIMEOUT = 3.0
 
 # The readiness flag that follows the kubelet's registration verdict (not a task's flag).
 KUBELET_REGISTRATION = "kubelet-registration"
@@ -355,9 +361,11 @@ class _Node:
         receive: MemoryObjectReceiveStream[Request[Command]],
         readiness: Readiness,
         shutdown: Shutdown,
+        handover: HandOver,
         source: ConfigSource | None = None,
     ) -> None:
         self.config = config
+        self.handover = handover
         self.source = source
         self.kube = kube
         self.send = send
@@ -447,8 +455,27 @@ class _Node:
             lambda: self.owner.state,
             link=self.link,
             claims=self.kube,
+            on_first_sync=self.handover.synchronized,
+            hand_over=self.hand_over,
             task_status=task_status,
         )
+
+    async def hand_over(self) -> bool:
+        """At a stop, NRI still connected: give the state dir to the dracpu waiting for it, if
+        one is (:mod:`dracpu.tasks.handover`), and wait until it pins the containers."""
+        if not self.handover.successor_waiting():
+            return False
+        await self.owner.stop_writing()
+        self.handover.release()
+        logger.info("handing the state dir over; NRI stays connected until the next dracpu pins")
+        if await self.handover.wait_successor(HANDOVER_TIMEOUT):
+            logger.info("the next dracpu has synchronized with the runtime: disconnecting from NRI")
+            return True
+        logger.warning(
+            "the next dracpu did not synchronize with the runtime within %g s: disconnecting",
+            HANDOVER_TIMEOUT,
+        )
+        return False
 
     async def run_podresources_sync(
         self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED
@@ -499,9 +526,13 @@ class _Node:
             TaskSpec("device-health", self.run_device_health),
             TaskSpec("kubelet-plugin", self.run_kubelet_plugin),
             TaskSpec("registration", self.run_registration),
-            # Stopped after the sockets that answer Unprepare: their widenings reach the runtime.
+            # Stopped after the sockets that answer Unprepare (their widenings reach the
+            # runtime) and after the CDI watcher: at a hand-over the state dir then has no
+            # writer left but the owner, which stops writing before it is handed over.
             TaskSpec(
-                "nri-plugin", self.run_nri_plugin, outlives=("kubelet-plugin", "registration")
+                "nri-plugin",
+                self.run_nri_plugin,
+                outlives=("kubelet-plugin", "registration", "cdi-watcher"),
             ),
             TaskSpec("podresources-sync", self.run_podresources_sync),
             TaskSpec("slice-publisher", self.run_slice_publisher),
@@ -514,15 +545,52 @@ async def _serve_node(config: Config, source: ConfigSource | None) -> int:
     send: MemoryObjectSendStream[Request[Command]]
     receive: MemoryObjectReceiveStream[Request[Command]]
     send, receive = state_owner.create_request_stream()
-    with send, receive:  # the owner closes `receive` itself; this covers a failed start
-        async with open_kube_client(config.kubeconfig) as kube:
-            node = _Node(config, kube, send, receive, readiness, shutdown, source)
-            try:
-                return await serve(
-                    node.tasks(), readiness=readiness, shutdown=shutdown, on_running=_settle_heap
-                )
-            finally:
-                node.close()
+    handover = HandOver(config.state_dir)
+    try:
+        await _own_state_dir(config, handover)
+        with send, receive:  # the owner closes `receive` itself; this covers a failed start
+            async with open_kube_client(config.kubeconfig) as kube:
+                node = _Node(config, kube, send, receive, readiness, shutdown, handover, source)
+                try:
+                    return await serve(
+                        node.tasks(),
+                        readiness=readiness,
+                        shutdown=shutdown,
+                        on_running=_settle_heap,
+                    )
+                finally:
+                    node.close()
+    finally:
+        handover.close()
+
+
+async def _own_state_dir(config: Config, handover: HandOver) -> None:
+    """Own the state dir before anything reads it. While another dracpu owns it (a rolling
+    update's new pod beside the old one), wait as its successor: Ready, serving ``/healthz``
+    and ``/readyz`` (a ``standby`` flag), touching nothing else, until it hands over or exits.
+    A SIGTERM meanwhile ends the process at once (no handler is installed yet)."""
+    with contextlib.suppress(OSError):  # a dir that cannot be made is the state owner's to report
+        config.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if handover.try_own():
+        return
+    await handover.become_successor()
+    logger.info(
+        "the state dir %s is owned by %s: waiting for its hand-over as a standby",
+        config.state_dir,
+        handover.holder(),
+    )
+    standby = Readiness()
+    standby.flag("standby").set_ready()
+    standby.set_started()
+    async with anyio.create_task_group() as tg:
+        try:
+            await tg.start(http.run, config.bind_address, standby, CollectorRegistry())
+        except DracpuError as exc:
+            # The probes reach whoever holds the port (on the host's network: the running
+            # dracpu, if it predates SO_REUSEPORT); the wait does not depend on them.
+            logger.warning("standby without /healthz and /readyz: %s", exc)
+        await handover.wait_own()
+        tg.cancel_scope.cancel()
 
 
 def _settle_heap() -> None:

@@ -30,6 +30,7 @@ and the kubelet creates it again; it never runs unpinned. Without a successor (a
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -70,12 +71,13 @@ class HandOver:
     def holder(self) -> str:
         return self._owner.holder()
 
+    async def become_successor(self) -> None:
+        """Be the one instance waiting to take over (another one waiting goes first)."""
+        await self._until(self._successor.try_acquire)
+
     async def wait_own(self) -> None:
-        """Be the successor (one at a time), then wait until the owner hands over or exits."""
-        while not self._successor.try_acquire():
-            await anyio.sleep(self._poll)
-        while not self._owner.try_acquire():
-            await anyio.sleep(self._poll)
+        """As the successor, wait until the owner hands over or exits."""
+        await self._until(self._owner.try_acquire)
         logger.info("took over the state dir in %s", self._owner.path.parent)
 
     def synchronized(self) -> None:
@@ -104,11 +106,17 @@ class HandOver:
         """After :meth:`release`: wait until the successor has synchronized (it releases the
         successor lock), at most ``timeout`` seconds; whether it did."""
         with anyio.move_on_after(timeout):
-            while not self._successor.try_acquire():
-                await anyio.sleep(self._poll)
+            await self._until(self._successor.try_acquire)
             self._successor.release()
             return True
         return False
+
+    async def _until(self, acquired: Callable[[], bool]) -> None:
+        """Poll ``acquired`` (the lock is another process's: nothing in this one to wait on)."""
+        while True:
+            if acquired():
+                return
+            await anyio.sleep(self._poll)
 
     def close(self) -> None:
         self._successor.release()

@@ -104,8 +104,10 @@ async def _connections(
     delays_factory: Callable[[], Iterator[float]],
     first_sync: anyio.Event,
     recheck: ClaimRecheck,
+    handing_over: anyio.Event,
+    on_first_sync: Callable[[], None] | None,
 ) -> None:
-    """Connect, serve, reconnect: forever."""
+    """Connect, serve, reconnect: until a connection ends during the hand-over."""
     delays = delays_factory()
     socket = config.nri_socket
     failures = 0
@@ -113,7 +115,10 @@ async def _connections(
     def synchronized() -> None:
         link.synchronized = True
         link.connections += 1
-        first_sync.set()
+        if not first_sync.is_set():
+            first_sync.set()
+            if on_first_sync is not None:
+                on_first_sync()
 
     while True:
         try:
@@ -135,6 +140,10 @@ async def _connections(
         if connection.synchronized:
             delays = delays_factory()
             failures = 0
+        if handing_over.is_set():
+            # The state dir is the next dracpu's, which pins the containers now.
+            logger.info("NRI: connection to %s ended during the hand-over: %s", socket, reason)
+            return
         logger.warning("NRI: connection to %s ended: %s; reconnecting", socket, reason)
         await _tell_disconnected(owner)
         await anyio.sleep(next(delays))
@@ -151,6 +160,8 @@ async def run(
     delays: Callable[[], Iterator[float]] = reconnect_delays,
     start_timeout: float = START_TIMEOUT,
     drain_timeout: float = STOP_DRAIN_TIMEOUT,
+    on_first_sync: Callable[[], None] | None = None,
+    hand_over: Callable[[], Awaitable[bool]] | None = None,
     task_status: TaskStatus[None] = TASK_STATUS_IGNORED,
 ) -> None:
     """Be the node's NRI plugin until cancelled (see the module docstring).
@@ -165,6 +176,12 @@ async def run(
     ``task_status.started()`` comes after the first synchronized connection or after
     ``start_timeout`` seconds, whichever is first. Cancelled, it waits up to ``drain_timeout``
     seconds for the link to settle before the connection closes (see the module docstring).
+
+    The hand-over of a rolling update (:mod:`dracpu.tasks.handover`): ``on_first_sync`` is
+    called once, when the first ``Synchronize`` has been answered; ``hand_over``, at a stop,
+    after the drain and before the connection closes: it returns once the next dracpu pins the
+    containers (``True``) or there is none; a connection that ends after it began is not made
+    again.
     """
     link = NriLink() if link is None else link
     link.watch(committed)
@@ -173,7 +190,19 @@ async def run(
     # The connections run shielded from the task's cancellation: at a stop they end only once
     # the link has settled (or the drain timed out).
     connections = anyio.CancelScope(shield=True)
-    serve = partial(_connections, config, owner_send, link, connect, delays, first_sync, recheck)
+    handing_over = anyio.Event()
+    serve = partial(
+        _connections,
+        config,
+        owner_send,
+        link,
+        connect,
+        delays,
+        first_sync,
+        recheck,
+        handing_over,
+        on_first_sync,
+    )
     async with owner_send, anyio.create_task_group() as tg:
         tg.start_soon(_within, connections, serve)
         try:
@@ -191,6 +220,9 @@ async def run(
         finally:
             with anyio.CancelScope(shield=True):
                 await _drain(link, drain_timeout)
+                if hand_over is not None:
+                    handing_over.set()
+                    await hand_over()
             connections.cancel()
 
 

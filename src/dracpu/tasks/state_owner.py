@@ -181,6 +181,7 @@ _HOST_CGROUPS_RETRY = partial(backoff_delays, initial=1.0, cap=30.0)
 _UNMARKED = object()
 
 C = TypeVar("C")
+T = TypeVar("T")
 
 ContainerUpdates = Callable[[UpdateContainers], None]
 """Takes the owner's unsolicited container updates without blocking and without failing (the
@@ -318,6 +319,7 @@ class StateOwner:
         # The file effects run in anyio's worker threads, one hop at a time and in order: the
         # owner awaits each hop, and this limiter keeps any other caller out of the way.
         self._files_limiter = anyio.CapacityLimiter(1)
+        self._handed_over = False  # the state dir is the next dracpu's: no file is written
         self._state: NodeState | None = None
         self._devices: tuple[Device, ...] = ()
         # The published devices' health (the DRA socket's health streams read it).
@@ -424,22 +426,45 @@ class StateOwner:
 
     async def _confine_again(self) -> None:
         """Confine the listed host cgroups to the committed state's pool once more."""
+        if self._handed_over:
+            self._cgroups_retry_at = None
+            return
         state = self.state
         effect = ConfineHostCgroups(state.config.host_cgroups, state.host_pool)
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(
-                self._files.run_batch, (effect,), [], limiter=self._files_limiter
-            )
+            await self._files_call(self._files.run_batch, (effect,), [])
         self._follow_host_cgroups(retried=True)
 
     async def _release_host_cgroups(self) -> None:
-        """The daemon stops: every confined host cgroup gets back what it held."""
+        """The daemon stops: every confined host cgroup gets back what it held (unless the
+        state dir went to the next dracpu, which keeps them confined)."""
+        if self._handed_over:
+            return
         try:
-            await anyio.to_thread.run_sync(
-                self._files.release_host_cgroups, limiter=self._files_limiter
-            )
+            await self._files_call(self._files.release_host_cgroups)
         except Exception:  # a bug: never hide the reason the owner stopped
             logger.exception("giving the host cgroups back what they held failed")
+
+    async def stop_writing(self) -> None:
+        """The state dir goes to the next dracpu (:mod:`dracpu.tasks.handover`): wait for the
+        file effect in flight, then write no file any more. Commands that need one fail from
+        now on (and are rolled back); container events, which write none, are still served."""
+        async with self._files_limiter:
+            self._handed_over = True
+        self._dir_retry_at = self._cgroups_retry_at = None
+        logger.info("the state owner writes no file any more: the state dir is handed over")
+
+    async def _files_call(self, function: Callable[..., T], *args: object) -> T:
+        """``function(*args)`` in a worker thread, one at a time, unless the state dir was
+        handed over (checked under the limiter, so no write begins after
+        :meth:`stop_writing` returned)."""
+
+        def call() -> T:
+            if self._handed_over:
+                raise DracpuError("the state dir was handed over to the next dracpu")
+            return function(*args)
+
+        return await anyio.to_thread.run_sync(call, limiter=self._files_limiter)
 
     def _follow_host_cgroups(self, *, retried: bool = False) -> None:
         """Report the host cgroups after an attempt to confine them: the readiness flag (not
@@ -471,11 +496,12 @@ class StateOwner:
 
     async def _write_checkpoint(self) -> None:
         """Write the committed state's checkpoint (even unchanged): the state dir's test."""
+        if self._handed_over:
+            self._dir_retry_at = None
+            return
         data = self.state.checkpoint()
         try:
-            await anyio.to_thread.run_sync(
-                self._files.write_checkpoint, data, limiter=self._files_limiter
-            )
+            await self._files_call(self._files.write_checkpoint, data)
         except CheckpointError as error:
             self._state_dir_failed(error)
         else:
@@ -602,9 +628,7 @@ class StateOwner:
         marks = [self._mark(effect) for effect in batch]
         before = len(started)
         try:
-            await anyio.to_thread.run_sync(
-                self._files.run_batch, batch, started, limiter=self._files_limiter
-            )
+            await self._files_call(self._files.run_batch, batch, started)
         except BaseException:
             for mark in reversed(marks[len(started) - before :]):  # newest first
                 if mark is not None:
