@@ -433,9 +433,7 @@ def main() -> None:
     sampler.stop.set()
     threads[0].join()
     sampler.judge(pod_claims)
-    subprocess.run(
-        ["kubectl", "delete", "namespace", NAMESPACE, "--wait=false"], capture_output=True
-    )
+    _kubectl("delete", "namespace", NAMESPACE, "--wait=true", timeout=300)
 
     window_start, window_end = rolls[0][0], rolls[-1][1] + args.settle
     during = [c for c in sampler.containers.values() if window_start <= c.first_seen <= window_end]
