@@ -22,9 +22,9 @@ from dracpu.errors import ConfigError
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "upstream-compatibility.md"
 
-# kubernetes-sigs/dra-driver-cpu main (2026-08): internal/driverconfig/flags.go AddFlags,
-# cmd/dracpu/app.go (--config), internal/ctxlog (klog's -v, -vmodule); the Config struct's json
-# keys (internal/driverconfig/config.go, with #229's allocator) and apiVersion.
+# kubernetes-sigs/dra-driver-cpu 0.3: internal/driverconfig/flags.go AddFlags, cmd/dracpu/app.go
+# (--config), internal/ctxlog (klog's -v, -vmodule); the Config struct's json keys
+# (internal/driverconfig/config.go, with #229's allocator; validate.go) and apiVersion.
 UPSTREAM_FLAGS = {
     "--config",
     "--kubeconfig",
@@ -127,7 +127,7 @@ MEANING: dict[str, tuple[str, object]] = {
     "groupBy": ("group_by", GroupBy.MACHINE),
     "sysfsOverlay": ("sysfs_overlay", "OVERLAY"),
     "publishNodeAllocatableResourceMapping": ("publish_node_allocatable_resource_mapping", False),
-    "allocator": ("node_name", "host-a"),
+    "allocator": ("allocator", ""),  # the example's value
 }
 
 
@@ -140,6 +140,8 @@ def _check_meaning(row: Row, config: Config, files: dict[str, str]) -> None:
         value = str(value.port)
     if field == "sysfs_overlay":
         expected = Path(files["OVERLAY"])
+    if field == "allocator":
+        expected = row.example.split(": ", 1)[1]
     assert value == expected, row
 
 

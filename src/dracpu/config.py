@@ -29,14 +29,17 @@ The config file is upstream's (``internal/driverconfig``): a flat YAML mapping w
 ``apiVersion: v1alpha1`` and the keys ``cpuDeviceMode``, ``groupBy``, ``reservedCPUs``,
 ``hostnameOverride``, ``kubeconfig``, ``sysfsOverlay`` (a YAML file of sysfs paths and contents
 laid over the host's sysfs, :mod:`dracpu.adapters.sysfs_overlay`),
-``publishNodeAllocatableResourceMapping`` and ``allocator`` (``cpumanager``, the kubelet-style
-topology-aware allocator, which is ours; ``external``, which requires an opaque cpuset on
-every grouped request and splits it over the request's results, is refused: dracpu does not
-implement it, and honours a claim's ``cpuConfig.cpuset`` without it,
-:mod:`dracpu.core.claim_config`). Upstream refuses ``bindAddress``, ``exposePCIeRoots`` and
-``kubeletRootDir`` in the file (``schemaExcludedFields``: the Helm chart renders them as flags,
-next to the mounts that must match), and so do we, naming the flag to use. Our own settings
-have camelCase keys of their own (``cdiDir``, ``nriSocket``, ``stateDir``, ``hostRoot``,
+``publishNodeAllocatableResourceMapping`` and ``allocator`` (kubernetes-sigs/dra-driver-cpu
+0.3: ``cpumanager``, the topology-aware allocator, which is ours, refusing a claim that carries
+an opaque cpuset; ``external``, every grouped request carries exactly one opaque cpuset from
+the claim, split over the request's results, and grouped devices publish ``dra.cpu/cpuIDs`` and
+``dra.cpu/smtLayout``; without the key, our allocator and a claim's ``cpuConfig.cpuset``
+honoured in every grouped mode: :mod:`dracpu.core.claim_config`). ``groupBy: machine`` without
+``allocator: external``, which upstream 0.3 refuses to start with, works here (our allocator
+picks inside the machine's device) and adds a notice. Upstream refuses ``bindAddress``,
+``exposePCIeRoots`` and ``kubeletRootDir`` in the file (``schemaExcludedFields``: the Helm chart
+renders them as flags, next to the mounts that must match), and so do we, naming the flag to
+use. Our own settings have camelCase keys of their own (``cdiDir``, ``nriSocket``, ``stateDir``, ``hostRoot``,
 ``logFormat``, ``verbosity``, ``memoryPinning``, ``nriPluginName``, ``nriPluginIndex``,
 ``podresourcesInterval``, ``orphanGrace``). Durations are written as Kubernetes' Go flags take
 them (``time.ParseDuration``: ``500ms``, ``90s``, ``5m``, ``1h30m``); a plain number is seconds
@@ -71,6 +74,7 @@ from typing import Literal, NoReturn
 import yaml
 
 from dracpu import DRIVER_NAME
+from dracpu.core.claim_config import ALLOCATOR_CPUMANAGER, ALLOCATOR_EXTERNAL
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.slices import CpuDeviceMode, GroupBy
 from dracpu.errors import ConfigError, DracpuError
@@ -162,10 +166,6 @@ DEPRECATED_FLAGS: Mapping[str, str] = MappingProxyType(
     }
 )
 
-# The values of upstream's ``allocator`` key (kubernetes-sigs/dra-driver-cpu#229,
-# internal/driverconfig/config.go AllocatorCPUManager / AllocatorExternal).
-ALLOCATOR_CPUMANAGER = "cpumanager"
-ALLOCATOR_EXTERNAL = "external"
 
 # klog's -vmodule value (k8s.io/klog/v2 moduleSpec.Set): comma-separated ``pattern=N``, the
 # pattern a glob over source file names without ".go".
@@ -256,6 +256,9 @@ class Config:
     expose_pcie_roots: bool = False
     """Publish ``resource.kubernetes.io/pcieRoot`` (list-typed: the cluster needs
     ``DRAListTypeAttributes``) and cap slices at 64 devices, as upstream's flag does."""
+    allocator: str | None = None
+    """Upstream's ``allocator`` key: ``external``, ``cpumanager`` or ``None`` (not given: our
+    allocator, an opaque cpuset honoured; :mod:`dracpu.core.claim_config`)."""
     publish_node_allocatable_resource_mapping: bool = False
     """Publish KEP-5517 ``nodeAllocatableResources`` (``cpu``) on every device (the cluster needs
     ``DRANodeAllocatableResources``), as upstream's config key does."""
@@ -743,15 +746,9 @@ def _vmodule(raw: object) -> tuple[tuple[str, int], ...]:
     return tuple(items)
 
 
-def _allocator(raw: object) -> object:
+def _allocator(raw: object) -> str:
     text = _string(raw)
-    if text == ALLOCATOR_EXTERNAL:
-        raise _BadValue(
-            "dracpu does not implement the external allocator (every grouped request must "
-            "carry an opaque cpuset, split over its results); dracpu honours a claim's "
-            f"cpuConfig.cpuset without it: remove the key or set {_show(ALLOCATOR_CPUMANAGER)}"
-        )
-    if text != ALLOCATOR_CPUMANAGER:
+    if text not in (ALLOCATOR_CPUMANAGER, ALLOCATOR_EXTERNAL):
         raise _BadValue(f"must be {_show(ALLOCATOR_CPUMANAGER)} or {_show(ALLOCATOR_EXTERNAL)}")
     return text
 
@@ -760,15 +757,13 @@ def _allocator(raw: object) -> object:
 class _Setting:
     """One setting: its name (the Config field and the argparse ``dest``), its flag, its
     config-file key, the converter of a raw flag / file / environment value, the environment
-    variable if any, whether it is a Config field, and, for a key upstream refuses in the
-    file, what to use instead."""
+    variable if any, and, for a key upstream refuses in the file, what to use instead."""
 
     name: str
     flag: str | None
     key: str | None
     convert: Callable[[object], object]
     env: str | None = None
-    stored: bool = True
     not_in_file: str | None = None
 
 
@@ -823,7 +818,7 @@ _SETTINGS: tuple[_Setting, ...] = (
         "publishNodeAllocatableResourceMapping",
         _boolean,
     ),
-    _Setting("allocator", None, "allocator", _allocator, stored=False),
+    _Setting("allocator", None, "allocator", _allocator),
 )
 
 _FILE_KEYS: frozenset[str] = frozenset(
@@ -950,7 +945,7 @@ def load_config(
 
     def take(setting: _Setting, raw: object, source: str) -> None:
         value = _converted(setting, raw, source)
-        if setting.stored and value is not None:
+        if value is not None:
             values[setting.name] = value
             sources[setting.name] = source
 
@@ -986,6 +981,14 @@ def load_config(
             "or set hostnameOverride in the config file (the host name is empty)"
         )
     values["node_name_source"] = sources["node_name"]
+    grouped = values.get("cpu_device_mode", CpuDeviceMode.GROUPED) is CpuDeviceMode.GROUPED
+    machine = grouped and values.get("group_by") is GroupBy.MACHINE
+    if machine and values.get("allocator") != ALLOCATOR_EXTERNAL:
+        notices += (
+            "groupBy machine without allocator external: upstream 0.3 refuses to start "
+            "with this; dracpu picks the CPUs inside the machine's device itself (a "
+            "claim's cpuConfig.cpuset is honoured)",
+        )
     values["notices"] = notices
     config = Config(**values)  # type: ignore[arg-type]
     _check_socket_paths(config, sources)
@@ -1015,8 +1018,6 @@ def changed_settings(old: Config, new: Config) -> list[tuple[str, str, str, str]
     its flag; the old value, the new value, as an error line shows them)."""
     changed: list[tuple[str, str, str, str]] = []
     for setting in _SETTINGS:
-        if not setting.stored:
-            continue
         before, after = getattr(old, setting.name), getattr(new, setting.name)
         if before != after:
             label = setting.key if setting.key is not None else str(setting.flag)
