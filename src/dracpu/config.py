@@ -39,12 +39,13 @@ honoured in every grouped mode: :mod:`dracpu.core.claim_config`). ``groupBy: mac
 picks inside the machine's device) and adds a notice. Upstream refuses ``bindAddress``,
 ``exposePCIeRoots`` and ``kubeletRootDir`` in the file (``schemaExcludedFields``: the Helm chart
 renders them as flags, next to the mounts that must match), and so do we, naming the flag to
-use. Our own settings have camelCase keys of their own (``cdiDir``, ``nriSocket``, ``stateDir``, ``hostRoot``,
-``logFormat``, ``verbosity``, ``memoryPinning``, ``nriPluginName``, ``nriPluginIndex``,
-``podresourcesInterval``, ``orphanGrace``). Durations are written as Kubernetes' Go flags take
-them (``time.ParseDuration``: ``500ms``, ``90s``, ``5m``, ``1h30m``); a plain number is seconds
-(a YAML number too). Unknown keys, keys spelled with another case, duplicate keys and values of
-the wrong YAML type are errors; every bad key of a file is named in the one error line.
+use. Our own settings have camelCase keys of their own (``cdiDir``, ``nriSocket``,
+``stateDir``, ``hostRoot``, ``logFormat``, ``verbosity``, ``memoryPinning``, ``nriPluginName``,
+``nriPluginIndex``, ``podresourcesInterval``, ``orphanGrace``). Durations are written as
+Kubernetes' Go flags take them (``time.ParseDuration``: ``500ms``, ``90s``, ``5m``, ``1h30m``);
+a plain number is seconds (a YAML number too). Unknown keys, keys spelled with another case,
+duplicate keys and values of the wrong YAML type are errors; every bad key of a file is named in
+the one error line.
 
 The node name falls back to the lower-cased host name when neither ``--node-name`` (alias
 ``--hostname-override``), ``NODE_NAME`` nor ``hostnameOverride`` gives one: the kubelet

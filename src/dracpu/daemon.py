@@ -454,17 +454,21 @@ class _Node:
     ) -> None:
         config = self.config
         grouped = config.cpu_device_mode is CpuDeviceMode.GROUPED
-        serve = partial(
-            kubelet_plugin.run,
-            config.dra_socket,
-            self.send.clone(),
-            self.kube,
-            config.node_name,
-            metrics=self.metrics,
-            health=self.owner.health,
-            allocator=config.allocator if grouped else None,
-            runtime_not_ready=self.runtime_not_ready,
-        )
+
+        async def serve(*, task_status: TaskStatus[Any]) -> None:
+            # A stream of its own each attempt: a start that failed closed the one it had.
+            await kubelet_plugin.run(
+                config.dra_socket,
+                self.send.clone(),
+                self.kube,
+                config.node_name,
+                metrics=self.metrics,
+                health=self.owner.health,
+                allocator=config.allocator if grouped else None,
+                runtime_not_ready=self.runtime_not_ready,
+                task_status=task_status,
+            )
+
         flag = self.readiness.flag(DRA_SOCKET, reason="the DRA socket has not been made yet")
 
         def serving() -> None:
