@@ -270,12 +270,14 @@ def claim_overrides(allocation: ClaimAllocation, allocator: str | None = None) -
     """
     label = f"claim {allocation.namespace}/{allocation.name}"
     plain = allocation.device_results()
-    if allocator == ALLOCATOR_EXTERNAL:
-        return _external(label, allocation, plain)
-    if not allocation.configs:
+    external = allocator == ALLOCATOR_EXTERNAL
+    if not allocation.configs and not external:
         return ClaimOverrides(plain)
     ordered = _precedence(allocation.configs)
     parsed: dict[int, CpuConfig] = {}
+    totals: dict[str, int] = {}  # external: the CPUs each request's results consume together
+    for device in allocation.devices if external else ():
+        totals[device.request_ref] = totals.get(device.request_ref, 0) + (device.consumed_cpus or 1)
     # The results of one request (an individual claim has up to 32) share their configs.
     by_request: dict[str, CpuConfig] = {}
     results: list[DeviceResult] = []
@@ -283,24 +285,10 @@ def claim_overrides(allocation: ClaimAllocation, allocator: str | None = None) -
         ref = device.request_ref
         effective = by_request.get(ref)
         if effective is None:
-            effective = _NOTHING
-            for config in ordered:
-                if _applies(config, device):
-                    if config.index not in parsed:
-                        parsed[config.index] = _parsed(label, config)
-                    effective = effective.under(parsed[config.index])
-            if effective.full_cores and effective.policy is Strategy.SPREAD:
-                raise ClaimError(
-                    f"{label} request {ref!r}: cpuConfig.fullCores true takes whole cores "
-                    "packed; it cannot be combined with cpuConfig.policy 'spread'"
-                )
-            if effective.cpuset is not None and allocator == ALLOCATOR_CPUMANAGER:
-                raise ClaimError(
-                    f"{label} request {ref!r}: cpuConfig.cpuset {effective.cpuset} is not taken "
-                    "with allocator cpumanager, which picks the CPUs itself (upstream: preferred "
-                    "CPUs not supported); remove the cpuset, or run the node with allocator "
-                    "external"
-                )
+            if external:
+                effective = _request_config(label, ref, ordered, device, totals[ref])
+            else:
+                effective = _merged(label, ref, ordered, device, parsed, allocator)
             by_request[ref] = effective
         if effective.cpuset is None and effective.policy is None and effective.full_cores is None:
             results.append(result)
@@ -308,7 +296,8 @@ def claim_overrides(allocation: ClaimAllocation, allocator: str | None = None) -
             results.append(
                 replace(
                     result,
-                    cpuset=effective.cpuset,
+                    cpuset=None if external else effective.cpuset,
+                    request_cpuset=effective.cpuset if external else None,
                     strategy=effective.policy,
                     full_cores=effective.full_cores,
                 )
@@ -317,37 +306,42 @@ def claim_overrides(allocation: ClaimAllocation, allocator: str | None = None) -
     return ClaimOverrides(tuple(results), _claim_memory(label, memory))
 
 
-def _external(
-    label: str, allocation: ClaimAllocation, plain: tuple[DeviceResult, ...]
-) -> ClaimOverrides:
-    """``allocator: external``: one claim config with a cpuset per request, shared by the
-    request's results (upstream ``External.GetPreferredCPUs``)."""
-    ordered = _precedence(allocation.configs)
-    total: dict[str, int] = {}
-    for device in allocation.devices:
-        total[device.request_ref] = total.get(device.request_ref, 0) + (device.consumed_cpus or 1)
-    by_request: dict[str, CpuConfig] = {}
-    results: list[DeviceResult] = []
-    for device, result in zip(allocation.devices, plain, strict=True):
-        ref = device.request_ref
-        config = by_request.get(ref)
-        if config is None:
-            config = by_request[ref] = _request_config(label, ref, ordered, device, total[ref])
-        results.append(
-            replace(
-                result,
-                request_cpuset=config.cpuset,
-                strategy=config.policy,
-                full_cores=config.full_cores,
-            )
+def _merged(
+    label: str,
+    ref: str,
+    ordered: list[OpaqueConfig],
+    device: AllocatedDevice,
+    parsed: dict[int, CpuConfig],
+    allocator: str | None,
+) -> CpuConfig:
+    """Every config that applies to the request, field by field (``parsed``: the configs read
+    so far, by index)."""
+    effective = _NOTHING
+    for config in ordered:
+        if _applies(config, device):
+            if config.index not in parsed:
+                parsed[config.index] = _parsed(label, config)
+            effective = effective.under(parsed[config.index])
+    if effective.full_cores and effective.policy is Strategy.SPREAD:
+        raise ClaimError(
+            f"{label} request {ref!r}: cpuConfig.fullCores true takes whole cores "
+            "packed; it cannot be combined with cpuConfig.policy 'spread'"
         )
-    memory = {ref: c.memory for ref, c in by_request.items() if c.memory is not None}
-    return ClaimOverrides(tuple(results), _claim_memory(label, memory))
+    if effective.cpuset is not None and allocator == ALLOCATOR_CPUMANAGER:
+        raise ClaimError(
+            f"{label} request {ref!r}: cpuConfig.cpuset {effective.cpuset} is not taken "
+            "with allocator cpumanager, which picks the CPUs itself (upstream: preferred "
+            "CPUs not supported); remove the cpuset, or run the node with allocator "
+            "external"
+        )
+    return effective
 
 
 def _request_config(
     label: str, ref: str, ordered: list[OpaqueConfig], device: AllocatedDevice, total: int
 ) -> CpuConfig:
+    """``allocator: external``: the one claim config with a cpuset of the whole request
+    (upstream ``External.GetPreferredCPUs``)."""
     where = f"{label} request {ref!r}"
     matching = [config for config in ordered if _applies(config, device)]
     for config in matching:

@@ -32,9 +32,8 @@ from dracpu.core.topology import Topology
 __all__ = ["ATTR_CPU_IDS", "ATTR_SMT_LAYOUT", "external_attributes", "left_out", "smt_layout"]
 
 ATTR_CPU_IDS = "dra.cpu/cpuIDs"  # upstream AttributeCPUIDs
-ATTR_SMT_LAYOUT = (
-    "dra.cpu/smtLayout"  # upstream AttributeSMTLayout: version 1, the name unversioned
-)
+# upstream AttributeSMTLayout: version 1 of the encoding, whose name carries no version suffix
+ATTR_SMT_LAYOUT = "dra.cpu/smtLayout"
 
 # upstream pkg/device/smt.go AtomSep, StrideSep
 _ENTRY_SEP = ";"
