@@ -92,6 +92,11 @@ async def test_prepare_is_refused_while_the_runtime_is_away_and_accepted_once_ba
 
         await sim.runtime.come_back()
         await sim.runtime.wait_plugin(20)
+        await wait_until(
+            "the second Synchronize",
+            lambda: sum(m.startswith("NRI: synchronized ") for m in sim.daemon.messages()) == 2,
+            failed=sim.daemon.exited,
+        )
         # The kubelet retries a failed Prepare with backoff: until the daemon has marked the new
         # connection synchronized (just after its answer to Synchronize), it is still refused.
         for _ in range(100):
