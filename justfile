@@ -65,6 +65,11 @@ proto:
 proto-check:
     {{venv}}/python scripts/gen_proto.py --check
 
+# rewrite the table of every setting in docs/upstream-compatibility.md from the settings
+# (dracpu.config.settings); tests/test_settings_table.py fails while it is stale
+settings-doc:
+    {{venv}}/python scripts/settings_doc.py
+
 # run every benchmark; one JSON object per figure on stdout
 bench:
     for f in bench/bench_*.py; do echo "# $f" >&2; {{venv}}/python "$f"; done

@@ -8,15 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from dracpu.config import (
-    DEPRECATED_FLAGS,
-    UNIX_PATH_MAX,
-    BindAddress,
-    Config,
-    add_run_arguments,
-    go_style_flags,
-    load_config,
-)
+from dracpu.config import UNIX_PATH_MAX, Config, load_config
+from dracpu.config.go_flags import DEPRECATED_FLAGS, add_run_arguments, go_style_flags
+from dracpu.config.values import BindAddress
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.slices import CpuDeviceMode, GroupBy
 from dracpu.errors import ConfigError

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dracpu.config import Config, add_run_arguments, load_config
+from dracpu.config import Config, load_config
+from dracpu.config.go_flags import add_run_arguments
 from dracpu.errors import ConfigError
 
 NODE = ["--node-name", "node-a"]

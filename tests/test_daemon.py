@@ -20,7 +20,8 @@ from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from dracpu.config import BindAddress, Config
+from dracpu.config import Config
+from dracpu.config.values import BindAddress
 from dracpu.core.commands import Command
 from dracpu.daemon import (
     EXIT_FAILURE,

@@ -22,7 +22,8 @@ import dracpu
 from dracpu import DRIVER_NAME
 from dracpu.adapters.kube import KubeClient
 from dracpu.cli import _build_parser
-from dracpu.config import go_style_flags, load_config
+from dracpu.config import load_config
+from dracpu.config.go_flags import go_style_flags
 from tests.kustomize import build, render
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kustomize"

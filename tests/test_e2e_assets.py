@@ -33,7 +33,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from dracpu.config import DEFAULT_CDI_DIR, DEFAULT_NRI_SOCKET
+from dracpu.config import Config
 from tests.e2e import kube as kube_module
 from tests.e2e.cluster import Cluster, NodeFacts, claim_size, grouped_device_numa
 from tests.e2e.kube import Kubectl, format_cpulist, parse_cpulist, parse_quantity, poll
@@ -269,12 +269,13 @@ def test_containerd_patch_enables_nri_and_cdi_where_the_daemonset_looks() -> Non
     socket = Path(nri["socket_path"])
     # The daemon connects to its default --nri-socket (the overlay does not override it) inside
     # the hostPath the DaemonSet mounts at the same place.
-    assert socket == DEFAULT_NRI_SOCKET
+    assert socket == Config(node_name="n").nri_socket
     assert host_paths[str(socket.parent)] == str(socket.parent)
     cri = merged[CRI_PLUGIN]
     assert cri["enable_cdi"] is True
-    assert str(DEFAULT_CDI_DIR) in cri["cdi_spec_dirs"]
-    assert host_paths[str(DEFAULT_CDI_DIR)] == str(DEFAULT_CDI_DIR)
+    cdi_dir = str(Config(node_name="n").cdi_dir)
+    assert cdi_dir in cri["cdi_spec_dirs"]
+    assert host_paths[cdi_dir] == cdi_dir
     args = " ".join(_overlay_args())
     assert "--nri-socket" not in args
     assert "--cdi-dir" not in args

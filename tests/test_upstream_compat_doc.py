@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from dracpu.cli import _build_parser
-from dracpu.config import Config, go_style_flags, load_config
+from dracpu.config import Config, load_config
+from dracpu.config.go_flags import go_style_flags
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.slices import CpuDeviceMode, GroupBy
 from dracpu.errors import ConfigError

@@ -60,7 +60,7 @@ def _cpuset_arg(text: str) -> object:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from dracpu.config import add_run_arguments
+    from dracpu.config.go_flags import add_run_arguments
     from dracpu.core.allocator import Strategy
     from dracpu.core.slices import CpuDeviceMode, GroupBy
 
@@ -379,7 +379,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     )
     parser = _build_parser()
     if words[0] == "run":
-        from dracpu.config import go_style_flags
+        from dracpu.config.go_flags import go_style_flags
 
         words = ["run", *go_style_flags(words[1:], parser.get_default("run_flags"))]
     args, extra = parser.parse_known_args(words)

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from dracpu import __version__
-from dracpu.config import BindAddress
+from dracpu.config.values import BindAddress
 from dracpu.errors import DracpuError
 from dracpu.tasks import http as http_task
 from dracpu.tasks.http import Readiness

@@ -26,7 +26,8 @@ import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from dracpu.adapters.pod_resources import ClaimUser, PodResourcesClient, PodResourcesListing
-from dracpu.config import MIN_PODRESOURCES_INTERVAL, Config
+from dracpu.config import Config
+from dracpu.config.values import MIN_PODRESOURCES_INTERVAL
 from dracpu.core.cdi_spec import device_id, spec_bytes, spec_file_name
 from dracpu.core.commands import Command, DeviceResult, PodsListed, PrepareClaim, Synchronize
 from dracpu.core.cpuset import CpuSet

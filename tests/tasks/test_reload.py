@@ -25,7 +25,8 @@ import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from dracpu.adapters.sysfs import read_topology
-from dracpu.config import Config, add_run_arguments, load_config
+from dracpu.config import Config, load_config
+from dracpu.config.go_flags import add_run_arguments
 from dracpu.core.commands import Command, DeviceResult, PrepareClaim, Resync
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.effects import NodeChanged, Resynced, StrandedClaim

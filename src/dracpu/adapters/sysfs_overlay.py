@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 
-from dracpu.config import read_yaml_mapping
+from dracpu.config.file import read_yaml_mapping
 from dracpu.errors import ConfigError
 
 __all__ = ["OVERLAY_DIR", "SysfsOverlay", "build_overlay_root", "load_overlay"]

@@ -37,7 +37,9 @@ from dracpu.adapters.cdi_files import list_our_specs
 from dracpu.adapters.checkpoint_file import read_newest
 from dracpu.adapters.sysfs import read_topology
 from dracpu.adapters.sysfs_overlay import build_overlay_root, load_overlay
-from dracpu.config import Config, add_run_arguments, go_style_flags, load_config
+from dracpu.config import Config, load_config
+from dracpu.config.go_flags import add_run_arguments, go_style_flags
+from dracpu.config.settings import SETTINGS, Setting
 from dracpu.core.topology import Topology
 from dracpu.errors import DracpuError
 from dracpu.tasks.debug_dump import DUMP_FILE, DUMP_SIGNAL
@@ -199,21 +201,17 @@ def _upstream_config(config: Config) -> dict[str, Any]:
 
 
 def _our_config(config: Config) -> dict[str, Any]:
-    return {
-        "nodeName": config.node_name,
-        "nodeNameSource": config.node_name_source,
-        "stateDir": str(config.state_dir),
-        "cdiDir": str(config.cdi_dir),
-        "nriSocket": str(config.nri_socket),
-        "hostRoot": str(config.host_root),
-        "logFormat": config.log_format,
-        "verbosity": config.verbosity,
-        "memoryPinning": config.memory_pinning,
-        "nriPluginName": config.nri_plugin_name,
-        "nriPluginIndex": config.nri_plugin_index,
-        "podresourcesInterval": config.podresources_interval,
-        "orphanGrace": config.orphan_grace,
-    }
+    """Every setting by its Config field (the table's order), and where the node name came
+    from."""
+    values: dict[str, Any] = {s.name: _plain(s, getattr(config, s.name)) for s in SETTINGS}
+    values["node_name_source"] = config.node_name_source
+    return values
+
+
+def _plain(setting: Setting, value: object) -> Any:
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    return setting.shown(value)  # a plain str also for a StrEnum, which YAML cannot dump
 
 
 def _part(read: Callable[[], Any]) -> Any:

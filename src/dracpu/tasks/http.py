@@ -35,7 +35,7 @@ from anyio.abc import TaskStatus
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
-from dracpu.config import BindAddress
+from dracpu.config.values import BindAddress
 from dracpu.errors import DracpuError
 
 __all__ = [

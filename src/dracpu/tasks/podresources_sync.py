@@ -18,7 +18,7 @@ each change of failure is logged once (:class:`~dracpu.adapters.backoff.RetryLog
 :class:`PodResourcesStatus` tells ``/metrics`` whether the sync works; the daemon stays ready.
 An answer that shows no DRA claim at all (the kubelet's ``KubeletPodResourcesDynamicResources``
 gate is off, or no pod holds one) releases nothing. Two Lists are at least
-:data:`~dracpu.config.MIN_PODRESOURCES_INTERVAL` apart, whatever asks for them.
+:data:`~dracpu.config.values.MIN_PODRESOURCES_INTERVAL` apart, whatever asks for them.
 
 :func:`run` needs only anyio (its tests run on asyncio and trio); the lister it is given is the
 grpclib client, which needs asyncio.
@@ -40,7 +40,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from dracpu.adapters.backoff import Pause, RetryLog, backoff_delays
 from dracpu.adapters.pod_resources import PodResourcesListing
-from dracpu.config import MIN_PODRESOURCES_INTERVAL
+from dracpu.config.values import MIN_PODRESOURCES_INTERVAL
 from dracpu.core.commands import Command, PodsListed
 from dracpu.core.effects import PodsReconciled
 from dracpu.errors import DracpuError, PodResourcesError

@@ -8,13 +8,13 @@ log lines of its answer.
    environment < config file < explicit flags; the flags and the environment of a process do
    not change, so only the file can). Settings are of two kinds:
 
-   - *applied now*: ``reservedCPUs`` (the state machine checks it against the claims:
-     :mod:`dracpu.core.reconfigure`), ``memoryPinning`` (the default of claims prepared from
-     now on), ``verbosity``, ``logFormat`` and ``--vmodule`` (the logging is set up again);
-   - *structural*, every other one (device mode, grouping, node name, kubeconfig, paths and
-     sockets, bind address, NRI plugin name and index, the sysfs overlay and the content of its
-     file, the node-allocatable mapping): the running value stays in force and one error line
-     per setting names it, its running and its new value. A restart applies them.
+   - *applied now*, those the settings table marks (``Setting.sighup``): ``reservedCPUs``
+     (the state machine checks it against the claims: :mod:`dracpu.core.reconfigure`),
+     ``memoryPinning`` (the default of claims prepared from now on), ``verbosity``,
+     ``logFormat`` and ``--vmodule`` (the logging is set up again);
+   - *structural*, every other one, and the content of the sysfs overlay's file: the running
+     value stays in force and one error line per setting names it, its running and its new
+     value. A restart applies them.
 
    A file that no longer loads (bad YAML, a bad value) is one error line; the running settings
    stay and the topology is read all the same.
@@ -47,12 +47,10 @@ from dracpu.core.topology import Topology
 from dracpu.errors import ConfigError, TopologyError
 from dracpu.logs import setup_logging
 
-__all__ = ["APPLIED_NOW", "ConfigSource", "Reloader", "report"]
+__all__ = ["ConfigSource", "Reloader", "report"]
 
 logger = logging.getLogger(__name__)
 
-# The Config fields a SIGHUP applies; every other one needs a restart (the module docstring).
-APPLIED_NOW = frozenset({"reserved_cpus", "memory_pinning", "verbosity", "log_format", "vmodule"})
 _LOGGING = ("log_format", "verbosity", "vmodule")
 
 ReadTopology = Callable[[Path, bool], Topology]
@@ -136,15 +134,15 @@ class Reloader:
                 "SIGHUP: the settings cannot be read again, the running ones stay: %s", exc
             )
             return None
-        for name, label, before, after in changed_settings(source.loaded, settings):
-            if name not in APPLIED_NOW:
+        for setting, before, after in changed_settings(source.loaded, settings):
+            if not setting.sighup:
                 logger.error(
                     "SIGHUP: %s changed from %s to %s, which needs a restart; %s stays in force",
-                    label,
+                    setting.label,
                     before,
                     after,
                     before,
-                    extra={"setting": label},
+                    extra={"setting": setting.label},
                 )
         overlay = settings.sysfs_overlay
         if overlay is not None and overlay == source.loaded.sysfs_overlay:

@@ -110,8 +110,9 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from dracpu.adapters.backoff import Health, RetryLog, backoff_delays
 from dracpu.adapters.node_files import FILE_EFFECTS, NodeFiles
 from dracpu.adapters.sysfs import read_topology
-from dracpu.config import ALLOCATOR_EXTERNAL, Config
+from dracpu.config import Config
 from dracpu.core import external_attributes
+from dracpu.core.claim_config import ALLOCATOR_EXTERNAL
 from dracpu.core.commands import AdoptClaims, AdoptedClaim, Command, Resync
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.effects import (
