@@ -39,14 +39,16 @@ exit after SIGTERM skips the interpreter's collections over it.
 
 Each task is started with ``await tg.start(...)``; once it calls ``task_status.started()`` its
 readiness flag turns ready, and ``/readyz`` answers 200 when all have. A task may later report
-not ready through its :class:`~dracpu.tasks.http.ReadinessFlag`. Four flags are not a task's:
+not ready through its :class:`~dracpu.tasks.http.ReadinessFlag`. Five flags are not a task's:
 ``kubelet-registration`` turns ready when the kubelet reports that it registered the plugin, and
 not ready when it refuses it (and says what registration waits for: the runtime's first
 ``Synchronize``, a registration dir that cannot be written); ``dra-socket`` is ready while the
 DRA socket serves (a kubelet plugins dir that cannot be written is waited out, saying why, like
 the CDI and state dirs); ``cdi-dir`` is ready while specs can be written into the CDI dir
 (the CDI watcher waits out a read-only, full or missing dir, saying why); ``state-dir`` while
-the checkpoint can be written (the state owner waits the same out).
+the checkpoint can be written (the state owner waits the same out); ``host-cgroups``, there once
+a host cgroup is listed (``--confine-host-cgroups``), while every listed one is confined (the
+state owner tries again the ones that are not, and ``/readyz`` names what each is confined to).
 
 Stopping (SIGTERM/SIGINT, or a task failure): ``/readyz`` turns 503, then the tasks are
 cancelled one by one in REVERSE start order, each awaited, so the request sources stop before
@@ -115,6 +117,7 @@ __all__ = [
     "EXIT_OK",
     "CDI_DIR",
     "DRA_SOCKET",
+    "HOST_CGROUPS",
     "KUBELET_REGISTRATION",
     "STATE_DIR",
     "STOP_TIMEOUT",
@@ -149,6 +152,9 @@ SOCKET_RETRY_INITIAL = 0.25
 SOCKET_RETRY_CAP = 2.0
 # How often the reason registration waits for the runtime is refreshed on /readyz.
 SYNC_WAIT_POLL = 1.0
+# The readiness flag that says whether every listed host cgroup is confined (the state owner's
+# verdict; there only once a host cgroup was listed).
+HOST_CGROUPS = "host-cgroups"
 
 
 class TaskRun(Protocol):
@@ -410,6 +416,7 @@ class _Node:
             republish=self.republish_send,
             container_updates=self.link.submit,
             state_dir=readiness.flag(STATE_DIR, reason="the checkpoint has not been written yet"),
+            host_cgroups=partial(readiness.flag, HOST_CGROUPS),
         )
         self.metrics = DraCpuMetrics(self.node_state)
         self.dra_serving = anyio.Event()  # the DRA socket serves: registration may begin
@@ -480,7 +487,9 @@ class _Node:
 
     async def run_debug_dump(self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
         path = self.config.state_dir / debug_dump.DUMP_FILE
-        await debug_dump.run(self.node_state, path, task_status=task_status)
+        await debug_dump.run(
+            self.node_state, path, host_cgroups=self.owner.host_cgroups, task_status=task_status
+        )
 
     async def run_device_health(
         self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED
@@ -566,7 +575,11 @@ class _Node:
 
     def tasks(self) -> list[TaskSpec]:
         registry = metrics.build_registry(
-            self.readiness, self.owner.statistics, self.link.status, self.podresources
+            self.readiness,
+            self.owner.statistics,
+            self.link.status,
+            self.podresources,
+            self.owner.host_cgroups,
         )
         registry.register(self.metrics)
         return [

@@ -47,6 +47,8 @@ class NodeConfig:
     ``held``: devices (by name, as published before) whose CPUs went offline while a claim held
     them, and those CPUs (:mod:`dracpu.core.reconfigure`): the devices' health is still reported
     while a claim holds such a CPU (:func:`dracpu.core.health.reported_devices`).
+    ``host_cgroups``: the host cgroups confined to the shared pool plus the reserved CPUs
+    (:mod:`dracpu.core.host_cgroups`), paths under the cgroup root; empty: none.
     """
 
     node_name: str
@@ -60,6 +62,7 @@ class NodeConfig:
     numbering: Mapping[int, int] = field(default_factory=_no_numbers)
     external_allocator: bool = False
     held: Mapping[str, CpuSet] = field(default_factory=_no_held)
+    host_cgroups: tuple[str, ...] = ()
     allocatable: CpuSet = field(init=False)
     shareable: CpuSet = field(init=False)
 
@@ -84,6 +87,7 @@ class NodeConfig:
         pin_memory: bool = False,
         numbering: Mapping[int, int] | None = None,
         external_allocator: bool = False,
+        host_cgroups: tuple[str, ...] = (),
     ) -> NodeConfig:
         """The config with the devices this node publishes in ``mode``/``group_by``;
         ``numbering``: the individual device numbers given before (see
@@ -111,9 +115,17 @@ class NodeConfig:
             group_by=GroupBy(group_by),
             numbering=numbers,
             external_allocator=external_allocator,
+            host_cgroups=host_cgroups,
         )
 
-    def rebuild(self, topology: Topology, *, reserved: CpuSet, pin_memory: bool) -> NodeConfig:
+    def rebuild(
+        self,
+        topology: Topology,
+        *,
+        reserved: CpuSet,
+        pin_memory: bool,
+        host_cgroups: tuple[str, ...],
+    ) -> NodeConfig:
         """The config of the same node in the same device mode after a SIGHUP: the devices of
         ``topology`` without ``reserved``, every individual device keeping its number
         (``held`` is left empty: :mod:`dracpu.core.reconfigure` knows the claims)."""
@@ -127,4 +139,5 @@ class NodeConfig:
             pin_memory=pin_memory,
             numbering=self.numbering,
             external_allocator=self.external_allocator,
+            host_cgroups=host_cgroups,
         )
