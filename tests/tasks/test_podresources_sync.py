@@ -517,6 +517,8 @@ async def test_resource_exhausted_backs_off() -> None:
         node.server.fail("RESOURCE_EXHAUSTED", times=3)
         await node.start_sync(interval=3600, grace=3600)
         await until(lambda: node.server.answered("OK") == 1, "a List that works")
+        # The server counts its answer when it sends it; the task counts it once read.
+        await until(lambda: node.status.lists["no_claims"] == 1, "the answer read")
         calls = node.server.calls
         assert [c.code for c in calls] == ["RESOURCE_EXHAUSTED"] * 3 + ["OK"]
         gaps = [b.at - a.at for a, b in itertools.pairwise(calls)]
