@@ -39,6 +39,7 @@ from dracpu.core.effects import (
     ClaimPrepared,
     ClaimsAdopted,
     ClaimUnprepared,
+    ConfineHostCgroups,
     ContainerForgotten,
     ContainerPinned,
     ContainerUpdate,
@@ -1116,6 +1117,7 @@ def test_resync_rewrites_specs_prunes_and_publishes() -> None:
         WriteDeviceMetadata(state.claims[uid(1)], INDIVIDUAL),
         WriteDeviceMetadata(state.claims[uid(2)], INDIVIDUAL),
         PruneDeviceMetadata(frozenset({uid(1), uid(2)})),
+        ConfineHostCgroups((), state.host_pool),  # none listed: gives back what was found
         PublishSlices(tuple(INDIVIDUAL.devices.values())),
         Reply(Resynced(2)),
     ]

@@ -41,6 +41,7 @@ from dracpu.core.cpuset import CpuSet
 from dracpu.core.effects import (
     ClaimPrepared,
     ClaimUnprepared,
+    ConfineHostCgroups,
     ContainerUpdate,
     DeleteCdiSpec,
     DeleteDeviceMetadata,
@@ -421,11 +422,11 @@ async def test_a_command_past_its_deadline_runs_no_further_effect_and_is_rolled_
 
                 node.tg.start_soon(release)
                 message = (
-                    r"^the commit phase \(cut off after PruneDeviceMetadata\) did not finish "
+                    r"^the commit phase \(cut off after ConfineHostCgroups\) did not finish "
                     r"within 0.2 s$"
                 )
                 with pytest.raises(DracpuError, match=message):
-                    await node.ask(Resync())  # the specs and the prune, then the publish
+                    await node.ask(Resync())  # the specs, the prune, the cgroups; the publish
             # The hop that had begun ran to its end; the publish after it never began; the
             # rollback rewrote the files of the old state, newest first.
             assert node.ran() == [
@@ -433,6 +434,8 @@ async def test_a_command_past_its_deadline_runs_no_further_effect_and_is_rolled_
                 PruneCdiSpecs,
                 WriteDeviceMetadata,
                 PruneDeviceMetadata,
+                ConfineHostCgroups,
+                ConfineHostCgroups,
                 WriteDeviceMetadata,
                 WriteCdiSpec,
             ]
@@ -641,7 +644,8 @@ async def test_a_commit_phase_takes_one_hop_and_other_effects_split_it(
             hops.clear()
             await node.ask(Resync())
             assert receive.receive_nowait() == "resync"
-    # Resync: the specs and the prune in one hop, the publish after it (on the event loop).
+    # Resync: the specs, the prune and the host cgroups in one hop, the publish after it (on
+    # the event loop).
     assert hops == [
         [
             WriteCdiSpec,
@@ -650,6 +654,7 @@ async def test_a_commit_phase_takes_one_hop_and_other_effects_split_it(
             WriteDeviceMetadata,
             WriteDeviceMetadata,
             PruneDeviceMetadata,
+            ConfineHostCgroups,
         ]
     ]
 

@@ -62,6 +62,13 @@ names the flag ``state-dir``), logs each change of it once
 committed state again after a backoff (0.25 s growing to 2 s): the first write that works, its
 own or a command's, turns the flag ready.
 
+The host cgroups (``docs/architecture.md``, "Host cgroups"): their ``ConfineHostCgroups``
+effect never fails a command; after each command the owner reports them on the
+``host_cgroups`` flag (made when a cgroup is first listed), tries again after a backoff (1 s
+growing to 30 s) the ones that could not be confined, looks at them every
+:data:`HOST_CGROUPS_CHECK` seconds while all are, between requests as for the state dir, and
+gives them back what they held when :meth:`StateOwner.run` ends.
+
 Errors: a :class:`~dracpu.errors.DracpuError` from an effect is an expected failure (a full
 disk): answered, logged, counted (``apply`` answers bad input itself, with the old state). Any
 other exception is a bug: the requester is answered with a DracpuError wrapping it, then the
@@ -108,6 +115,7 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from dracpu.adapters.backoff import Health, RetryLog, backoff_delays
+from dracpu.adapters.host_cgroups import RECORD_FILE, CgroupState, HostCgroups, cgroup_root
 from dracpu.adapters.node_files import FILE_EFFECTS, NodeFiles
 from dracpu.adapters.sysfs import read_topology
 from dracpu.config import Config
@@ -115,6 +123,7 @@ from dracpu.core.commands import AdoptClaims, AdoptedClaim, Command, Resync
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.effects import (
     ClaimsAdopted,
+    ConfineHostCgroups,
     DeleteCdiSpec,
     Effect,
     PublishSlices,
@@ -136,6 +145,7 @@ from dracpu.tasks.slice_publisher import request_republish
 __all__ = [
     "COMMAND_DEADLINE",
     "COMMAND_QUEUE_SIZE",
+    "HOST_CGROUPS_CHECK",
     "ContainerUpdates",
     "OwnerStatistics",
     "Request",
@@ -160,6 +170,12 @@ COMMAND_DEADLINE = 4.0
 # at first (a mount being set up, space being freed), then every 2 s at most. Every Prepare fails
 # until one works: the state dir must be used again within seconds of its repair.
 _STATE_DIR_RETRY = partial(backoff_delays, initial=0.25, cap=2.0)
+# How often the confined host cgroups are looked at while all is well (seconds): a value another
+# writer put there (systemd, at a reload of a slice with AllowedCPUs=) is written over.
+HOST_CGROUPS_CHECK = 10.0
+# Retries of host cgroups that could not be confined (tasks' "waited out" rule): a slice that
+# systemd creates later, a cgroup fs mounted later; every 30 s at most.
+_HOST_CGROUPS_RETRY = partial(backoff_delays, initial=1.0, cap=30.0)
 
 # A claim's CDI change before a batch marked it: none (the key was absent).
 _UNMARKED = object()
@@ -260,10 +276,13 @@ class StateOwner:
     ``receive``: the receiving end of :func:`create_request_stream` (closed when :meth:`run`
     ends). ``republish``: the sending end of the slice publisher's republish channel;
     ``container_updates``: where ``UpdateContainers`` effects go (``None``: dropped with a debug
-    log, the next NRI ``Synchronize`` re-pins every container anyway). ``files``: the CDI specs
-    and the checkpoint (default: the config's directories). ``state_dir``: told whether the
-    checkpoint can be written, with the reason when not; ``retry_delays`` makes the delays
-    between the writes that test it meanwhile.
+    log, the next NRI ``Synchronize`` re-pins every container anyway). ``files``: the CDI specs,
+    the checkpoint and the host cgroups (default: the config's directories and the host's
+    cgroup fs). ``state_dir``: told whether the checkpoint can be written, with the reason when
+    not; ``retry_delays`` makes the delays between the writes that test it meanwhile.
+    ``host_cgroups`` makes the readiness flag of the host cgroups (when one is first listed);
+    ``cgroup_retry_delays`` the delays between attempts while one cannot be confined;
+    ``cgroup_check`` the seconds between two looks at them while all are.
     """
 
     def __init__(
@@ -277,13 +296,21 @@ class StateOwner:
         command_deadline: float = COMMAND_DEADLINE,
         state_dir: Health | None = None,
         retry_delays: Callable[[], Iterator[float]] = _STATE_DIR_RETRY,
+        host_cgroups: Callable[[], Health] | None = None,
+        cgroup_retry_delays: Callable[[], Iterator[float]] = _HOST_CGROUPS_RETRY,
+        cgroup_check: float = HOST_CGROUPS_CHECK,
     ) -> None:
         self.config = config
         self._receive = receive
         self._republish = republish
         self._container_updates = container_updates
         self._files = (
-            NodeFiles(config.cdi_dir, config.checkpoint_path, config.device_metadata_dir)
+            NodeFiles(
+                config.cdi_dir,
+                config.checkpoint_path,
+                config.device_metadata_dir,
+                HostCgroups(cgroup_root(config.host_root), config.state_dir / RECORD_FILE),
+            )
             if files is None
             else files
         )
@@ -309,6 +336,15 @@ class StateOwner:
         )
         self._dir_delays: Iterator[float] | None = None
         self._dir_retry_at: float | None = None  # None: the checkpoint can be written
+        # The host cgroups: their readiness flag (made when a cgroup is first listed), and the
+        # next try while one cannot be confined.
+        self._cgroups_flag_factory = host_cgroups
+        self._cgroups_flag: Health | None = None
+        self._cgroup_retry_delays = cgroup_retry_delays
+        self._cgroup_check = cgroup_check
+        self._cgroups_log = RetryLog(logger, "confining the host cgroups")
+        self._cgroups_delays: Iterator[float] | None = None
+        self._cgroups_retry_at: float | None = None  # None: nothing listed
 
     # --- what other tasks read -------------------------------------------------------------------
 
@@ -333,6 +369,10 @@ class StateOwner:
             queue_depth=self._receive.statistics().current_buffer_used,
             by_command=MappingProxyType(dict(self._by_command)),
         )
+
+    def host_cgroups(self) -> tuple[CgroupState, ...]:
+        """The listed host cgroups: what each is confined to, or why it is not."""
+        return self._files.host_cgroups()
 
     def desired_specs(self) -> dict[str, CpuSet]:
         """The CDI specs that must exist now: ``{claim UID: cpus}`` (the CDI watcher's view):
@@ -362,18 +402,72 @@ class StateOwner:
         finally:
             self._refuse_queued()
             self._receive.close()
+            with anyio.CancelScope(shield=True):
+                await self._release_host_cgroups()
 
     async def _next_request(self) -> Request[Command] | None:
-        """The next request (``None``: every send side is closed); while the checkpoint cannot
-        be written, it is written again whenever its retry is due."""
+        """The next request (``None``: every send side is closed); meanwhile, while the
+        checkpoint cannot be written it is written again whenever its retry is due, and while a
+        host cgroup cannot be confined the confinement is tried again when due."""
         while True:
-            retry_at = self._dir_retry_at
-            with anyio.CancelScope(deadline=math.inf if retry_at is None else retry_at):
+            retries = [t for t in (self._dir_retry_at, self._cgroups_retry_at) if t is not None]
+            with anyio.CancelScope(deadline=min(retries, default=math.inf)):
                 try:
                     return await self._receive.receive()
                 except EndOfStream:
                     return None
-            await self._write_checkpoint()
+            now = anyio.current_time()
+            if self._dir_retry_at is not None and self._dir_retry_at <= now:
+                await self._write_checkpoint()
+            if self._cgroups_retry_at is not None and self._cgroups_retry_at <= now:
+                await self._confine_again()
+
+    async def _confine_again(self) -> None:
+        """Confine the listed host cgroups to the committed state's pool once more."""
+        state = self.state
+        effect = ConfineHostCgroups(state.config.host_cgroups, state.host_pool)
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(
+                self._files.run_batch, (effect,), [], limiter=self._files_limiter
+            )
+        self._follow_host_cgroups(retried=True)
+
+    async def _release_host_cgroups(self) -> None:
+        """The daemon stops: every confined host cgroup gets back what it held."""
+        try:
+            await anyio.to_thread.run_sync(
+                self._files.release_host_cgroups, limiter=self._files_limiter
+            )
+        except Exception:  # a bug: never hide the reason the owner stopped
+            logger.exception("giving the host cgroups back what they held failed")
+
+    def _follow_host_cgroups(self, *, retried: bool = False) -> None:
+        """Report the host cgroups after an attempt to confine them: the readiness flag (not
+        ready, naming each cgroup that could not be confined and why), the log (once per
+        change), and the next attempt: after a backoff while one could not be confined
+        (``retried``: this was such an attempt), else a check every
+        :data:`HOST_CGROUPS_CHECK` seconds while any is listed (what another writer changed,
+        systemd at a reload, is put right)."""
+        states = self._files.host_cgroups()
+        problems = [f"{state.path}: {state.problem}" for state in states if state.problem]
+        if states and self._cgroups_flag is None and self._cgroups_flag_factory is not None:
+            self._cgroups_flag = self._cgroups_flag_factory()
+        flag = self._cgroups_flag
+        if problems:
+            if self._cgroups_delays is None or retried:
+                if self._cgroups_delays is None:
+                    self._cgroups_delays = self._cgroup_retry_delays()
+                delay = next(self._cgroups_delays)
+                self._cgroups_retry_at = anyio.current_time() + delay
+                self._cgroups_log.failed("; ".join(problems), retry_in=delay)
+            if flag is not None:  # the problems only: the CPUs move at every claim
+                flag.set_not_ready("; ".join(f"cannot confine {p}" for p in problems))
+            return
+        self._cgroups_delays = None
+        self._cgroups_log.recovered()
+        self._cgroups_retry_at = anyio.current_time() + self._cgroup_check if states else None
+        if flag is not None:
+            flag.set_ready(_cgroups_report(states))
 
     async def _write_checkpoint(self) -> None:
         """Write the committed state's checkpoint (even unchanged): the state dir's test."""
@@ -430,6 +524,7 @@ class StateOwner:
             except _CommitFailed as failed:
                 self._count_failed(name, failed.error)
                 await self._roll_back(name, old, failed.started, failed.error)
+                self._follow_host_cgroups()
                 _answer(req, failed.error)
                 return
             except Exception as exc:
@@ -439,6 +534,7 @@ class StateOwner:
                 raise
             self._state = new
             self._follow_health(old, new)
+            self._follow_host_cgroups()
             self._count_applied(name, reply.value)
             _answer(req, reply.value)
             await self._post_commit(name, after)
@@ -644,6 +740,7 @@ class StateOwner:
             mode=config.cpu_device_mode,
             group_by=config.group_by,
             pin_memory=config.memory_pinning,
+            host_cgroups=config.confine_host_cgroups,
         )
         logger.info(
             "topology: %d online cpus (%s), %d allocatable, %d devices",
@@ -735,6 +832,7 @@ class StateOwner:
                 return
         self._state = new
         self._follow_health(old, new)
+        self._follow_host_cgroups()
         _report(reply.value)
         await self._post_commit(name, after)
 
@@ -762,6 +860,16 @@ def _report(value: object) -> None:
             logger.error("start-up command refused: %s", value)
         case _:
             pass
+
+
+def _cgroups_report(states: Sequence[CgroupState]) -> str:
+    """The confined host cgroups in one line (``/readyz``): the CPUs each is confined to."""
+    by_cpus: dict[str, list[str]] = {}
+    for state in states:
+        if state.cpus is not None:
+            by_cpus.setdefault(str(state.cpus), []).append(state.path)
+    confined = [f"{', '.join(paths)} confined to cpus {cpus}" for cpus, paths in by_cpus.items()]
+    return "; ".join(confined) or "no host cgroup listed"
 
 
 def _kind(effect: object) -> str:
