@@ -82,7 +82,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from dracpu import __version__
 from dracpu.adapters.backoff import RetryLog, backoff_delays
-from dracpu.adapters.kube import KubeClient, open_kube_client
+from dracpu.adapters.kube import KubeClient, kubelet_version, open_kube_client
 from dracpu.adapters.pod_resources import PodResourcesClient
 from dracpu.config import Config
 from dracpu.core.commands import Command
@@ -546,6 +546,10 @@ class _Node:
         self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED
     ) -> None:
         config = self.config
+
+        async def read_kubelet_version() -> str:
+            return kubelet_version(await self.kube.get_node(config.node_name))
+
         with PodResourcesClient(config.pod_resources_socket) as client:
             await podresources_sync.run(
                 self.send.clone(),
@@ -554,6 +558,7 @@ class _Node:
                 grace=config.orphan_grace,
                 trigger=self.list_trigger,
                 status=self.podresources,
+                kubelet_version=read_kubelet_version,
                 task_status=task_status,
             )
 
