@@ -58,8 +58,8 @@ __all__ = ["main"]
 NAMESPACE = "dracpu-rolling"
 CPUSET_ROOT = Path("/sys/fs/cgroup/cpuset")
 CLUSTER_STATE = Path(os.environ.get("DRACPU_CLUSTER_STATE", "/var/tmp/dracpu-cluster"))
-# The kubelet's cgroup root (tests/cluster/cluster: cgroupRoot /dracpu-cluster, cgroupfs).
-KUBEPODS = CPUSET_ROOT / "dracpu-cluster" / "kubepods"
+# The kubelet's cgroup root (tests/cluster/cluster: cgroupfs, named after the state dir).
+KUBEPODS = CPUSET_ROOT / CLUSTER_STATE.name / "kubepods"
 CDI_DIR = CLUSTER_STATE / "host" / "var" / "run" / "cdi"
 _CDI_SPEC = re.compile(r"^dra\.k8s\.io-cpu_claim-(?P<uid>[0-9a-f-]+)\.json$")
 _POD_DIR = re.compile(r"^pod(?P<uid>[0-9a-f_-]+)$")

@@ -113,8 +113,7 @@ async def _connections(
     failures = 0
 
     def synchronized() -> None:
-        link.synchronized = True
-        link.connections += 1
+        link.mark_synchronized()
         if not first_sync.is_set():
             first_sync.set()
             if on_first_sync is not None:
