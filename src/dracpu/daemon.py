@@ -74,6 +74,7 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any, Protocol
 
 import anyio
@@ -144,6 +145,9 @@ STOP_TIMEOUT = 4.5
 # At a stop with a successor waiting: the longest wait, NRI still connected, for it to restore
 # the state and synchronize with the runtime (tasks/handover.py), within STOP_TIMEOUT.
 HANDOVER_TIMEOUT = 3.0
+# How often a standby looks whether a dracpu without the state dir lock still serves the DRA
+# socket (a connection each time, which grpclib accepts and drops).
+LEGACY_POLL = 0.05
 
 # The readiness flag that follows the kubelet's registration verdict (not a task's flag).
 KUBELET_REGISTRATION = "kubelet-registration"
@@ -668,13 +672,21 @@ async def _own_state_dir(config: Config, handover: HandOver) -> None:
     A SIGTERM meanwhile ends the process at once (no handler is installed yet)."""
     with contextlib.suppress(OSError):  # a dir that cannot be made is the state owner's to report
         config.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    wait: Callable[[], Awaitable[None]]
     if handover.try_own():
-        return
-    await handover.become_successor()
+        if not await _serves(config.dra_socket):
+            return
+        # A build without the lock serves the node (the first update to this one): wait until
+        # it stops, as its successor would (without its hand-over).
+        holder = f"a dracpu without the state dir lock, serving {config.dra_socket}"
+        wait = partial(_until_quiet, config.dra_socket)
+    else:
+        await handover.become_successor()
+        holder, wait = handover.holder(), handover.wait_own
     logger.info(
         "the state dir %s is owned by %s: waiting for its hand-over as a standby",
         config.state_dir,
-        handover.holder(),
+        holder,
     )
     standby = Readiness()
     standby.flag("standby").set_ready()
@@ -686,8 +698,25 @@ async def _own_state_dir(config: Config, handover: HandOver) -> None:
             # The probes reach whoever holds the port (on the host's network: the running
             # dracpu, if it predates SO_REUSEPORT); the wait does not depend on them.
             logger.warning("standby without /healthz and /readyz: %s", exc)
-        await handover.wait_own()
+        await wait()
         tg.cancel_scope.cancel()
+
+
+async def _serves(socket: Path) -> bool:
+    """Does a process accept connections on ``socket`` (a stale file refuses them)?"""
+    try:
+        stream = await anyio.connect_unix(socket)
+    except OSError:
+        return False
+    await stream.aclose()
+    return True
+
+
+async def _until_quiet(socket: Path) -> None:
+    while True:
+        if not await _serves(socket):
+            return
+        await anyio.sleep(LEGACY_POLL)
 
 
 def _settle_heap() -> None:

@@ -10,6 +10,7 @@ never without a plugin that pins.
 
 from __future__ import annotations
 
+import anyio
 import pytest
 
 from dracpu.core.cpuset import CpuSet
@@ -90,3 +91,26 @@ async def test_a_crashed_owner_leaves_the_state_dir_to_its_successor() -> None:
         new.port = None
         await new.wait_ready()
         assert any("took over the state dir" in m for m in new.messages("info"))
+
+
+async def test_a_dracpu_without_the_lock_serving_the_node_is_waited_for() -> None:
+    # The first update to this build: the old process takes no lock, but serves the DRA socket.
+    async with open_node_sim(start=False) as sim:
+        path = sim.paths.kubelet_root / "plugins" / "dra.cpu" / "dra.sock"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        listener = await anyio.create_unix_listener(path)
+        try:
+            await sim.start_daemon(register=False)  # Ready: the standby
+            daemon = sim.daemon
+            assert any(
+                f"owned by a dracpu without the state dir lock, serving {path}" in m
+                for m in daemon.messages("info")
+            )
+            assert sim.runtime.connections == 0
+        finally:
+            await listener.aclose()
+        path.unlink()
+        await sim.register()
+        daemon.port = None
+        await daemon.wait_ready()
+        assert sim.runtime.connections == 1
