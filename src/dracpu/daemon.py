@@ -1,8 +1,9 @@
 """The supervisor of ``dracpu run``: one task group, start order, readiness, graceful stop.
 
-:func:`main` sets up logging and runs :func:`serve` on anyio's asyncio backend (grpclib and the
-gRPC server's protocols need asyncio; every other task needs only anyio) with the daemon's
-tasks, in this order:
+:func:`main` sets up logging and takes the state dir's owner lock (while another dracpu holds
+it, the process waits as a Ready standby for its hand-over: :mod:`dracpu.tasks.handover`), then
+runs :func:`serve` on anyio's asyncio backend (grpclib and the gRPC server's protocols need
+asyncio; every other task needs only anyio) with the daemon's tasks, in this order:
 
 1. ``signals``: first, so that SIGTERM during a slow start already stops gracefully (a SIGHUP
    that arrives before the owner runs waits in the owner's queue); a SIGHUP reads the settings
@@ -55,7 +56,9 @@ cancelled one by one in REVERSE start order, each awaited, so the request source
 the state owner, which finishes the command in flight (bounded by its own deadline). One
 exception: a task stops only after the tasks it ``outlives`` (:class:`TaskSpec`): the NRI plugin
 outlives the DRA and registration sockets, so the widening of every Unprepare the DRA socket
-answered is queued before the NRI plugin sends what is queued and disconnects. The whole stop is
+answered is queued before the NRI plugin sends what is queued and disconnects, and the CDI
+watcher, so that when a successor waits the state owner is the last writer of the state dir
+when it stops writing and hands the dir over (NRI still connected until the successor pins). The whole stop is
 bounded by :data:`STOP_TIMEOUT`; a second signal cancels everything at once. Tasks remove the
 sockets they created in their own ``finally``.
 
