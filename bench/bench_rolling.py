@@ -52,6 +52,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._harness import emit
+from tests.e2e.workloads import claim_template
 
 __all__ = ["main"]
 
@@ -301,28 +302,6 @@ def _pod(name: str, *, claim: bool) -> dict[str, Any]:
     }
 
 
-TEMPLATE = {
-    "apiVersion": "resource.k8s.io/v1",
-    "kind": "ResourceClaimTemplate",
-    "metadata": {"name": "one-cpu", "namespace": NAMESPACE},
-    "spec": {
-        "spec": {
-            "devices": {
-                "requests": [
-                    {
-                        "name": "cpus",
-                        "exactly": {
-                            "deviceClassName": "dra.cpu",
-                            "capacity": {"requests": {"dra.cpu/cpu": "1"}},
-                        },
-                    }
-                ]
-            }
-        }
-    },
-}
-
-
 def _apply(obj: dict[str, Any]) -> None:
     _kubectl("apply", "-f", "-", stdin=json.dumps(obj))
 
@@ -426,7 +405,7 @@ def main() -> None:
         raise SystemExit(f"no {KUBEPODS}: is the local cluster up (just cluster up)?")
 
     subprocess.run(["kubectl", "create", "namespace", NAMESPACE], capture_output=True, check=False)
-    _apply(TEMPLATE)
+    _apply(claim_template("one-cpu", NAMESPACE, "1"))
     fork = multiprocessing.get_context("fork")
     stop_sampler = fork.Event()
     receive, send = fork.Pipe(duplex=False)
