@@ -58,9 +58,9 @@ exception: a task stops only after the tasks it ``outlives`` (:class:`TaskSpec`)
 outlives the DRA and registration sockets, so the widening of every Unprepare the DRA socket
 answered is queued before the NRI plugin sends what is queued and disconnects, and the CDI
 watcher, so that when a successor waits the state owner is the last writer of the state dir
-when it stops writing and hands the dir over (NRI still connected until the successor pins). The whole stop is
-bounded by :data:`STOP_TIMEOUT`; a second signal cancels everything at once. Tasks remove the
-sockets they created in their own ``finally``.
+when it stops writing and hands the dir over (NRI still connected until the successor pins).
+The whole stop is bounded by :data:`STOP_TIMEOUT`; a second signal cancels everything at once.
+Tasks remove the sockets they created in their own ``finally``.
 
 Failure policy: a task that can recover (NRI disconnect, API errors) retries inside
 itself. A task that raises after it started, or returns while no stop was asked, is logged (one
