@@ -2,8 +2,8 @@
 
 While ``kubectl rollout restart daemonset/dracpu`` rolls the driver ``--rolls`` times, pods are
 created and deleted without pause: pods of two shared containers (no claim) every
-``--interval`` seconds, and one pod at a time holding a one-CPU claim (each lives a few
-seconds, then the next is created). A sampler outside the cluster reads every container's
+``--interval`` seconds, and one pod at a time holding a one-CPU claim (each lives
+``--claim-lifetime`` seconds, then the next is created once the claim is gone). A sampler outside the cluster reads every container's
 ``cpuset.cpus`` from the host's cgroup v1 cpuset hierarchy every ``--tick`` seconds (10 ms) and
 compares it with the CPUs the container must not use:
 
@@ -21,8 +21,10 @@ and are left out.
 * ``rolling.unpinned``: over the containers created during the rolls (first seen from the first
   ``rollout restart`` until ``--settle`` seconds after the last roll completed): ``max`` and
   ``p99`` of the unpinned time in ms, ``n`` containers, ``unpinned`` how many had any, the
-  rolls' durations, the sampler's tick gaps (``tick_p99_ms``, ``tick_max_ms``) and the
-  DaemonSet's update strategy;
+  rolls' durations, ``rolls_with_claim`` (rolls during which a claim's container ran: without
+  one no CPU is forbidden to anyone), ``exposed`` (shared containers of the rolls that lived
+  while a claim's container ran), the sampler's tick gaps (``tick_p99_ms``, ``tick_max_ms``) and
+  the DaemonSet's update strategy;
 * ``rolling.unpinned.outside``: the same over the containers created outside the rolls (the
   steady state's noise: a claim's container is pinned in the same reply that narrows the shared
   containers, which the runtime applies a few ms apart).
@@ -345,6 +347,13 @@ def _claim_churn(stop: threading.Event, lifetime: float) -> None:
                 time.sleep(0.5)
             stop.wait(lifetime)
             _kubectl("delete", "pod", "-n", NAMESPACE, name, "--wait=true", timeout=120)
+            # The claim outlives its pod for a moment: a pod created meanwhile would be
+            # allocated the last CPU, which dracpu refuses while shared containers run
+            # (docs/architecture.md, "What the real components found").
+            while not stop.is_set() and _kubectl(
+                "get", "resourceclaims", "-n", NAMESPACE, "-o", "name"
+            ):
+                time.sleep(0.2)
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             print(f"bench_rolling: {exc}", file=sys.stderr)
             stop.wait(1)
@@ -396,7 +405,10 @@ def main() -> None:
     parser.add_argument("--tick", type=float, default=0.01, help="seconds between samples")
     parser.add_argument("--interval", type=float, default=0.5, help="seconds between shared pods")
     parser.add_argument("--writers", type=int, default=2, help="threads creating shared pods")
-    parser.add_argument("--lifetime", type=float, default=6.0, help="seconds a pod lives")
+    parser.add_argument("--lifetime", type=float, default=6.0, help="seconds a shared pod lives")
+    parser.add_argument(
+        "--claim-lifetime", type=float, default=20.0, help="seconds a pod with a claim lives"
+    )
     parser.add_argument("--settle", type=float, default=10.0, help="seconds after the last roll")
     parser.add_argument("--pause", type=float, default=5.0, help="seconds between rolls")
     parser.add_argument("--details", type=Path, help="write every container's record here")
@@ -416,7 +428,7 @@ def main() -> None:
     stop_api, stop_work = threading.Event(), threading.Event()
     api = threading.Thread(target=_watch_api, args=(names, stop_api, pod_claims), daemon=True)
     work = [
-        threading.Thread(target=_claim_churn, args=(stop_work, args.lifetime), daemon=True),
+        threading.Thread(target=_claim_churn, args=(stop_work, args.claim_lifetime), daemon=True),
         *(
             threading.Thread(
                 target=_shared_churn,
@@ -456,6 +468,16 @@ def main() -> None:
     judged = [c for c in sampler.containers.values() if c.name]
     during = [c for c in judged if window_start <= c.first_seen <= window_end]
     outside = [c for c in judged if c not in during]
+    # Whether the rolls met a claim in use (without one, no CPU is forbidden to anyone).
+    claimed = [(c.first_seen, c.last_seen) for c in judged if c.claims]
+    rolls_with_claim = sum(
+        any(first <= end and last >= start for first, last in claimed) for start, end in rolls
+    )
+    exposed = sum(
+        any(first <= c.last_seen and last >= c.first_seen for first, last in claimed)
+        for c in during
+        if not c.claims
+    )
     gaps = sorted((b - a) * 1000 for a, b in zip(sampler.ticks, sampler.ticks[1:], strict=False))
     tick = {
         "tick_p99_ms": round(gaps[round(0.99 * (len(gaps) - 1))], 1),
@@ -465,6 +487,8 @@ def main() -> None:
         "rolling.unpinned",
         during,
         rolls=len(rolls),
+        rolls_with_claim=rolls_with_claim,
+        exposed=exposed,
         roll_s=[round(end - start, 1) for start, end in rolls],
         strategy=strategy,
         **tick,
@@ -476,6 +500,7 @@ def main() -> None:
                 **asdict(c),
                 "during": c in during,
                 "first_seen": round(c.first_seen - window_start, 3),
+                "last_seen": round(c.last_seen - window_start, 3),
             }
             for c in sampler.containers.values()
         ]
