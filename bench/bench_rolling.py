@@ -3,9 +3,10 @@
 While ``kubectl rollout restart daemonset/dracpu`` rolls the driver ``--rolls`` times, pods are
 created and deleted without pause: pods of two shared containers (no claim) every
 ``--interval`` seconds, and one pod at a time holding a one-CPU claim (each lives
-``--claim-lifetime`` seconds, then the next is created once the claim is gone). A sampler outside the cluster reads every container's
-``cpuset.cpus`` from the host's cgroup v1 cpuset hierarchy every ``--tick`` seconds (10 ms) and
-compares it with the CPUs the container must not use:
+``--claim-lifetime`` seconds, then the next is created once the claim is gone). A sampler
+outside the cluster reads every container's ``cpuset.cpus`` from the host's cgroup v1 cpuset
+hierarchy every ``--tick`` seconds (10 ms) and compares it with the CPUs the container must not
+use:
 
 * a container of a pod that holds a claim may use only the claim's CPUs (``DRA_CPUSET_<uid>`` of
   the claim's CDI spec, read from the cluster's CDI directory);
