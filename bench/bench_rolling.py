@@ -2,8 +2,8 @@
 
 While ``kubectl rollout restart daemonset/dracpu`` rolls the driver ``--rolls`` times, pods are
 created and deleted without pause: pods of two shared containers (no claim) every
-``--interval`` seconds, and one pod at a time holding a one-CPU claim (each lives
-``--claim-lifetime`` seconds, then the next is created once the claim is gone). A sampler
+``--interval`` seconds, beside one pod that holds a one-CPU claim from before the first roll to
+the end (the node has two CPUs: one claim and the shared pool). A sampler
 outside the cluster reads every container's ``cpuset.cpus`` from the host's cgroup v1 cpuset
 hierarchy every ``--tick`` seconds (10 ms) and compares it with the CPUs the container must not
 use:
@@ -331,33 +331,18 @@ def _shared_churn(stop: threading.Event, interval: float, lifetime: float, write
         _delete(name)
 
 
-def _claim_churn(stop: threading.Event, lifetime: float) -> None:
-    n = 0
-    while not stop.is_set():
-        n += 1
-        name = f"claim-{n}"
-        try:
-            _apply(_pod(name, claim=True))
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and not stop.is_set():
-                phase = _kubectl(
-                    "get", "pod", "-n", NAMESPACE, name, "-o", "jsonpath={.status.phase}"
-                )
-                if phase == "Running":
-                    break
-                time.sleep(0.5)
-            stop.wait(lifetime)
-            _kubectl("delete", "pod", "-n", NAMESPACE, name, "--wait=true", timeout=120)
-            # The claim outlives its pod for a moment: a pod created meanwhile would be
-            # allocated the last CPU, which dracpu refuses while shared containers run
-            # (docs/architecture.md, "What the real components found").
-            while not stop.is_set() and _kubectl(
-                "get", "resourceclaims", "-n", NAMESPACE, "-o", "name"
-            ):
-                time.sleep(0.2)
-        except (RuntimeError, subprocess.TimeoutExpired) as exc:
-            print(f"bench_rolling: {exc}", file=sys.stderr)
-            stop.wait(1)
+def _hold_claim(stop: threading.Event, ready: threading.Event) -> None:
+    """One pod holding a one-CPU claim for the whole run (the node has two CPUs: one claim and
+    the shared pool), so that every roll has a claim in use."""
+    _apply(_pod("holder", claim=True))
+    while not ready.is_set():
+        phase = _kubectl("get", "pod", "-n", NAMESPACE, "holder", "-o", "jsonpath={.status.phase}")
+        if phase == "Running":
+            ready.set()
+        else:
+            time.sleep(0.5)
+    stop.wait()
+    _kubectl("delete", "pod", "-n", NAMESPACE, "holder", "--wait=true", timeout=120)
 
 
 def _roll(timeout: int) -> tuple[float, float]:
@@ -407,9 +392,6 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=0.5, help="seconds between shared pods")
     parser.add_argument("--writers", type=int, default=2, help="threads creating shared pods")
     parser.add_argument("--lifetime", type=float, default=6.0, help="seconds a shared pod lives")
-    parser.add_argument(
-        "--claim-lifetime", type=float, default=20.0, help="seconds a pod with a claim lives"
-    )
     parser.add_argument("--settle", type=float, default=10.0, help="seconds after the last roll")
     parser.add_argument("--pause", type=float, default=5.0, help="seconds between rolls")
     parser.add_argument("--details", type=Path, help="write every container's record here")
@@ -428,8 +410,9 @@ def main() -> None:
     names: dict[str, tuple[str, str]] = {}
     stop_api, stop_work = threading.Event(), threading.Event()
     api = threading.Thread(target=_watch_api, args=(names, stop_api, pod_claims), daemon=True)
+    holding = threading.Event()
     work = [
-        threading.Thread(target=_claim_churn, args=(stop_work, args.claim_lifetime), daemon=True),
+        threading.Thread(target=_hold_claim, args=(stop_work, holding), daemon=True),
         *(
             threading.Thread(
                 target=_shared_churn,
@@ -442,6 +425,8 @@ def main() -> None:
     threads = [api, *work]
     for thread in threads:
         thread.start()
+    if not holding.wait(300):
+        raise SystemExit("bench_rolling: the pod with the claim did not start within 300 s")
     strategy = _strategy()
     time.sleep(args.settle)  # the steady state before the first roll
     rolls: list[tuple[float, float]] = []
