@@ -16,8 +16,8 @@ use:
 
 A container's unpinned time is the time from the first sample that found it on forbidden CPUs
 to the first sample that found it back, summed over such stretches, while its cgroup existed.
-Pod sandboxes (the pause process: a cgroup no pod status names) are not containers NRI pins
-and are left out.
+Pod sandboxes (a cgroup whose process is ``pause``) are not containers NRI pins and are left
+out.
 
 * ``rolling.unpinned``: over the containers created during the rolls (first seen from the first
   ``rollout restart`` until ``--settle`` seconds after the last roll completed): ``max`` and
@@ -102,6 +102,7 @@ class Container:
     last_seen: float = 0.0
     changes: list[tuple[float, str]] = field(default_factory=list)  # (time, cpuset) on change
     unpinned: float = 0.0  # seconds on CPUs it must not use
+    comm: str = ""  # its first process's name (``pause``: a pod sandbox)
     pod: str = ""
     name: str = ""
     claims: list[str] = field(default_factory=list)
@@ -132,6 +133,8 @@ class Sampler:
                 if container is None:
                     container = self.containers[cid] = Container(cid, pod_uid, now)
                 container.last_seen = now
+                if not container.comm:
+                    container.comm = _comm(path)
                 if not container.changes or container.changes[-1][1] != text:
                     container.changes.append((now, text))
             time.sleep(max(0.0, self.tick - (time.monotonic() - now)))
@@ -184,10 +187,10 @@ class Sampler:
     def judge(self, pod_claims: dict[str, list[str]]) -> None:
         """Each container's unpinned time, tick by tick: a claim's container off its claim's
         CPUs, any other container on the CPUs of a claim whose container runs then."""
-        # A cgroup no pod's status names is a pod sandbox (its pause process is no container
-        # NRI pins), left out.
+        # A pod sandbox (its pause process) is no container NRI pins: left out, as is a
+        # cgroup that never had a process.
         present = sorted(
-            (c for c in self.containers.values() if c.name), key=lambda c: c.first_seen
+            (c for c in self.containers.values() if _judged(c)), key=lambda c: c.first_seen
         )
         for container in present:
             container.claims = pod_claims.get(container.pod_uid, [])
@@ -214,6 +217,15 @@ class Sampler:
                     container.unpinned += until - now
 
 
+def _comm(cgroup: Path) -> str:
+    """The name of the cgroup's first process (``""`` while it has none)."""
+    try:
+        pids = (cgroup / "cgroup.procs").read_text().split()
+        return Path(f"/proc/{pids[0]}/comm").read_text().strip() if pids else ""
+    except (OSError, IndexError):
+        return ""
+
+
 def _sample(tick: float, stop: Any, results: Any) -> None:
     """The sampler's process: real-time priority where root may have it (SCHED_FIFO), so that
     the busy machine's other work (the churn's kubectl processes, the cluster) does not stretch
@@ -227,6 +239,10 @@ def _sample(tick: float, stop: Any, results: Any) -> None:
     sampler.run(stop)
     results.send((sampler.containers, sampler.ticks, sampler.claim_cpus))
     results.close()
+
+
+def _judged(container: Container) -> bool:
+    return container.comm not in ("", "pause")
 
 
 def _at(changes: list[tuple[float, str]], now: float) -> str:
@@ -451,7 +467,7 @@ def main() -> None:
     _kubectl("delete", "namespace", NAMESPACE, "--wait=true", timeout=300)
 
     window_start, window_end = rolls[0][0], rolls[-1][1] + args.settle
-    judged = [c for c in sampler.containers.values() if c.name]
+    judged = [c for c in sampler.containers.values() if _judged(c)]
     during = [c for c in judged if window_start <= c.first_seen <= window_end]
     outside = [c for c in judged if c not in during]
     # Whether the rolls met a claim in use (without one, no CPU is forbidden to anyone).
