@@ -133,7 +133,7 @@ class Sampler:
                 if container is None:
                     container = self.containers[cid] = Container(cid, pod_uid, now)
                 container.last_seen = now
-                if not container.comm:
+                if _starting(container.comm):
                     container.comm = _comm(path)
                 if not container.changes or container.changes[-1][1] != text:
                     container.changes.append((now, text))
@@ -241,8 +241,14 @@ def _sample(tick: float, stop: Any, results: Any) -> None:
     results.close()
 
 
+def _starting(comm: str) -> bool:
+    """No process yet, or still runc's (``runc:[2:INIT]``, its re-executed ``exe``) before the
+    container's own program replaces it."""
+    return not comm or comm.startswith("runc") or comm == "exe"
+
+
 def _judged(container: Container) -> bool:
-    return container.comm not in ("", "pause")
+    return not _starting(container.comm) and container.comm != "pause"
 
 
 def _at(changes: list[tuple[float, str]], now: float) -> str:
