@@ -146,8 +146,10 @@ EXIT_INTERRUPTED = 130  # Ctrl-C before the signal handlers were installed (128 
 # (terminationGracePeriodSeconds) before it kills the container.
 STOP_TIMEOUT = 4.5
 # At a stop with a successor waiting: the longest wait, NRI still connected, for it to restore
-# the state and synchronize with the runtime (tasks/handover.py), within STOP_TIMEOUT.
-HANDOVER_TIMEOUT = 3.0
+# the state and synchronize with the runtime (tasks/handover.py). It lengthens the stop by as
+# much: within the kubelet's default grace of 30 s. On the loaded 2-CPU test node the successor
+# took 4-7 s from the lock to its first Synchronize (docs/architecture.md, "Rolling update").
+HANDOVER_TIMEOUT = 20.0
 # How often a standby looks whether a dracpu without the state dir lock still serves the DRA
 # socket (a connection each time, which grpclib accepts and drops).
 LEGACY_POLL = 0.05
@@ -197,6 +199,7 @@ class Shutdown:
     def __init__(self) -> None:
         self._requested = anyio.Event()
         self._force: Callable[[], None] | None = None
+        self._extend: Callable[[float], None] | None = None
         self.reason = ""
         self.failed = False
 
@@ -216,6 +219,16 @@ class Shutdown:
     def on_force(self, force: Callable[[], None] | None) -> None:
         """What a second request does (the supervisor cancels its stop sequence)."""
         self._force = force
+
+    def on_extend(self, extend: Callable[[float], None] | None) -> None:
+        """How a task lengthens the stop in progress (the supervisor moves its deadline)."""
+        self._extend = extend
+
+    def extend(self, seconds: float) -> None:
+        """Give the stop in progress ``seconds`` more (a hand-over waiting for the next
+        dracpu); nothing outside a stop."""
+        if self._extend is not None:
+            self._extend(seconds)
 
     def fail(self, task: str, error: BaseException | None) -> None:
         """Task ``task`` failed (``None``: it returned while it should run): log it, stop
@@ -357,11 +370,13 @@ def _stop_order(running: Sequence[_Running]) -> list[_Running]:
 async def _stop(running: Sequence[_Running], shutdown: Shutdown, stop_timeout: float) -> None:
     with anyio.move_on_after(stop_timeout) as scope:
         shutdown.on_force(scope.cancel)
+        shutdown.on_extend(lambda seconds: setattr(scope, "deadline", scope.deadline + seconds))
         for task in _stop_order(running):
             task.scope.cancel()
             await task.done.wait()
             logger.debug("task %s stopped", task.spec.name)
     shutdown.on_force(None)
+    shutdown.on_extend(None)
     left = [task.spec.name for task in running if not task.done.is_set()]
     if left:
         logger.warning("cancelling tasks that had not stopped yet: %s", ", ".join(left))
@@ -564,6 +579,7 @@ class _Node:
         one is (:mod:`dracpu.tasks.handover`), and wait until it pins the containers."""
         if not self.handover.successor_waiting():
             return False
+        self.shutdown.extend(HANDOVER_TIMEOUT)
         await self.owner.stop_writing()
         self.handover.release()
         logger.info("handing the state dir over; NRI stays connected until the next dracpu pins")
