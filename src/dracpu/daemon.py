@@ -569,7 +569,7 @@ class _Node:
             lambda: self.owner.state,
             link=self.link,
             claims=self.kube,
-            on_first_sync=self.handover.synchronized,
+            on_configured=self.handover.configured,
             hand_over=self.hand_over,
             task_status=task_status,
         )
@@ -582,12 +582,14 @@ class _Node:
         self.shutdown.extend(HANDOVER_TIMEOUT)
         await self.owner.stop_writing()
         self.handover.release()
-        logger.info("handing the state dir over; NRI stays connected until the next dracpu pins")
+        logger.info(
+            "handing the state dir over; NRI stays connected until the next dracpu is configured"
+        )
         if await self.handover.wait_successor(HANDOVER_TIMEOUT):
-            logger.info("the next dracpu has synchronized with the runtime: disconnecting from NRI")
+            logger.info("the next dracpu is configured by the runtime: disconnecting from NRI")
             return True
         logger.warning(
-            "the next dracpu did not synchronize with the runtime within %g s: disconnecting",
+            "the next dracpu was not configured by the runtime within %g s: disconnecting",
             HANDOVER_TIMEOUT,
         )
         return False

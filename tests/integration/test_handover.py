@@ -54,12 +54,12 @@ async def test_the_successor_waits_as_a_standby_then_pins_before_the_old_one_lea
         [replaced] = [n for n in _notes(sim, "disconnected") if n.connection == connections]
         assert replaced.detail == "replaced by a new plugin connection"
         assert sim.runtime.connections == connections + 1
-        assert "handing the state dir over; NRI stays connected until the next dracpu pins" in (
-            old.messages("info")
-        )
         assert (
-            "the next dracpu has synchronized with the runtime: disconnecting from NRI"
+            "handing the state dir over; NRI stays connected until the next dracpu is configured"
             in old.messages("info")
+        )
+        assert "the next dracpu is configured by the runtime: disconnecting from NRI" in (
+            old.messages("info")
         )
         # The new one restored the old one's claim and pins as it did.
         claimed = CpuSet.parse(sim.cdi_cpus(claim.uid) or "")

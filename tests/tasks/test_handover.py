@@ -53,9 +53,9 @@ async def test_the_hand_over_steps_in_order(tmp_path: Path) -> None:
         with anyio.fail_after(5):
             await owned.wait()
     assert (tmp_path / OWNER_LOCK).read_text().startswith("pid ")
-    # The old one waits for the new one's Synchronize, at most its timeout.
+    # The old one waits for the new one to be configured by the runtime, at most its timeout.
     assert not await old.wait_successor(0.02)
-    new.synchronized()
+    new.configured()
     assert await old.wait_successor(5)
     new.close()
     old.close()

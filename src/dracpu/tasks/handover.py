@@ -17,14 +17,18 @@ only once the new one is Ready. So (``docs/architecture.md``, "Rolling update"):
    no file any more and it releases the owner lock, while its NRI connection stays up and keeps
    pinning the containers the runtime creates;
 3. the new instance takes the owner lock, restores the state the old one left, serves the
-   kubelet's sockets, connects to NRI and synchronizes, then releases the successor lock;
-4. the old instance, polling the successor lock, takes it and disconnects from NRI.
+   kubelet's sockets, connects to NRI and, once the runtime has configured it, releases the
+   successor lock;
+4. the old instance, polling the successor lock, takes it and disconnects from NRI; the
+   runtime then synchronizes the new one.
 
-The runtime never has a moment without a plugin that pins. Between steps 3 and 4 both answer
-(for at most :data:`POLL` plus the close): a container created then gets the same cpuset from
-both, which NRI refuses as a conflict ("plugins ... both tried to set"), so its creation fails
-and the kubelet creates it again; it never runs unpinned. Without a successor (a plain stop,
-``maxUnavailable`` updates, the daemon's own crash) the old instance stops as before.
+The new instance cannot synchronize while the old one runs: containerd blocks a plugin's
+``Synchronize`` while any container is being stopped (``BlockPluginSync`` in its CRI stop path),
+and the old instance's own container is being stopped (the kubelet waits for its exit). But
+from the moment the new plugin waits to synchronize, containerd starts no container until it
+has (a pending writer of that lock holds off its readers), and the ``Synchronize`` reply's
+updates reach the spec of a container created meanwhile before it starts. So a container is
+pinned by the old instance, or by the new one before it runs.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import anyio
 
 from dracpu.adapters.state_lock import FileLock, StateLockError
 
-__all__ = ["OWNER_LOCK", "POLL", "SUCCESSOR_LOCK", "HandOver"]
+__all__ = ["OWNER_LOCK", "POLL", "SETTLE", "SUCCESSOR_LOCK", "HandOver"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +50,9 @@ SUCCESSOR_LOCK = "dracpu.successor.lock"
 # How often a waiting instance looks at a lock (flock cannot be waited on with a timeout
 # without a thread per wait; a look is one syscall).
 POLL = 0.005
+# After the successor's Configure: time for the runtime to ask for its Synchronize before the
+# old instance disconnects.
+SETTLE = 0.05
 
 
 class HandOver:
@@ -80,11 +87,13 @@ class HandOver:
         await self._until(self._owner.try_acquire)
         logger.info("took over the state dir in %s", self._owner.path.parent)
 
-    def synchronized(self) -> None:
-        """This instance pins the runtime's containers now: the predecessor may disconnect."""
+    def configured(self) -> None:
+        """The runtime configured this instance, and asks for its ``Synchronize`` next: the
+        predecessor may disconnect (see the module docstring: containerd synchronizes a new
+        plugin only once the old one's container has stopped)."""
         if self._successor.held:
             self._successor.release()
-            logger.info("NRI synchronized: the previous dracpu may disconnect")
+            logger.info("NRI configured us: the previous dracpu may disconnect")
 
     def successor_waiting(self) -> bool:
         """Does another instance wait to take over? (A look, without taking anything.)"""
@@ -103,11 +112,14 @@ class HandOver:
         self._owner.release()
 
     async def wait_successor(self, timeout: float) -> bool:  # noqa: ASYNC109
-        """After :meth:`release`: wait until the successor has synchronized (it releases the
-        successor lock), at most ``timeout`` seconds; whether it did."""
+        """After :meth:`release`: wait until the runtime has configured the successor (it
+        releases the successor lock), at most ``timeout`` seconds; whether it did. Then
+        :data:`SETTLE` more: the runtime asks for the successor's ``Synchronize`` right after
+        its ``Configure``, and from then on it starts no container until that is answered."""
         with anyio.move_on_after(timeout):
             await self._until(self._successor.try_acquire)
             self._successor.release()
+            await anyio.sleep(SETTLE)
             return True
         return False
 

@@ -162,9 +162,10 @@ Handler = Callable[[Call], Awaitable[_Reply]]
 class NriConnection:
     """One socket to the runtime: the mux, both ttrpc connections, the handlers, the sender.
 
-    ``on_synchronized`` is called once, after the first Synchronize was answered. ``recheck``
-    reads claims again before a container of a pod they are not reserved for is refused
-    (``None``: never).
+    ``on_synchronized`` is called once, after the first Synchronize was answered;
+    ``on_configured`` when the runtime's ``Configure`` is answered (the runtime asks for the
+    ``Synchronize`` next). ``recheck`` reads claims again before a container of a pod they are
+    not reserved for is refused (``None``: never).
     """
 
     def __init__(
@@ -175,12 +176,14 @@ class NriConnection:
         link: NriLink,
         on_synchronized: Callable[[], None],
         recheck: ClaimRecheck | None = None,
+        on_configured: Callable[[], None] | None = None,
     ) -> None:
         self._stream = stream
         self._config = config
         self._owner = owner
         self._link = link
         self._on_synchronized = on_synchronized
+        self._on_configured = on_configured
         self._recheck = recheck
         self._mux = MuxConnection()
         self._server = TtrpcConnection(Role.SERVER)  # conn 1: the runtime calls us
@@ -504,6 +507,8 @@ class NriConnection:
             messages.SUBSCRIBED_EVENT_MASK,
             "on" if self._unsolicited else "off (shared containers widen at the next event)",
         )
+        if self._on_configured is not None:
+            self._on_configured()
         return _Reply(messages.configure_response())
 
     async def _synchronize(self, call: Call) -> _Reply:

@@ -105,7 +105,7 @@ async def _connections(
     first_sync: anyio.Event,
     recheck: ClaimRecheck,
     handing_over: anyio.Event,
-    on_first_sync: Callable[[], None] | None,
+    on_configured: Callable[[], None] | None,
 ) -> None:
     """Connect, serve, reconnect: until a connection ends during the hand-over."""
     delays = delays_factory()
@@ -114,10 +114,7 @@ async def _connections(
 
     def synchronized() -> None:
         link.mark_synchronized()
-        if not first_sync.is_set():
-            first_sync.set()
-            if on_first_sync is not None:
-                on_first_sync()
+        first_sync.set()
 
     while True:
         try:
@@ -129,7 +126,9 @@ async def _connections(
             log("NRI: cannot connect to %s (attempt %d): %s; retrying", socket, failures, exc)
             await anyio.sleep(next(delays))
             continue
-        connection = NriConnection(stream, config, owner, link, synchronized, recheck)
+        connection = NriConnection(
+            stream, config, owner, link, synchronized, recheck, on_configured=on_configured
+        )
         reason = "connection ended"
         try:
             async with stream:
@@ -159,7 +158,7 @@ async def run(
     delays: Callable[[], Iterator[float]] = reconnect_delays,
     start_timeout: float = START_TIMEOUT,
     drain_timeout: float = STOP_DRAIN_TIMEOUT,
-    on_first_sync: Callable[[], None] | None = None,
+    on_configured: Callable[[], None] | None = None,
     hand_over: Callable[[], Awaitable[bool]] | None = None,
     task_status: TaskStatus[None] = TASK_STATUS_IGNORED,
 ) -> None:
@@ -176,11 +175,10 @@ async def run(
     ``start_timeout`` seconds, whichever is first. Cancelled, it waits up to ``drain_timeout``
     seconds for the link to settle before the connection closes (see the module docstring).
 
-    The hand-over of a rolling update (:mod:`dracpu.tasks.handover`): ``on_first_sync`` is
-    called once, when the first ``Synchronize`` has been answered; ``hand_over``, at a stop,
-    after the drain and before the connection closes: it returns once the next dracpu pins the
-    containers (``True``) or there is none; a connection that ends after it began is not made
-    again.
+    The hand-over of a rolling update (:mod:`dracpu.tasks.handover`): ``on_configured`` is
+    called when a connection's ``Configure`` is answered; ``hand_over``, at a stop, after the
+    drain and before the connection closes: it returns once the next dracpu is configured
+    (``True``) or there is none; a connection that ends after it began is not made again.
     """
     link = NriLink() if link is None else link
     link.watch(committed)
@@ -200,7 +198,7 @@ async def run(
         first_sync,
         recheck,
         handing_over,
-        on_first_sync,
+        on_configured,
     )
     async with owner_send, anyio.create_task_group() as tg:
         tg.start_soon(_within, connections, serve)
