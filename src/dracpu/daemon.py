@@ -146,9 +146,8 @@ EXIT_INTERRUPTED = 130  # Ctrl-C before the signal handlers were installed (128 
 # (terminationGracePeriodSeconds) before it kills the container.
 STOP_TIMEOUT = 4.5
 # At a stop with a successor waiting: the longest wait, NRI still connected, for it to restore
-# the state and synchronize with the runtime (tasks/handover.py). It lengthens the stop by as
-# much: within the kubelet's default grace of 30 s. On the loaded 2-CPU test node the successor
-# took 4-7 s from the lock to its first Synchronize (docs/architecture.md, "Rolling update").
+# the state and be configured by the runtime (tasks/handover.py). It lengthens the stop by as
+# much: within the kubelet's default grace of 30 s.
 HANDOVER_TIMEOUT = 20.0
 # How often a standby looks whether a dracpu without the state dir lock still serves the DRA
 # socket (a connection each time, which grpclib accepts and drops).
