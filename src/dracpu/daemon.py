@@ -13,7 +13,8 @@ tasks, in this order:
    task that changes node state;
 3. ``http``: ``/healthz``, ``/readyz``, ``/metrics`` (ours and upstream's ``dra_cpu_*``);
    ``debug-dump``: writes ``<state-dir>/debug-dump.json`` at each SIGUSR1 (``gatherinfo``);
-4. ``cdi-watcher``: puts back CDI specs someone deleted or edited, removes orphans;
+4. ``cdi-watcher``: notices CDI specs and device metadata someone deleted or edited, and files
+   of ours no claim owns, and asks the state owner to put them right;
 5. ``device-health``: reads the online CPUs every second, for the devices' health;
 6. ``kubelet-plugin``: the DRA socket (Prepare / Unprepare, the devices' health);
 7. ``registration``: the plugin-registration socket, once the DRA socket serves (the kubelet
@@ -37,9 +38,9 @@ Each task is started with ``await tg.start(...)``; once it calls ``task_status.s
 readiness flag turns ready, and ``/readyz`` answers 200 when all have. A task may later report
 not ready through its :class:`~dracpu.tasks.http.ReadinessFlag`. Three flags are not a task's:
 ``kubelet-registration`` turns ready when the kubelet reports that it registered the plugin, and
-not ready when it refuses it; ``cdi-dir`` is ready while specs can be written into the CDI dir
-(the CDI watcher waits out a read-only, full or missing dir, saying why); ``state-dir`` while
-the checkpoint can be written (the state owner waits the same out).
+not ready when it refuses it; ``cdi-dir`` is ready while specs can be written into the CDI dir,
+``state-dir`` while the checkpoint can be written (the state owner, which writes both, waits out
+a read-only, full or missing dir, saying why).
 
 Stopping (SIGTERM/SIGINT, or a task failure): ``/readyz`` turns 503, then the tasks are
 cancelled one by one in REVERSE start order, each awaited, so the request sources stop before
@@ -128,7 +129,7 @@ STOP_TIMEOUT = 4.5
 
 # The readiness flag that follows the kubelet's registration verdict (not a task's flag).
 KUBELET_REGISTRATION = "kubelet-registration"
-# The readiness flag that says whether CDI specs can be written (the CDI watcher's verdict).
+# The readiness flag that says whether CDI specs can be written (the state owner's verdict).
 CDI_DIR = "cdi-dir"
 # The readiness flag that says whether the checkpoint can be written (the state owner's verdict).
 STATE_DIR = "state-dir"
@@ -365,6 +366,7 @@ class _Node:
             republish=self.republish_send,
             container_updates=self.link.submit,
             state_dir=readiness.flag(STATE_DIR, reason="the checkpoint has not been written yet"),
+            cdi_dir=readiness.flag(CDI_DIR, reason="the CDI dir has not been tried yet"),
         )
         self.metrics = DraCpuMetrics(self.node_state)
         self.list_trigger = podresources_sync.ListTrigger()
@@ -392,10 +394,15 @@ class _Node:
         )
 
     async def run_cdi_watcher(self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
-        health = self.readiness.flag(CDI_DIR, reason="the CDI dir has not been tried yet")
-        await cdi_watcher.run(
-            self.config.cdi_dir, self.owner.desired_specs, health=health, task_status=task_status
-        )
+        config = self.config
+        async with self.send.clone() as send:
+            await cdi_watcher.run(
+                config.cdi_dir,
+                config.device_metadata_dir,
+                lambda: self.owner.state,
+                partial(state_owner.request, send),
+                task_status=task_status,
+            )
 
     async def run_kubelet_plugin(
         self, *, task_status: TaskStatus[Any] = TASK_STATUS_IGNORED

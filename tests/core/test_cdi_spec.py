@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import copy
 import json
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +13,6 @@ from dracpu.core.cdi_spec import (
     CDI_KIND,
     CDI_VERSION,
     ENV_PREFIX,
-    ReconcilePlan,
     build_spec,
     check_claim_uid,
     claim_uid_from_file_name,
@@ -27,7 +25,6 @@ from dracpu.core.cdi_spec import (
     minimum_required_version,
     parse_env,
     parse_spec,
-    plan_reconcile,
     spec_bytes,
     spec_file_name,
     validate_spec,
@@ -475,41 +472,6 @@ def test_parse_env_clips_huge_values_in_messages() -> None:
 def test_parse_env_rejects_non_strings() -> None:
     with pytest.raises(CdiError, match="not a string"):
         parse_env([b"DRA_CPUSET_x=1"])  # type: ignore[list-item]
-
-
-# --- plan_reconcile ------------------------------------------------------------------------------
-
-
-def test_plan_reconcile() -> None:
-    a, b, c, d = (str(uuid.UUID(int=i)) for i in range(1, 5))
-    desired = {a: CpuSet.parse("1"), b: CpuSet.parse("2"), c: CpuSet.parse("3")}
-    existing: dict[str, bytes | None] = {
-        a: spec_bytes(a, CpuSet.parse("1")),  # correct
-        b: spec_bytes(b, CpuSet.parse("7")),  # edited
-        d: b"garbage",  # orphan
-    }
-    plan = plan_reconcile(existing, desired)
-    assert plan == ReconcilePlan(
-        create=((c, CpuSet.parse("3")),), repair=((b, CpuSet.parse("2")),), remove=(d,)
-    )
-    assert plan
-    assert not plan_reconcile({a: spec_bytes(a, CpuSet.parse("1"))}, {a: CpuSet.parse("1")})
-    # Unreadable (None) counts as wrong.
-    assert plan_reconcile({a: None}, {a: CpuSet.parse("1")}).repair == ((a, CpuSet.parse("1")),)
-    # only= restricts the plan to the named claims.
-    assert plan_reconcile(existing, desired, only={b}) == ReconcilePlan(
-        repair=((b, CpuSet.parse("2")),)
-    )
-    assert plan_reconcile(existing, desired, only={d}) == ReconcilePlan(remove=(d,))
-    assert not plan_reconcile(existing, desired, only={a})
-
-
-def test_plan_reconcile_reports_claims_that_cannot_have_a_spec() -> None:
-    a = str(uuid.UUID(int=1))
-    plan = plan_reconcile({}, {a: CpuSet(), "bad/uid": CpuSet.parse("1")})
-    assert not plan
-    assert [uid for uid, _ in plan.invalid] == [a, "bad/uid"]
-    assert "empty cpuset" in dict(plan.invalid)[a]
 
 
 # --- properties --------------------------------------------------------------------------------

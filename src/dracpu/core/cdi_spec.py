@@ -1,4 +1,4 @@
-"""CDI specs of dracpu: build, encode and parse them, plan the CDI dir (pure).
+"""CDI specs of dracpu: build, encode and parse them (pure).
 
 One spec file per prepared claim (upstream ``pkg/driver/cdi.go`` since PR #154; the contract is in
 ``docs/devices.md``, "What Prepare writes")::
@@ -14,17 +14,13 @@ against its own prepared claims (fail closed).
 :func:`validate_spec` (from :mod:`dracpu.core.cdi_validation`, re-exported here with the other
 names of that module) is an independent implementation of the rules the CDI library applies when
 it loads a spec. Tests use it to check what :func:`build_spec` produces.
-
-:func:`plan_reconcile` decides which spec files to write and remove so that the CDI directory holds
-exactly the specs of the prepared claims; ``tasks/cdi_watcher.py`` executes the plan.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dracpu.core.cdi_validation import (
@@ -48,7 +44,6 @@ __all__ = [
     "NEWEST_CDI_VERSION",
     "SPEC_FILE_PREFIX",
     "SPEC_FILE_SUFFIX",
-    "ReconcilePlan",
     "build_spec",
     "check_claim_uid",
     "claim_uid_from_file_name",
@@ -61,7 +56,6 @@ __all__ = [
     "minimum_required_version",
     "parse_env",
     "parse_spec",
-    "plan_reconcile",
     "spec_bytes",
     "spec_file_name",
     "validate_spec",
@@ -300,58 +294,3 @@ def parse_env(env: Sequence[str]) -> dict[str, CpuSet]:
             )
         claims[uid] = cpus
     return claims
-
-
-# --- reconcile planning --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ReconcilePlan:
-    """What to do so that the CDI dir holds exactly the specs of the prepared claims.
-
-    ``create``: claims whose spec file is missing; ``repair``: claims whose spec file differs from
-    what we would write (edited, malformed, unreadable); ``remove``: claim UIDs of our spec files
-    that no prepared claim owns; ``invalid``: prepared claims no spec can be written for (bad UID,
-    empty cpuset), with the reason. Each tuple is sorted by claim UID.
-    """
-
-    create: tuple[tuple[str, CpuSet], ...] = ()
-    repair: tuple[tuple[str, CpuSet], ...] = ()
-    remove: tuple[str, ...] = ()
-    invalid: tuple[tuple[str, str], ...] = ()
-
-    def __bool__(self) -> bool:
-        return bool(self.create or self.repair or self.remove)
-
-
-def plan_reconcile(
-    existing: Mapping[str, bytes | None],
-    desired: Mapping[str, CpuSet],
-    *,
-    only: Collection[str] | None = None,
-) -> ReconcilePlan:
-    """Compare our spec files with the prepared claims.
-
-    ``existing`` maps the claim UID of each of our spec files to its content, or ``None`` when it
-    could not be read. ``desired`` maps each prepared claim to its cpuset. ``only`` restricts the
-    plan to those claim UIDs (a watcher event names a few files). A spec is correct only when its
-    bytes are exactly :func:`spec_bytes`.
-    """
-    create: list[tuple[str, CpuSet]] = []
-    repair: list[tuple[str, CpuSet]] = []
-    invalid: list[tuple[str, str]] = []
-    wanted = set(desired) if only is None else set(desired) & set(only)
-    for uid in sorted(wanted):
-        cpus = desired[uid]
-        try:
-            content = spec_bytes(uid, cpus)
-        except CdiError as exc:
-            invalid.append((uid, str(exc)))
-            continue
-        if uid not in existing:
-            create.append((uid, cpus))
-        elif existing[uid] != content:
-            repair.append((uid, cpus))
-    candidates = set(existing) if only is None else set(existing) & set(only)
-    remove = sorted(uid for uid in candidates if uid not in desired)
-    return ReconcilePlan(tuple(create), tuple(repair), tuple(remove), tuple(invalid))

@@ -12,6 +12,7 @@ Who sends what:
   :class:`InvalidateContainers` (the runtime failed an unsolicited ``UpdateContainers``),
   :class:`UpdateClaimPods` (a fresh look at a claim's ``status.reservedFor``);
 - the pod-resources sync: :class:`PodsListed`;
+- the CDI watcher: :class:`RepairNodeFiles` (our files on disk differ from the claims);
 - the state owner itself at start and on SIGHUP: :class:`AdoptClaims`, :class:`Resync`.
 
 A container's ``DRA_CPUSET_<claimUID>=<cpuset>`` environment becomes :class:`ClaimEnv` values
@@ -41,6 +42,7 @@ __all__ = [
     "PodsListed",
     "PrepareClaim",
     "RemoveContainer",
+    "RepairNodeFiles",
     "Resync",
     "RuntimeDisconnected",
     "StopContainer",
@@ -210,6 +212,16 @@ class Resync:
     pin_memory: bool | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class RepairNodeFiles:
+    """The files of these claims (their CDI spec, their device metadata) differ from what the
+    claims need: put them right, as the state holds the claims when the command is applied (a
+    prepared claim's files written, a claim not prepared here has its files removed).
+    ``claim_uids=None``: every claim's files, and everything of ours no claim owns removed."""
+
+    claim_uids: frozenset[str] | None = None
+
+
 # --- containers -----------------------------------------------------------------------------------
 
 
@@ -343,6 +355,7 @@ Command = (
     | AdoptClaims
     | PodsListed
     | Resync
+    | RepairNodeFiles
     | CreateContainer
     | UpdateContainer
     | StopContainer

@@ -355,7 +355,8 @@ def _names(names: tuple[str, ...]) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Resynced:
-    """Answer to Resync: how many claims' CDI specs (and device metadata) were rewritten; what a
+    """Answer to Resync: how many prepared claims' files (CDI spec, device metadata) are put
+    right after the answer (each written unless it holds its bytes already); what a
     SIGHUP changed (``None``: nothing was read again); the shared containers moved to the new
     pool at once (``repinned``, unsolicited updates) or waiting for their next event
     (``waiting``: the runtime does not take unsolicited updates)."""
@@ -367,7 +368,7 @@ class Resynced:
 
     def describe(self) -> str:
         """One line: everything that changed."""
-        parts = [f"CDI specs of {self.claims} prepared claims rewritten"]
+        parts = [f"files of {self.claims} prepared claims checked"]
         changes = [] if self.changed is None else self.changed.parts()
         parts.extend(changes or ["node unchanged"])
         if self.repinned:

@@ -73,6 +73,7 @@ from dracpu.core.commands import (
     PodsListed,
     PrepareClaim,
     RemoveContainer,
+    RepairNodeFiles,
     Resync,
     RuntimeDisconnected,
     StopContainer,
@@ -102,6 +103,7 @@ from dracpu.core.state_claims import (
     metadata_files,
     pods_listed,
     prepare,
+    repair,
     resync,
     unprepare,
     update_claim_pods,
@@ -168,6 +170,8 @@ def apply(state: NodeState, command: Command) -> tuple[NodeState, list[Effect]]:
                 return adopt(state, command)
             case Resync():
                 return resync(state, command)
+            case RepairNodeFiles():
+                return repair(state, command)
             case _:
                 assert_never(command)
     except DracpuError as error:

@@ -23,6 +23,7 @@ from dracpu.core.commands import (
     DeviceResult,
     PodsListed,
     PrepareClaim,
+    RepairNodeFiles,
     Resync,
     UnprepareClaim,
     UpdateClaimPods,
@@ -63,6 +64,8 @@ __all__ = [
     "pods_listed",
     "prepare",
     "release_files",
+    "repair",
+    "repair_files",
     "resync",
     "unprepare",
     "update_claim_pods",
@@ -96,6 +99,39 @@ def release_files(claim_uid: str, claim: PreparedClaim | None) -> list[Effect]:
     the release of a leaked claim (a pod-resources listing) both use this."""
     requests = requests_of(claim.results) if claim is not None and claim.results else None
     return [DeleteCdiSpec(claim_uid), DeleteDeviceMetadata(claim_uid, requests)]
+
+
+def repair_files(state: NodeState, uids: frozenset[str] | None) -> list[Effect]:
+    """The effects that put the files of the claims ``uids`` right, as ``state`` holds the
+    claims: a prepared claim's written (:func:`claim_files`), a claim not prepared here has its
+    files removed (:func:`release_files`). ``None``: every prepared claim's files, all CDI specs
+    before any device metadata (a metadata dir that cannot be written keeps no spec from being
+    written), and whatever of ours no claim owns pruned."""
+    claims = state.claims
+    if uids is not None:
+        return [
+            effect
+            for uid in sorted(uids)
+            for effect in (
+                claim_files(state.config, claims[uid])
+                if uid in claims
+                else release_files(uid, None)
+            )
+        ]
+    keep = frozenset(claims)
+    return [
+        *(WriteCdiSpec(uid, claims[uid].cpus) for uid in sorted(keep)),
+        PruneCdiSpecs(keep),
+        *(effect for uid in sorted(keep) for effect in metadata_files(state.config, claims[uid])),
+        PruneDeviceMetadata(keep),
+    ]
+
+
+def repair(state: NodeState, command: RepairNodeFiles) -> tuple[NodeState, list[Effect]]:
+    """The files go right after the reply, each on its own: a claim whose file cannot be
+    written does not keep the others' from being written, and nothing is rolled back (the
+    state does not change)."""
+    return state, [Reply(None), *repair_files(state, command.claim_uids)]
 
 
 def _normalized(results: Iterable[DeviceResult]) -> tuple[DeviceResult, ...]:
@@ -553,17 +589,11 @@ def resync(state: NodeState, command: Resync) -> tuple[NodeState, list[Effect]]:
     repinned = sum(len(e.updates) for e in after if isinstance(e, UpdateContainers))
     pool = new.shared_pool
     waiting = sum(1 for cid in new.shared if pool and new.containers[cid].cpus != pool)
-    uids = sorted(new.claims)
-    keep = frozenset(uids)
-    # The claims' CDI specs (what pins their CPUs) all before any device metadata: a metadata
-    # write that fails (its dir unwritable) ends the commit phase, and must not keep a CDI spec
-    # from being written or an orphan spec from being pruned.
+    # The files are put right after the reply, each on its own (:func:`repair`): a CDI dir
+    # that cannot be written keeps no SIGHUP from applying the node's new config.
     return new, [
-        *(WriteCdiSpec(uid, new.claims[uid].cpus) for uid in uids),
-        PruneCdiSpecs(keep),
-        *(effect for uid in uids for effect in metadata_files(new.config, new.claims[uid])),
-        PruneDeviceMetadata(keep),
         PublishSlices(tuple(new.config.devices.values())),
-        Reply(Resynced(len(uids), changed, repinned, waiting)),
+        Reply(Resynced(len(new.claims), changed, repinned, waiting)),
         *after,
+        *repair_files(new, None),
     ]

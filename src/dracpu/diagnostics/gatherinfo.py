@@ -33,8 +33,8 @@ from typing import Any
 import yaml
 
 from dracpu import __version__
-from dracpu.adapters.cdi_files import list_our_specs
 from dracpu.adapters.checkpoint_file import read_newest
+from dracpu.adapters.file_scan import list_our_specs
 from dracpu.adapters.sysfs import read_topology
 from dracpu.adapters.sysfs_overlay import build_overlay_root, load_overlay
 from dracpu.config import Config, load_config
