@@ -141,6 +141,8 @@ def test_the_report_has_upstreams_shape_and_ours(node: DriverProcess) -> None:
             "mems": None,
             "devices": [],
             "podUids": ["pod-a", "pod-b"],  # the pods the claim is reserved for
+            "podNames": [],
+            "copierPods": [],
         }
     ]
     assert ours["cdiSpecs"] == {}
@@ -251,6 +253,8 @@ def test_the_debug_dump_lists_claims_containers_and_the_pins_last_sent() -> None
             "cpus": "4-7",
             "mems": None,
             "podUids": ["p2"],
+            "podNames": [],
+            "copierPods": [],
         }
     ]
     containers = {c["id"]: c for c in dump["containers"]}  # type: ignore[attr-defined]

@@ -18,6 +18,7 @@ __all__ = [
     "CheckpointError",
     "ClaimConflictError",
     "ClaimError",
+    "ClaimNotReservedError",
     "ConfigError",
     "CpuSetParseError",
     "DracpuError",
@@ -79,6 +80,17 @@ class ClaimConflictError(AllocationError):
 
 class ClaimError(DracpuError):
     """A ResourceClaim cannot be prepared: not allocated, bad capacity, unknown device, ..."""
+
+
+class ClaimNotReservedError(ClaimError):
+    """A container shows the env of a prepared claim that is not reserved for its pod (a copy).
+
+    ``noted``: every such claim had noted the pod as a copier already (a fresh look at the claim
+    found it not reserved before): the refusal was reported once, and no look is needed."""
+
+    def __init__(self, message: str, *, noted: bool = False) -> None:
+        super().__init__(message)
+        self.noted = noted
 
 
 class CdiError(DracpuError):

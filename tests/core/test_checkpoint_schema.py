@@ -28,6 +28,7 @@ UID_A = "0b5a1a2e-9f4c-4c1e-8d3a-000000000001"
 UID_B = "0b5a1a2e-9f4c-4c1e-8d3a-000000000002"
 POD_1 = "7d1e4c2a-0000-4000-8000-00000000000a"
 POD_2 = "7d1e4c2a-0000-4000-8000-00000000000b"
+POD_3 = "7d1e4c2a-0000-4000-8000-00000000000c"
 
 
 def sample() -> CheckpointData:
@@ -42,6 +43,8 @@ def sample() -> CheckpointData:
                     CpuSet.parse("0"),
                     (DeviceResult("req", "node-1", "cpudevnuma000", 2),),
                     frozenset({POD_2, POD_1}),
+                    pod_names=frozenset({"web-1", "web-0"}),
+                    copiers=frozenset({POD_3}),
                 ),
                 UID_B: PreparedClaim(
                     UID_B,
@@ -83,7 +86,7 @@ def test_empty_round_trip() -> None:
     raw = encode(CheckpointData(), 1)
     assert decode(raw) == StoredCheckpoint(CheckpointData(), 1)
     doc = json.loads(raw)
-    assert doc["version"] == CHECKPOINT_VERSION == 3
+    assert doc["version"] == CHECKPOINT_VERSION == 4
     assert doc["claims"] == {}
     assert doc["sequence"] == 1
 
@@ -100,6 +103,8 @@ def test_layout_is_the_documented_one() -> None:
         "name": "claim-a",
         "podClaimName": None,
         "podUids": [POD_1, POD_2],  # sorted
+        "podNames": ["web-0", "web-1"],  # sorted
+        "copierPods": [POD_3],
         "results": [
             {
                 "request": "req",
@@ -112,6 +117,8 @@ def test_layout_is_the_documented_one() -> None:
     }
     assert doc["claims"][UID_B]["mems"] is None
     assert doc["claims"][UID_B]["podUids"] == []  # no pods known
+    assert doc["claims"][UID_B]["podNames"] == []
+    assert doc["claims"][UID_B]["copierPods"] == []
     assert doc["claims"][UID_B]["podClaimName"] == "cpus"
     assert doc["claims"][UID_B]["results"][1]["cpuset"] == "12"
 
@@ -150,16 +157,23 @@ def test_sequence_is_covered_by_the_checksum() -> None:
 
 
 def _older(doc: dict[str, Any], version: int) -> dict[str, Any]:
-    """A version-3 document as an earlier build wrote it: without "podClaimName" and "podUids"
-    (version 2), and without "sequence" (version 1)."""
+    """A version-4 document as an earlier build wrote it: without "podNames" and "copierPods"
+    (version 3), without "podClaimName" and "podUids" (version 2), and without "sequence"
+    (version 1)."""
     doc = {**doc, "version": version}
+    dropped = {"podNames", "copierPods"}
+    if version < 3:
+        dropped |= {"podClaimName", "podUids"}
     doc["claims"] = {
-        uid: {k: v for k, v in claim.items() if k not in ("podClaimName", "podUids")}
+        uid: {k: v for k, v in claim.items() if k not in dropped}
         for uid, claim in doc["claims"].items()
     }
     if version == 1:
         del doc["sequence"]
     return doc
+
+
+NO_V4: dict[str, Any] = {"pod_names": frozenset(), "copiers": frozenset()}
 
 
 def test_version_1_documents_decode_as_sequence_0() -> None:
@@ -168,7 +182,7 @@ def test_version_1_documents_decode_as_sequence_0() -> None:
     stored = decode(rewrite(_older(json.loads(encode(sample(), 1)), 1)))
     assert stored.sequence == 0
     assert dict(stored.data.claims) == {
-        uid: replace(claim, pod_claim_name=None, pod_uids=frozenset())
+        uid: replace(claim, pod_claim_name=None, pod_uids=frozenset(), **NO_V4)
         for uid, claim in sample().claims.items()
     }
 
@@ -177,8 +191,16 @@ def test_version_2_documents_decode_without_pod_claim_names_and_pods() -> None:
     stored = decode(rewrite(_older(json.loads(encode(sample(), 6)), 2)))
     assert stored.sequence == 6
     assert dict(stored.data.claims) == {
-        uid: replace(claim, pod_claim_name=None, pod_uids=frozenset())
+        uid: replace(claim, pod_claim_name=None, pod_uids=frozenset(), **NO_V4)
         for uid, claim in sample().claims.items()
+    }
+
+
+def test_version_3_documents_decode_without_pod_names_and_copiers() -> None:
+    stored = decode(rewrite(_older(json.loads(encode(sample(), 6)), 3)))
+    assert stored.sequence == 6
+    assert dict(stored.data.claims) == {
+        uid: replace(claim, **NO_V4) for uid, claim in sample().claims.items()
     }
 
 
@@ -186,9 +208,12 @@ def test_version_2_documents_decode_without_pod_claim_names_and_pods() -> None:
     ("version", "change", "message"),
     [
         (2, {"podClaimName": "cpus"}, "must have keys"),  # version 2 had no such key
-        (3, {"podClaimName": 5}, "podClaimName must be a string"),
+        (4, {"podClaimName": 5}, "podClaimName must be a string"),
         (2, {"podUids": [POD_1]}, "must have keys"),
-        (3, {"podUids": "pod"}, "podUids must be a list"),
+        (4, {"podUids": "pod"}, "podUids must be a list"),
+        (3, {"podNames": ["web-0"]}, "must have keys"),  # version 3 had no such key
+        (4, {"podNames": "web-0"}, "podNames must be a list"),
+        (4, {"copierPods": [POD_1, POD_1]}, "copierPods lists a pod twice"),
     ],
 )
 def test_pod_claim_names_are_checked(version: int, change: dict[str, Any], message: str) -> None:
@@ -232,7 +257,7 @@ def test_whitespace_changes_do_not_break_the_checksum() -> None:
         (b"[]", "must be a JSON object"),
         (b'{"claims": {}}', "no integer 'version'"),
         (b'{"version": "1", "claims": {}}', "no integer 'version'"),
-        (b'{"version": 4, "claims": {}, "checksum": "sha256:00"}', "version 4 is unknown"),
+        (b'{"version": 5, "claims": {}, "checksum": "sha256:00"}', "version 5 is unknown"),
         (b'{"version": 0, "claims": {}, "checksum": "sha256:00"}', "version 0 is unknown"),
         (b'{"version": 1, "claims": {}}', "keys must be"),
         (b'{"version": 2, "claims": {}, "checksum": "sha256:00"}', "version 2 keys must be"),
@@ -378,24 +403,30 @@ _text = st.text(max_size=12)
                 max_size=3,
             ),
             st.frozensets(st.text(min_size=1, max_size=12), max_size=3),
+            st.frozensets(st.text(min_size=1, max_size=12), max_size=3),
         ),
         max_size=6,
     ),
     st.integers(1, 2**64),
 )
 def test_round_trip_property(
-    raw: dict[str, tuple[CpuSet, str, str, CpuSet | None, list[DeviceResult], frozenset[str]]],
+    raw: dict[
+        str,
+        tuple[CpuSet, str, str, CpuSet | None, list[DeviceResult], frozenset[str], frozenset[str]],
+    ],
     sequence: int,
 ) -> None:
     claims: dict[str, PreparedClaim] = {}
     held = CpuSet()
-    for uid, (cpus, ns, name, mems, results, pods) in raw.items():
+    for uid, (cpus, ns, name, mems, results, pods, others) in raw.items():
         cpus = cpus - held  # claims are disjoint
         if not cpus:
             continue
         held |= cpus
         ordered = tuple(sorted(results, key=DeviceResult.sort_key))
-        claims[uid] = PreparedClaim(uid, cpus, ns, name, mems, ordered, pods)
+        claims[uid] = PreparedClaim(
+            uid, cpus, ns, name, mems, ordered, pods, pod_names=pods, copiers=others
+        )
     data = CheckpointData(MappingProxyType(claims))
     stored = decode(encode(data, sequence))
     assert (dict(stored.data.claims), stored.sequence) == (claims, sequence)

@@ -276,8 +276,10 @@ def test_the_pods_the_claim_is_reserved_for_are_read_and_other_consumers_ignored
     ]
     obj = claim([grouped()], reserved_for=consumers)
     assert SchemaValidator().errors(obj) == []  # what the API server stores
-    assert read_claim(obj, uid=UID, pool=NODE).pod_uids == {POD_A, POD_B}
-    assert reserved_pods(obj) == {POD_A, POD_B}
+    allocation = read_claim(obj, uid=UID, pool=NODE)
+    assert allocation.pod_uids == {POD_A, POD_B}
+    assert allocation.pod_names == {"web-0", "web-1"}
+    assert reserved_pods(obj) == {POD_A: "web-0", POD_B: "web-1"}
     assert read_claim(claim([grouped()]), uid=UID, pool=NODE).pod_uids == frozenset()
 
 

@@ -60,7 +60,6 @@ from dracpu.core.effects import (
 from dracpu.core.node_config import NodeConfig
 from dracpu.core.slices import CpuDeviceMode, GroupBy
 from dracpu.core.state import (
-    ClaimOwner,
     ContainerRecord,
     InvariantError,
     NodeState,
@@ -77,6 +76,7 @@ from dracpu.errors import (
     CdiError,
     ClaimConflictError,
     ClaimError,
+    ClaimNotReservedError,
     DracpuError,
     InsufficientCpusError,
 )
@@ -599,17 +599,24 @@ def test_container_from_env_reads_the_claims() -> None:
     assert claims_from_env(env) == container.claims
 
 
-def test_claim_of_another_pod_is_refused_and_restart_in_the_same_pod_is_not() -> None:
+def test_a_claim_of_unknown_pods_goes_to_the_first_pod_and_all_its_containers() -> None:
     state, _, _ = ok(NodeState.initial(INDIVIDUAL), individual(INDIVIDUAL, 1, [4]))
+    assert state.claims[uid(1)].pod_uids == frozenset()
     first = claim_container(state, 1, 1, pod="pod-a")
     state, _, _ = ok(state, CreateContainer(first))
-    thief = replace(claim_container(state, 2, 1, pod="pod-b"))
-    refused(state, CreateContainer(thief), ClaimConflictError, "claims cannot be shared")
+    assert state.owners == {uid(1): "pod-a"}
+    thief = claim_container(state, 2, 1, pod="pod-b")
+    message = refused(state, CreateContainer(thief), ClaimConflictError, "is used by pod pod-a")
+    assert "its pods are not known" in message
+    # Another container of the same pod shares the claim's CPUs.
     sidecar = claim_container(state, 3, 1, pod="pod-a", name="sidecar")
-    refused(state, CreateContainer(sidecar), ClaimConflictError, "already used by container app")
+    state, value, _ = ok(state, CreateContainer(sidecar))
+    assert isinstance(value, ContainerPinned)
+    assert value.pin.cpus == cpus("4")
     state, _, _ = ok(state, StopContainer(first.id))
     state, _, _ = ok(state, RemoveContainer(first.id))
-    refused(state, CreateContainer(thief), ClaimConflictError, "pod-a")  # owned until Unprepare
+    state, _, _ = ok(state, RemoveContainer(sidecar.id))
+    refused(state, CreateContainer(thief), ClaimConflictError, "pod-a")  # taken until Unprepare
     restarted = replace(first, id="excl-1-restarted")
     state, value, _ = ok(state, CreateContainer(restarted))
     assert isinstance(value, ContainerPinned)
@@ -676,14 +683,66 @@ def test_a_copied_env_of_another_pod_is_refused_and_the_claims_own_container_is_
     message = refused(state, CreateContainer(copier), ClaimError, "not reserved for pod pod-b")
     assert f"claim ns/claim-1 ({uid(1)})" in message
     assert "pod ns/pod-2" in message  # the container's pod, by name too
-    assert state.owners == {}  # the copier took nothing
     rightful = claim_container(state, 1, 1, pod="pod-a")
     state, value, _ = ok(state, CreateContainer(rightful))
     assert isinstance(value, ContainerPinned)
     assert value.pin.cpus == cpus("4")
-    assert state.owners[uid(1)] == ClaimOwner("pod-a", "app")
-    # Still refused for the reservation (not for the owner) once the claim is in use.
+    assert state.owners == {}  # a claim of known pods has no first comer
+    # Still refused for the reservation once the claim is in use.
     refused(state, CreateContainer(copier), ClaimError, "not reserved for pod pod-b")
+
+
+def test_every_container_of_the_claims_pods_shares_its_cpus() -> None:
+    state, _, _ = ok(
+        NodeState.initial(INDIVIDUAL),
+        reserved(individual(INDIVIDUAL, 1, [4, 12]), "pod-a", "pod-b"),
+    )
+    state, _, _ = ok(state, CreateContainer(shared_container(1)))
+    # An init container runs first and exits; the app and a sidecar then run side by side, and
+    # a container of the second pod the claim is reserved for joins them.
+    init = claim_container(state, 1, 1, pod="pod-a", name="init")
+    state, value, _ = ok(state, CreateContainer(init))
+    assert isinstance(value, ContainerPinned)
+    assert value.pin.cpus == cpus("4,12")
+    state, _, _ = ok(state, StopContainer(init.id))
+    assert init.id not in state.containers  # its use ended with it
+    users = [
+        claim_container(state, 2, 1, pod="pod-a", name="app"),
+        claim_container(state, 3, 1, pod="pod-a", name="sidecar"),
+        claim_container(state, 4, 1, pod="pod-b", name="app"),
+    ]
+    for container in users:
+        state, value, _ = ok(state, CreateContainer(container))
+        assert isinstance(value, ContainerPinned)
+        assert value.pin.cpus == cpus("4,12")
+    assert {cid: r.cpus for cid, r in state.containers.items() if r.claims} == {
+        c.id: cpus("4,12") for c in users
+    }
+    assert state.owners == {}
+    assert state.containers["shared-1"].cpus == cpus("1-3,5-7,9-11,13-15")
+    message = refused(
+        state,
+        CreateContainer(claim_container(state, 5, 1, pod="pod-c")),
+        ClaimError,
+        "not reserved for pod pod-c",
+    )
+    assert "2 other pod(s)" in message
+    # At Synchronize too (a restart finds them all running).
+    _, value, _ = ok(state, Synchronize(tuple(c for c in users)))
+    assert isinstance(value, Synchronized)
+    assert value.rejected == ()
+    assert [u.cpus for u in value.updates] == [cpus("4,12")] * 3
+
+
+def test_synchronize_moves_shared_containers_before_it_narrows_exclusive_ones() -> None:
+    state, _, _ = ok(NodeState.initial(INDIVIDUAL), individual(INDIVIDUAL, 1, [4]))
+    # Ids that sort the other way round: the order is the rule's, not the ids'.
+    excl = replace(claim_container(state, 1, 1), id="a-exclusive")
+    late = replace(shared_container(1), id="z-shared")
+    state, value, _ = ok(state, Synchronize((excl, late)))
+    assert isinstance(value, Synchronized)
+    assert [u.container_id for u in value.updates] == ["z-shared", "a-exclusive"]
+    assert value.updates[0].cpus == cpus("1-3,5-7,9-15")
 
 
 def test_a_claim_without_known_pods_goes_to_the_first_comer() -> None:
@@ -697,7 +756,7 @@ def test_a_claim_without_known_pods_goes_to_the_first_comer() -> None:
         state,
         CreateContainer(claim_container(state, 1, 1, pod="pod-a")),
         ClaimConflictError,
-        "claims cannot be shared",
+        "is used by pod pod-b",
     )
 
 
@@ -767,7 +826,46 @@ def test_synchronize_confines_a_copied_env_and_pins_the_claims_own_container() -
     assert [r.container_id for r in value.rejected] == ["a-copier"]
     assert "not reserved for pod pod-b" in value.rejected[0].reason
     assert state.shared == {"a-copier"}
-    assert state.owners[uid(1)] == ClaimOwner("pod-a", "app")
+    assert state.owners == {}
+
+
+def test_a_copier_noted_by_a_fresh_look_is_refused_without_another_look() -> None:
+    state, _, _ = ok(
+        NodeState.initial(INDIVIDUAL), reserved(individual(INDIVIDUAL, 1, [4]), "pod-a")
+    )
+    copier = replace(claim_container(state, 2, 1, pod="pod-b"), id="a-copier")
+    _, value, _ = ok(state, Synchronize((copier,)))
+    assert isinstance(value, Synchronized)
+    assert [(r.container_id, r.noted) for r in value.rejected] == [("a-copier", False)]
+    assert unreserved_claims(state, copier) == (state.claims[uid(1)],)  # to look at
+    # The look found pod-b not reserved: noted on the claim, and checkpointed.
+    state, _, effects = ok(
+        state,
+        UpdateClaimPods(uid(1), frozenset({"pod-a"}), frozenset({"web"}), frozenset({"pod-b"})),
+    )
+    assert state.claims[uid(1)].copiers == {"pod-b"}
+    assert state.claims[uid(1)].pod_names == {"web"}
+    assert isinstance(effects[0], WriteCheckpoint)
+    assert effects[0].checkpoint.claims[uid(1)].copiers == {"pod-b"}
+    # Noted: nothing to look at, the refusal says so, Synchronize marks it noted.
+    assert unreserved_claims(state, copier) == ()
+    refused(state, CreateContainer(copier), ClaimNotReservedError, "not reserved for pod pod-b")
+    _, [reply] = apply(state, CreateContainer(copier))
+    assert isinstance(reply, Reply)
+    assert isinstance(reply.value, ClaimNotReservedError)
+    assert reply.value.noted
+    _, value, _ = ok(state, Synchronize((copier,)))
+    assert isinstance(value, Synchronized)
+    assert [(r.container_id, r.noted) for r in value.rejected] == [("a-copier", True)]
+    # The same look again changes nothing; a pod of the claim is never a copier.
+    same, _, effects = ok(
+        state,
+        UpdateClaimPods(uid(1), frozenset({"pod-a"}), frozenset({"web"}), frozenset({"pod-b"})),
+    )
+    assert same is state
+    assert effects == [Reply(None)]
+    grown, _, _ = ok(state, reserved(individual(INDIVIDUAL, 1, [4]), "pod-a", "pod-b"))
+    assert grown.claims[uid(1)].copiers == frozenset()
 
 
 def test_update_container_answers_like_create() -> None:
@@ -860,17 +958,17 @@ def test_synchronize_repins_everything_and_confines_unverifiable_containers() ->
     pool = cpus("1-3,5-7,9-11,13-15")
     assert isinstance(value, Synchronized)
     assert state.pin_seq == 1
-    assert value.updates == (
+    assert value.updates == (  # every shared container moved before an exclusive one narrows
         ContainerUpdate("broken", pool, None, 1),
-        ContainerUpdate("excl-1", cpus("4,12"), None, 1),
         ContainerUpdate("shared-1", pool, None, 1),
         ContainerUpdate("spoof", pool, None, 1),
+        ContainerUpdate("excl-1", cpus("4,12"), None, 1),
     )
     assert [r.container_id for r in value.rejected] == ["broken", "spoof"]
     assert "spoofed" in value.rejected[1].reason
     assert value.unpinned == ()
     assert state.shared == {"broken", "shared-1", "spoof"}
-    assert state.owners[uid(1)].pod_uid == good.pod_uid
+    assert state.owners == {uid(1): good.pod_uid}
 
 
 def test_synchronize_with_an_empty_pool_leaves_shared_containers_unpinned() -> None:
@@ -1220,8 +1318,8 @@ def test_check_invariants_catches_broken_states() -> None:
         excl.id: ContainerRecord(excl, (uid(1),), cpus("4")),
     }
     broken = replace(state, containers=bad, shared=frozenset({"shared-1"}))
-    with pytest.raises(InvariantError, match="owned by None"):
+    with pytest.raises(InvariantError, match="of unknown pods, taken by pod None"):
         check_invariants(broken)
-    owners = {uid(1): ClaimOwner(excl.pod_uid, excl.name)}
+    owners = {uid(1): excl.pod_uid}
     with pytest.raises(InvariantError, match="shared container shared-1 runs on cpus 4 of"):
         check_invariants(replace(broken, owners=owners))

@@ -10,15 +10,25 @@ import signal
 import anyio
 import pytest
 
+from dracpu.sim._pb2.nri.v1alpha1 import api_pb2 as nri
 from dracpu.sim.fake_runtime import PluginFailedError, claim_env
 from dracpu.sim.node import NodeSim, open_node_sim, wait_until
-from tests.integration.conftest import cpus, node_cpus
+from tests.integration.conftest import checkpoint_claims, cpus, node_cpus
 
 pytestmark = pytest.mark.anyio
 
 
 def _shared(sim: NodeSim) -> dict[str, set[int]]:
     return {cid: cpus(sim.cpus_of(cid)) for cid in sim.shared_ids()}
+
+
+def _claim_gets(sim: NodeSim, name: str) -> list[str]:
+    """The GETs of a ResourceClaim the API server answered (Prepare's, and the fresh looks)."""
+    return [
+        r.path
+        for r in sim.api.requests
+        if r.method == "GET" and r.path.endswith(f"/resourceclaims/{name}")
+    ]
 
 
 def _unsolicited(sim: NodeSim) -> int:
@@ -135,7 +145,7 @@ async def test_a_copied_claim_env_is_refused_confined_and_the_claims_own_contain
     """Tried against containerd 2.3.4: a second pod that copied the exact DRA_CPUSET env of a
     prepared claim, before the claim's own container started, was pinned to the claim's CPUs and
     the rightful container refused. The claim belongs to the pods its status.reservedFor names."""
-    async with open_node_sim(shared_containers=1) as sim:
+    async with open_node_sim(shared_containers=1, extra_args=["--v=4"]) as sim:
         everything = node_cpus(sim)
         await sim.wait_published()
         rightful = sim.runtime.add_pod("rightful")
@@ -155,7 +165,8 @@ async def test_a_copied_claim_env_is_refused_confined_and_the_claims_own_contain
         assert f"claim default/exclusive ({claim.uid})" in str(caught.value)
         assert thief.id not in sim.runtime.containers
 
-        # The copier's container appeared while the daemon was away: Synchronize confines it.
+        # The copier's container appeared while the daemon was away: Synchronize confines it
+        # (the look at the refusal noted the pod as a copier: said at DEBUG this time).
         await sim.stop_daemon()
         sim.runtime.add_container(copier, "thief", container_id="a-thief", env=copied, cpus=held)
         await sim.start_daemon()
@@ -164,7 +175,7 @@ async def test_a_copied_claim_env_is_refused_confined_and_the_claims_own_contain
         assert cpus(sim.cpus_of("a-thief")) == pool
         assert any(
             "a-thief confined to the shared pool" in m and f"not reserved for pod {copier.uid}" in m
-            for m in sim.daemon.messages("warning")
+            for m in sim.daemon.messages("debug")
         )
 
         # The claim's own container is then pinned to the claim's CPUs.
@@ -173,6 +184,122 @@ async def test_a_copied_claim_env_is_refused_confined_and_the_claims_own_contain
         assert _shared(sim) == dict.fromkeys(sim.shared_ids(), pool)
         assert cpus(sim.cpus_of("a-thief")) == pool
         assert sim.daemon.messages("error") == []
+
+
+async def test_a_container_confined_for_a_copied_env_is_warned_about_once() -> None:
+    """Seen against containerd: a container confined at Synchronize for a copied env was warned
+    about, and its claim read from the API server, at every start of dracpu for as long as it
+    ran. The look that confirms the copy notes the pod on the claim, in the checkpoint."""
+    async with open_node_sim(shared_containers=1, extra_args=["--v=4"]) as sim:
+        everything = node_cpus(sim)
+        await sim.wait_published()
+        rightful = sim.runtime.add_pod("rightful")
+        claim = sim.allocate("exclusive", 4, reserved_for=[rightful])
+        assert (await sim.prepare(claim))[claim.uid].error == ""
+        held = sim.cdi_cpus(claim.uid)
+        assert held is not None
+        pool = everything - cpus(held)
+        looks = len(_claim_gets(sim, claim.name))  # Prepare's
+
+        # A pod that copied the claim's env starts while dracpu is down.
+        await sim.stop_daemon()
+        copier = sim.runtime.add_pod("copier")
+        sim.runtime.add_container(
+            copier, "thief", container_id="a-thief", env=sim.cdi_env(claim.uid), cpus=held
+        )
+        for start in range(3):
+            await sim.start_daemon()
+            await sim.runtime.wait_plugin(20)
+            assert cpus(sim.cpus_of("a-thief")) == pool
+            warned = [m for m in sim.daemon.messages("warning") if "a-thief" in m]
+            assert len(warned) == (1 if start == 0 else 0), warned
+            if start == 0:
+                assert f"not reserved for pod {copier.uid}" in warned[0]
+            assert any("a-thief confined" in m for m in sim.daemon.messages("debug")) == (start > 0)
+            assert len(_claim_gets(sim, claim.name)) == looks + 1  # one look, at the first start
+            await sim.stop_daemon()
+        assert checkpoint_claims(sim.paths.checkpoint)[claim.uid]["copierPods"] == [copier.uid]
+
+
+async def test_the_containers_of_a_claims_pods_share_its_cpus_and_another_pod_is_refused() -> None:
+    """Kubernetes lets every container of a pod name the pod's claims: an init container and
+    the app, a sidecar and the app, and the pods a shared claim is reserved for. Each gets the
+    claim's CPUs (exclusive to the claim, shared among its containers); a pod the claim is not
+    reserved for is refused."""
+    async with open_node_sim(shared_containers=1) as sim:
+        everything = node_cpus(sim)
+        await sim.wait_published()
+        web = sim.runtime.add_pod("web")
+        batch = sim.runtime.add_pod("batch")
+        claim = sim.allocate("shared", 4, reserved_for=[web, batch])
+        assert (await sim.prepare(claim))[claim.uid].error == ""
+        held = cpus(sim.cdi_cpus(claim.uid) or "")
+
+        # The init container runs on the claim's CPUs and exits; its use ends with it.
+        _, init = await sim.run_container("web", "init", claims=[claim], pod=web)
+        assert cpus(init.cpus) == held
+        await sim.runtime.stop_container(init.id)
+        # A sidecar (a restartable init container), then the app, then the other pod's worker.
+        users = [
+            (await sim.run_container("web", "sidecar", claims=[claim], pod=web))[1],
+            (await sim.run_container("web", "app", claims=[claim], pod=web))[1],
+            (await sim.run_container("batch", "worker", claims=[claim], pod=batch))[1],
+        ]
+        assert {c.id: cpus(sim.cpus_of(c.id)) for c in users} == dict.fromkeys(
+            (c.id for c in users), held
+        )
+        assert _shared(sim) == dict.fromkeys(sim.shared_ids(), everything - held)
+
+        # A pod the claim is not reserved for, showing the claim's exact env, is refused.
+        stranger = sim.runtime.add_pod("stranger")
+        await sim.runtime.run_pod_sandbox(stranger)
+        thief = sim.runtime.new_container(stranger, "app", env=sim.cdi_env(claim.uid))
+        with pytest.raises(PluginFailedError, match=f"not reserved for pod {stranger.uid}"):
+            await sim.runtime.create_container(stranger, thief)
+
+        # After a restart, Synchronize keeps every one of them on the claim's CPUs.
+        await sim.restart_daemon()
+        await sim.runtime.wait_plugin(20)
+        assert {c.id: cpus(sim.cpus_of(c.id)) for c in users} == dict.fromkeys(
+            (c.id for c in users), held
+        )
+        assert not any("confined" in m for m in sim.daemon.messages("warning"))
+        assert all(d.messages("error") == [] for d in sim.daemons)
+
+
+async def test_after_a_restart_synchronize_moves_shared_containers_before_narrowing() -> None:
+    """Against containerd 2.3.4 an exclusive container was narrowed onto its CPUs about 120 ms
+    before a shared container the runtime had put there while dracpu was down was moved off:
+    the Synchronize reply's updates went in container-ID order. The runtime applies them in
+    the reply's order, so every shared container must come first."""
+    async with open_node_sim(shared_containers=1) as sim:
+        everything = node_cpus(sim)
+        await sim.wait_published()
+        claim = sim.allocate("exclusive", 4)
+        assert (await sim.prepare(claim))[claim.uid].error == ""
+        held = cpus(sim.cdi_cpus(claim.uid) or "")
+        _, exclusive = await sim.run_container("app", claims=[claim])
+
+        # While the daemon is down, a pod starts unpinned (every CPU, the claim's too), and the
+        # exclusive container's cpuset is reset: both need repairs at Synchronize.
+        await sim.stop_daemon()
+        late = sim.shared_container("late", cpus="0-63")
+        assert late.id > exclusive.id  # container-ID order would narrow the exclusive first
+        sim.runtime.containers[exclusive.id] = dataclasses.replace(
+            sim.runtime.containers[exclusive.id], cpus="0-63"
+        )
+        await sim.start_daemon()
+        await sim.runtime.wait_plugin(20)
+
+        answered = [c.response for c in sim.runtime.calls("Synchronize")]
+        reply = answered[-1]
+        assert isinstance(reply, nri.SynchronizeResponse)
+        order = [u.container_id for u in reply.update]
+        shared = set(sim.shared_ids())
+        assert set(order) == shared | {exclusive.id}
+        assert order.index(exclusive.id) == len(order) - 1  # after every shared container
+        assert cpus(sim.cpus_of(late.id)) == everything - held
+        assert cpus(sim.cpus_of(exclusive.id)) == held
 
 
 async def test_sigterm_right_after_an_unprepare_still_widens_the_shared_containers() -> None:

@@ -16,6 +16,7 @@ import anyio.lowlevel
 import pytest
 
 from dracpu.adapters import checkpoint_file
+from dracpu.core.checkpoint_schema import PreparedClaim
 from dracpu.errors import KubeNotFoundError
 from dracpu.sim.fake_apiserver import build_resource_claim
 from dracpu.sim.fake_runtime import FakePod, FakeRuntime, PluginFailedError, claim_env
@@ -54,10 +55,10 @@ class Claims:
         return copy.deepcopy(obj)
 
 
-def checkpointed_pods(node: Node, uid: str) -> frozenset[str]:
+def checkpointed(node: Node, uid: str) -> PreparedClaim:
     stored = checkpoint_file.read_newest(node.socket.parent / "state" / "checkpoint.json")
     assert stored is not None
-    return stored.data.claims[uid].pod_uids
+    return stored.data.claims[uid]
 
 
 async def test_a_copied_env_fails_the_creation_naming_the_claim_and_the_pod() -> None:
@@ -87,9 +88,13 @@ async def test_a_copied_env_fails_the_creation_naming_the_claim_and_the_pod() ->
         await node.runtime.create_container(rightful, own)
         assert node.runtime.containers[own.id].cpus == str(held)
         assert claims.gets == [CLAIM]
-        # The copier tries again: still refused (for the reservation, not for the owner).
+        # The look noted the copier on the claim (checkpointed: a pod's claims never change).
+        assert node.state.claims[UID_A].copiers == {copier.uid}
+        assert checkpointed(node, UID_A).copiers == {copier.uid}
+        # The copier tries again: still refused, without another look.
         with pytest.raises(PluginFailedError, match="not reserved for pod"):
             await node.runtime.create_container(copier, node.exclusive(copier, "again", UID_A))
+        assert claims.gets == [CLAIM]
 
 
 async def test_a_pod_the_claim_was_reserved_for_since_prepare_gets_it_after_one_look() -> None:
@@ -105,7 +110,9 @@ async def test_a_pod_the_claim_was_reserved_for_since_prepare_gets_it_after_one_
         assert node.runtime.containers[container.id].cpus == str(held)
         assert claims.gets == [CLAIM]
         assert node.state.claims[UID_A].pod_uids == {first.uid, second.uid}
-        assert checkpointed_pods(node, UID_A) == {first.uid, second.uid}
+        assert checkpointed(node, UID_A).pod_uids == {first.uid, second.uid}
+        assert checkpointed(node, UID_A).pod_names == {"first", "second"}
+        assert checkpointed(node, UID_A).copiers == frozenset()
 
 
 @pytest.mark.parametrize(
@@ -168,4 +175,5 @@ async def test_synchronize_confines_the_copier_and_pins_the_claims_own_container
         assert node.state.shared >= {"a-thief"}
         assert claims.gets == [CLAIM]  # one look for the claim, however many containers
         assert node.state.claims[UID_A].pod_uids == {rightful.uid}
+        assert node.state.claims[UID_A].copiers == {copier.uid}
         node.assert_shared_at(node.pool)

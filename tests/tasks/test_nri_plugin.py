@@ -344,12 +344,17 @@ async def test_unverifiable_claims_fail_creation(env: list[str], reason: str) ->
         assert node.runtime.plugin is not None  # still connected: a refusal is not fatal
 
 
-async def test_a_claim_is_not_shared_between_containers() -> None:
+async def test_a_claim_of_unknown_pods_is_shared_by_its_first_pods_containers_only() -> None:
     async with open_node(prepared=CLAIM_A) as node:
         pod = node.runtime.add_pod("one")
-        await node.runtime.create_container(pod, node.exclusive(pod, "app", UID_A))
+        app = node.exclusive(pod, "app", UID_A)
+        await node.runtime.create_container(pod, app)
+        sidecar = node.exclusive(pod, "sidecar", UID_A)
+        await node.runtime.create_container(pod, sidecar)
+        assert node.table()[sidecar.id] == node.table()[app.id]
+        assert node.table()[app.id][0] == str(node.claims[UID_A])
         other = node.runtime.add_pod("two")
-        with pytest.raises(PluginFailedError, match="cannot be shared"):
+        with pytest.raises(PluginFailedError, match="is used by pod"):
             await node.runtime.create_container(other, node.exclusive(other, "app", UID_A))
 
 

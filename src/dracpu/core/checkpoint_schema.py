@@ -1,27 +1,29 @@
 """The checkpoint: what survives a restart of dracpu (and a reboot of the node), as versioned JSON.
 
 Only the prepared claims are persisted: containers are learnt again from NRI ``Synchronize``.
-Layout (version 3)::
+Layout (version 4)::
 
     {"checksum": "sha256:<hex>",
      "claims": {"<claimUID>": {"cpus": "4-5", "mems": "0" | null,
                                "namespace": "ns", "name": "claim",
                                "podClaimName": "cpus" | null,
                                "podUids": ["<podUID>", ...],
+                               "podNames": ["<pod name>", ...],
+                               "copierPods": ["<podUID>", ...],
                                "results": [{"request": "req", "pool": "node", "device": "dev",
                                             "consumedCpus": 2 | null, "cpuset": "4-5" | null}]}},
      "sequence": 7,
-     "version": 3}
+     "version": 4}
 
 ``checksum`` is the SHA-256 of the canonical JSON (sorted keys, no whitespace, ASCII) of the
 document without the ``checksum`` key, so a flipped byte or a truncated file is detected even
 when it still parses. ``sequence`` (an integer >= 1, covered by the checksum) numbers the writes:
 the checkpoint is kept in two slot files written in turn (:mod:`dracpu.adapters.checkpoint_file`),
 and the valid slot with the highest sequence is the newest. Versions 1 (written by earlier dracpu
-builds: without ``sequence``, ``podClaimName`` and ``podUids``; it decodes as sequence 0) and 2
-(without ``podClaimName`` and ``podUids``) still decode, their claims without a pod claim name
-and without known pods. Whitespace around the
-document (the spaces that pad a slot overwritten by a shorter document) is allowed.
+builds: without ``sequence``, ``podClaimName`` and ``podUids``; it decodes as sequence 0), 2
+(without ``podClaimName`` and ``podUids``) and 3 (without ``podNames`` and ``copierPods``) still
+decode, their claims without what their version lacks. Whitespace around the document (the
+spaces that pad a slot overwritten by a shorter document) is allowed.
 
 ``mems`` are NUMA node ids (``null``: no memory pinning). ``results`` are the claim's allocation
 results, needed to tell an idempotent re-prepare from a conflicting one and to write its device
@@ -32,7 +34,12 @@ decides where its device metadata appears in the container (:mod:`dracpu.core.de
 ``podUids`` (sorted, distinct) are the UIDs of the pods the claim is reserved for (its
 ``status.reservedFor`` entries of resource ``pods``, read at Prepare and on a fresh look by the
 NRI task): only their containers may use the claim's CPUs; empty when not known (a claim
-adopted from its CDI spec, or decoded from version 1 or 2, which lack the key).
+adopted from its CDI spec, or decoded from version 1 or 2, which lack the key). ``podNames``
+(sorted, distinct): the names of the same pods (in the claim's namespace), which the kubelet's
+PodResources listing names them by (:mod:`dracpu.tasks.podresources_sync`); empty when not
+known. ``copierPods`` (sorted, distinct): UIDs of pods whose containers showed a copy of the
+claim's env and that a fresh look at the claim found not reserved for it; their containers are
+refused without another look or another warning.
 
 :func:`decode` refuses anything else with a :class:`CheckpointError` naming the problem: not
 UTF-8, not JSON, wrong shape, unknown version, bad checksum, bad field types, malformed or
@@ -62,16 +69,31 @@ __all__ = [
     "encode",
 ]
 
-# Bump on any incompatible change of the layout above (2: + "sequence"; 3: + "podClaimName").
-CHECKPOINT_VERSION = 3
+# Bump on any incompatible change of the layout above (2: + "sequence"; 3: + "podClaimName",
+# "podUids"; 4: + "podNames", "copierPods").
+CHECKPOINT_VERSION = 4
 _LEGACY_VERSION = 1  # the layout of earlier builds: no "sequence"; decodes as sequence 0
-_KNOWN_VERSIONS = (_LEGACY_VERSION, 2, CHECKPOINT_VERSION)
+_KNOWN_VERSIONS = (_LEGACY_VERSION, 2, 3, CHECKPOINT_VERSION)
 _CHECKSUM_PREFIX = "sha256:"
 _SHA256_HEX_LEN = 64  # hashlib.sha256().hexdigest() length
 _TOP_KEYS = frozenset({"version", "checksum", "claims", "sequence"})
 _LEGACY_TOP_KEYS = frozenset({"version", "checksum", "claims"})
-_CLAIM_KEYS = frozenset({"cpus", "mems", "namespace", "name", "podClaimName", "podUids", "results"})
-_LEGACY_CLAIM_KEYS = _CLAIM_KEYS - {"podClaimName", "podUids"}  # versions 1 and 2
+_CLAIM_KEYS = frozenset(
+    {
+        "cpus",
+        "mems",
+        "namespace",
+        "name",
+        "podClaimName",
+        "podUids",
+        "podNames",
+        "copierPods",
+        "results",
+    }
+)
+_CLAIM_KEYS_V3 = _CLAIM_KEYS - {"podNames", "copierPods"}
+_CLAIM_KEYS_V1 = _CLAIM_KEYS_V3 - {"podClaimName", "podUids"}  # versions 1 and 2
+_CLAIM_KEYS_OF = {1: _CLAIM_KEYS_V1, 2: _CLAIM_KEYS_V1, 3: _CLAIM_KEYS_V3, 4: _CLAIM_KEYS}
 _RESULT_KEYS = frozenset({"request", "pool", "device", "consumedCpus", "cpuset"})
 _FRAGMENT_SLACK = 64  # memoized claim fragments beyond 2x the live claims before a sweep
 
@@ -89,6 +111,12 @@ class PreparedClaim:
     keeps it (:mod:`dracpu.core.state_containers`).
     ``pod_claim_name``: the claim's ``resource.kubernetes.io/pod-claim-name`` annotation (a
     claim made from a template), ``None`` without one.
+    ``pod_names``: the names of the pods of ``pod_uids`` (in the claim's namespace: a pod can
+    only use claims of its own), as the kubelet's PodResources listing names pods; empty when
+    not known (then the listing cannot tell whether they are gone).
+    ``copiers``: pods whose containers showed a copy of the claim's env and that a fresh look
+    at the claim found not reserved for it (a pod's claims cannot change, so they never will
+    be): their containers are refused without another look and another warning.
     """
 
     claim_uid: str
@@ -99,6 +127,8 @@ class PreparedClaim:
     results: tuple[DeviceResult, ...] = ()
     pod_uids: frozenset[str] = frozenset()
     pod_claim_name: str | None = None
+    pod_names: frozenset[str] = frozenset()
+    copiers: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +176,8 @@ def _claim_doc(claim: PreparedClaim) -> dict[str, Any]:
         "name": claim.name,
         "podClaimName": claim.pod_claim_name,
         "podUids": sorted(claim.pod_uids),
+        "podNames": sorted(claim.pod_names),
+        "copierPods": sorted(claim.copiers),
         "results": [_result_doc(r) for r in claim.results],
     }
 
@@ -172,7 +204,7 @@ def encode(data: CheckpointData, sequence: int) -> bytes:
     ``json.dumps(doc, sort_keys=True, separators=(",", ":"))`` gives) plus a final newline.
 
     Built from memoized per-claim fragments: with sorted keys the document is
-    ``{"checksum":…,"claims":{…},"sequence":…,"version":3}`` and the checksummed payload is the
+    ``{"checksum":…,"claims":{…},"sequence":…,"version":4}`` and the checksummed payload is the
     same text without the ``"checksum"`` member, so it is hashed and spliced rather than dumped
     twice.
     """
@@ -209,8 +241,8 @@ def _canonical_str(text: str) -> bytes:
 
 
 def decode(raw: bytes) -> StoredCheckpoint:
-    """Parse and verify a checkpoint document (version 1, 2 or 3); :class:`CheckpointError`
-    says what is wrong."""
+    """Parse and verify a checkpoint document (version 1 to 4); :class:`CheckpointError` says
+    what is wrong."""
     try:
         doc = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
@@ -258,7 +290,7 @@ def decode(raw: bytes) -> StoredCheckpoint:
         raise CheckpointError("checkpoint 'claims' must be an object")
     claims: dict[str, PreparedClaim] = {}
     held = 0
-    claim_keys = _CLAIM_KEYS if version == CHECKPOINT_VERSION else _LEGACY_CLAIM_KEYS
+    claim_keys = _CLAIM_KEYS_OF[version]
     for uid, claim_doc in claims_doc.items():
         claim = _decode_claim(uid, claim_doc, claim_keys)
         if held & claim.cpus.mask:
@@ -313,19 +345,21 @@ def _decode_claim(uid: str, doc: object, keys: frozenset[str]) -> PreparedClaim:
         name=_string(doc["name"], f"claim {uid} name"),
         mems=mems,
         results=tuple(sorted(results, key=DeviceResult.sort_key)),
-        pod_uids=_pod_uids(uid, doc.get("podUids", [])),
+        pod_uids=_pods(uid, "podUids", doc.get("podUids", [])),
         pod_claim_name=pod_claim_name,
+        pod_names=_pods(uid, "podNames", doc.get("podNames", [])),
+        copiers=_pods(uid, "copierPods", doc.get("copierPods", [])),
     )
 
 
-def _pod_uids(uid: str, doc: object) -> frozenset[str]:
+def _pods(uid: str, key: str, doc: object) -> frozenset[str]:
     if not isinstance(doc, list) or not all(isinstance(p, str) and p for p in doc):
         raise CheckpointError(
-            f"checkpoint claim {uid} podUids must be a list of non-empty strings, not {doc!r}"
+            f"checkpoint claim {uid} {key} must be a list of non-empty strings, not {doc!r}"
         )
     pods = frozenset(doc)
     if len(pods) != len(doc):
-        raise CheckpointError(f"checkpoint claim {uid} podUids lists a pod twice: {doc!r}")
+        raise CheckpointError(f"checkpoint claim {uid} {key} lists a pod twice: {doc!r}")
     return pods
 
 

@@ -142,6 +142,8 @@ class ClaimAllocation:
     pod_uids: frozenset[str] = frozenset()
     """The pods the claim is reserved for (:func:`reserved_pods`)."""
     pod_claim_name: str | None = None
+    pod_names: frozenset[str] = frozenset()
+    """The names of those pods (:func:`reserved_pods`)."""
 
     def device_results(self) -> tuple[DeviceResult, ...]:
         """The results as :class:`~dracpu.core.commands.PrepareClaim` takes them."""
@@ -209,6 +211,7 @@ def read_claim(
         if (device := _our_result(label, index, result, driver=driver, pool=pool)) is not None
     )
     configs = _our_configs(label, _or_empty(device_allocation.get("config"), []), driver=driver)
+    pods = reserved_pods(claim)
     return ClaimAllocation(
         uid=uid,
         namespace=namespace,
@@ -216,16 +219,17 @@ def read_claim(
         resource_version=_text(metadata.get("resourceVersion")),
         devices=devices,
         configs=configs,
-        pod_uids=reserved_pods(claim),
+        pod_uids=frozenset(pods),
         pod_claim_name=_pod_claim_name(label, metadata.get("annotations")),
+        pod_names=frozenset(name for name in pods.values() if name),
     )
 
 
-def reserved_pods(claim: Mapping[str, Any]) -> frozenset[str]:
-    """The UIDs of the pods ``claim`` is reserved for: its ``status.reservedFor`` entries
-    (``ResourceClaimConsumerReference``) with ``resource: pods`` and the core API group (``""``
-    or absent). Other consumers are not pods and run no container. Raises :class:`ClaimError`
-    for a malformed list or a pod entry without a UID."""
+def reserved_pods(claim: Mapping[str, Any]) -> dict[str, str]:
+    """The pods ``claim`` is reserved for, UID to name (``""`` when an entry has none): its
+    ``status.reservedFor`` entries (``ResourceClaimConsumerReference``) with ``resource: pods``
+    and the core API group (``""`` or absent). Other consumers are not pods and run no
+    container. Raises :class:`ClaimError` for a malformed list or a pod entry without a UID."""
     metadata = claim.get("metadata")
     label = "claim"
     if isinstance(metadata, Mapping):
@@ -234,15 +238,15 @@ def reserved_pods(claim: Mapping[str, Any]) -> frozenset[str]:
     entries = _or_empty(status.get("reservedFor") if isinstance(status, Mapping) else None, [])
     if not isinstance(entries, list):
         raise ClaimError(f"{label}: status.reservedFor is not a list")
-    pods: set[str] = set()
+    pods: dict[str, str] = {}
     for index, entry in enumerate(entries):
         where = f"{label}: status.reservedFor[{index}]"
         if not isinstance(entry, Mapping):
             raise ClaimError(f"{where} is not an object")
         if entry.get("resource") != "pods" or _or_empty(entry.get("apiGroup"), "") != "":
             continue
-        pods.add(_required_text(where, entry, "uid"))
-    return frozenset(pods)
+        pods[_required_text(where, entry, "uid")] = _text(entry.get("name"))
+    return pods
 
 
 def _pod_claim_name(label: str, annotations: object) -> str | None:

@@ -111,8 +111,9 @@ class PrepareClaim:
     ``pin_memory`` overrides the node default for this claim (its opaque config's
     ``cpuConfig.memory``); ``None`` keeps the default. How each result's CPUs are chosen is in
     the result (:class:`DeviceResult`). ``pod_uids``: the pods its ``status.reservedFor`` names
-    (only their containers may use its CPUs); a Prepare of a prepared claim with other pods (a
-    shared claim gains consumers) updates the record (known pods are never emptied).
+    (only their containers may use its CPUs), ``pod_names`` their names; a Prepare of a prepared
+    claim with other pods (a shared claim gains consumers) updates the record (known pods are
+    never emptied).
     ``pod_claim_name``: the claim's ``resource.kubernetes.io/pod-claim-name`` annotation (where
     its device metadata appears in the container), ``None`` without one.
     """
@@ -124,6 +125,7 @@ class PrepareClaim:
     pin_memory: bool | None = None
     pod_uids: frozenset[str] = frozenset()
     pod_claim_name: str | None = None
+    pod_names: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,12 +158,16 @@ class AdoptClaims:
 @dataclass(frozen=True, slots=True)
 class UpdateClaimPods:
     """A fresh read of a prepared claim's ``status.reservedFor``: the pods it is reserved for
-    now (the NRI task reads it when a container of another pod shows the claim's env, then
-    decides again). Unknown claims are ignored; a change is checkpointed; known pods are
-    replaced, never emptied."""
+    now, and their names (the NRI task reads it when a container of another pod shows the
+    claim's env, then decides again). ``copiers``: pods whose containers show the claim's env
+    and that the read found not reserved for it, to note on the claim
+    (``PreparedClaim.copiers``). Unknown claims are ignored; a change is checkpointed; known
+    pods are replaced, never emptied."""
 
     claim_uid: str
     pod_uids: frozenset[str]
+    pod_names: frozenset[str] = frozenset()
+    copiers: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)

@@ -215,15 +215,18 @@ class ContainerForgotten:
 @dataclass(frozen=True, slots=True)
 class ContainerRejected:
     """A container of a Synchronize whose claims could not be verified: confined to the shared
-    pool instead of its claimed CPUs."""
+    pool instead of its claimed CPUs. ``noted``: the reason is a copy of claims that have noted
+    its pod as a copier (reported when they did: say it no louder than DEBUG)."""
 
     container_id: str
     reason: str
+    noted: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Synchronized:
-    """Answer to Synchronize: one update per container to send in the response.
+    """Answer to Synchronize: one update per container to send in the response, every shared
+    container's before any exclusive container's (the order the runtime applies them in).
 
     ``unpinned``: shared containers left alone because the shared pool is empty (NRI treats an
     empty cpuset as "no change", so they keep whatever they had)."""

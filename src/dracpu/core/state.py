@@ -23,10 +23,10 @@ Rules (each checked by :func:`check_invariants` after every command in the prope
    CDI spec rewritten (a reboot empties ``/var/run/cdi``). The same UID with other results is an
    error. Unpreparing an unknown claim succeeds.
 6. A container gets a claim's CPUs only if the claim is prepared here with exactly the cpuset its
-   ``DRA_CPUSET_<uid>`` env says, its pod is one the claim is reserved for (when the claim's
-   pods are known: ``PreparedClaim.pod_uids``), and only one (pod, container name) may use a
-   claim until it is unprepared (fail closed: a spoofed or copied env is an error for
-   CreateContainer).
+   ``DRA_CPUSET_<uid>`` env says and its pod is one the claim is reserved for
+   (``PreparedClaim.pod_uids``); every container of those pods may use it. A claim whose pods
+   are not known goes to the first pod that uses it (``NodeState.owners``) until it is
+   unprepared (fail closed: a spoofed or copied env is an error for CreateContainer).
 7. When a container with a claim starts, the same reply moves every shared container off the
    claim's CPUs.
 8. Every container's pin carries the number of the decision that chose it, never above
@@ -114,11 +114,10 @@ from dracpu.core.state_containers import (
     invalidate,
     synchronize,
 )
-from dracpu.core.state_values import ClaimOwner, ContainerRecord, NodeState
+from dracpu.core.state_values import ContainerRecord, NodeState
 from dracpu.errors import DracpuError
 
 __all__ = [
-    "ClaimOwner",
     "ContainerRecord",
     "InvariantError",
     "NodeState",
@@ -344,13 +343,13 @@ def check_invariants(state: NodeState, previous: NodeState | None = None) -> Non
         missing = [uid for uid in record.claims if uid not in state.claims]
         if missing:
             fail(f"container {cid} uses claims {missing} that are not prepared")
-        me = ClaimOwner(record.container.pod_uid, record.container.name)
         held = CpuSet.union(state.claims[uid].cpus for uid in record.claims)
         if record.cpus != held:
             fail(f"container {cid} is pinned to {record.cpus}, its claims hold {held}")
         for uid in record.claims:
-            if state.owners.get(uid) != me:
-                fail(f"container {cid} uses claim {uid} owned by {state.owners.get(uid)}")
+            owner = state.owners.get(uid)
+            if not state.claims[uid].pod_uids and owner != record.container.pod_uid:
+                fail(f"container {cid} uses claim {uid} of unknown pods, taken by pod {owner}")
         for sid in shared:
             overlap = state.containers[sid].cpus & held
             if overlap:

@@ -315,15 +315,17 @@ def prepare(state: NodeState, command: PrepareClaim) -> tuple[NodeState, list[Ef
     existing = state.claims.get(uid)
     if existing is not None:
         prepared = ClaimPrepared(uid, existing.cpus, existing.mems, results)
-        pods = _pods(existing, command.pod_uids)
+        pods, names = _pods(existing, command.pod_uids, command.pod_names)
         # The kubelet asks for it: a pod wants it, whatever a listing missed.
         state = _listed_again(state, uid)
         if existing.results == results:
             # Idempotent; rewrite the files (a reboot empties /var/run/cdi, k/k#141433).
-            if existing.pod_uids == pods:
+            if existing.pod_uids == pods and existing.pod_names == names:
                 return state, [*claim_files(state.config, existing), Reply(prepared)]
             # The same claim, reserved for other pods now (a shared claim gains consumers).
-            claim = replace(existing, pod_uids=pods)
+            claim = replace(
+                existing, pod_uids=pods, pod_names=names, copiers=existing.copiers - pods
+            )
         elif existing.results:
             raise ClaimConflictError(
                 f"claim {uid} is already prepared for devices {_devices(existing.results)}; "
@@ -340,6 +342,7 @@ def prepare(state: NodeState, command: PrepareClaim) -> tuple[NodeState, list[Ef
                 name=command.name,
                 results=results,
                 pod_uids=pods,
+                pod_names=names,
                 pod_claim_name=command.pod_claim_name,
                 mems=_claim_mems(state.config, existing.cpus, command.pin_memory),
             )
@@ -368,6 +371,7 @@ def prepare(state: NodeState, command: PrepareClaim) -> tuple[NodeState, list[Ef
         results,
         pod_uids=command.pod_uids,
         pod_claim_name=command.pod_claim_name,
+        pod_names=command.pod_names,
     )
     claims = mutable(state.claims)
     claims[uid] = claim
@@ -452,23 +456,28 @@ def unprepare(state: NodeState, command: UnprepareClaim) -> tuple[NodeState, lis
     ]
 
 
-def _pods(claim: PreparedClaim, seen: frozenset[str]) -> frozenset[str]:
-    """The pods to record for ``claim`` when its reservation names ``seen``: known pods are
-    replaced, never emptied (an empty record would hand the claim to the first container that
-    shows its env; a claim whose pods are gone is unprepared soon)."""
-    return seen or claim.pod_uids
+def _pods(
+    claim: PreparedClaim, seen: frozenset[str], names: frozenset[str]
+) -> tuple[frozenset[str], frozenset[str]]:
+    """The pods (UIDs, names) to record for ``claim`` when its reservation names ``seen``
+    (named ``names``): known pods are replaced, never emptied (an empty record would hand the
+    claim to the first pod that shows its env; a claim whose pods are gone is unprepared
+    soon)."""
+    return (seen, names) if seen else (claim.pod_uids, claim.pod_names)
 
 
 def update_claim_pods(state: NodeState, command: UpdateClaimPods) -> tuple[NodeState, list[Effect]]:
-    """A fresh look at a claim's pods: record them (and checkpoint) if they changed."""
+    """A fresh look at a claim's pods: record them and the copiers it found (and checkpoint) if
+    that changes the record. A pod of the claim is never a copier."""
     existing = state.claims.get(command.claim_uid)
     if existing is None:
         return state, [Reply(None)]
-    pods = _pods(existing, command.pod_uids)
-    if existing.pod_uids == pods:
+    pods, names = _pods(existing, command.pod_uids, command.pod_names)
+    copiers = (existing.copiers | command.copiers) - pods
+    if (existing.pod_uids, existing.pod_names, existing.copiers) == (pods, names, copiers):
         return state, [Reply(None)]
     claims = mutable(state.claims)
-    claims[command.claim_uid] = replace(existing, pod_uids=pods)
+    claims[command.claim_uid] = replace(existing, pod_uids=pods, pod_names=names, copiers=copiers)
     new = replace(state, claims=MappingProxyType(claims))
     return new, [WriteCheckpoint(new.checkpoint()), Reply(None)]
 

@@ -7,16 +7,18 @@ numbers to keep the last write that reaches each container the owner's last deci
 order the runtime applies an event reply and an unsolicited update in
 (:mod:`dracpu.tasks.nri_link`).
 
-Who may use a claim (rule 6 of :mod:`dracpu.core.state`): a container whose env names it with
-the claim's exact cpuset, in a pod the claim is reserved for (``PreparedClaim.pod_uids``, the
-pods of its ``status.reservedFor``), and only one (pod, container name) until Unprepare. A
-container of another pod is refused (CreateContainer fails; Synchronize confines it to the
-shared pool): an env copied from a prepared claim's CDI spec must not pin a stranger to the
-claim's CPUs, nor lock the claim's own container out. Before it refuses, the NRI task reads the
-claim again (:func:`unreserved_claims` says which claims, then
+Who may use a claim (rule 6 of :mod:`dracpu.core.state`, ``docs/pods.md``): a container whose
+env names it with the claim's exact cpuset, in a pod the claim is reserved for
+(``PreparedClaim.pod_uids``, the pods of its ``status.reservedFor``). Every container of those
+pods may use it at once (an init container, a sidecar, the app: Kubernetes lets any container of
+a pod name the pod's claims), each pinned to the claim's CPUs. A container of another pod is
+refused (CreateContainer fails; Synchronize confines it to the shared pool): an env copied from
+a prepared claim's CDI spec must not pin a stranger to the claim's CPUs. Before it refuses, the
+NRI task reads the claim again (:func:`unreserved_claims` says which claims, then
 :class:`~dracpu.core.commands.UpdateClaimPods`): a claim shared by several pods gains consumers
 after its Prepare. A claim whose pods are not known (adopted from its CDI spec, prepared by an
-earlier build, reserved for no pod) goes to the first (pod, container name) that shows its env.
+earlier build, reserved for no pod) goes to the first pod one of whose containers shows its env
+(``NodeState.owners``), and its containers alone use it until Unprepare.
 """
 
 from __future__ import annotations
@@ -39,8 +41,14 @@ from dracpu.core.effects import (
     Synchronized,
     UpdateContainers,
 )
-from dracpu.core.state_values import ClaimOwner, ContainerRecord, NodeState, mutable
-from dracpu.errors import ClaimConflictError, ClaimError, DracpuError, InsufficientCpusError
+from dracpu.core.state_values import ContainerRecord, NodeState, mutable
+from dracpu.errors import (
+    ClaimConflictError,
+    ClaimError,
+    ClaimNotReservedError,
+    DracpuError,
+    InsufficientCpusError,
+)
 
 __all__ = [
     "create_container",
@@ -54,14 +62,16 @@ __all__ = [
 
 
 def reserved_for(claim: PreparedClaim, pod_uid: str) -> bool:
-    """May a container of pod ``pod_uid`` use ``claim``? Yes when the claim's pods are not
-    known (the first-comer rule applies), else when the pod is one of them."""
+    """Is ``claim`` not known to be reserved for other pods than ``pod_uid``? Yes when the
+    claim's pods are not known (then the first pod to use it takes it: ``NodeState.owners``),
+    else when the pod is one of them."""
     return not claim.pod_uids or pod_uid in claim.pod_uids
 
 
 def unreserved_claims(state: NodeState, container: Container) -> tuple[PreparedClaim, ...]:
     """The prepared claims the container's env names, with the cpuset they hold, that are not
-    reserved for its pod: the claims to read again before the container is refused."""
+    reserved for its pod and have not noted it as a copier: the claims to read again before the
+    container is refused."""
     found: list[PreparedClaim] = []
     for env in container.claims:
         claim = state.claims.get(env.claim_uid)
@@ -69,6 +79,7 @@ def unreserved_claims(state: NodeState, container: Container) -> tuple[PreparedC
             claim is not None
             and claim.cpus == env.cpus
             and not reserved_for(claim, container.pod_uid)
+            and container.pod_uid not in claim.copiers
         ):
             found.append(claim)
     return tuple(found)
@@ -81,15 +92,17 @@ def _claim_label(claim: PreparedClaim) -> str:
 
 
 def _verify(
-    state: NodeState, container: Container, owners: Mapping[str, ClaimOwner]
+    state: NodeState, container: Container, owners: Mapping[str, str]
 ) -> tuple[CpuSet, CpuSet | None]:
-    """The CPUs and mems of a container with claims; raises when its env cannot be trusted."""
+    """The CPUs and mems of a container with claims; raises when its env cannot be trusted (a
+    claim not reserved for its pod last, :class:`ClaimNotReservedError`, after every other
+    reason)."""
     what = container.describe()
     if container.env_error is not None:
         raise ClaimError(f"{what}: {container.env_error}")
     cpus = EMPTY
     mems: CpuSet | None = None
-    me = ClaimOwner(container.pod_uid, container.name)
+    unreserved: list[PreparedClaim] = []
     for env in container.claims:
         claim = state.claims.get(env.claim_uid)
         if claim is None:
@@ -103,21 +116,33 @@ def _verify(
                 f"is prepared with cpus {claim.cpus} (spoofed DRA_CPUSET env)"
             )
         if not reserved_for(claim, container.pod_uid):
-            raise ClaimError(
-                f"{what}: {_claim_label(claim)} is not reserved for pod {container.pod_uid} "
-                f"(its status.reservedFor names {len(claim.pod_uids)} other pod(s)); "
-                "its DRA_CPUSET env was copied from another pod's claim"
-            )
+            unreserved.append(claim)
+            continue
         owner = owners.get(env.claim_uid)
-        if owner is not None and owner != me:
+        if not claim.pod_uids and owner is not None and owner != container.pod_uid:
             raise ClaimConflictError(
-                f"{what}: claim {env.claim_uid} is already used by container "
-                f"{owner.container_name} of pod {owner.pod_uid}; claims cannot be shared"
+                f"{what}: {_claim_label(claim)} is used by pod {owner}: its pods are not known "
+                "(adopted from its CDI spec, or prepared by an earlier build), so the first pod "
+                "to use it keeps it until Unprepare"
             )
         cpus |= claim.cpus
         if claim.mems is not None:
             mems = claim.mems if mems is None else mems | claim.mems
+    if unreserved:
+        claim = unreserved[0]
+        raise ClaimNotReservedError(
+            f"{what}: {_claim_label(claim)} is not reserved for pod {container.pod_uid} "
+            f"(its status.reservedFor names {len(claim.pod_uids)} other pod(s)); "
+            "its DRA_CPUSET env was copied from another pod's claim",
+            noted=all(container.pod_uid in c.copiers for c in unreserved),
+        )
     return cpus, mems
+
+
+def _taken(state: NodeState, uids: Iterable[str]) -> list[str]:
+    """Of these claims (verified for a container), those whose pods are not known: the
+    container's pod takes them (``NodeState.owners``)."""
+    return [uid for uid in uids if not state.claims[uid].pod_uids]
 
 
 def _shared_updates(
@@ -208,10 +233,10 @@ def create_container(state: NodeState, container: Container) -> tuple[NodeState,
     if container.exclusive or container.env_error is not None:
         cpus, mems = _verify(state, container, state.owners)
         uids = tuple(env.claim_uid for env in container.claims)
-        me = ClaimOwner(container.pod_uid, container.name)
-        if any(owners.get(uid) != me for uid in uids):
+        taken = _taken(state, uids)
+        if any(owners.get(uid) != container.pod_uid for uid in taken):
             new_owners = mutable(owners)
-            new_owners.update((uid, me) for uid in uids)
+            new_owners.update((uid, container.pod_uid) for uid in taken)
             owners = MappingProxyType(new_owners)
         containers[container.id] = ContainerRecord(container, uids, cpus, mems, seq)
     else:
@@ -255,13 +280,20 @@ def forget_container(
 
 
 def synchronize(state: NodeState, command: Synchronize) -> tuple[NodeState, list[Effect]]:
-    """Synchronize: the runtime's containers replace what we knew, each pinned anew."""
+    """Synchronize: the runtime's containers replace what we knew, each pinned anew.
+
+    The reply moves every shared container before it narrows any exclusive one (the runtime
+    applies a reply's updates in order, containerd ``internal/nri`` ``syncPlugin``): after a
+    restart, a shared container the runtime put on a claim's CPUs while we were down leaves
+    them before the claim's own container is confined to them.
+    """
     seq = state.pin_seq + 1
     pool = state.shared_pool
     containers: dict[str, ContainerRecord] = {}
     shared: set[str] = set()
     owners = mutable(state.owners)  # owners stay until Unprepare (upstream ClaimTracker.Cleanup)
-    updates: list[ContainerUpdate] = []
+    moved: list[ContainerUpdate] = []
+    narrowed: list[ContainerUpdate] = []
     rejected: list[ContainerRejected] = []
     unpinned: list[str] = []
     for container in sorted(command.containers, key=lambda c: c.id):
@@ -272,19 +304,19 @@ def synchronize(state: NodeState, command: Synchronize) -> tuple[NodeState, list
             try:
                 cpus, mems = _verify(state, container, owners)
             except DracpuError as error:
-                rejected.append(ContainerRejected(container.id, str(error)))
+                noted = isinstance(error, ClaimNotReservedError) and error.noted
+                rejected.append(ContainerRejected(container.id, str(error), noted))
             else:
                 uids = tuple(env.claim_uid for env in container.claims)
-                me = ClaimOwner(container.pod_uid, container.name)
-                owners.update((uid, me) for uid in uids)
+                owners.update((uid, container.pod_uid) for uid in _taken(state, uids))
                 containers[container.id] = ContainerRecord(container, uids, cpus, mems, seq)
-                updates.append(ContainerUpdate(container.id, cpus, mems, seq))
+                narrowed.append(ContainerUpdate(container.id, cpus, mems, seq))
                 continue
         # Shared, or claims that cannot be verified: confined to the shared pool (fail closed).
         shared.add(container.id)
         containers[container.id] = ContainerRecord(container, (), pool, None, seq)
         if pool:
-            updates.append(ContainerUpdate(container.id, pool, None, seq))
+            moved.append(ContainerUpdate(container.id, pool, None, seq))
         else:
             unpinned.append(container.id)
     new = replace(
@@ -296,7 +328,8 @@ def synchronize(state: NodeState, command: Synchronize) -> tuple[NodeState, list
         containers_known=True,
         pin_seq=seq,
     )
-    return new, [Reply(Synchronized(tuple(updates), tuple(rejected), tuple(unpinned)))]
+    updates = (*moved, *narrowed)
+    return new, [Reply(Synchronized(updates, tuple(rejected), tuple(unpinned)))]
 
 
 def invalidate(

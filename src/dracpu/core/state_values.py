@@ -18,7 +18,7 @@ from dracpu.core.cpuset import EMPTY, CpuSet
 from dracpu.core.effects import ContainerUpdate
 from dracpu.core.node_config import NodeConfig
 
-__all__ = ["ClaimOwner", "ContainerRecord", "NodeState", "mutable"]
+__all__ = ["ContainerRecord", "NodeState", "mutable"]
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -45,20 +45,12 @@ def _no_containers() -> Mapping[str, ContainerRecord]:
     return MappingProxyType({})
 
 
-def _no_owners() -> Mapping[str, ClaimOwner]:
+def _no_owners() -> Mapping[str, str]:
     return MappingProxyType({})
 
 
 def _no_misses() -> Mapping[str, float]:
     return MappingProxyType({})
-
-
-@dataclass(frozen=True, slots=True)
-class ClaimOwner:
-    """The one (pod, container name) allowed to use a claim until it is unprepared."""
-
-    pod_uid: str
-    container_name: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +80,10 @@ class NodeState:
     """Everything the state owner knows. Treat as immutable: ``apply`` builds a new one.
 
     ``claimed`` is the union of the claims' CPUs; ``shared`` the ids of the shared containers;
-    ``owners`` who uses each claim; ``unlisted`` the claims missing from every pod-resources
-    listing since the one taken at the time given (monotonic seconds of the sync task's clock);
+    ``owners`` the pod (UID) that took each claim whose pods are not known (the first pod whose
+    container showed its env; it keeps the claim until Unprepare); ``unlisted`` the claims
+    missing from every pod-resources listing since the one taken at the time given (monotonic
+    seconds of the sync task's clock);
     ``containers_known`` whether :attr:`containers` is the runtime's word (an NRI
     ``Synchronize`` since the start, and the runtime not gone since); ``unsolicited_updates``
     whether the runtime takes plugin-initiated updates;
@@ -102,7 +96,7 @@ class NodeState:
     claimed: CpuSet = EMPTY
     containers: Mapping[str, ContainerRecord] = field(default_factory=_no_containers)
     shared: frozenset[str] = frozenset()
-    owners: Mapping[str, ClaimOwner] = field(default_factory=_no_owners)
+    owners: Mapping[str, str] = field(default_factory=_no_owners)
     unlisted: Mapping[str, float] = field(default_factory=_no_misses)
     containers_known: bool = False
     unsolicited_updates: bool = False

@@ -245,6 +245,8 @@ def _checkpoint(process: DriverProcess, config: Config) -> Any:
                 "mems": None if claim.mems is None else str(claim.mems),
                 "devices": [result.device for result in claim.results],
                 "podUids": sorted(claim.pod_uids),
+                "podNames": sorted(claim.pod_names),
+                "copierPods": sorted(claim.copiers),
             }
             for uid, claim in sorted(stored.data.claims.items())
         ],

@@ -210,6 +210,7 @@ class NodeSim:
         self._consumed: dict[str, int] = {}  # grouped device -> CPUs the sim's claims consume
         self._taken: set[str] = set()  # individual devices the sim's claims hold
         self._claims: dict[str, SimClaim] = {}  # uid -> claims allocated by allocate()
+        self._sandboxes: set[str] = set()  # pods run_container started a sandbox for
 
     # --- the daemon --------------------------------------------------------------------------
 
@@ -529,9 +530,10 @@ class NodeSim:
     ) -> tuple[FakePod, FakeContainer]:
         """Create and start a container through the runtime (NRI CreateContainer/Start), with
         the CDI env of ``claims`` injected as the runtime would, in a new pod ``pod_name`` (or
-        in ``pod``, made with ``runtime.add_pod``: a pod a claim was reserved for). The reply's
-        adjustment and updates are applied to the runtime's table. The kubelet lists the pod in
-        PodResources, its container referencing ``claims``."""
+        in ``pod``, made with ``runtime.add_pod``: a pod a claim was reserved for, or one this
+        method started a container in already: its next container). The reply's adjustment and
+        updates are applied to the runtime's table. The kubelet lists the pod in PodResources,
+        this container referencing ``claims`` beside the pod's earlier ones."""
         env: list[str] = []
         uids: list[str] = []
         for claim in claims:
@@ -539,8 +541,11 @@ class NodeSim:
             uids.append(claim.uid)
         if pod is None:
             pod = self.runtime.add_pod(pod_name, namespace=namespace)
-        self.kubelet.pods.add_pod(pod.namespace, pod.name, {name: uids})
-        await self.runtime.run_pod_sandbox(pod)
+        listed = self.kubelet.pods.pods().get((pod.namespace, pod.name), {})
+        self.kubelet.pods.add_pod(pod.namespace, pod.name, {**listed, name: uids})
+        if pod.id not in self._sandboxes:
+            self._sandboxes.add(pod.id)
+            await self.runtime.run_pod_sandbox(pod)
         container = self.runtime.new_container(pod, name, env=env)
         await self.runtime.create_container(pod, container)
         await self.runtime.start_container(container.id)
@@ -550,6 +555,7 @@ class NodeSim:
         """Stop and remove the pod's containers and the pod (NRI events); the kubelet no longer
         lists it (its claims stay prepared until :meth:`unprepare`)."""
         self.kubelet.pods.remove_pod(pod.namespace, pod.name)
+        self._sandboxes.discard(pod.id)
         await self.runtime.stop_pod_sandbox(pod.id)
         await self.runtime.remove_pod_sandbox(pod.id)
 

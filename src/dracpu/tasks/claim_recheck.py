@@ -11,7 +11,10 @@ unreserved_claims` over the committed state), the NRI task reads those claims on
 through the Kubernetes API (the same GET Prepare does), sends the owner what their
 ``status.reservedFor`` says now (:class:`~dracpu.core.commands.UpdateClaimPods`, which the owner
 checkpoints), and asks for the decision once more. A container whose claim does name its pod is
-never delayed: the look happens only after a refusal.
+never delayed: the look happens only after a refusal. A pod the look finds not reserved for the
+claim is noted on the claim as a copier (in the same command): a pod's claims cannot change, so
+its containers are refused from then on without another look (and, at ``Synchronize``, without
+another warning), across restarts.
 
 The runtime drops a plugin that does not answer an event within its request timeout (2 s by
 default, nri ``pkg/api/timeouts.go``), and creates the container unpinned. The look is bounded
@@ -97,14 +100,17 @@ class ClaimRecheck:
         self.looks = 0
         """Claims read so far (for tests and the debug log)."""
 
-    def _suspects(self, containers: Iterable[Container]) -> list[PreparedClaim]:
+    def _suspects(
+        self, containers: Iterable[Container]
+    ) -> dict[str, tuple[PreparedClaim, set[str]]]:
+        """The claims to read, each with the pods of the containers that showed it."""
         state = self._committed()
-        found: dict[str, PreparedClaim] = {}
+        found: dict[str, tuple[PreparedClaim, set[str]]] = {}
         for container in containers:
             for claim in unreserved_claims(state, container):
                 if claim.name:
-                    found.setdefault(claim.claim_uid, claim)
-        return list(found.values())
+                    found.setdefault(claim.claim_uid, (claim, set()))[1].add(container.pod_uid)
+        return found
 
     async def recheck(self, containers: Iterable[Container], deadline: float) -> Recheck:
         """Read the claims that keep these containers out, tell the owner their pods; by
@@ -115,41 +121,46 @@ class ClaimRecheck:
         budget = min(self._timeout, deadline - RETRY_RESERVE - anyio.current_time())
         if budget <= 0:
             return Recheck(problems=("no time left before the runtime's deadline",))
-        found: dict[str, frozenset[str] | str] = {}
+        found: dict[str, dict[str, str] | str] = {}
         with anyio.move_on_after(budget):
             async with anyio.create_task_group() as tg:
-                for claim in suspects:
+                for claim, _ in suspects.values():
                     tg.start_soon(self._look, claim, found)
         problems: list[str] = []
         changed = False
-        for claim in suspects:
-            pods = found.get(claim.claim_uid, f"no answer within {budget:.2f} s")
-            if isinstance(pods, str):
-                problems.append(f"{_label(claim)}: {pods}")
+        for claim, showing in suspects.values():
+            reserved = found.get(claim.claim_uid, f"no answer within {budget:.2f} s")
+            if isinstance(reserved, str):
+                problems.append(f"{_label(claim)}: {reserved}")
                 continue
-            if not pods:  # its pods are gone: known pods are never emptied (Unprepare comes)
+            if not reserved:  # its pods are gone: known pods are never emptied (Unprepare comes)
                 problems.append(f"{_label(claim)}: its status.reservedFor names no pod now")
                 continue
-            if pods == claim.pod_uids:
+            pods = frozenset(reserved)
+            names = frozenset(name for name in reserved.values() if name)
+            copiers = frozenset(showing) - pods
+            if (pods, names) == (claim.pod_uids, claim.pod_names) and copiers <= claim.copiers:
                 continue
+            update = UpdateClaimPods(claim.claim_uid, pods, names, copiers)
             try:
                 with anyio.fail_after(max(0.0, deadline - anyio.current_time())):
-                    await request(self._owner, UpdateClaimPods(claim.claim_uid, pods))
+                    await request(self._owner, update)
             except (DracpuError, TimeoutError) as exc:
                 why = str(exc) or "the state owner did not answer in time"
                 problems.append(f"{_label(claim)}: cannot record its pods: {why}")
                 continue
-            logger.info(
-                "%s is reserved for %d pod(s) now (it was %d)",
-                _label(claim),
-                len(pods),
-                len(claim.pod_uids),
-                extra={"claim": claim.claim_uid},
-            )
-            changed = True
+            if pods != claim.pod_uids:
+                logger.info(
+                    "%s is reserved for %d pod(s) now (it was %d)",
+                    _label(claim),
+                    len(pods),
+                    len(claim.pod_uids),
+                    extra={"claim": claim.claim_uid},
+                )
+                changed = True
         return Recheck(changed, tuple(problems))
 
-    async def _look(self, claim: PreparedClaim, found: dict[str, frozenset[str] | str]) -> None:
+    async def _look(self, claim: PreparedClaim, found: dict[str, dict[str, str] | str]) -> None:
         assert self._claims is not None
         self.looks += 1
         try:

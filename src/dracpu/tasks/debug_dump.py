@@ -55,6 +55,8 @@ def snapshot(state: NodeState | None, log: list[str], now: float) -> dict[str, o
                 "cpus": str(claim.cpus),
                 "mems": None if claim.mems is None else str(claim.mems),
                 "podUids": sorted(claim.pod_uids),
+                "podNames": sorted(claim.pod_names),
+                "copierPods": sorted(claim.copiers),
             }
             for uid, claim in sorted(state.claims.items())
         ]

@@ -247,6 +247,7 @@ class DraService:
                     results=overrides.results,
                     pin_memory=overrides.pin_memory,
                     pod_uids=allocation.pod_uids,
+                    pod_names=allocation.pod_names,
                     pod_claim_name=allocation.pod_claim_name,
                 )
                 result = await state_owner.request(self._owner, command)

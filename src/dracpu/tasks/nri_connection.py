@@ -71,7 +71,12 @@ from dracpu.core.commands import (
     UpdateContainer,
 )
 from dracpu.core.effects import ContainerForgotten, ContainerPinned, ContainerUpdate, Synchronized
-from dracpu.errors import DracpuError, LocalProtocolError, RemoteProtocolError
+from dracpu.errors import (
+    ClaimNotReservedError,
+    DracpuError,
+    LocalProtocolError,
+    RemoteProtocolError,
+)
 from dracpu.tasks.claim_recheck import ClaimRecheck, Recheck
 from dracpu.tasks.nri_link import NriLink
 from dracpu.tasks.state_owner import Request, request
@@ -121,12 +126,14 @@ OwnerSend = MemoryObjectSendStream[Request[Command]]
 
 
 class _Refused(Exception):
-    """A handler answers the runtime with this error status."""
+    """A handler answers the runtime with this error status. ``noted``: a copy of claims that
+    noted the container's pod as a copier before (reported then; no look, a DEBUG line)."""
 
-    def __init__(self, code: int, message: str) -> None:
+    def __init__(self, code: int, message: str, *, noted: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.noted = noted
 
 
 @dataclass(frozen=True, slots=True)
@@ -459,7 +466,8 @@ class NriConnection:
         except DracpuError as exc:
             error = exc
         code, message = messages.error_status(error)
-        raise _Refused(code, message)
+        noted = isinstance(error, ClaimNotReservedError) and error.noted
+        raise _Refused(code, message, noted=noted)
 
     async def _look_again(self, containers: Sequence[Container], deadline: float) -> Recheck:
         """Read the claims not reserved for these containers' pods once more (see
@@ -504,15 +512,19 @@ class NriConnection:
         self._link.start(unsolicited=self._unsolicited)
         deadline = self._deadline(call)
         value = await self._ask(command, deadline)
+        news: set[str] = set()  # confined for a reason not reported before
         if isinstance(value, Synchronized) and value.rejected:
-            confined = {r.container_id for r in value.rejected}
-            suspects = [c for c in command.containers if c.id in confined]
+            news = {r.container_id for r in value.rejected if not r.noted}
+            suspects = [c for c in command.containers if c.id in news]
             if (await self._look_again(suspects, deadline)).changed:
                 value = await self._ask(command, deadline)
         if not isinstance(value, Synchronized):
             raise _Refused(Code.INTERNAL, f"dra.cpu: unexpected answer to Synchronize: {value!r}")
         for rejected in value.rejected:
-            logger.warning(
+            # A copier noted by an earlier look was reported then (at most once per pod and
+            # claim, across restarts: the note is checkpointed).
+            logger.log(
+                logging.WARNING if rejected.container_id in news else logging.DEBUG,
                 "NRI: container %s confined to the shared pool: %s",
                 rejected.container_id,
                 rejected.reason,
@@ -549,6 +561,8 @@ class NriConnection:
         try:
             value = await self._ask(command, deadline)
         except _Refused as refused:
+            if refused.noted:
+                raise
             look = await self._look_again((command.container,), deadline)
             if not look.changed:
                 raise _Refused(refused.code, look.explain(refused.message)) from None
@@ -570,7 +584,8 @@ class NriConnection:
         try:
             own, updates = await self._pin(call, command)
         except _Refused as refused:
-            logger.warning(
+            logger.log(
+                logging.DEBUG if refused.noted else logging.WARNING,
                 "NRI: refusing to create %s: %s",
                 command.container.describe(),
                 refused.message,
