@@ -93,6 +93,24 @@ image tag="dracpu:dev" *ARGS:
 e2e *ARGS:
     tests/e2e/run.sh {{ARGS}}
 
+# the local one-node cluster of real Kubernetes components (tests/cluster/README.md; root, Go):
+# `just cluster up`, `just cluster deploy`, `just cluster down`, `just cluster env`
+cluster *ARGS:
+    tests/cluster/cluster {{ARGS}}
+
+# what the local cluster needs from Debian (tests/cluster/README.md)
+cluster-deps:
+    apt-get install -y runc podman busybox-static containernetworking-plugins gcc libc6-dev debootstrap openssl curl
+
+# build (or reuse) the local cluster's binaries from tests/cluster/modules; prints their directory
+cluster-build:
+    tests/cluster/build
+
+# the e2e suite on the local cluster: up, deploy, tests/e2e, artifacts on failure, down; args go
+# to pytest. DRACPU_CLUSTER_RUNTIME picks the runtime (containerd)
+e2e-local *ARGS:
+    tests/cluster/e2e {{ARGS}}
+
 # the node simulator: the real daemon with a fake API server, kubelet and runtime
 sim *ARGS:
     {{venv}}/dracpu sim {{ARGS}}

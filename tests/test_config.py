@@ -796,3 +796,72 @@ def test_duration_flags_win_over_the_file(tmp_path: Path) -> None:
     path = _file(tmp_path, "podresourcesInterval: 2m\norphanGrace: 1h\n")
     config = _load(["--config", path, "--node-name", "n", "--orphan-grace", "90s"])
     assert (config.podresources_interval, config.orphan_grace) == (120.0, 90.0)
+
+
+# --- host cgroups ---------------------------------------------------------------------------------
+
+
+def test_host_cgroups_from_the_flag_and_the_file(tmp_path: Path) -> None:
+    assert _load(["--node-name", "n"]).confine_host_cgroups == ()
+    flag = _load(["--node-name", "n", "--confine-host-cgroups=system.slice, /kubelet.slice"])
+    assert flag.confine_host_cgroups == ("system.slice", "kubelet.slice")
+    assert _load(["--node-name", "n", "--confine-host-cgroups="]).confine_host_cgroups == ()
+    path = _file(tmp_path, "confineHostCgroups: [system.slice, runtime.slice]\n")
+    config = _load(["--node-name", "n", "--config", path])
+    assert config.confine_host_cgroups == ("system.slice", "runtime.slice")
+    # the flag wins over the file, as every flag given does
+    config = _load(["--node-name", "n", "--config", path, "--confine-host-cgroups=a.slice"])
+    assert config.confine_host_cgroups == ("a.slice",)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (
+            "kubepods.slice",
+            "invalid value \"kubepods.slice\": cgroup 'kubepods.slice' is, or is inside, the "
+            "kubelet's cgroup of the pods ('kubepods.slice'): confining it would keep the pods off "
+            "their exclusive CPUs",
+        ),
+        (
+            "system.slice,/",
+            "invalid value \"system.slice,/\": cgroup '/' is the cgroup root, which holds every "
+            "process (the pods' too)",
+        ),
+        (
+            "system.slice,,kubelet.slice",
+            "invalid value \"system.slice,,kubelet.slice\": cgroup '' is the cgroup root, which "
+            "holds every process (the pods' too)",
+        ),
+        (
+            "../x",
+            "invalid value \"../x\": cgroup '../x' must be a path below the cgroup root without "
+            "empty, . or .. parts",
+        ),
+        (
+            "system.slice,system.slice/a.service",
+            "invalid value \"system.slice,system.slice/a.service\": cgroup 'system.slice/a.service'"
+            " is inside 'system.slice', which is listed too",
+        ),
+    ],
+)
+def test_bad_host_cgroups_are_refused_with_one_line(
+    tmp_path: Path, value: str, expected: str
+) -> None:
+    assert _error(["--node-name", "n", f"--confine-host-cgroups={value}"]) == (
+        f"--confine-host-cgroups: {expected}"
+    )
+
+
+def test_bad_host_cgroups_in_the_file(tmp_path: Path) -> None:
+    path = _file(tmp_path, "confineHostCgroups: [system.slice, 3]\n")
+    assert _error(["--config", path, "--node-name", "n"]) == (
+        f'config file {path}: confineHostCgroups: invalid value ["system.slice", 3]: must be a '
+        "string, not a number"
+    )
+    path = _file(tmp_path, "confineHostCgroups: [kubelet.slice/kubelet-kubepods.slice]\n")
+    assert _error(["--config", path, "--node-name", "n"]).startswith(
+        f'config file {path}: confineHostCgroups: invalid value ["kubelet.slice/kubelet-kubepods'
+        ".slice\"]: cgroup 'kubelet.slice/kubelet-kubepods.slice' is, or is inside, the "
+        "kubelet's cgroup of the pods ('kubelet-kubepods.slice')"
+    )

@@ -20,6 +20,7 @@ import yaml
 
 import dracpu
 from dracpu import DRIVER_NAME
+from dracpu.adapters.host_cgroups import cgroup_root
 from dracpu.adapters.kube import KubeClient
 from dracpu.cli import _build_parser
 from dracpu.config import load_config
@@ -27,7 +28,12 @@ from dracpu.config.go_flags import go_style_flags
 from tests.kustomize import build, render
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kustomize"
-TREES = {"base": DEPLOY / "base", "kind": DEPLOY / "overlays" / "kind"}
+TREES = {
+    "base": DEPLOY / "base",
+    "kind": DEPLOY / "overlays" / "kind",
+    "local": DEPLOY / "overlays" / "local",
+    "host-cgroups": DEPLOY / "overlays" / "host-cgroups",
+}
 # The Kubernetes version whose schemas we validate against: the newest kubernetes-validate ships.
 K8S_VERSION = kubernetes_validate.latest_version()
 
@@ -95,9 +101,17 @@ def test_deviceclass_selects_our_driver() -> None:
     ]
 
 
-@pytest.mark.parametrize(("tree", "reserved"), [("base", ""), ("kind", "0")])
+@pytest.mark.parametrize(
+    ("tree", "reserved", "cgroups"),
+    [
+        ("base", "", ()),
+        ("kind", "0", ()),
+        ("local", "", ()),
+        ("host-cgroups", "", ("system.slice",)),
+    ],
+)
 def test_the_daemonsets_command_and_config_are_accepted_by_the_cli(
-    tree: str, reserved: str, tmp_path: Path
+    tree: str, reserved: str, cgroups: tuple[str, ...], tmp_path: Path
 ) -> None:
     objects = _render(tree)
     container = _one(objects, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]
@@ -118,6 +132,7 @@ def test_the_daemonsets_command_and_config_are_accepted_by_the_cli(
     )
     assert config.host_root == Path("/host")
     assert str(config.reserved_cpus) == reserved
+    assert config.confine_host_cgroups == cgroups
     assert config.notices == ()  # no deprecated flag in our own manifests
 
 
@@ -131,8 +146,13 @@ def test_the_daemonset_is_hardened(tree: str) -> None:
         "readOnlyRootFilesystem": True,
         "seccompProfile": {"type": "RuntimeDefault"},
     }
-    for key in ("hostPID", "hostIPC", "hostNetwork"):
+    for key in ("hostPID", "hostIPC"):
         assert not pod.get(key), key
+    # Only the local cluster's overlay, which has no pod network, runs on the host's; there
+    # the daemon serves on loopback alone.
+    if pod.get("hostNetwork"):
+        assert tree == "local"
+        assert "--bind-address=127.0.0.1:8080" in container["args"]
     assert all(v.get("hostPath", {}).get("path") != "/" for v in pod["volumes"])
 
 
@@ -159,6 +179,24 @@ def test_the_daemonset_mounts_the_paths_the_daemon_uses() -> None:
     env = {e["name"]: e for e in container["env"]}
     assert env["HOST_ROOT"]["value"] == "/host"
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+
+
+def test_only_the_host_cgroups_overlay_mounts_the_cgroup_fs_and_writable() -> None:
+    def cgroup_mounts(tree: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        pod = _one(_render(tree), "DaemonSet")["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        return [
+            (mount, volumes[mount["name"]])
+            for mount in pod["containers"][0]["volumeMounts"]
+            if "cgroup" in mount["mountPath"]
+        ]
+
+    assert cgroup_mounts("base") == cgroup_mounts("kind") == cgroup_mounts("local") == []
+    ((mount, volume),) = cgroup_mounts("host-cgroups")
+    # where the daemon looks (adapters.host_cgroups.cgroup_root of HOST_ROOT), not read-only
+    assert mount["mountPath"] == str(cgroup_root(Path("/host")))
+    assert not mount.get("readOnly", False)
+    assert volume["hostPath"] == {"path": "/sys/fs/cgroup", "type": "Directory"}
 
 
 # What each request of the API adapter needs (the only API client is adapters/kube.py): the

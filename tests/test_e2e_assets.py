@@ -35,13 +35,14 @@ import yaml
 
 from dracpu.config import Config
 from tests.e2e import kube as kube_module
-from tests.e2e.cluster import Cluster, NodeFacts, claim_size, grouped_device_numa
+from tests.e2e.cluster import Cluster, NodeFacts, Target, claim_size, grouped_device_numa
 from tests.e2e.kube import Kubectl, format_cpulist, parse_cpulist, parse_quantity, poll
 from tests.e2e.model import FAULTS, ModelKubectl
 from tests.e2e.workloads import (
+    KIND_OVERLAY,
     MANIFESTS,
     OBSERVE,
-    OVERLAY,
+    OVERLAYS,
     REPO,
     claim_template,
     exclusive_pod,
@@ -193,7 +194,7 @@ def test_builders_set_what_the_tests_vary() -> None:
 
 def test_every_pod_uses_the_loaded_image_and_never_pulls() -> None:
     image = overlay_image()
-    assert image == _run_sh_value("IMAGE") == "dracpu:dev"
+    assert image == overlay_image(OVERLAYS / "local") == _run_sh_value("IMAGE") == "dracpu:dev"
     pods = [doc for _, doc in _manifest_docs() if doc["kind"] == "Pod"]
     assert pods
     for pod in pods:
@@ -203,7 +204,7 @@ def test_every_pod_uses_the_loaded_image_and_never_pulls() -> None:
 
 
 def test_overlay_never_pulls_and_containerfile_builds_the_daemon() -> None:
-    kustomization = yaml.safe_load((OVERLAY / "kustomization.yaml").read_text())
+    kustomization = yaml.safe_load((KIND_OVERLAY / "kustomization.yaml").read_text())
     ops = [op for patch in kustomization["patches"] for op in yaml.safe_load(patch["patch"])]
     assert {
         "op": "add",
@@ -279,12 +280,12 @@ def test_containerd_patch_enables_nri_and_cdi_where_the_daemonset_looks() -> Non
     args = " ".join(_overlay_args())
     assert "--nri-socket" not in args
     assert "--cdi-dir" not in args
-    (configmap,) = [o for o in build(OVERLAY) if o["kind"] == "ConfigMap"]
+    (configmap,) = [o for o in build(KIND_OVERLAY) if o["kind"] == "ConfigMap"]
     assert not {"nriSocket", "cdiDir"} & set(yaml.safe_load(configmap["data"]["config.yaml"]))
 
 
 def _overlay_args() -> list[str]:
-    (daemonset,) = [o for o in build(OVERLAY) if o["kind"] == "DaemonSet"]
+    (daemonset,) = [o for o in build(KIND_OVERLAY) if o["kind"] == "DaemonSet"]
     container = daemonset["spec"]["template"]["spec"]["containers"][0]
     args: list[str] = container["command"] + container.get("args", [])
     return args
@@ -294,7 +295,8 @@ def test_kubelet_leaves_cpus_to_dracpu_and_reserves_the_same_cpu() -> None:
     patches = [yaml.safe_load(p) for p in _kind_config()["kubeadmConfigPatches"]]
     (kubelet,) = [p for p in patches if p["kind"] == "KubeletConfiguration"]
     assert kubelet["cpuManagerPolicy"] == "none"
-    assert parse_cpulist(kubelet["reservedSystemCPUs"]) == overlay_reserved_cpus() == {0}
+    reserved = overlay_reserved_cpus(KIND_OVERLAY)
+    assert parse_cpulist(kubelet["reservedSystemCPUs"]) == reserved == {0}
 
 
 # --- run.sh ----------------------------------------------------------------------------------
@@ -556,7 +558,7 @@ def test_e2e_tests_are_skipped_with_the_reason(tmp_path: Path) -> None:
     module = importlib.import_module("tests.e2e.test_kind")
     count = sum(1 for name in vars(module) if name.startswith("test_"))
     assert re.search(rf"\b{count} skipped\b", done.stdout), done.stdout
-    assert "run `just e2e`" in done.stdout  # -ra prints the reason
+    assert "run `just e2e-local`" in done.stdout  # -ra prints the reason
 
 
 # --- the suite's helpers ---------------------------------------------------------------------
@@ -614,12 +616,23 @@ def test_node_facts_give_the_devices_the_driver_must_publish() -> None:
         grouped_device_numa("cpudev001")
 
 
-def test_claim_size_fits_two_claims_and_a_shared_cpu() -> None:
+def test_claim_size_fits_two_claims_and_a_shared_cpu_or_one_claim_and_a_shared_cpu() -> None:
     assert claim_size(_facts({0: "0-3"})) == 1  # 3 allocatable: 1 + 1 + 1 shared
     assert claim_size(_facts({0: "0-5"})) == 2  # 5 allocatable: 2 + 2 + 1 shared
     assert claim_size(_facts({0: "0-2", 1: "3-4"})) == 1  # two 2-CPU groups, 4 shareable
+    three = _facts({0: "0-3"})
+    roomy = Target(node=three, nodes={"node": three}, size=1)
+    assert roomy.room_for_two_claims
+    assert roomy.room_for_two_cpu_claim
+    # 2 allocatable (the local cluster's 2-CPU node): one 1-CPU claim and a shared CPU, and
+    # nothing more at once.
+    two = _facts({0: "0-2"})
+    assert claim_size(two) == 1
+    small = Target(node=two, nodes={"node": two}, size=1)
+    assert not small.room_for_two_claims
+    assert not small.room_for_two_cpu_claim
     with pytest.raises(AssertionError, match="too few CPUs"):
-        claim_size(_facts({0: "0-2"}))
+        claim_size(_facts({0: "0-1"}))
 
 
 def test_probe_script_reads_this_machine() -> None:
@@ -839,8 +852,10 @@ def test_events_are_filtered_by_object_reason_type_and_text(fake_cluster: FakeCl
 _SUITE = (
     "test_claimed_cpus_pin_the_container",
     "test_shared_pool_shrinks_and_widens",
-    "test_claims_are_disjoint_and_oversized_claims_stay_pending",
+    "test_claims_are_disjoint",
+    "test_oversized_claims_stay_pending",
     "test_refusals_carry_the_drivers_error",
+    "test_fractional_claims_get_whole_cpus",
     "test_daemon_restart_keeps_pinning",
 )
 _CAUGHT_BY = {
@@ -848,23 +863,29 @@ _CAUGHT_BY = {
     "forgets-claims-on-restart": {"test_daemon_restart_keeps_pinning"},
     "hands-out-reserved": {
         "test_claimed_cpus_pin_the_container",
-        "test_claims_are_disjoint_and_oversized_claims_stay_pending",
+        "test_claims_are_disjoint",
     },
     "never-widens": {"test_shared_pool_shrinks_and_widens", "test_daemon_restart_keeps_pinning"},
     "no-shrink": {
         "test_shared_pool_shrinks_and_widens",
-        "test_claims_are_disjoint_and_oversized_claims_stay_pending",
+        "test_claims_are_disjoint",
         "test_daemon_restart_keeps_pinning",
     },
 }
 
 
-def _run_suite(model: ModelKubectl, artifacts: Path) -> dict[str, str]:
-    """Run the e2e tests against the model as the fixtures would; failures by test name."""
+def _run_suite(
+    model: ModelKubectl,
+    artifacts: Path,
+    reserved: frozenset[int] | None = None,
+    skipped: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """Run the e2e tests against the model as the fixtures would; failures by test name (and
+    the skips' reasons into ``skipped``). ``reserved``: the kind overlay's unless given."""
     suite = importlib.import_module("tests.e2e.test_kind")
     cluster = Cluster(model, artifacts)
     cluster.wait_deployed(timeout=5)
-    target = cluster.discover(overlay_reserved_cpus())
+    target = cluster.discover(overlay_reserved_cpus(KIND_OVERLAY) if reserved is None else reserved)
     failures: dict[str, str] = {}
     try:
         suite.test_every_node_publishes_its_numa_groups(cluster, target)
@@ -876,6 +897,10 @@ def _run_suite(model: ModelKubectl, artifacts: Path) -> dict[str, str]:
             getattr(suite, name)(cluster, target, namespace)
         except AssertionError as exc:
             failures[name] = str(exc)
+        except pytest.skip.Exception as exc:
+            if skipped is None:
+                raise
+            skipped[name] = str(exc.msg)
         model.delete("namespace", namespace)
     return failures
 
@@ -897,6 +922,22 @@ def test_the_suite_passes_against_a_cluster_that_keeps_dracpus_promises(
     assert (tmp_path / "dump" / "pods.txt").exists()
 
 
+def test_on_a_2_cpu_node_the_tests_that_need_3_skip_and_the_rest_pass(tmp_path: Path) -> None:
+    # The local cluster's node: 2 CPUs, none reserved (deploy/kustomize/overlays/local).
+    model = ModelKubectl(online="0-1", numa={0: "0-1"}, reserved="", unsolicited=True)
+    skipped: dict[str, str] = {}
+    assert _run_suite(model, tmp_path, overlay_reserved_cpus(OVERLAYS / "local"), skipped) == {}
+    assert skipped == {
+        "test_claims_are_disjoint": suite_module().NO_ROOM_FOR_TWO_CLAIMS,
+        "test_fractional_claims_get_whole_cpus": suite_module().NO_ROOM_FOR_TWO_CPUS,
+    }
+    assert model.namespaces == set()
+
+
+def suite_module() -> Any:
+    return importlib.import_module("tests.e2e.test_kind")
+
+
 @pytest.mark.parametrize("fault", sorted(_CAUGHT_BY))
 def test_the_suite_fails_when_dracpu_misbehaves(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str
@@ -916,7 +957,7 @@ def test_the_model_widens_at_the_next_event_only_without_unsolicited_updates(
     widening paths apart."""
     model = ModelKubectl(unsolicited=False)
     cluster = Cluster(model, tmp_path)
-    target = cluster.discover(overlay_reserved_cpus())
+    target = cluster.discover(overlay_reserved_cpus(KIND_OVERLAY))
     node = target.node.name
     ns = cluster.create_namespace("model")
     cluster.start(shared_pod("shared", ns, node))

@@ -6,6 +6,7 @@ tests/integration/test_upstream_chart.py; here the pieces, and the failures a br
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from types import MappingProxyType
 import pytest
 import yaml
 
+from dracpu.adapters.host_cgroups import CgroupState
 from dracpu.core.checkpoint_schema import CheckpointData, PreparedClaim, encode
 from dracpu.core.commands import Container
 from dracpu.core.cpuset import CpuSet
@@ -146,6 +148,7 @@ def test_the_report_has_upstreams_shape_and_ours(node: DriverProcess) -> None:
         }
     ]
     assert ours["cdiSpecs"] == {}
+    assert ours["hostCgroupsFound"] is None  # nothing confined
     # This test process does not catch SIGUSR1: it is not sent (it would end the process).
     assert ours["debugDump"] == {"error": f"process {os.getpid()} does not handle SIGUSR1 (yet)"}
 
@@ -158,6 +161,14 @@ def test_a_broken_part_is_reported_in_place(node: DriverProcess, tmp_path: Path)
     assert doc["cpuDetails"]["topology"]["numCPUs"] > 0  # the rest is still there
 
 
+def test_what_the_confined_host_cgroups_held_is_in_the_report(
+    node: DriverProcess, tmp_path: Path
+) -> None:
+    found = {"version": 1, "hierarchy": "v2", "found": {"system.slice": ""}}
+    (tmp_path / "state" / "host-cgroups.json").write_text(json.dumps(found))
+    assert report(node)["dracpu"]["hostCgroupsFound"] == found
+
+
 def test_no_driver_process_is_an_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(gatherinfo, "PROC", tmp_path)
     with pytest.raises(GatherError, match="no running 'dracpu' process found"):
@@ -168,7 +179,8 @@ def test_no_driver_process_is_an_error(monkeypatch: pytest.MonkeyPatch, tmp_path
 
 def test_the_driver_is_found_by_its_process_name_and_dumps_on_sigusr1(tmp_path: Path) -> None:
     # A stand-in driver: a process named dracpu (its command is a link of that name) that
-    # catches SIGUSR1 and writes a dump where the daemon's task writes it.
+    # catches SIGUSR1 and writes a dump where the daemon's task writes it, atomically as the
+    # task does (a plain write can be seen empty, between its truncate and its write).
     state = tmp_path / "state"
     state.mkdir()
     program = tmp_path / "driver.py"
@@ -178,7 +190,8 @@ def test_the_driver_is_found_by_its_process_name_and_dumps_on_sigusr1(tmp_path: 
         f"path = Path({str(state / 'debug-dump.json')!r})\n"
         "def dump(*_):\n"
         "    doc = {'pid': os.getpid(), 'state': 'not restored yet', 'recentLog': ['a line']}\n"
-        "    path.write_text(json.dumps(doc))\n"
+        "    path.with_suffix('.tmp').write_text(json.dumps(doc))\n"
+        "    os.replace(path.with_suffix('.tmp'), path)\n"
         "signal.signal(signal.SIGUSR1, dump)\n"
         "print('ready', flush=True)\n"
         "time.sleep(60)\n"
@@ -243,8 +256,16 @@ def test_the_debug_dump_lists_claims_containers_and_the_pins_last_sent() -> None
         ),
         shared=frozenset({"c-shared"}),
     )
-    dump = snapshot(state, ["l1"], 0.0)
+    cgroups = (
+        CgroupState("system.slice", CpuSet.parse("0-3")),
+        CgroupState("runtime.slice", None, "no such cgroup"),
+    )
+    dump = snapshot(state, ["l1"], 0.0, cgroups)
     assert dump["written"] == "1970-01-01T00:00:00Z"
+    assert dump["hostCgroups"] == [
+        {"cgroup": "system.slice", "confinedTo": "0-3", "problem": ""},
+        {"cgroup": "runtime.slice", "confinedTo": None, "problem": "no such cgroup"},
+    ]
     assert dump["claims"] == [
         {
             "uid": "u1",

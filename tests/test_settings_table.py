@@ -17,8 +17,8 @@ from dracpu.errors import ConfigError
 from tests.test_upstream_compat_doc import DOC, ROWS
 
 # A flag or environment value every converter refuses (not absolute, a path list, no '=', no
-# digits, no boolean), and a YAML value every converter refuses (a list).
-BAD_TEXT = ":::"
+# digits, no boolean, a '..' part), and a YAML value every converter refuses (a list).
+BAD_TEXT = ":::/.."
 BAD_YAML = "[1]"
 
 

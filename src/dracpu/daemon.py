@@ -40,7 +40,9 @@ not ready through its :class:`~dracpu.tasks.http.ReadinessFlag`. Three flags are
 ``kubelet-registration`` turns ready when the kubelet reports that it registered the plugin, and
 not ready when it refuses it; ``cdi-dir`` is ready while specs can be written into the CDI dir,
 ``state-dir`` while the checkpoint can be written (the state owner, which writes both, waits out
-a read-only, full or missing dir, saying why).
+a read-only, full or missing dir, saying why); ``host-cgroups``, there once a host cgroup is
+listed (``--confine-host-cgroups``), while every listed one is confined (the state owner tries
+again the ones that are not, and ``/readyz`` names what each is confined to).
 
 Stopping (SIGTERM/SIGINT, or a task failure): ``/readyz`` turns 503, then the tasks are
 cancelled one by one in REVERSE start order, each awaited, so the request sources stop before
@@ -106,6 +108,7 @@ __all__ = [
     "EXIT_INTERRUPTED",
     "EXIT_OK",
     "CDI_DIR",
+    "HOST_CGROUPS",
     "KUBELET_REGISTRATION",
     "STATE_DIR",
     "STOP_TIMEOUT",
@@ -133,6 +136,9 @@ KUBELET_REGISTRATION = "kubelet-registration"
 CDI_DIR = "cdi-dir"
 # The readiness flag that says whether the checkpoint can be written (the state owner's verdict).
 STATE_DIR = "state-dir"
+# The readiness flag that says whether every listed host cgroup is confined (the state owner's
+# verdict; there only once a host cgroup was listed).
+HOST_CGROUPS = "host-cgroups"
 
 
 class TaskRun(Protocol):
@@ -367,6 +373,7 @@ class _Node:
             container_updates=self.link.submit,
             state_dir=readiness.flag(STATE_DIR, reason="the checkpoint has not been written yet"),
             cdi_dir=readiness.flag(CDI_DIR, reason="the CDI dir has not been tried yet"),
+            host_cgroups=partial(readiness.flag, HOST_CGROUPS),
         )
         self.metrics = DraCpuMetrics(self.node_state)
         self.list_trigger = podresources_sync.ListTrigger()
@@ -420,7 +427,9 @@ class _Node:
 
     async def run_debug_dump(self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
         path = self.config.state_dir / debug_dump.DUMP_FILE
-        await debug_dump.run(self.node_state, path, task_status=task_status)
+        await debug_dump.run(
+            self.node_state, path, host_cgroups=self.owner.host_cgroups, task_status=task_status
+        )
 
     async def run_device_health(
         self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED
@@ -481,7 +490,11 @@ class _Node:
 
     def tasks(self) -> list[TaskSpec]:
         registry = metrics.build_registry(
-            self.readiness, self.owner.statistics, self.link.status, self.podresources
+            self.readiness,
+            self.owner.statistics,
+            self.link.status,
+            self.podresources,
+            self.owner.host_cgroups,
         )
         registry.register(self.metrics)
         return [

@@ -12,6 +12,7 @@ from dracpu.core.checkpoint_schema import CheckpointData, decode, encode
 from dracpu.core.commands import Command, InvalidateContainers
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.effects import (
+    ConfineHostCgroups,
     ContainerUpdate,
     DeleteCdiSpec,
     DeleteDeviceMetadata,
@@ -132,6 +133,8 @@ class FakeDisk:
     fail_at: int | None = None
     executed: int = 0
     sent_updates: list[ContainerUpdate] = field(default_factory=list)
+    # The host cgroups and the CPUs the last ConfineHostCgroups confined them to.
+    cgroups: tuple[tuple[str, ...], CpuSet] | None = None
 
     def execute(self, effect: Effect) -> None:
         number = self.executed
@@ -165,6 +168,8 @@ class FakeDisk:
                 self.slices = devices
             case UpdateContainers(updates=updates):
                 self.sent_updates.extend(updates)
+            case ConfineHostCgroups(cgroups=cgroups, cpus=host_cpus):
+                self.cgroups = (cgroups, host_cpus)
             case Reply():
                 pass
 
@@ -212,3 +217,7 @@ def disk_matches(state: NodeState, disk: FakeDisk) -> None:
     written = {u: _unpodded(c) for u, c in disk.metadata.items() if u in with_results}
     assert written == with_results
     assert disk.metadata.keys() <= state.claims.keys()
+    # The host cgroups follow the pool of every command that changed it (a Resync confines them
+    # even when none is listed, to give back what an earlier confinement found).
+    if state.config.host_cgroups and disk.cgroups is not None:
+        assert disk.cgroups == (state.config.host_cgroups, state.host_pool)

@@ -40,6 +40,7 @@ from dracpu.core.effects import (
     ClaimPrepared,
     ClaimsAdopted,
     ClaimUnprepared,
+    ConfineHostCgroups,
     ContainerForgotten,
     ContainerPinned,
     ContainerUpdate,
@@ -1113,6 +1114,7 @@ def test_resync_rewrites_specs_prunes_and_publishes() -> None:
     # The files after the answer, each on its own (a CDI dir that cannot be written keeps no
     # SIGHUP from applying): every spec, the prune, then every claim's metadata.
     assert effects == [
+        ConfineHostCgroups((), state.host_pool),  # none listed: gives back what was found
         PublishSlices(tuple(INDIVIDUAL.devices.values())),
         Reply(Resynced(2)),
         WriteCdiSpec(uid(1), cpus("4")),

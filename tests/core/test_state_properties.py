@@ -72,8 +72,11 @@ def configs() -> dict[str, NodeConfig]:
     box = build_topology(FIXTURES["offline-isolated"])
     built = {
         "individual": config_for(CpuDeviceMode.INDIVIDUAL, isolated="3,11"),
-        "numa": config_for(isolated="6"),
-        "machine": config_for(group_by=GroupBy.MACHINE, reserved="", pin_memory=True),
+        "numa": replace(config_for(isolated="6"), host_cgroups=("system.slice",)),
+        "machine": replace(
+            config_for(group_by=GroupBy.MACHINE, reserved="", pin_memory=True),
+            host_cgroups=("system.slice", "kubelet.slice"),
+        ),
         "box-numa": NodeConfig.build(NODE, box, reserved=CpuSet.parse("0")),
         "box-individual": NodeConfig.build(
             NODE, box, reserved=CpuSet.parse("1,9"), mode=CpuDeviceMode.INDIVIDUAL

@@ -15,6 +15,7 @@ from dracpu.core.checkpoint_schema import CheckpointData, PreparedClaim
 from dracpu.core.commands import CreateContainer, Resync, Synchronize, UnprepareClaim
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.effects import (
+    ConfineHostCgroups,
     ContainerPinned,
     NodeChanged,
     PruneCdiSpecs,
@@ -74,6 +75,7 @@ def test_a_cpu_going_offline_keeps_its_claim_whole_and_the_other_device_names() 
         ),
     )
     assert effects == [
+        ConfineHostCgroups((), cpus("0-3,6-15")),  # the pool without the claim and cpu 4-5
         PublishSlices(tuple(config.devices.values())),
         Reply(value),
         WriteCdiSpec(uid(1), cpus("4")),  # the CDI spec keeps the offline CPU

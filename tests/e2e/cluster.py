@@ -25,6 +25,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from tests.e2e import kube as kube_module
 from tests.e2e.kube import (
     Kubectl,
@@ -35,6 +37,7 @@ from tests.e2e.kube import (
     poll,
 )
 from tests.e2e.workloads import (
+    CLAIM_REQUEST,
     CPU_CAPACITY,
     DRIVER,
     OBSERVE,
@@ -51,7 +54,9 @@ __all__ = [
     "NodeFacts",
     "Observed",
     "Target",
+    "claim_result",
     "claim_size",
+    "fits",
     "grouped_device_numa",
 ]
 
@@ -154,25 +159,49 @@ class Target:
     nodes: Mapping[str, NodeFacts]
     size: int
 
+    @property
+    def room_for_two_claims(self) -> bool:
+        """Do two claims of ``size`` CPUs and a shared CPU fit on the node at once?"""
+        return fits(self.node, self.size, claims=2)
+
+    @property
+    def room_for_two_cpu_claim(self) -> bool:
+        """Does one claim of 2 CPUs from one device, and a shared CPU, fit on the node?"""
+        return fits(self.node, 2, claims=1)
+
+
+def fits(node: NodeFacts, size: int, *, claims: int) -> bool:
+    """Do ``claims`` claims of ``size`` CPUs each fit in the node's NUMA groups and leave a CPU
+    for the shared pool (dracpu refuses a claim that would empty it while shared containers
+    run, and its own pod is one)?"""
+    capacities = [count for _, count in node.grouped_devices().values()]
+    return sum(c // size for c in capacities) >= claims and len(node.shareable) >= size * claims + 1
+
 
 def claim_size(node: NodeFacts) -> int:
     """CPUs per exclusive claim: 2 when two such claims fit in the node's NUMA groups with a
-    CPU left for the shared pool, else 1. Raises when even that does not fit: the suite needs
-    two 1-CPU claims, a 2-CPU claim and a shared CPU (4 online CPUs with CPU 0 reserved)."""
-    capacities = [count for _, count in node.grouped_devices().values()]
-    shareable = len(node.shareable)
-
-    def fits(size: int) -> bool:
-        return sum(c // size for c in capacities) >= 2 and shareable >= 2 * size + 1
-
-    if not (fits(1) and max(capacities, default=0) >= 2 and shareable >= 3):
+    CPU left for the shared pool, else 1. Raises when not even one 1-CPU claim and a shared CPU
+    fit (2 shareable CPUs): the tests that need more (two claims at once, a 2-CPU claim) skip,
+    saying so, on a node that has only that (the local cluster's 2-CPU machine)."""
+    if not fits(node, 1, claims=1):
         raise AssertionError(
             f"node {node.name} has too few CPUs for the e2e suite: online "
             f"{format_cpulist(node.online)!r}, reserved {format_cpulist(node.reserved)!r}, "
-            f"isolated {format_cpulist(node.isolated)!r}; it needs 3 shareable CPUs and a NUMA "
-            "node with 2 allocatable ones"
+            f"isolated {format_cpulist(node.isolated)!r}; it needs 2 shareable CPUs"
         )
-    return 2 if fits(2) else 1
+    return 2 if fits(node, 2, claims=2) else 1
+
+
+def claim_result(claim: Mapping[str, Any], node: str) -> dict[str, Any]:
+    """The one allocation result of our driver in the claim, checked to be on ``node``."""
+    allocation = (claim.get("status") or {}).get("allocation")
+    assert allocation, f"claim {claim['metadata']['name']} is not allocated"
+    results = [r for r in allocation["devices"]["results"] if r.get("driver") == DRIVER]
+    assert len(results) == 1, f"expected one result of {DRIVER}: {results}"
+    (result,) = results
+    assert result["pool"] == node, f"allocated from pool {result['pool']}, not node {node}"
+    assert result["request"] == CLAIM_REQUEST
+    return dict(result)
 
 
 def grouped_device_numa(device: str) -> int:
@@ -283,6 +312,41 @@ class Cluster:
 
         names = poll(ready, bool, timeout=timeout, what=f"a Ready dracpu pod on node {node}")
         return names[0]
+
+    def daemon_exec(self, node: str, *command: str, timeout: float = 60.0) -> str:
+        """Run ``command`` in the node's Ready dracpu container; its stdout."""
+        pod = self.ready_daemon(node)
+        return self.kube.run(
+            "exec",
+            "-n",
+            DAEMON_NAMESPACE,
+            pod,
+            "-c",
+            DAEMON_CONTAINER,
+            "--",
+            *command,
+            timeout=timeout,
+        )
+
+    def checkpoint(self, node: str) -> dict[str, dict[str, Any]]:
+        """The claims in the node's dracpu checkpoint, by claim UID, as its gatherinfo report
+        shows them (read by the running daemon's own command from the state directory)."""
+        report = yaml.safe_load(self.daemon_exec(node, "/dracpu", "gatherinfo", "--stdout"))
+        claims = report["dracpu"]["checkpoint"]["claims"]
+        return {claim["uid"]: claim for claim in claims}
+
+    def restart_daemons(self, *, timeout: float = START_TIMEOUT) -> None:
+        """A rolling update of the DaemonSet (``kubectl rollout restart``), waited out."""
+        self.kube.run("rollout", "restart", "-n", DAEMON_NAMESPACE, "daemonset/dracpu")
+        self.kube.run(
+            "rollout",
+            "status",
+            "-n",
+            DAEMON_NAMESPACE,
+            "daemonset/dracpu",
+            f"--timeout={int(timeout)}s",
+            timeout=timeout + 30,
+        )
 
     def daemon_logs(self, node: str) -> str:
         pods = self.daemon_pods(node)

@@ -1,4 +1,5 @@
-"""Fixtures of the kind e2e suite, and the switch that keeps it out of the normal test run.
+"""Fixtures of the e2e suite (kind or the local cluster), and the switch that keeps it out of
+the normal test run.
 
 Tests marked ``e2e`` run only when ``DRACPU_E2E=1`` (``tests/e2e/run.sh`` sets it after it
 created the cluster and deployed dracpu); otherwise they are skipped with the reason, which
@@ -41,8 +42,8 @@ ARTIFACTS_ENV = "DRACPU_E2E_ARTIFACTS"
 # Optional: the node the workload tests use (default: the first worker, by name).
 NODE_ENV = "DRACPU_E2E_NODE"
 SKIP_REASON = (
-    "kind e2e test: needs a kind cluster running dracpu; run `just e2e` (tests/e2e/run.sh, "
-    f"which sets {E2E_ENV}=1)"
+    "e2e test: needs a cluster running dracpu; run `just e2e-local` (a local one-node cluster, "
+    f"tests/cluster) or `just e2e` (kind, tests/e2e/run.sh), which set {E2E_ENV}=1"
 )
 # How long dracpu may take to be Ready and publish its slices after a fresh deploy.
 DEPLOY_TIMEOUT = 300.0

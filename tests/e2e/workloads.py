@@ -1,17 +1,18 @@
-"""The objects the kind e2e suite creates, built from ``tests/e2e/manifests/*.yaml``.
+"""The objects the e2e suite creates, built from ``tests/e2e/manifests/*.yaml``.
 
 The manifests are complete, valid objects (``tests/test_e2e_assets.py`` validates them and every
 object built here against the Kubernetes schemas); the builders copy one and set what each test
 varies: name, namespace, node, the CPUs a claim asks for, extra env.
 
 Also here: what the suite reads from the repository instead of repeating it (the reserved CPUs
-and the image of the kind overlay), and :data:`OBSERVE`, the script run inside a container to see
-what it was given.
+and the image of the deployed overlay: ``kind``, or the one ``DRACPU_E2E_OVERLAY`` names), and
+:data:`OBSERVE`, the script run inside a container to see what it was given.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import re
 from collections.abc import Mapping
 from functools import cache
@@ -28,10 +29,13 @@ __all__ = [
     "DRIVER",
     "MANIFESTS",
     "OBSERVE",
-    "OVERLAY",
+    "KIND_OVERLAY",
+    "OVERLAYS",
+    "OVERLAY_ENV",
     "REPO",
     "WORK_CONTAINER",
     "claim_template",
+    "deployed_overlay",
     "exclusive_pod",
     "load_manifest",
     "overlay_image",
@@ -42,8 +46,11 @@ __all__ = [
 
 REPO = Path(__file__).resolve().parents[2]
 MANIFESTS = Path(__file__).resolve().parent / "manifests"
+OVERLAYS = REPO / "deploy" / "kustomize" / "overlays"
 # The overlay `just e2e` deploys (tests/e2e/run.sh applies it with kubectl apply -k).
-OVERLAY = REPO / "deploy" / "kustomize" / "overlays" / "kind"
+KIND_OVERLAY = OVERLAYS / "kind"
+# The name of the overlay deployed when it is not kind's (`just e2e-local` sets it to "local").
+OVERLAY_ENV = "DRACPU_E2E_OVERLAY"
 BASE = REPO / "deploy" / "kustomize" / "base"
 
 # The compatibility contract (docs/devices.md), written out here rather than imported from dracpu:
@@ -113,13 +120,35 @@ def shared_pod(
     return pod
 
 
-def claim_template(name: str, namespace: str, cpus: str) -> dict[str, Any]:
-    """A ResourceClaimTemplate asking for ``cpus`` (a quantity: "2", "1500m") of one device."""
+def claim_template(
+    name: str,
+    namespace: str,
+    cpus: str | None,
+    *,
+    cpu_config: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A ResourceClaimTemplate asking for ``cpus`` (a quantity: "2", "1500m") of one grouped
+    device, or (``None``) for one device with no capacity request: an individual-mode device.
+    ``cpu_config``: the claim's opaque config of our driver (docs/claim-config.md)."""
     template = load_manifest("claim-template.yaml")
     template["metadata"]["name"] = name
     template["metadata"]["namespace"] = namespace
-    (request,) = template["spec"]["spec"]["devices"]["requests"]
-    request["exactly"]["capacity"]["requests"] = {CPU_CAPACITY: cpus}
+    devices = template["spec"]["spec"]["devices"]
+    (request,) = devices["requests"]
+    if cpus is None:
+        del request["exactly"]["capacity"]
+    else:
+        request["exactly"]["capacity"]["requests"] = {CPU_CAPACITY: cpus}
+    if cpu_config is not None:
+        devices["config"] = [
+            {
+                "requests": [CLAIM_REQUEST],
+                "opaque": {
+                    "driver": DRIVER,
+                    "parameters": {"apiVersion": "v1alpha1", "cpuConfig": dict(cpu_config)},
+                },
+            }
+        ]
     return template
 
 
@@ -142,25 +171,31 @@ def exclusive_pod(
     return pod
 
 
-def overlay_reserved_cpus() -> frozenset[int]:
-    """The ``reservedCPUs`` of the driver config the kind overlay deploys (empty if none)."""
+def deployed_overlay() -> Path:
+    """The overlay the cluster under test runs: ``overlays/$DRACPU_E2E_OVERLAY``, else kind's."""
+    return OVERLAYS / os.environ.get(OVERLAY_ENV, KIND_OVERLAY.name)
+
+
+def overlay_reserved_cpus(overlay: Path | None = None) -> frozenset[int]:
+    """The ``reservedCPUs`` of the driver config the overlay (default: the deployed one)
+    deploys (empty if none)."""
     from tests.kustomize import build
 
-    (configmap,) = [o for o in build(OVERLAY) if o["kind"] == "ConfigMap"]
+    (configmap,) = [o for o in build(overlay or deployed_overlay()) if o["kind"] == "ConfigMap"]
     config = yaml.safe_load(configmap["data"]["config.yaml"]) or {}
     return parse_cpulist(str(config.get("reservedCPUs", "")))
 
 
-def overlay_image() -> str:
-    """The image reference the kind overlay deploys: the base DaemonSet's image with the
-    overlay's ``images`` rewrite (kustomize ``newName``/``newTag``) applied."""
+def overlay_image(overlay: Path = KIND_OVERLAY) -> str:
+    """The image reference the overlay deploys: the base DaemonSet's image with the overlay's
+    ``images`` rewrite (kustomize ``newName``/``newTag``) applied."""
     daemonset = yaml.safe_load((BASE / "daemonset.yaml").read_text())
     image: str = daemonset["spec"]["template"]["spec"]["containers"][0]["image"]
     match = re.match(r"^(?P<name>[^:@]+(:\d+/[^:@]+)?)(:(?P<tag>[^@]+))?(@.*)?$", image)
     if match is None:
         raise ValueError(f"{BASE / 'daemonset.yaml'}: cannot read image {image!r}")
     name, tag = match.group("name"), match.group("tag") or "latest"
-    kustomization = yaml.safe_load((OVERLAY / "kustomization.yaml").read_text())
+    kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
     for rewrite in kustomization.get("images", []):
         if rewrite.get("name") == name:
             name = rewrite.get("newName", name)

@@ -120,17 +120,19 @@ def _claim_of(effect: Effect) -> str:
 
 class Flag:
     """A readiness flag that remembers: ``reasons`` lists every not-ready reason set, in
-    order."""
+    order; ``detail`` what the last ``set_ready`` said."""
 
     def __init__(self) -> None:
         self._ready = False
         self.reasons: list[str] = []
+        self.detail = ""
 
     def is_ready(self) -> bool:
         return self._ready
 
-    def set_ready(self) -> None:
+    def set_ready(self, detail: str = "") -> None:
         self._ready = True
+        self.detail = detail
 
     def set_not_ready(self, reason: str) -> None:
         self._ready = False

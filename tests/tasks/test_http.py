@@ -410,3 +410,10 @@ def test_readiness_flags_and_report() -> None:
     a.set_not_ready("lost the runtime")
     assert not readiness.is_ready()
     assert readiness.flags() == (a,)
+    # a ready flag may say what it did beside "ok"
+    a.set_ready("system.slice confined to cpus 0-3")
+    assert a.detail == "system.slice confined to cpus 0-3"
+    assert readiness.report() == "[+]a ok: system.slice confined to cpus 0-3\nreadyz check passed\n"
+    a.set_not_ready("cannot confine runtime.slice")
+    a.set_ready()
+    assert readiness.report() == "[+]a ok\nreadyz check passed\n"

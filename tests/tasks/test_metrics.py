@@ -8,6 +8,8 @@ from types import MappingProxyType
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from dracpu.adapters.host_cgroups import CgroupState
+from dracpu.core.cpuset import CpuSet
 from dracpu.tasks.http import Readiness
 from dracpu.tasks.metrics import build_registry
 from dracpu.tasks.nri_link import NriLink, NriStatus
@@ -100,3 +102,19 @@ def test_the_owner_and_the_nri_side_together() -> None:
     key = ("dracpu_state_owner_commands_total", (("command", "Resync"), ("outcome", "ok")))
     assert samples[key] == 1.0
     assert samples[("dracpu_nri_connected", ())] == 0.0
+
+
+def test_the_host_cgroups_are_read_at_scrape_time() -> None:
+    states: list[CgroupState] = []
+    registry = build_registry(Readiness(), host_cgroups=lambda: tuple(states))
+    assert not any(
+        name == "dracpu_host_cgroup_confined"
+        for name, _ in _samples(generate_latest(registry).decode())
+    )
+    states[:] = [
+        CgroupState("system.slice", CpuSet.parse("0-3")),
+        CgroupState("runtime.slice", None, "no such cgroup"),
+    ]
+    after = _samples(generate_latest(registry).decode())
+    assert after[("dracpu_host_cgroup_confined", (("cgroup", "system.slice"),))] == 1.0
+    assert after[("dracpu_host_cgroup_confined", (("cgroup", "runtime.slice"),))] == 0.0

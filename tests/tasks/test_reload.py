@@ -82,6 +82,9 @@ def _source(host: Host, scratch: Path, *flags: str) -> ConfigSource:
             f"--host-root={host.root}",
             f"--cdi-dir={scratch / 'cdi'}",
             f"--state-dir={scratch / 'state'}",
+            # The device metadata lives under the kubelet's root: a scratch one, never the
+            # machine's /var/lib/kubelet (a restore rewrites every claim's metadata file).
+            f"--kubelet-root-dir={scratch / 'kubelet'}",
             *flags,
         ]
     )
@@ -113,7 +116,7 @@ async def test_the_settings_are_read_again_reserved_applies_structural_keys_are_
     setups = Logging()
     reloader = Reloader(source.loaded, source, setup=setups)
     first = await reloader.command()
-    assert first == Resync(read_topology(host.root), CpuSet.parse("0,32"), False)
+    assert first == Resync(read_topology(host.root), CpuSet.parse("0,32"), False, ())
     assert setups.calls == []
     assert _errors(caplog) == []
 

@@ -42,6 +42,7 @@ from dracpu.core.cpuset import CpuSet
 from dracpu.core.effects import (
     ClaimPrepared,
     ClaimUnprepared,
+    ConfineHostCgroups,
     ContainerUpdate,
     DeleteCdiSpec,
     DeleteDeviceMetadata,
@@ -406,33 +407,50 @@ async def test_a_cancelled_requester_never_disturbs_the_owner(
 async def test_effects_past_the_deadline_are_cut_off_after_the_hop_that_began(
     trees: SysfsTrees, scratch: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    async with running(trees, scratch, deadline=0.2) as node:
-        prepared = await node.ask(_grouped(UID_A, 2))
-        assert isinstance(prepared, ClaimPrepared)
-        node.files.ran.clear()
+    send, receive = republish_channel()
+    with send, receive:
+        async with running(trees, scratch, deadline=0.2) as node:
+            prepared = await node.ask(_grouped(UID_A, 2))
+            assert isinstance(prepared, ClaimPrepared)
+            node.owner._republish = send
+            node.files.ran.clear()
 
-        async def release(gate: threading.Event) -> None:
-            await anyio.sleep(0.5)  # past the deadline: the write is waited for
-            gate.set()
+            async def release(gate: threading.Event) -> None:
+                await anyio.sleep(0.5)  # past the deadline: the write is waited for
+                gate.set()
 
-        with (
-            caplog.at_level(logging.ERROR, logger="dracpu"),
-            node.files.holding(WriteCdiSpec) as gate,
-        ):
-            node.tg.start_soon(release, gate)
-            assert await node.ask(Resync()) == Resynced(1)  # answered before the files
-            await until(lambda: node.owner.statistics().effects_failed == 1, "the cut-off")
-        # The hop that had begun ran to its end; the effects after it never began.
-        assert node.ran() == [WriteCdiSpec]
-        assert [r.getMessage() for r in caplog.records] == [
-            "Resync: post-commit effects cut off after 0.2 s"
-        ]
-        assert _specs(node.config) == {UID_A: prepared.cpus}
-        assert await node.ask(UnprepareClaim(UID_A)) == ClaimUnprepared(UID_A, prepared.cpus)
-        # A prepare is one hop: however slow, nothing comes after it to cut off.
-        with node.files.holding(WriteCheckpoint) as gate:
-            node.tg.start_soon(release, gate)
-            assert isinstance(await node.ask(_grouped(UID_B, 2)), ClaimPrepared)
+            # The commit phase: the hop that had begun ran to its end, the publish after it
+            # never began, the rollback put the old cgroups back.
+            with node.files.holding(ConfineHostCgroups) as gate:
+                node.tg.start_soon(release, gate)
+                message = (
+                    r"^the commit phase \(cut off after ConfineHostCgroups\) did not finish "
+                    r"within 0.2 s$"
+                )
+                with pytest.raises(DracpuError, match=message):
+                    await node.ask(Resync())
+            assert node.ran() == [ConfineHostCgroups, ConfineHostCgroups]
+            with pytest.raises(anyio.WouldBlock):
+                receive.receive_nowait()
+            assert node.owner.statistics().effects_failed == 1
+            # After the answer: the files of the Resync, each on its own; the one that had begun
+            # ran to its end, the ones after it never began.
+            node.files.ran.clear()
+            with (
+                caplog.at_level(logging.ERROR, logger="dracpu"),
+                node.files.holding(WriteCdiSpec) as gate,
+            ):
+                node.tg.start_soon(release, gate)
+                assert await node.ask(Resync()) == Resynced(1)  # answered before the files
+                await until(lambda: node.owner.statistics().effects_failed == 2, "the cut-off")
+            assert node.ran() == [ConfineHostCgroups, WriteCdiSpec]
+            assert "Resync: post-commit effects cut off after 0.2 s" in caplog.messages
+            assert _specs(node.config) == {UID_A: prepared.cpus}
+            assert await node.ask(UnprepareClaim(UID_A)) == ClaimUnprepared(UID_A, prepared.cpus)
+            # A prepare is one hop: however slow, nothing comes after it to cut off.
+            with node.files.holding(WriteCheckpoint) as gate:
+                node.tg.start_soon(release, gate)
+                assert isinstance(await node.ask(_grouped(UID_B, 2)), ClaimPrepared)
 
 
 async def test_a_stopping_owner_finishes_the_command_in_flight(
@@ -628,9 +646,10 @@ async def test_a_commit_phase_takes_one_hop_and_other_effects_split_it(
             hops.clear()
             await node.ask(Resync())
             assert receive.receive_nowait() == "resync"
-    # Resync: the publish (on the event loop), then after the answer each file on its own:
-    # one that fails keeps no other from being written.
+    # Resync: the host cgroups in one hop, the publish after it (on the event loop), then after
+    # the answer each file on its own: one that fails keeps no other from being written.
     assert hops == [
+        [ConfineHostCgroups],
         [WriteCdiSpec],
         [WriteCdiSpec],
         [PruneCdiSpecs],

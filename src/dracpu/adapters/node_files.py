@@ -1,18 +1,19 @@
-"""The node state's files: CDI specs, device metadata and the checkpoint, the way the state
-owner, their one writer, uses them.
+"""The node state's files: CDI specs, device metadata, the checkpoint and the confined host
+cgroups' cpusets, the way the state owner, their one writer, uses them.
 
 The state owner (:mod:`dracpu.tasks.state_owner`) runs the file effects of
 :mod:`dracpu.core.effects` (``WriteCdiSpec``, ``DeleteCdiSpec``, ``PruneCdiSpecs``,
-``WriteDeviceMetadata``, ``DeleteDeviceMetadata``, ``PruneDeviceMetadata``,
-``WriteCheckpoint``) through :meth:`NodeFiles.run_batch`, and reads the files back at start
-(:meth:`NodeFiles.restore_checkpoint`, :meth:`NodeFiles.our_specs`); it tests a state dir or
-CDI dir that cannot be written with :meth:`NodeFiles.write_checkpoint` and
+``WriteDeviceMetadata``, ``DeleteDeviceMetadata``, ``PruneDeviceMetadata``, ``WriteCheckpoint``,
+``ConfineHostCgroups``) through :meth:`NodeFiles.run_batch`, and reads the files back at start
+(:meth:`NodeFiles.restore_checkpoint`, :meth:`NodeFiles.our_specs`); it tests a state dir or CDI
+dir that cannot be written with :meth:`NodeFiles.write_checkpoint` and
 :meth:`NodeFiles.check_cdi_dir`. Every call blocks (a written checkpoint is ``fdatasync``-ed, a
 deleted spec's directory ``fsync``-ed): the owner makes them in a worker thread, never on the
-event loop. The formats and the crash-safety rules are
-:mod:`dracpu.adapters.cdi_files`, :mod:`dracpu.adapters.metadata_files` and
-:mod:`dracpu.adapters.checkpoint_file`; failures are their :class:`~dracpu.errors.CdiError` and
-:class:`~dracpu.errors.CheckpointError`.
+event loop. The formats and the crash-safety rules are :mod:`dracpu.adapters.cdi_files`,
+:mod:`dracpu.adapters.metadata_files`, :mod:`dracpu.adapters.checkpoint_file` and
+:mod:`dracpu.adapters.host_cgroups`; failures are their :class:`~dracpu.errors.CdiError` and
+:class:`~dracpu.errors.CheckpointError` (a host cgroup that cannot be confined is no failure:
+:meth:`NodeFiles.host_cgroups` reports it).
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dracpu.adapters import cdi_files, checkpoint_file, file_scan, metadata_files
+from dracpu.adapters.host_cgroups import CgroupState, HostCgroups
 from dracpu.core.checkpoint_schema import CheckpointData
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.effects import (
+    ConfineHostCgroups,
     DeleteCdiSpec,
     DeleteDeviceMetadata,
     Effect,
@@ -49,17 +52,26 @@ FILE_EFFECTS = (
     DeleteDeviceMetadata,
     PruneDeviceMetadata,
     WriteCheckpoint,
+    ConfineHostCgroups,
 )
 
 
 class NodeFiles:
     """The CDI specs of our claims in ``cdi_dir``, their device metadata in ``metadata_dir``
-    (and its CDI specs in ``cdi_dir``) and the checkpoint at ``checkpoint_path``."""
+    (and its CDI specs in ``cdi_dir``), the checkpoint at ``checkpoint_path`` and the host
+    cgroups (``None``: a ``ConfineHostCgroups`` does nothing)."""
 
-    def __init__(self, cdi_dir: Path, checkpoint_path: Path, metadata_dir: Path) -> None:
+    def __init__(
+        self,
+        cdi_dir: Path,
+        checkpoint_path: Path,
+        metadata_dir: Path,
+        host_cgroups: HostCgroups | None = None,
+    ) -> None:
         self.cdi_dir = cdi_dir
         self.metadata_dir = metadata_dir
         self._checkpoint = checkpoint_file.CheckpointStore(checkpoint_path)
+        self._host_cgroups = host_cgroups
 
     @property
     def checkpoint_path(self) -> Path:
@@ -96,8 +108,21 @@ class NodeFiles:
                 # The same content as the newest checkpoint is the rollback of a write that
                 # failed and left nothing: no write, hence no error on a disk still full.
                 self._checkpoint.write(data, skip_unchanged=True)
+            case ConfineHostCgroups(cgroups=cgroups, cpus=cpus):
+                if self._host_cgroups is not None:
+                    self._host_cgroups.confine(cgroups, cpus)
             case _:
                 raise DracpuError(f"{type(effect).__name__} is not a file effect")
+
+    def host_cgroups(self) -> tuple[CgroupState, ...]:
+        """The listed host cgroups after the last ``ConfineHostCgroups``: what each was confined
+        to, or why not."""
+        return () if self._host_cgroups is None else self._host_cgroups.status()
+
+    def release_host_cgroups(self) -> None:
+        """Give every confined host cgroup back what it held (the daemon stops)."""
+        if self._host_cgroups is not None:
+            self._host_cgroups.release()
 
     def write_checkpoint(self, data: CheckpointData) -> None:
         """Write ``data`` as the newest checkpoint even when it is so already (whether the

@@ -348,6 +348,20 @@ class Config:
         help="publish resource.kubernetes.io/pcieRoot, the PCIe roots local to each device's "
         "CPUs, and cap slices at 64 devices; the cluster needs DRAListTypeAttributes",
     )
+    confine_host_cgroups: tuple[str, ...] = setting(
+        default=(),
+        flags=("--confine-host-cgroups",),
+        key="confineHostCgroups",
+        convert=v.host_cgroups,
+        metavar="CGROUP,...",
+        help="host cgroups (paths under <host-root>/sys/fs/cgroup, e.g. system.slice; a YAML "
+        "list in the file, comma-separated on the command line) kept on the shared pool plus "
+        "the reserved CPUs as claims come and go; never the pods' cgroup "
+        "(docs/host-cgroups.md)",
+        sighup=True,
+        default_text="none",
+        text=", ".join,
+    )
     publish_node_allocatable_resource_mapping: bool = setting(
         default=False,
         key="publishNodeAllocatableResourceMapping",

@@ -19,6 +19,7 @@ from types import MappingProxyType
 from typing import Literal, TypeVar
 
 from dracpu.core.cpuset import CpuSet
+from dracpu.core.host_cgroups import check_cgroup_paths
 from dracpu.errors import DracpuError
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "duration",
     "go_bool",
     "go_duration",
+    "host_cgroups",
     "log_format",
     "node_name",
     "nri_plugin_index",
@@ -348,6 +350,20 @@ def vmodule(raw: object) -> tuple[tuple[str, int], ...]:
             raise BadValue("expect a comma-separated list of pattern=N (klog's -vmodule)")
         items.append((match[1], int(match[2])))
     return tuple(items)
+
+
+def host_cgroups(raw: object) -> tuple[str, ...]:
+    """Cgroup paths (:func:`dracpu.core.host_cgroups.check_cgroup_paths`): a YAML list, or (a
+    flag) one string of them separated by commas."""
+    if isinstance(raw, list):
+        items = [string(item) for item in raw]
+    else:
+        text = string(raw)
+        items = [item.strip() for item in text.split(",")] if text.strip() else []
+    try:
+        return check_cgroup_paths(items)
+    except ValueError as exc:
+        raise BadValue(f"cgroup {exc}") from None
 
 
 def allocator(raw: object) -> str:

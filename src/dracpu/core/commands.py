@@ -205,17 +205,18 @@ class Resync:
     slices.
 
     A SIGHUP also brings what it read again (``None``: unchanged): ``topology`` (sysfs),
-    ``reserved`` and ``pin_memory`` (the config file). The node config is then built again
-    (:mod:`dracpu.core.reconfigure`): CPUs that went offline or online, or changed isolation,
-    change the devices and the shared pool. A claim keeps a CPU that went offline (its devices
-    turn unhealthy). A ``reserved`` that would take a CPU a claim holds, or leave no CPU for
-    the shared containers, is not applied (the reply says why); a topology that leaves no CPU
-    for the shared containers refuses the whole command.
+    ``reserved``, ``pin_memory`` and ``host_cgroups`` (the config file). The node config is then
+    built again (:mod:`dracpu.core.reconfigure`): CPUs that went offline or online, or changed
+    isolation, change the devices and the shared pool. A claim keeps a CPU that went offline (its
+    devices turn unhealthy). A ``reserved`` that would take a CPU a claim holds, or leave no CPU for
+    the shared containers, is not applied (the reply says why); a topology that leaves no CPU for
+    the shared containers refuses the whole command.
     """
 
     topology: Topology | None = None
     reserved: CpuSet | None = None
     pin_memory: bool | None = None
+    host_cgroups: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,8 @@ order. :class:`Reply` is special: its value goes back to the requester's one-sho
 Every effect list holds exactly one :class:`Reply`. The effects before it are the **commit
 phase**, already in crash-safe order (Prepare: ``WriteCdiSpec`` → ``WriteDeviceMetadata`` →
 ``WriteCheckpoint`` → ``Reply``; Unprepare: ``DeleteCdiSpec`` → ``DeleteDeviceMetadata`` →
-``WriteCheckpoint`` → ``Reply``); the effects after it are
+``WriteCheckpoint`` → ``Reply``; ``ConfineHostCgroups`` before the ``Reply`` when host cgroups
+are listed); the effects after it are
 **post-commit** (e.g. ``UpdateContainers`` widening the shared pool after an Unprepare), whose
 failure is logged and never undoes the command. How the owner runs them, and rolls back, is
 described in :mod:`dracpu.core.state` (``commit_phase``, ``rollback``).
@@ -28,6 +29,7 @@ __all__ = [
     "ClaimPrepared",
     "ClaimUnprepared",
     "ClaimsAdopted",
+    "ConfineHostCgroups",
     "ContainerForgotten",
     "ContainerPinned",
     "ContainerRejected",
@@ -144,6 +146,18 @@ class UpdateContainers:
 
 
 @dataclass(frozen=True, slots=True)
+class ConfineHostCgroups:
+    """Keep the host cgroups ``cgroups`` (paths under the cgroup root) at ``cpuset.cpus`` =
+    ``cpus`` (the shared pool plus the reserved CPUs), and put back what it found in every
+    cgroup it confined that is no longer listed (:mod:`dracpu.core.host_cgroups`,
+    :mod:`dracpu.adapters.host_cgroups`). It never fails its command: a cgroup that cannot be
+    confined is reported (``/readyz``, metrics) and tried again."""
+
+    cgroups: tuple[str, ...]
+    cpus: CpuSet
+
+
+@dataclass(frozen=True, slots=True)
 class PublishSlices:
     """Publish these devices (the node config's, in publication order); their health follows."""
 
@@ -161,6 +175,7 @@ Effect = (
     | WriteCheckpoint
     | UpdateContainers
     | PublishSlices
+    | ConfineHostCgroups
 )
 
 
@@ -290,7 +305,8 @@ class NodeChanged:
     ``went_online`` / ``went_offline``: CPUs; ``isolated`` / ``unisolated``: CPUs that joined or
     left the kernel's isolated set; ``reserved``: (before, after) when the reserved CPUs
     changed, ``reserved_refused`` why the reserved CPUs asked for were not applied;
-    ``pin_memory``: the new default when it changed. ``added`` / ``removed``: device names;
+    ``pin_memory``: the new default when it changed; ``host_cgroups``: the host cgroups
+    confined from now on, when the list changed. ``added`` / ``removed``: device names;
     ``resized``: grouped devices whose ``dra.cpu/cpu`` capacity changed; ``updated``: devices
     whose attributes changed otherwise. ``republished``: the devices changed, so the slices go
     out again with the pool generation bumped. ``stranded``: every claim holding offline CPUs.
@@ -303,6 +319,7 @@ class NodeChanged:
     reserved: tuple[CpuSet, CpuSet] | None = None
     reserved_refused: str = ""
     pin_memory: bool | None = None
+    host_cgroups: tuple[str, ...] | None = None
     added: tuple[str, ...] = ()
     removed: tuple[str, ...] = ()
     resized: tuple[str, ...] = ()
@@ -328,6 +345,9 @@ class NodeChanged:
             parts.append(f"reserved cpus not changed: {self.reserved_refused}")
         if self.pin_memory is not None:
             parts.append(f"memory pinning of new claims {'on' if self.pin_memory else 'off'}")
+        if self.host_cgroups is not None:
+            listed = ", ".join(self.host_cgroups) or "none"
+            parts.append(f"host cgroups confined to the shared pool: {listed}")
         for names, what in (
             (self.added, "added"),
             (self.removed, "removed"),

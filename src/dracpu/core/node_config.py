@@ -45,6 +45,8 @@ class NodeConfig:
     ``held``: devices (by name, as published before) whose CPUs went offline while a claim held
     them, and those CPUs (:mod:`dracpu.core.reconfigure`): the devices' health is still reported
     while a claim holds such a CPU (:func:`dracpu.core.health.reported_devices`).
+    ``host_cgroups``: the host cgroups confined to the shared pool plus the reserved CPUs
+    (:mod:`dracpu.core.host_cgroups`), paths under the cgroup root; empty: none.
     """
 
     node_name: str
@@ -57,6 +59,7 @@ class NodeConfig:
     group_by: GroupBy = GroupBy.NUMANODE
     numbering: Mapping[int, int] = field(default_factory=_no_numbers)
     held: Mapping[str, CpuSet] = field(default_factory=_no_held)
+    host_cgroups: tuple[str, ...] = ()
     allocatable: CpuSet = field(init=False)
     shareable: CpuSet = field(init=False)
 
@@ -80,6 +83,7 @@ class NodeConfig:
         policy: AllocationPolicy | None = None,
         pin_memory: bool = False,
         numbering: Mapping[int, int] | None = None,
+        host_cgroups: tuple[str, ...] = (),
     ) -> NodeConfig:
         """The config with the devices this node publishes in ``mode``/``group_by``;
         ``numbering``: the individual device numbers given before (see
@@ -105,9 +109,17 @@ class NodeConfig:
             mode=mode,
             group_by=GroupBy(group_by),
             numbering=numbers,
+            host_cgroups=host_cgroups,
         )
 
-    def rebuild(self, topology: Topology, *, reserved: CpuSet, pin_memory: bool) -> NodeConfig:
+    def rebuild(
+        self,
+        topology: Topology,
+        *,
+        reserved: CpuSet,
+        pin_memory: bool,
+        host_cgroups: tuple[str, ...],
+    ) -> NodeConfig:
         """The config of the same node in the same device mode after a SIGHUP: the devices of
         ``topology`` without ``reserved``, every individual device keeping its number
         (``held`` is left empty: :mod:`dracpu.core.reconfigure` knows the claims)."""
@@ -120,4 +132,5 @@ class NodeConfig:
             policy=self.policy,
             pin_memory=pin_memory,
             numbering=self.numbering,
+            host_cgroups=host_cgroups,
         )

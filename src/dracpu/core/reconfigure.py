@@ -19,7 +19,8 @@ Pure: the state, the topology read again and the settings read again go in; the 
   containers keep a CPU; otherwise the old ones stay and :attr:`NodeChanged.reserved_refused`
   says why (the CPUs and the claims). The rest of the Resync goes on.
 - **The shared pool** is recomputed from the new config; a topology that leaves no CPU for the
-  shared containers is refused as a whole (:class:`~dracpu.errors.InsufficientCpusError`):
+  shared containers (or none shared or reserved for the confined host cgroups) is refused as a
+  whole (:class:`~dracpu.errors.InsufficientCpusError`):
   NRI takes an empty cpuset for "no change" (kubernetes-sigs/dra-driver-cpu#295), so the old
   config, whose devices turn unhealthy, is the safer one to keep.
 """
@@ -52,18 +53,26 @@ def reconfigure(state: NodeState, command: Resync) -> tuple[NodeConfig, NodeChan
     old = state.config
     topology = old.topology if command.topology is None else command.topology
     pin_memory = old.pin_memory if command.pin_memory is None else command.pin_memory
+    cgroups = old.host_cgroups if command.host_cgroups is None else command.host_cgroups
     reserved = old.reserved
     refused = ""
     if command.reserved is not None and command.reserved != old.reserved:
         refused = _reserved_problem(state, topology, command.reserved)
         if not refused:
             reserved = command.reserved
-    config = old.rebuild(topology, reserved=reserved, pin_memory=pin_memory)
-    if state.shared and not (config.shareable - state.claimed):
+    config = old.rebuild(topology, reserved=reserved, pin_memory=pin_memory, host_cgroups=cgroups)
+    pool = config.shareable - state.claimed
+    if state.shared and not pool:
         offline = old.topology.online - topology.online
         raise InsufficientCpusError(
             f"cannot take the node's new topology (cpus {offline or 'none'} went offline): it "
             f"leaves no CPU for the {len(state.shared)} shared containers; the old one stays"
+        )
+    if config.host_cgroups and not (pool or config.reserved & topology.online):
+        raise InsufficientCpusError(
+            "cannot take the node's new settings and topology: they leave no CPU shared or "
+            f"reserved for the confined host cgroups ({', '.join(config.host_cgroups)}); the "
+            "old ones stay"
         )
     stranded = state.claimed - config.allocatable  # offline: reserved ones were refused above
     held = _held(old, stranded)
@@ -86,6 +95,11 @@ def _reserved_problem(state: NodeState, topology: Topology, reserved: CpuSet) ->
         return (
             f"the config asks {reserved or 'none'}, which leaves no CPU for the "
             f"{len(state.shared)} shared containers"
+        )
+    if state.config.host_cgroups and not (shareable - state.claimed or reserved & topology.online):
+        return (
+            f"the config asks {reserved or 'none'}, which leaves no CPU for the confined host "
+            "cgroups"
         )
     return ""
 
@@ -152,6 +166,7 @@ def _changes(
         reserved=None if reserved == old.reserved else (old.reserved, reserved),
         reserved_refused=refused,
         pin_memory=None if new.pin_memory == old.pin_memory else new.pin_memory,
+        host_cgroups=None if new.host_cgroups == old.host_cgroups else new.host_cgroups,
         added=added,
         removed=removed,
         resized=resized,

@@ -19,6 +19,8 @@ Rules (each checked by :func:`check_invariants` after every command in the prope
 4. The shared pool is never emptied while shared containers exist: a Prepare (or adoption, or
    topology change) that would empty it is refused. A shared container is never created with
    an empty pool (NRI reads an empty cpuset as "no change": kubernetes-sigs/dra-driver-cpu#295).
+   Likewise the host pool (shared pool plus reserved CPUs) of the listed host cgroups
+   (:mod:`dracpu.core.host_cgroups`) is never emptied.
 5. Prepare is idempotent: the same claim UID with the same results gets the same CPUs and its
    CDI spec rewritten (a reboot empties ``/var/run/cdi``). The same UID with other results is an
    error. Unpreparing an unknown claim succeeds.
@@ -35,7 +37,9 @@ Rules (each checked by :func:`check_invariants` after every command in the prope
 Effects and rollback. The effects before the one :class:`Reply` are the commit phase, in
 crash-safe order: Prepare reserves in the new state, then ``WriteCdiSpec`` →
 ``WriteDeviceMetadata`` → ``WriteCheckpoint`` → ``Reply``; Unprepare ``DeleteCdiSpec`` →
-``DeleteDeviceMetadata`` → (CPUs freed in the new state) → ``WriteCheckpoint`` → ``Reply``. The
+``DeleteDeviceMetadata`` → (CPUs freed in the new state) → ``WriteCheckpoint`` → ``Reply``. With
+host cgroups listed, a command that changes the shared pool has ``ConfineHostCgroups`` right
+before its ``Reply`` (:mod:`dracpu.core.host_cgroups`). The
 state owner (:mod:`dracpu.tasks.state_owner`) runs them like this::
 
     new, effects = apply(state, command)
@@ -84,6 +88,7 @@ from dracpu.core.commands import (
 )
 from dracpu.core.cpuset import EMPTY, CpuSet
 from dracpu.core.effects import (
+    ConfineHostCgroups,
     DeleteCdiSpec,
     DeleteDeviceMetadata,
     Effect,
@@ -260,6 +265,10 @@ def rollback(old: NodeState, started: Sequence[Effect], error: DracpuError) -> l
                 if "slices" not in seen:
                     seen.add("slices")
                     undo.append(PublishSlices(tuple(old.config.devices.values())))
+            case ConfineHostCgroups():
+                if "cgroups" not in seen:
+                    seen.add("cgroups")
+                    undo.append(ConfineHostCgroups(old.config.host_cgroups, old.host_pool))
             case PruneCdiSpecs() | PruneDeviceMetadata() | UpdateContainers() | Reply():
                 pass  # prunes remove orphans only; the others are never in the commit phase
             case _:
@@ -332,6 +341,8 @@ def check_invariants(state: NodeState, previous: NodeState | None = None) -> Non
             fail(f"container {cid} is pinned by decision {record.seq}, after {state.pin_seq}")
     if not pool and any(state.containers[cid].cpus for cid in shared):
         fail("the shared pool is empty but shared containers were given CPUs")
+    if config.host_cgroups and not state.host_pool:
+        fail(f"host cgroups {config.host_cgroups} are listed but no CPU is shared or reserved")
     for uid in state.owners:
         if uid not in state.claims:
             fail(f"claim {uid} has an owner but is not prepared")

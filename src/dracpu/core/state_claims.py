@@ -34,6 +34,7 @@ from dracpu.core.effects import (
     ClaimPrepared,
     ClaimsAdopted,
     ClaimUnprepared,
+    ConfineHostCgroups,
     DeleteCdiSpec,
     DeleteDeviceMetadata,
     Effect,
@@ -60,6 +61,7 @@ from dracpu.errors import AllocationError, ClaimConflictError, ClaimError, Insuf
 __all__ = [
     "adopt",
     "claim_files",
+    "confinement",
     "metadata_files",
     "pods_listed",
     "prepare",
@@ -90,6 +92,17 @@ def metadata_files(config: NodeConfig, claim: PreparedClaim) -> list[Effect]:
     except ClaimError:
         return []
     return [WriteDeviceMetadata(claim, config)]
+
+
+def confinement(state: NodeState) -> list[Effect]:
+    """The effect that confines the listed host cgroups to the state's
+    :attr:`~dracpu.core.state_values.NodeState.host_pool` (none when no cgroup is listed):
+    after a command that changes the shared pool has written the checkpoint, before its reply,
+    so that the claim's CPUs are off the host cgroups when Prepare answers."""
+    cgroups = state.config.host_cgroups
+    if not cgroups:
+        return []
+    return [ConfineHostCgroups(cgroups, state.host_pool)]
 
 
 def release_files(claim_uid: str, claim: PreparedClaim | None) -> list[Effect]:
@@ -271,10 +284,17 @@ def _pick(state: NodeState, uid: str, results: Sequence[DeviceResult]) -> CpuSet
 
 
 def _check_shared_pool(state: NodeState, claimed: CpuSet, what: str) -> None:
-    if state.shared and not (state.config.shareable - claimed):
+    config = state.config
+    pool = config.shareable - claimed
+    if state.shared and not pool:
         raise InsufficientCpusError(
             f"{what} would leave no CPU for the {len(state.shared)} shared containers: "
             f"the shared pool {state.shared_pool} would become empty"
+        )
+    if config.host_cgroups and not (pool or config.reserved & config.topology.online):
+        raise InsufficientCpusError(
+            f"{what} would leave no CPU for the confined host cgroups "
+            f"({', '.join(config.host_cgroups)}): no CPU would be shared or reserved"
         )
 
 
@@ -379,6 +399,7 @@ def prepare(state: NodeState, command: PrepareClaim) -> tuple[NodeState, list[Ef
     return new, [
         *claim_files(new.config, claim),
         WriteCheckpoint(new.checkpoint()),
+        *confinement(new),
         Reply(ClaimPrepared(uid, cpus, mems, results)),
     ]
 
@@ -451,6 +472,7 @@ def unprepare(state: NodeState, command: UnprepareClaim) -> tuple[NodeState, lis
     return new, [
         *release_files(uid, existing),
         WriteCheckpoint(new.checkpoint()),
+        *confinement(new),
         Reply(ClaimUnprepared(uid, existing.cpus)),
         *after,
     ]
@@ -534,6 +556,7 @@ def pods_listed(state: NodeState, command: PodsListed) -> tuple[NodeState, list[
             for effect in release_files(r.claim_uid, state.claims[r.claim_uid])
         ),
         WriteCheckpoint(new.checkpoint()),
+        *confinement(new),
         Reply(PodsReconciled(tuple(released), waiting, True)),
         *after,
     ]
@@ -554,8 +577,12 @@ def _adopt_one(
         return f"cpus {cpus - state.config.allocatable} are not allocatable (reserved or offline)"
     if not cpus.isdisjoint(claimed):
         return f"cpus {cpus & claimed} are held by another claim"
-    if state.shared and not (state.config.shareable - claimed - cpus):
+    config = state.config
+    left = config.shareable - claimed - cpus
+    if state.shared and not left:
         return "it would leave no CPU for the shared containers"
+    if config.host_cgroups and not (left or config.reserved & config.topology.online):
+        return "it would leave no CPU for the confined host cgroups"
     claims[uid] = PreparedClaim(uid, cpus, mems=_claim_mems(state.config, cpus, None))
     return None
 
@@ -580,6 +607,7 @@ def adopt(state: NodeState, command: AdoptClaims) -> tuple[NodeState, list[Effec
     return new, [
         *(effect for uid in adopted for effect in claim_files(new.config, claims[uid])),
         WriteCheckpoint(new.checkpoint()),
+        *confinement(new),
         reply,
     ]
 
@@ -591,6 +619,7 @@ def resync(state: NodeState, command: Resync) -> tuple[NodeState, list[Effect]]:
         command.topology is not None
         or command.reserved is not None
         or command.pin_memory is not None
+        or command.host_cgroups is not None
     ):
         config, changed = reconfigure(state, command)
         new = replace(state, config=config)
@@ -601,6 +630,9 @@ def resync(state: NodeState, command: Resync) -> tuple[NodeState, list[Effect]]:
     # The files are put right after the reply, each on its own (:func:`repair`): a CDI dir
     # that cannot be written keeps no SIGHUP from applying the node's new config.
     return new, [
+        # Always, even with no cgroup listed: a SIGHUP (or a start) without the option puts
+        # back what an earlier confinement found.
+        ConfineHostCgroups(new.config.host_cgroups, new.host_pool),
         PublishSlices(tuple(new.config.devices.values())),
         Reply(Resynced(len(new.claims), changed, repinned, waiting)),
         *after,

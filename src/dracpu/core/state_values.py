@@ -112,6 +112,13 @@ class NodeState:
         """The CPUs of every container without a claim: allocatable - claimed - isolated."""
         return self.config.shareable - self.claimed
 
+    @property
+    def host_pool(self) -> CpuSet:
+        """The CPUs the confined host cgroups get (:mod:`dracpu.core.host_cgroups`): the shared
+        pool plus the reserved CPUs that are online (a v1 cpuset refuses an offline CPU)."""
+        config = self.config
+        return self.shared_pool | (config.reserved & config.topology.online)
+
     def checkpoint(self) -> CheckpointData:
         """What to persist (the claims; shares the read-only mapping, copies nothing)."""
         return CheckpointData(self.claims)

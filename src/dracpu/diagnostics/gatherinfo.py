@@ -7,8 +7,10 @@ file, reads the CPU topology, and writes one YAML document (``---`` first, so re
 nodes concatenate): ``toolVersion``, ``layoutVersion: v1``, ``cpuDetails`` (a topology summary
 and one entry per CPU) and ``driverConfig`` (upstream's keys; zero values left out). We write the
 same, and under ``dracpu`` what only we have: the process, every setting, the checkpoint's
-claims, our CDI specs and the daemon's debug dump (the pins last sent, the containers the
-runtime reported, the recent log; :mod:`dracpu.tasks.debug_dump`), asked for with SIGUSR1.
+claims, our CDI specs, what the confined host cgroups held before dracpu wrote them, and the
+daemon's debug dump (the pins last sent, the containers the runtime reported, what each listed
+host cgroup is confined to or why not, the recent log; :mod:`dracpu.tasks.debug_dump`), asked
+for with SIGUSR1.
 
 Files are read in the driver's mount namespace (``/proc/<pid>/root``), as upstream does, so the
 tool also works from the host. A part that cannot be read is reported in place (``error``), the
@@ -35,6 +37,7 @@ import yaml
 from dracpu import __version__
 from dracpu.adapters.checkpoint_file import read_newest
 from dracpu.adapters.file_scan import list_our_specs
+from dracpu.adapters.host_cgroups import RECORD_FILE
 from dracpu.adapters.sysfs import read_topology
 from dracpu.adapters.sysfs_overlay import build_overlay_root, load_overlay
 from dracpu.config import Config, load_config
@@ -260,6 +263,15 @@ def _cdi_specs(process: DriverProcess, config: Config) -> Any:
     }
 
 
+def _host_cgroups_found(process: DriverProcess, config: Config) -> Any:
+    """The record of what the confined host cgroups held before dracpu wrote them
+    (:mod:`dracpu.adapters.host_cgroups`); ``None`` when there is none (nothing confined)."""
+    path = process.path(config.state_dir / RECORD_FILE)
+    if not path.exists():
+        return None
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
 def _catches(pid: int, signum: int) -> bool:
     """Whether the process has a handler for ``signum`` (``SigCgt`` in its status, proc(5))."""
     for line in (PROC / str(pid) / "status").read_text().splitlines():
@@ -304,6 +316,7 @@ def report(process: DriverProcess) -> dict[str, Any]:
         "config": _our_config(config),
         "checkpoint": _part(lambda: _checkpoint(process, config)),
         "cdiSpecs": _part(lambda: _cdi_specs(process, config)),
+        "hostCgroupsFound": _part(lambda: _host_cgroups_found(process, config)),
         "debugDump": _part(lambda: _debug_dump(process, config)),
     }
     return doc

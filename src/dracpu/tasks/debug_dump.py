@@ -2,7 +2,8 @@
 
 ``dracpu gatherinfo`` runs as a second process (``kubectl exec ... /dracpu gatherinfo``). The
 checkpoint and the CDI specs are files it reads itself; the pins last sent to the runtime, the
-containers the runtime reported and the recent log lines are not. It signals the daemon with
+containers the runtime reported, what each listed host cgroup is confined to (or why not) and
+the recent log lines are not. It signals the daemon with
 SIGUSR1 (only when the daemon catches it: the default action of SIGUSR1 ends a process) and
 reads ``<state-dir>/debug-dump.json``, which this task writes at each signal (atomically: a
 temporary file renamed over it, mode 0600; not fsynced, it is no record). Nothing is written
@@ -16,13 +17,14 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import anyio
 from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskStatus
 
+from dracpu.adapters.host_cgroups import CgroupState
 from dracpu.core.state import NodeState
 from dracpu.logs import recent_lines
 
@@ -36,9 +38,15 @@ DUMP_FILE = "debug-dump.json"
 DUMP_SIGNAL = signal.SIGUSR1
 
 
-def snapshot(state: NodeState | None, log: list[str], now: float) -> dict[str, object]:
+def snapshot(
+    state: NodeState | None,
+    log: list[str],
+    now: float,
+    host_cgroups: Sequence[CgroupState] = (),
+) -> dict[str, object]:
     """The dump's content: the prepared claims, every container with the cpuset and memory
-    nodes last sent for it (``cpus`` empty: none sent yet), the shared pool, and ``log``."""
+    nodes last sent for it (``cpus`` empty: none sent yet), the shared pool, the listed host
+    cgroups (what each is confined to, or why not) and ``log``."""
     dump: dict[str, object] = {
         "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
         "pid": os.getpid(),
@@ -72,6 +80,14 @@ def snapshot(state: NodeState | None, log: list[str], now: float) -> dict[str, o
             }
             for cid, record in sorted(state.containers.items())
         ]
+    dump["hostCgroups"] = [
+        {
+            "cgroup": cgroup.path,
+            "confinedTo": None if cgroup.cpus is None else str(cgroup.cpus),
+            "problem": cgroup.problem,
+        }
+        for cgroup in host_cgroups
+    ]
     dump["recentLog"] = log
     return dump
 
@@ -88,10 +104,12 @@ async def run(
     state: Callable[[], NodeState | None],
     path: Path,
     *,
+    host_cgroups: Callable[[], Sequence[CgroupState]] = tuple,
     task_status: TaskStatus[None] = TASK_STATUS_IGNORED,
 ) -> None:
     """Write the dump to ``path`` at every SIGUSR1 until cancelled; ``state`` gives the node
-    state (``None`` before it is restored). Ready once SIGUSR1 is caught.
+    state (``None`` before it is restored), ``host_cgroups`` the listed host cgroups. Ready
+    once SIGUSR1 is caught.
 
     Resource handling: the signal handler is removed on exit (SIGUSR1 kills the process
     again). Error handling: a failed write is logged, never raised.
@@ -99,7 +117,7 @@ async def run(
     with anyio.open_signal_receiver(DUMP_SIGNAL) as signals:
         task_status.started()
         async for _ in signals:
-            dump = snapshot(state(), recent_lines(), time.time())
+            dump = snapshot(state(), recent_lines(), time.time(), host_cgroups())
             try:
                 await anyio.to_thread.run_sync(_write, path, dump)
             except OSError as exc:

@@ -71,12 +71,13 @@ class ReadinessFlag:
     """One task's readiness. Only that task (and the supervisor that starts and stops it)
     writes it."""
 
-    __slots__ = ("_ready", "_reason", "name")
+    __slots__ = ("_detail", "_ready", "_reason", "name")
 
     def __init__(self, name: str, reason: str = "not started") -> None:
         self.name = name
         self._ready = False
         self._reason = reason
+        self._detail = ""
 
     @property
     def ready(self) -> bool:
@@ -87,10 +88,16 @@ class ReadinessFlag:
         """Why the task is not ready (``""`` when it is)."""
         return self._reason
 
-    def set_ready(self) -> None:
+    @property
+    def detail(self) -> str:
+        """What the ready task says beside ``ok`` (``""``: nothing)."""
+        return self._detail
+
+    def set_ready(self, detail: str = "") -> None:
+        """Ready; ``detail``: what ``/readyz`` shows beside ``ok`` (e.g. what was done)."""
         if not self._ready:
             logger.info("task %s is ready", self.name, extra={"task": self.name})
-        self._ready, self._reason = True, ""
+        self._ready, self._reason, self._detail = True, "", detail
 
     def set_not_ready(self, reason: str) -> None:
         if self._ready or reason != self._reason:
@@ -140,7 +147,9 @@ class Readiness:
     def report(self) -> str:
         """The ``/readyz`` body: one line per task, then the verdict."""
         lines = [
-            f"[+]{f.name} ok" if f.ready else f"[-]{f.name} not ready: {f.reason}"
+            (f"[+]{f.name} ok: {f.detail}" if f.detail else f"[+]{f.name} ok")
+            if f.ready
+            else f"[-]{f.name} not ready: {f.reason}"
             for f in self._flags.values()
         ]
         if self._stopping:

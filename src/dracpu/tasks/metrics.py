@@ -6,7 +6,7 @@ the readiness flags and the state owner's counters (``dracpu_ready``, ``dracpu_t
 ``dracpu_state_owner_*``), the NRI side (``dracpu_nri_*``: connected, synchronized, the
 runtime and its versions, unsolicited updates by outcome) and the pod-resources sync
 (``dracpu_podresources_*``: whether it works, Lists by outcome, orphan claims released and
-waiting).
+waiting) and the confined host cgroups (``dracpu_host_cgroup_confined``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from prometheus_client.metrics_core import (
 )
 
 from dracpu import __version__
+from dracpu.adapters.host_cgroups import CgroupState
 from dracpu.tasks.http import Readiness
 from dracpu.tasks.nri_link import NriStatus
 from dracpu.tasks.podresources_sync import PodResourcesStatus
@@ -160,15 +161,36 @@ class _PodResourcesCollector:
         )
 
 
+class _HostCgroupsCollector:
+    """The host cgroups, read from the state owner's
+    :meth:`~dracpu.tasks.state_owner.StateOwner.host_cgroups`."""
+
+    def __init__(self, states: Callable[[], tuple[CgroupState, ...]]) -> None:
+        self._states = states
+
+    def collect(self) -> Iterable[Metric]:
+        confined = GaugeMetricFamily(
+            "dracpu_host_cgroup_confined",
+            "1 while a listed host cgroup (--confine-host-cgroups) is confined to the shared "
+            "pool plus the reserved CPUs, 0 while it cannot be (/readyz says why; also 0 for "
+            "one no longer listed that could not be given back what it held).",
+            labels=["cgroup"],
+        )
+        for state in self._states():
+            confined.add_metric([state.path], 0.0 if state.problem else 1.0)
+        yield confined
+
+
 def build_registry(
     readiness: Readiness,
     owner_statistics: Callable[[], OwnerStatistics] | None = None,
     nri_status: Callable[[], NriStatus] | None = None,
     podresources_status: PodResourcesStatus | None = None,
+    host_cgroups: Callable[[], tuple[CgroupState, ...]] | None = None,
 ) -> CollectorRegistry:
     """Our own metrics registry: build info, process and Python metrics, readiness, the state
-    owner's counters, the NRI side and the pod-resources sync (each left out when its source
-    is ``None``)."""
+    owner's counters, the NRI side, the pod-resources sync and the host cgroups (each left out
+    when its source is ``None``)."""
     registry = CollectorRegistry()
     Info("dracpu_build", "dracpu build information.", registry=registry).info(
         {"version": __version__, "python_version": platform.python_version()}
@@ -180,4 +202,6 @@ def build_registry(
         registry.register(_NriCollector(nri_status))
     if podresources_status is not None:
         registry.register(_PodResourcesCollector(podresources_status))
+    if host_cgroups is not None:
+        registry.register(_HostCgroupsCollector(host_cgroups))
     return registry

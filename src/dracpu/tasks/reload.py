@@ -10,7 +10,8 @@ log lines of its answer.
 
    - *applied now*, those the settings table marks (``Setting.sighup``): ``reservedCPUs``
      (the state machine checks it against the claims: :mod:`dracpu.core.reconfigure`),
-     ``memoryPinning`` (the default of claims prepared from now on), ``verbosity``,
+     ``memoryPinning`` (the default of claims prepared from now on), ``confineHostCgroups`` (a
+     cgroup no longer listed gets back what it held before dracpu confined it), ``verbosity``,
      ``logFormat`` and ``--vmodule`` (the logging is set up again);
    - *structural*, every other one, and the content of the sysfs overlay's file: the running
      value stays in force and one error line per setting names it, its running and its new
@@ -120,6 +121,7 @@ class Reloader:
             topology=topology,
             reserved=settings.reserved_cpus,
             pin_memory=settings.memory_pinning,
+            host_cgroups=settings.confine_host_cgroups,
         )
 
     async def _settings(self) -> Config | None:

@@ -8,7 +8,11 @@ adopts the new state, replies, then runs the post-commit effects; a failed commi
 the old state and is rolled back. It is also the only writer of the CDI dir, the device
 metadata and the checkpoint: it waits out a CDI dir or state dir that cannot be written
 (readiness flags ``cdi-dir`` and ``state-dir``) and reports a claim whose files could not be
-written on its devices' health. One module on purpose: restoring, serving and running effects
+written on its devices' health, and it keeps the listed host cgroups confined to the shared
+pool (their ``ConfineHostCgroups`` effect never fails a command; the ``host-cgroups`` flag,
+retries after a backoff of 1 s growing to 30 s, a look every :data:`HOST_CGROUPS_CHECK` seconds
+while all are confined, what they held given back when :meth:`StateOwner.run` ends). One
+module on purpose: restoring, serving and running effects
 are one concept. The story is ``docs/architecture.md`` ("The tasks and the state owner",
 "Crash safety", "Faults the daemon waits out").
 """
@@ -38,12 +42,14 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from dracpu.adapters.backoff import Health, RetryLog, backoff_delays
+from dracpu.adapters.host_cgroups import RECORD_FILE, CgroupState, HostCgroups, cgroup_root
 from dracpu.adapters.node_files import FILE_EFFECTS, NodeFiles
 from dracpu.adapters.sysfs import read_topology
 from dracpu.config import Config
 from dracpu.core.commands import AdoptClaims, AdoptedClaim, Command, RepairNodeFiles, Resync
 from dracpu.core.effects import (
     ClaimsAdopted,
+    ConfineHostCgroups,
     DeleteCdiSpec,
     Effect,
     PruneCdiSpecs,
@@ -68,6 +74,7 @@ __all__ = [
     "CDI_DIR_CHECK_INTERVAL",
     "COMMAND_DEADLINE",
     "COMMAND_QUEUE_SIZE",
+    "HOST_CGROUPS_CHECK",
     "ContainerUpdates",
     "OwnerStatistics",
     "Request",
@@ -96,6 +103,12 @@ _DIR_RETRY = partial(backoff_delays, initial=0.25, cap=2.0)
 # While the CDI dir works, a look at its file system (statvfs: read-only, full?) this often,
 # which writes nothing: a dir remounted read-only shows on /readyz before a Prepare fails.
 CDI_DIR_CHECK_INTERVAL = 10.0
+# How often the confined host cgroups are looked at while all is well (seconds): a value another
+# writer put there (systemd, at a reload of a slice with AllowedCPUs=) is written over.
+HOST_CGROUPS_CHECK = 10.0
+# Retries of host cgroups that could not be confined (tasks' "waited out" rule): a slice that
+# systemd creates later, a cgroup fs mounted later; every 30 s at most.
+_HOST_CGROUPS_RETRY = partial(backoff_delays, initial=1.0, cap=30.0)
 
 C = TypeVar("C")
 
@@ -263,9 +276,13 @@ class StateOwner:
     ends). ``republish``: the sending end of the slice publisher's republish channel;
     ``container_updates``: where ``UpdateContainers`` effects go (``None``: dropped with a debug
     log, the next NRI ``Synchronize`` re-pins every container anyway). ``files``: the CDI specs,
-    the device metadata and the checkpoint (default: the config's directories). ``state_dir``
-    and ``cdi_dir``: told whether the checkpoint, and the CDI specs, can be written, with the
-    reason when not; ``retry_delays`` makes the delays between the tests of a dir meanwhile.
+    the device metadata, the checkpoint and the host cgroups (default: the config's directories
+    and the host's cgroup fs). ``state_dir`` and ``cdi_dir``: told whether the checkpoint, and
+    the CDI specs, can be written, with the reason when not; ``retry_delays`` makes the delays
+    between the tests of a dir meanwhile. ``host_cgroups`` makes the readiness flag of the host
+    cgroups (when one is first listed); ``cgroup_retry_delays`` the delays between attempts
+    while one cannot be confined; ``cgroup_check`` the seconds between two looks at them while
+    all are.
     """
 
     def __init__(
@@ -280,13 +297,21 @@ class StateOwner:
         state_dir: Health | None = None,
         cdi_dir: Health | None = None,
         retry_delays: Callable[[], Iterator[float]] = _DIR_RETRY,
+        host_cgroups: Callable[[], Health] | None = None,
+        cgroup_retry_delays: Callable[[], Iterator[float]] = _HOST_CGROUPS_RETRY,
+        cgroup_check: float = HOST_CGROUPS_CHECK,
     ) -> None:
         self.config = config
         self._receive = receive
         self._republish = republish
         self._container_updates = container_updates
         self._files = (
-            NodeFiles(config.cdi_dir, config.checkpoint_path, config.device_metadata_dir)
+            NodeFiles(
+                config.cdi_dir,
+                config.checkpoint_path,
+                config.device_metadata_dir,
+                HostCgroups(cgroup_root(config.host_root), config.state_dir / RECORD_FILE),
+            )
             if files is None
             else files
         )
@@ -317,6 +342,15 @@ class StateOwner:
             retry_delays,
             check_every=CDI_DIR_CHECK_INTERVAL,
         )
+        # The host cgroups: their readiness flag (made when a cgroup is first listed), and the
+        # next try while one cannot be confined.
+        self._cgroups_flag_factory = host_cgroups
+        self._cgroups_flag: Health | None = None
+        self._cgroup_retry_delays = cgroup_retry_delays
+        self._cgroup_check = cgroup_check
+        self._cgroups_log = RetryLog(logger, "confining the host cgroups")
+        self._cgroups_delays: Iterator[float] | None = None
+        self._cgroups_retry_at: float | None = None  # None: nothing listed
 
     # --- what other tasks read -------------------------------------------------------------------
 
@@ -342,6 +376,10 @@ class StateOwner:
             by_command=MappingProxyType(dict(self._by_command)),
         )
 
+    def host_cgroups(self) -> tuple[CgroupState, ...]:
+        """The listed host cgroups: what each is confined to, or why it is not."""
+        return self._files.host_cgroups()
+
     # --- the task ------------------------------------------------------------------------------
 
     async def run(self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
@@ -357,12 +395,17 @@ class StateOwner:
         finally:
             self._refuse_queued()
             self._receive.close()
+            with anyio.CancelScope(shield=True):
+                await self._release_host_cgroups()
 
     async def _next_request(self) -> Request[Command] | None:
         """The next request (``None``: every send side is closed); meanwhile a dir whose test is
-        due is tested (a checkpoint or CDI dir that cannot be written, the CDI dir's look)."""
+        due is tested (a checkpoint or CDI dir that cannot be written, the CDI dir's look), and
+        the host cgroups are confined again when due."""
         while True:
-            with anyio.CancelScope(deadline=min(self._state_dir.due, self._cdi_dir.due)):
+            cgroups = math.inf if self._cgroups_retry_at is None else self._cgroups_retry_at
+            due = min(self._state_dir.due, self._cdi_dir.due, cgroups)
+            with anyio.CancelScope(deadline=due):
                 try:
                     return await self._receive.receive()
                 except EndOfStream:
@@ -372,6 +415,55 @@ class StateOwner:
                 await self._write_checkpoint()
             if self._cdi_dir.due <= now:
                 await self._check_cdi_dir()
+            if self._cgroups_retry_at is not None and self._cgroups_retry_at <= now:
+                await self._confine_again()
+
+    async def _confine_again(self) -> None:
+        """Confine the listed host cgroups to the committed state's pool once more."""
+        state = self.state
+        effect = ConfineHostCgroups(state.config.host_cgroups, state.host_pool)
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(
+                self._files.run_batch, (effect,), [], limiter=self._files_limiter
+            )
+        self._follow_host_cgroups(retried=True)
+
+    async def _release_host_cgroups(self) -> None:
+        """The daemon stops: every confined host cgroup gets back what it held."""
+        try:
+            await anyio.to_thread.run_sync(
+                self._files.release_host_cgroups, limiter=self._files_limiter
+            )
+        except Exception:  # a bug: never hide the reason the owner stopped
+            logger.exception("giving the host cgroups back what they held failed")
+
+    def _follow_host_cgroups(self, *, retried: bool = False) -> None:
+        """Report the host cgroups after an attempt to confine them: the readiness flag (not
+        ready, naming each cgroup that could not be confined and why), the log (once per
+        change), and the next attempt: after a backoff while one could not be confined
+        (``retried``: this was such an attempt), else a check every
+        :data:`HOST_CGROUPS_CHECK` seconds while any is listed (what another writer changed,
+        systemd at a reload, is put right)."""
+        states = self._files.host_cgroups()
+        problems = [f"{state.path}: {state.problem}" for state in states if state.problem]
+        if states and self._cgroups_flag is None and self._cgroups_flag_factory is not None:
+            self._cgroups_flag = self._cgroups_flag_factory()
+        flag = self._cgroups_flag
+        if problems:
+            if self._cgroups_delays is None or retried:
+                if self._cgroups_delays is None:
+                    self._cgroups_delays = self._cgroup_retry_delays()
+                delay = next(self._cgroups_delays)
+                self._cgroups_retry_at = anyio.current_time() + delay
+                self._cgroups_log.failed("; ".join(problems), retry_in=delay)
+            if flag is not None:  # the problems only: the CPUs move at every claim
+                flag.set_not_ready("; ".join(f"cannot confine {p}" for p in problems))
+            return
+        self._cgroups_delays = None
+        self._cgroups_log.recovered()
+        self._cgroups_retry_at = anyio.current_time() + self._cgroup_check if states else None
+        if flag is not None:
+            flag.set_ready(_cgroups_report(states))
 
     async def _write_checkpoint(self) -> None:
         """Write the committed state's checkpoint (even unchanged): the state dir's test."""
@@ -465,6 +557,7 @@ class StateOwner:
             if roll_back:
                 await self._roll_back(name, old, failed.started, failed.error)
                 self._follow_file_problems()
+                self._follow_host_cgroups()
                 answer(failed.error, False)
                 return
             # The file's condition is reported on its own (a CDI dir or state dir that cannot
@@ -479,6 +572,7 @@ class StateOwner:
             raise
         self._state = new
         self._follow_health(old, new)
+        self._follow_host_cgroups()
         answer(reply.value, True)
         await self._post_commit(name, after)
         self._follow_file_problems()
@@ -700,6 +794,7 @@ class StateOwner:
             mode=config.cpu_device_mode,
             group_by=config.group_by,
             pin_memory=config.memory_pinning,
+            host_cgroups=config.confine_host_cgroups,
         )
         logger.info(
             "topology: %d online cpus (%s), %d allocatable, %d devices",
@@ -793,6 +888,16 @@ def _report(value: object) -> None:
             logger.error("start-up command refused: %s", value)
         case _:
             pass
+
+
+def _cgroups_report(states: Sequence[CgroupState]) -> str:
+    """The confined host cgroups in one line (``/readyz``): the CPUs each is confined to."""
+    by_cpus: dict[str, list[str]] = {}
+    for state in states:
+        if state.cpus is not None:
+            by_cpus.setdefault(str(state.cpus), []).append(state.path)
+    confined = [f"{', '.join(paths)} confined to cpus {cpus}" for cpus, paths in by_cpus.items()]
+    return "; ".join(confined) or "no host cgroup listed"
 
 
 def _kind(effect: object) -> str:
