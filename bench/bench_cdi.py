@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._harness import measure
 from dracpu.adapters.cdi_files import delete_spec, write_spec
-from dracpu.core.cdi_spec import parse_spec, spec_bytes
+from dracpu.core.cdi_spec import ClaimSpec, parse_spec, spec_bytes
 from dracpu.core.cpuset import CpuSet
 from dracpu.tasks.cdi_watcher import reconcile
 
@@ -90,7 +90,9 @@ def bench_dir(base: Path) -> None:
         )  # fmt: skip
 
         many = work / "many"
-        desired = {str(uuid.uuid4()): CpuSet([i % 256, (i + 1) % 256]) for i in range(CLAIMS)}
+        desired = {
+            str(uuid.uuid4()): ClaimSpec(CpuSet([i % 256, (i + 1) % 256])) for i in range(CLAIMS)
+        }
         reconcile(many, desired)
         measure(f"cdi.reconcile_noop_{CLAIMS}", lambda: reconcile(many, desired), n=50, fs=fs)
     finally:

@@ -145,6 +145,7 @@ def test_the_report_has_upstreams_shape_and_ours(node: DriverProcess) -> None:
             "podUids": ["pod-a", "pod-b"],  # the pods the claim is reserved for
             "podNames": [],
             "copierPods": [],
+            "sharedPool": False,
         }
     ]
     assert ours["cdiSpecs"] == {}
@@ -276,6 +277,7 @@ def test_the_debug_dump_lists_claims_containers_and_the_pins_last_sent() -> None
             "podUids": ["p2"],
             "podNames": [],
             "copierPods": [],
+            "sharedPool": False,
         }
     ]
     containers = {c["id"]: c for c in dump["containers"]}  # type: ignore[attr-defined]

@@ -21,7 +21,7 @@ from dracpu.adapters.cdi_files import (
     touch_probe,
     write_spec,
 )
-from dracpu.core.cdi_spec import spec_bytes, spec_file_name
+from dracpu.core.cdi_spec import ClaimSpec, spec_bytes, spec_file_name
 from dracpu.core.cpuset import CpuSet
 from dracpu.errors import CdiError
 from dracpu.tasks import cdi_watcher
@@ -33,6 +33,13 @@ from tests.tasks.both_backends import anyio_backend  # noqa: F401 (a fixture)
 A = "8ec6fd12-bb08-4936-a857-866f50153c21"
 B = "0b7e3a52-4c1f-4d7e-9a31-2f9a4c1d5e60"
 C = "5d0c1b7e-6a2f-4e3b-8c9d-1a2b3c4d5e6f"
+
+
+def specs(claims: dict[str, CpuSet]) -> dict[str, ClaimSpec]:
+    """What the specs of claims holding these CPUs say (no shared pool)."""
+    return {uid: ClaimSpec(cpus) for uid, cpus in claims.items()}
+
+
 CPUS_A = CpuSet.parse("2-3")
 CPUS_B = CpuSet.parse("8,10")
 
@@ -84,7 +91,7 @@ def test_reconcile_creates_repairs_removes_and_leaves_vendors_alone(tmp_path: Pa
     touch_probe(tmp_path, stale_probe)
     _age(tmp_path / stale_probe, 3600)
 
-    report = reconcile(tmp_path, {A: CPUS_A, B: CPUS_B})
+    report = reconcile(tmp_path, specs({A: CPUS_A, B: CPUS_B}))
 
     assert report == ReconcileReport(
         created=(B,),
@@ -102,17 +109,25 @@ def test_reconcile_creates_repairs_removes_and_leaves_vendors_alone(tmp_path: Pa
 
 def test_reconcile_is_idempotent(tmp_path: Path) -> None:
     desired = {A: CPUS_A, B: CPUS_B}
-    reconcile(tmp_path, desired)
+    reconcile(tmp_path, specs(desired))
     mtimes = {n: (tmp_path / n).stat().st_mtime_ns for n in os.listdir(tmp_path)}
-    report = reconcile(tmp_path, desired)
+    report = reconcile(tmp_path, specs(desired))
     assert report == ReconcileReport()
     assert not report.changed
     assert {n: (tmp_path / n).stat().st_mtime_ns for n in os.listdir(tmp_path)} == mtimes
 
 
+def test_reconcile_writes_the_shared_pool_entry_of_a_shared_pool_claim(tmp_path: Path) -> None:
+    write_spec(tmp_path, A, CPUS_A)  # as an earlier Prepare wrote it, without the pool
+    report = reconcile(tmp_path, {A: ClaimSpec(CPUS_A, shared_pool=True)})
+    assert report.repaired == (A,)
+    assert (tmp_path / spec_file_name(A)).read_bytes() == spec_bytes(A, CPUS_A, shared_pool=True)
+    assert not reconcile(tmp_path, {A: ClaimSpec(CPUS_A, shared_pool=True)}).changed
+
+
 def test_reconcile_repairs_a_valid_spec_with_the_wrong_cpuset(tmp_path: Path) -> None:
     write_spec(tmp_path, A, CpuSet.parse("0-63"))
-    assert reconcile(tmp_path, {A: CPUS_A}).repaired == (A,)
+    assert reconcile(tmp_path, specs({A: CPUS_A})).repaired == (A,)
     assert read_spec(tmp_path, A) == CPUS_A
 
 
@@ -128,7 +143,7 @@ def test_reconcile_defers_young_orphans(tmp_path: Path) -> None:
 
 def test_reconcile_only_touches_the_named_claims(tmp_path: Path) -> None:
     write_spec(tmp_path, C, CPUS_A)  # orphan, not named
-    report = reconcile(tmp_path, {A: CPUS_A, B: CPUS_B}, only={A})
+    report = reconcile(tmp_path, specs({A: CPUS_A, B: CPUS_B}), only={A})
     assert report == ReconcileReport(created=(A,))
     assert _ours(tmp_path) == {spec_file_name(A), spec_file_name(C)}
 
@@ -146,7 +161,7 @@ def test_reconcile_never_raises_for_a_bad_file(tmp_path: Path) -> None:
     (tmp_path / spec_file_name(A)).mkdir()  # desired, but a directory sits on its name
     (tmp_path / spec_file_name(C)).mkdir()  # orphan name, a directory
     os.mkfifo(tmp_path / spec_file_name(B))  # desired, a FIFO: replaced
-    report = reconcile(tmp_path, {A: CPUS_A, B: CPUS_B, "bad/uid": CPUS_A, C + "x": CPUS_A})
+    report = reconcile(tmp_path, specs({A: CPUS_A, B: CPUS_B, "bad/uid": CPUS_A, C + "x": CPUS_A}))
     assert report.repaired == (B,)
     assert read_spec(tmp_path, B) == CPUS_B
     assert len(report.errors) == 4
@@ -163,7 +178,7 @@ def test_reconcile_replaces_or_removes_symlinks_without_touching_targets(tmp_pat
     cdi.mkdir()
     (cdi / spec_file_name(A)).symlink_to(target)
     (cdi / spec_file_name(B)).symlink_to(target)
-    report = reconcile(cdi, {A: CPUS_A})
+    report = reconcile(cdi, specs({A: CPUS_A}))
     assert report == ReconcileReport(repaired=(A,), removed=(B,))
     assert target.read_bytes() == b"keep me"
     assert read_spec(cdi, A) == CPUS_A
@@ -171,10 +186,10 @@ def test_reconcile_replaces_or_removes_symlinks_without_touching_targets(tmp_pat
 
 
 def test_reconcile_creates_a_missing_dir_and_fails_on_a_file(tmp_path: Path) -> None:
-    assert reconcile(tmp_path / "run" / "cdi", {A: CPUS_A}).created == (A,)
+    assert reconcile(tmp_path / "run" / "cdi", specs({A: CPUS_A})).created == (A,)
     (tmp_path / "file").write_bytes(b"")
     with pytest.raises(CdiError, match="cannot list CDI dir"):
-        reconcile(tmp_path / "file", {A: CPUS_A})
+        reconcile(tmp_path / "file", specs({A: CPUS_A}))
 
 
 # --- the watcher task (real watchfiles on tmp_path) ------------------------------------------
@@ -184,15 +199,16 @@ FAST: dict[str, float] = {"debounce_ms": 20, "step_ms": 5, "resync_interval": 30
 
 
 class Claims:
-    """The desired-claims provider: what the state owner would hand out."""
+    """The desired-claims provider: what the state owner would hand out (``claims``: each
+    claim's CPUs; no claim of these tests shares the pool)."""
 
     def __init__(self, claims: dict[str, CpuSet]) -> None:
         self.claims = dict(claims)
         self.calls = 0
 
-    def __call__(self) -> dict[str, CpuSet]:
+    def __call__(self) -> dict[str, ClaimSpec]:
         self.calls += 1
-        return dict(self.claims)
+        return specs(self.claims)
 
 
 @contextlib.asynccontextmanager

@@ -26,6 +26,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from dracpu.adapters import cdi_files, checkpoint_file
 from dracpu.adapters.node_files import NodeFiles
 from dracpu.config import Config
+from dracpu.core.cdi_spec import ClaimSpec
 from dracpu.core.checkpoint_schema import CheckpointData, PreparedClaim, StoredCheckpoint, decode
 from dracpu.core.commands import (
     Command,
@@ -100,7 +101,10 @@ def _saved(config: Config) -> dict[str, CpuSet]:
 
 
 def _specs(config: Config) -> dict[str, CpuSet | CdiError]:
-    return cdi_files.list_our_specs(config.cdi_dir)
+    """The CPUs of our CDI specs (none of these tests' claims shares the pool)."""
+    found = cdi_files.list_our_specs(config.cdi_dir)
+    assert not any(isinstance(s, ClaimSpec) and s.shared_pool for s in found.values())
+    return {uid: s.cpus if isinstance(s, ClaimSpec) else s for uid, s in found.items()}
 
 
 def _metadata(config: Config) -> dict[str, list[str]]:
@@ -668,10 +672,10 @@ async def test_desired_specs_follow_the_command_in_flight(trees: SysfsTrees, scr
             assert UID_A not in node.owner.state.claims
             spec = node.files.ran[0]
             assert isinstance(spec, WriteCdiSpec)
-            assert node.owner.desired_specs() == {UID_A: spec.cpus}
+            assert node.owner.desired_specs() == {UID_A: ClaimSpec(spec.cpus)}
             gate.set()
         await until(lambda: UID_A in node.owner.state.claims, "the commit")
-        assert node.owner.desired_specs() == {UID_A: spec.cpus}
+        assert node.owner.desired_specs() == {UID_A: ClaimSpec(spec.cpus)}
 
         # Unprepare: the spec is deleted before the state commits; the watcher must not put
         # it back.

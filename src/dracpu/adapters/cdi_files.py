@@ -38,9 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dracpu.core.cdi_spec import (
+    ClaimSpec,
     claim_uid_from_file_name,
     is_valid_claim_uid,
-    parse_spec,
+    parse_claim_spec,
     spec_bytes,
     spec_file_name,
 )
@@ -178,8 +179,11 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[written:]
 
 
-def write_spec(cdi_dir: str | os.PathLike[str], claim_uid: str, cpus: CpuSet) -> Path:
-    """Atomically write the spec of a claim; return its path.
+def write_spec(
+    cdi_dir: str | os.PathLike[str], claim_uid: str, cpus: CpuSet, shared_pool: bool = False
+) -> Path:
+    """Atomically write the spec of a claim (``shared_pool``: with ``DRA_SHARED_POOL_<uid>``);
+    return its path.
 
     Temp file in the same dir (mode 0644, never a ``.json`` name) → write → rename over
     ``dra.k8s.io-cpu_claim-<uid>.json``; no fsync (see the module docstring). The dir is
@@ -187,7 +191,7 @@ def write_spec(cdi_dir: str | os.PathLike[str], claim_uid: str, cpus: CpuSet) ->
     it was; a spec that holds these bytes already is no failure when no file can be created
     (:func:`write_atomically`).
     """
-    data = spec_bytes(claim_uid, cpus)  # validates uid and cpuset before touching the disk
+    data = spec_bytes(claim_uid, cpus, shared_pool)  # checks uid and cpuset before the disk
     directory = os.fspath(cdi_dir)
     return Path(
         write_atomically(directory, spec_file_name(claim_uid), data, "CDI spec", ensure_dir)
@@ -402,17 +406,17 @@ def read_spec(cdi_dir: str | os.PathLike[str], claim_uid: str) -> CpuSet | None:
     data = read_spec_bytes(cdi_dir, claim_uid)
     if data is None:
         return None
-    return _parse_file(path, claim_uid, data)
+    return _parse_file(path, claim_uid, data).cpus
 
 
-def _parse_file(path: Path, claim_uid: str, data: bytes) -> CpuSet:
+def _parse_file(path: Path, claim_uid: str, data: bytes) -> ClaimSpec:
     try:
-        uid, cpus = parse_spec(data)
+        uid, spec = parse_claim_spec(data)
     except CdiError as exc:
         raise CdiError(f"CDI spec {str(path)!r}: {exc}") from exc
     if uid != claim_uid:
         raise CdiError(f"CDI spec {str(path)!r} is for claim {uid}, not {claim_uid}")
-    return cpus
+    return spec
 
 
 @dataclass(frozen=True, slots=True)
@@ -481,10 +485,11 @@ def scan_dir(cdi_dir: str | os.PathLike[str], *, only: Collection[str] | None = 
     return scan
 
 
-def list_our_specs(cdi_dir: str | os.PathLike[str]) -> dict[str, CpuSet | CdiError]:
-    """Every spec file of ours in the dir: claim UID → cpuset, or the error reading/parsing it."""
+def list_our_specs(cdi_dir: str | os.PathLike[str]) -> dict[str, ClaimSpec | CdiError]:
+    """Every spec file of ours in the dir: claim UID → what it says, or the error
+    reading/parsing it."""
     directory = Path(cdi_dir)
-    result: dict[str, CpuSet | CdiError] = {}
+    result: dict[str, ClaimSpec | CdiError] = {}
     for uid, content in scan_dir(directory).specs.items():
         if isinstance(content, CdiError):
             result[uid] = content

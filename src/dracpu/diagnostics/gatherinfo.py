@@ -250,6 +250,7 @@ def _checkpoint(process: DriverProcess, config: Config) -> Any:
                 "podUids": sorted(claim.pod_uids),
                 "podNames": sorted(claim.pod_names),
                 "copierPods": sorted(claim.copiers),
+                "sharedPool": claim.shared_pool,
             }
             for uid, claim in sorted(stored.data.claims.items())
         ],

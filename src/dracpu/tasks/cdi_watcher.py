@@ -56,8 +56,7 @@ from watchfiles import Change, awatch
 
 from dracpu.adapters import cdi_files
 from dracpu.adapters.backoff import Health, RetryLog, backoff_delays
-from dracpu.core.cdi_spec import claim_uid_from_file_name, plan_reconcile
-from dracpu.core.cpuset import CpuSet
+from dracpu.core.cdi_spec import ClaimSpec, claim_uid_from_file_name, plan_reconcile
 from dracpu.errors import CdiError
 
 __all__ = [
@@ -126,7 +125,7 @@ class ReconcileReport:
 def reconcile_scan(
     cdi_dir: str | os.PathLike[str],
     scan: cdi_files.CdiDirScan,
-    desired: Mapping[str, CpuSet],
+    desired: Mapping[str, ClaimSpec],
     *,
     only: Collection[str] | None = None,
     orphan_grace: float = 0.0,
@@ -153,15 +152,15 @@ def reconcile_scan(
     deferred: list[str] = []
     leftovers: list[str] = []
     errors: list[str] = [f"claim {uid}: {reason}" for uid, reason in plan.invalid]
-    for uid, cpus in plan.create:
+    for uid, spec in plan.create:
         try:
-            cdi_files.write_spec(cdi_dir, uid, cpus)
+            cdi_files.write_spec(cdi_dir, uid, spec.cpus, spec.shared_pool)
             created.append(uid)
         except CdiError as exc:
             errors.append(str(exc))
-    for uid, cpus in plan.repair:
+    for uid, spec in plan.repair:
         try:
-            cdi_files.write_spec(cdi_dir, uid, cpus)
+            cdi_files.write_spec(cdi_dir, uid, spec.cpus, spec.shared_pool)
             repaired.append(uid)
         except CdiError as exc:
             errors.append(str(exc))
@@ -195,7 +194,7 @@ def reconcile_scan(
 
 def reconcile(
     cdi_dir: str | os.PathLike[str],
-    desired: Mapping[str, CpuSet],
+    desired: Mapping[str, ClaimSpec],
     *,
     only: Collection[str] | None = None,
     orphan_grace: float = 0.0,
@@ -227,7 +226,7 @@ class _Watch:
     def __init__(
         self,
         path: Path,
-        desired: Callable[[], Mapping[str, CpuSet]],
+        desired: Callable[[], Mapping[str, ClaimSpec]],
         on_report: Callable[[ReconcileReport], None] | None,
         debounce_ms: int,
         step_ms: int,
@@ -455,7 +454,7 @@ class _Watch:
 
 async def run(
     cdi_dir: str | os.PathLike[str],
-    desired: Callable[[], Mapping[str, CpuSet]],
+    desired: Callable[[], Mapping[str, ClaimSpec]],
     *,
     debounce_ms: int = DEFAULT_DEBOUNCE_MS,
     step_ms: int = DEFAULT_STEP_MS,
@@ -470,12 +469,12 @@ async def run(
 ) -> None:
     """Watch ``cdi_dir`` forever, keeping our specs equal to ``desired()``.
 
-    ``desired`` returns a snapshot ``{claim_uid: cpus}`` of the prepared claims; it is called on
-    the event loop, after the files of a pass were read. ``on_report`` receives every pass's
+    ``desired`` returns a snapshot ``{claim_uid: ClaimSpec}`` of the prepared claims; it is called
+    on the event loop, after the files of a pass were read. ``on_report`` receives every pass's
     report (metrics, tests). ``health`` is told whether the dir can be used, with the reason when
-    not; ``retry_delays`` makes the delays between tries of a dir that cannot. ``started()``
-    comes once the watch is live and the first full pass is done, or once the first try found
-    the dir unusable. Never raises for the dir's condition (see the module docstring).
+    not; ``retry_delays`` makes the delays between tries of a dir that cannot. ``started()`` comes
+    once the watch is live and the first full pass is done, or once the first try found the dir
+    unusable. Never raises for the dir's condition (see the module docstring).
     """
     path = Path(cdi_dir)
     watch = _Watch(

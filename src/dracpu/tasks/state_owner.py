@@ -119,8 +119,8 @@ from dracpu.adapters.host_cgroups import RECORD_FILE, CgroupState, HostCgroups, 
 from dracpu.adapters.node_files import FILE_EFFECTS, NodeFiles
 from dracpu.adapters.sysfs import read_topology
 from dracpu.config import Config
+from dracpu.core.cdi_spec import ClaimSpec
 from dracpu.core.commands import AdoptClaims, AdoptedClaim, Command, Resync
-from dracpu.core.cpuset import CpuSet
 from dracpu.core.effects import (
     ClaimsAdopted,
     ConfineHostCgroups,
@@ -323,7 +323,7 @@ class StateOwner:
         # The published devices' health (the DRA socket's health streams read it).
         self.health = DeviceHealthBoard()
         # CDI writes (cpus) and deletes (None) of the command being applied, by claim UID.
-        self._cdi_changes: dict[str, CpuSet | None] = {}
+        self._cdi_changes: dict[str, ClaimSpec | None] = {}
         self._applied = 0
         self._failed = 0
         self._effects_failed = 0
@@ -374,17 +374,21 @@ class StateOwner:
         """The listed host cgroups: what each is confined to, or why it is not."""
         return self._files.host_cgroups()
 
-    def desired_specs(self) -> dict[str, CpuSet]:
-        """The CDI specs that must exist now: ``{claim UID: cpus}`` (the CDI watcher's view):
-        the committed claims, plus the specs the command in flight has written, minus the ones
-        it has deleted."""
+    def desired_specs(self) -> dict[str, ClaimSpec]:
+        """The CDI specs that must exist now: ``{claim UID: what it says}`` (the CDI watcher's
+        view): the committed claims, plus the specs the command in flight has written, minus
+        the ones it has deleted."""
         state = self._state
-        desired = {} if state is None else {uid: c.cpus for uid, c in state.claims.items()}
-        for uid, cpus in self._cdi_changes.items():
-            if cpus is None:
+        desired = (
+            {}
+            if state is None
+            else {uid: ClaimSpec(c.cpus, c.shared_pool) for uid, c in state.claims.items()}
+        )
+        for uid, spec in self._cdi_changes.items():
+            if spec is None:
                 desired.pop(uid, None)
             else:
-                desired[uid] = cpus
+                desired[uid] = spec
         return desired
 
     # --- the task ------------------------------------------------------------------------------
@@ -612,16 +616,16 @@ class StateOwner:
                     if previous is _UNMARKED:
                         self._cdi_changes.pop(uid, None)
                     else:
-                        assert previous is None or isinstance(previous, CpuSet)
+                        assert previous is None or isinstance(previous, ClaimSpec)
                         self._cdi_changes[uid] = previous
             raise
 
     def _mark(self, effect: Effect) -> tuple[str, object] | None:
         """Record a CDI write/delete in :attr:`_cdi_changes`; the claim's previous mark."""
         match effect:
-            case WriteCdiSpec(claim_uid=uid, cpus=cpus):
+            case WriteCdiSpec(claim_uid=uid, cpus=cpus, shared_pool=shared_pool):
                 previous = self._cdi_changes.get(uid, _UNMARKED)
-                self._cdi_changes[uid] = cpus
+                self._cdi_changes[uid] = ClaimSpec(cpus, shared_pool)
             case DeleteCdiSpec(claim_uid=uid):
                 previous = self._cdi_changes.get(uid, _UNMARKED)
                 self._cdi_changes[uid] = None
@@ -790,13 +794,13 @@ class StateOwner:
             return
         claims = self.state.claims
         candidates: list[AdoptedClaim] = []
-        for uid, cpus in sorted(specs.items()):
+        for uid, spec in sorted(specs.items()):
             if uid in claims:
                 continue
-            if isinstance(cpus, CdiError):
-                logger.warning("CDI spec of claim %s cannot be adopted: %s", uid, cpus)
+            if isinstance(spec, CdiError):
+                logger.warning("CDI spec of claim %s cannot be adopted: %s", uid, spec)
                 continue
-            candidates.append(AdoptedClaim(uid, cpus))
+            candidates.append(AdoptedClaim(uid, spec.cpus, spec.shared_pool))
         if not candidates:
             return
         # The specs are the only record of these claims: a rollback would delete them and
