@@ -74,7 +74,7 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from dracpu import __version__
-from dracpu.adapters.kube import KubeClient, open_kube_client
+from dracpu.adapters.kube import KubeClient, kubelet_version, open_kube_client
 from dracpu.adapters.pod_resources import PodResourcesClient
 from dracpu.config import Config
 from dracpu.core.commands import Command
@@ -454,6 +454,10 @@ class _Node:
         self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED
     ) -> None:
         config = self.config
+
+        async def read_kubelet_version() -> str:
+            return kubelet_version(await self.kube.get_node(config.node_name))
+
         with PodResourcesClient(config.pod_resources_socket) as client:
             await podresources_sync.run(
                 self.send.clone(),
@@ -462,6 +466,7 @@ class _Node:
                 grace=config.orphan_grace,
                 trigger=self.list_trigger,
                 status=self.podresources,
+                kubelet_version=read_kubelet_version,
                 task_status=task_status,
             )
 

@@ -20,6 +20,7 @@ from dracpu.adapters.kube import (
     LISTED,
     WatchEvent,
     consumable_capacity_dropped,
+    kubelet_version,
     open_kube_client,
 )
 from dracpu.core.claims import device_status_patch, read_claim
@@ -27,6 +28,7 @@ from dracpu.core.cpuset import CpuSet
 from dracpu.core.slices import CpuDeviceMode, GroupBy, build_resource_slices, published_devices
 from dracpu.errors import (
     ConfigError,
+    DracpuError,
     KubeAPIError,
     KubeClientError,
     KubeConflictError,
@@ -58,6 +60,15 @@ async def test_get_node_returns_the_object_as_a_plain_dict() -> None:
         assert node == api.node(NODE)
         assert node["metadata"]["uid"] == NODE_UID
         assert type(node) is dict
+
+
+@pytest.mark.anyio
+async def test_the_kubelets_version_is_read_from_the_nodes_status() -> None:
+    async with connected() as (api, kube):
+        api.add_node("reported", kubelet_version="v1.34.2")  # validated as a Node
+        assert kubelet_version(await kube.get_node("reported")) == "v1.34.2"
+        with pytest.raises(DracpuError, match=f"Node '{NODE}' has no status.nodeInfo"):
+            kubelet_version(await kube.get_node(NODE))  # no status: its kubelet never reported
 
 
 @pytest.mark.anyio

@@ -19,6 +19,7 @@ from dracpu.adapters.pod_resources import (
     PodResourcesClient,
     PodResourcesListing,
     claims_listed,
+    claims_shown_by_default,
 )
 from dracpu.errors import PodResourcesError
 from dracpu.sim._pb2.podresources.v1 import api_pb2 as pr
@@ -104,7 +105,30 @@ def test_an_answer_without_any_claim_reference_cannot_show_claims() -> None:
     answer.pod_resources.add(name="p", namespace="ns").containers.add(name="c", cpu_ids=[1])
     listing = read(answer)
     assert (listing.pods, listing.dynamic_resources, listing.reports_claims) == (1, 0, False)
+    assert listing.active == {("ns", "p")}  # the pods are listed whatever the gate
     assert not read(pr.ListPodResourcesResponse()).reports_claims
+
+
+@pytest.mark.parametrize(
+    ("version", "shown"),
+    [
+        ("v1.34.0", True),  # beta, on by default (kube_features.go)
+        ("v1.35.2", True),
+        ("v1.36.0", True),
+        ("v1.34.1-gke.1200", True),
+        ("v1.34.0+k3s1", True),
+        (" v1.40.3 ", True),
+        ("v2.0.0", True),
+        ("v1.33.9", False),  # alpha, off by default
+        ("v1.27.0", False),
+        ("v1.9.0", False),  # minor versions compare as numbers
+        ("", False),
+        ("devel", False),
+        ("v1", False),
+    ],
+)
+def test_claims_are_listed_by_default_from_kubelet_1_34(version: str, shown: bool) -> None:
+    assert claims_shown_by_default(version) is shown
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ claims.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -246,6 +246,53 @@ def test_a_listing_that_cannot_show_claims_releases_nothing_and_forgets_the_miss
     assert released(value) == []
 
 
+def test_on_a_quiet_node_an_authoritative_empty_answer_releases_after_the_grace() -> None:
+    """An answer without any claim reference, from a kubelet whose gate is on by default: no
+    pod holds a claim. Prepared and adopted claims alike go after the grace (two listings)."""
+    state = two_claims()
+    state, _, _ = ok(state, AdoptClaims((AdoptedClaim(uid(3), cpus("6")),)))
+
+    def quiet(at: float) -> PodsListed:
+        return listed(at=at, reports_claims=False, authoritative=True)
+
+    state, value, _ = ok(state, quiet(0.0))
+    assert value == PodsReconciled((), (uid(1), uid(2), uid(3)), True)
+    state, value, _ = ok(state, quiet(GRACE - 1))
+    assert released(value) == []
+    state, value, _ = ok(state, quiet(GRACE))
+    assert released(value) == [uid(1), uid(2), uid(3)]
+    assert [r.adopted for r in reconciled(value).released] == [False, False, True]
+    assert not any(r.by_pods for r in reconciled(value).released)
+    assert state.claims == {}
+
+
+def test_a_claim_whose_pods_are_all_gone_is_an_orphan_whatever_the_gate() -> None:
+    """Pods are listed whatever the kubelet's gates: a claim whose recorded pods are all absent
+    is missed even by an answer that cannot show claims; one whose pod is listed is kept (even
+    when the answer shows claims and not this one); one without known pod names cannot be
+    judged by such an answer."""
+    state = NodeState.initial(INDIVIDUAL)
+    for n, pod in ((1, "web-0"), (2, "web-1")):
+        command = individual(INDIVIDUAL, n, [3 + n])
+        state, _, _ = ok(
+            state, replace(command, pod_uids=frozenset({f"u{n}"}), pod_names=frozenset({pod}))
+        )
+    state, _, _ = ok(state, individual(INDIVIDUAL, 3, [6]))  # an earlier build: no pods known
+    state, _, _ = ok(state, Synchronize(()))
+    web1 = frozenset({("ns", "web-1")})
+    state, value, _ = ok(state, listed(at=0.0, reports_claims=False, pods=web1))
+    assert value == PodsReconciled((), (uid(1),), False)
+    state, value, _ = ok(state, listed(at=GRACE, reports_claims=False, pods=web1))
+    assert released(value) == [uid(1)]
+    assert reconciled(value).released[0].by_pods
+    # web-1 is listed: claim 2 stays, even when the answer shows claims but not this one.
+    state, value, _ = ok(state, listed(at=2 * GRACE, pods=web1))
+    assert value == PodsReconciled((), (uid(3),), True)
+    state, value, _ = ok(state, listed(at=3 * GRACE, pods=web1))
+    assert released(value) == [uid(3)]
+    assert set(state.claims) == {uid(2)}
+
+
 def test_claims_listed_by_name_only() -> None:
     state = two_claims()
     state, _, _ = ok(state, AdoptClaims((AdoptedClaim(uid(3), cpus("6")),)))
@@ -308,7 +355,12 @@ def draw_command(data: st.DataObject, state: NodeState, model: Model, grace: flo
     n = data.draw(st.integers(0, UIDS - 1), label="claim")
     match kind:
         case "prepare":
-            return individual(INDIVIDUAL, n, [2 + n])
+            command = individual(INDIVIDUAL, n, [2 + n])
+            if data.draw(st.booleans(), label="pods known"):  # by name too: its pod is p<n>
+                command = replace(
+                    command, pod_uids=frozenset({f"uid-{n}"}), pod_names=frozenset({f"p{n}"})
+                )
+            return command
         case "adopt":
             return AdoptClaims((AdoptedClaim(uid(n), CpuSet([9 + n])),))
         case "unprepare":
@@ -327,12 +379,15 @@ def draw_command(data: st.DataObject, state: NodeState, model: Model, grace: flo
             model.clock += data.draw(st.sampled_from([0.0, 1.0, grace / 2, grace, 2 * grace]))
             in_use = data.draw(st.sets(st.integers(0, UIDS - 1)), label="referenced")
             names = data.draw(st.sets(st.integers(0, UIDS + 1), max_size=2), label="names")
+            pods = data.draw(st.sets(st.integers(0, UIDS - 1)), label="pods listed")
             return PodsListed(
                 frozenset(uid(i) for i in in_use),
                 frozenset(("ns", f"claim-{i}") for i in names),
                 reports_claims=data.draw(st.integers(0, 5), label="reports") > 0,
                 at=model.clock,
                 grace=grace,
+                pods=frozenset(("ns", f"p{i}") for i in pods),
+                authoritative=data.draw(st.booleans(), label="authoritative"),
             )
 
 
@@ -343,21 +398,25 @@ def carried_by_containers(state: NodeState) -> set[str]:
 def expected_release(state: NodeState, command: PodsListed, model: Model) -> set[str]:
     """What the rules say this listing releases; the model's runs follow the listing."""
     model.listings += 1
-    if not command.reports_claims:
-        model.runs.clear()
-        return set()
+    trusted = command.reports_claims or command.authoritative
     carried = carried_by_containers(state)
     release: set[str] = set()
     for key, claim in state.claims.items():
         by_name = bool(command.names_in_use) and (
             not claim.name or (claim.namespace, claim.name) in command.names_in_use
         )
-        if key in command.claims_in_use or key in carried or by_name:
+        pod_listed = any((claim.namespace, p) in command.pods for p in claim.pod_names)
+        if key in command.claims_in_use or key in carried or by_name or pod_listed:
+            model.runs.pop(key, None)
+            continue
+        if not trusted and not claim.pod_names:
             model.runs.pop(key, None)
             continue
         began, number = model.runs.setdefault(key, (command.at, model.listings))
         adopted = not claim.results
-        ripe = adopted or (number < model.listings and command.at - began >= command.grace)
+        ripe = (adopted and command.reports_claims) or (
+            number < model.listings and command.at - began >= command.grace
+        )
         if ripe and state.containers_known:
             release.add(key)
     return release
@@ -390,13 +449,14 @@ def test_random_histories_release_exactly_the_orphans_the_rules_name(
             assert not got & command.claims_in_use
             assert not got & carried_by_containers(state)
             if got:
-                assert command.reports_claims
                 assert state.containers_known
             for gone in result.released:
                 claim = state.claims[gone.claim_uid]
                 assert (claim.namespace, claim.name) not in command.names_in_use
+                assert not {(claim.namespace, p) for p in claim.pod_names} & command.pods
+                assert command.reports_claims or command.authoritative or claim.pod_names
                 assert gone.adopted == (not claim.results)
-                if claim.results:  # missing from two listings a grace apart, and all between
+                if claim.results or not command.reports_claims:  # two listings a grace apart
                     began, number = runs_before[gone.claim_uid]
                     assert command.at - began >= grace
                     assert number < model.listings

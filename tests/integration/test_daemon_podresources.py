@@ -4,8 +4,9 @@ serving ``List`` from the pods the simulation runs and the claims it prepared.
 An adopted CDI spec of a claim no pod uses is released by the List at start (which comes after
 NRI ``Synchronize``): its CPUs go back to the shared containers at once and can be allocated
 from the published devices again. A claim whose pod went away without Unprepare is released
-after the grace while a claim its pod references stays. SIGHUP asks for a List; a kubelet without
-the socket keeps the daemon ready and is used once it comes.
+after the grace while a claim its pod references stays. On a quiet node (no pod holds a claim),
+what an answer without claims means follows the kubelet's version. SIGHUP asks for a List; a
+kubelet without the socket keeps the daemon ready and is used once it comes.
 """
 
 from __future__ import annotations
@@ -116,8 +117,11 @@ async def test_a_claim_whose_pod_went_away_goes_after_the_grace_and_a_referenced
         await anyio.sleep(1.5)  # listings while both pods run: nothing goes
         assert sim.cdi_claims() == sorted([keeper.uid, lost.uid])
 
-        await sim.remove_pod(lost_pod)  # the pod ends; the kubelet never unprepares the claim
+        # The pod ends; the kubelet never unprepares the claim. Its listings miss the claim from
+        # the moment the kubelet drops the pod (the start of remove_pod) and its container is
+        # gone: the grace is counted from before the call.
         gone = anyio.current_time()
+        await sim.remove_pod(lost_pod)
         await wait_until("the orphan to go", lambda: sim.cdi_cpus(lost.uid) is None, timeout=10)
         assert anyio.current_time() - gone >= 1.0  # not before the grace
         # The spec goes first; the checkpoint follows, then the owner's answer and the log line.
@@ -145,6 +149,101 @@ async def test_a_claim_whose_pod_went_away_goes_after_the_grace_and_a_referenced
         assert server is not None
         assert server.answered("RESOURCE_EXHAUSTED") == 0  # within the kubelet's rate limit
         assert server.answered("OK") >= 10
+
+
+async def test_on_a_quiet_node_orphans_go_after_the_grace_when_the_kubelet_shows_claims() -> None:
+    """No pod on the node holds a claim: the kubelet's answers show none. A kubelet of 1.34 or
+    later lists claims by default (its Node says which version it is), so such an answer is
+    taken at its word: a claim whose pod ended without Unprepare, one prepared for no known pod
+    and a left-over CDI spec all go after the grace."""
+    flags = ["--podresources-interval=200ms", "--orphan-grace=1s"]
+    async with open_node_sim(shared_containers=1, extra_args=flags) as sim:
+        everything = node_cpus(sim)
+        await sim.wait_published()
+        pod = sim.runtime.add_pod("batch")
+        lost = sim.allocate("lost", 2, device="cpudevnuma000", reserved_for=[pod])
+        unknown = sim.allocate("unknown", 2, device="cpudevnuma001")  # reserved for no pod
+        await _prepare(sim, lost)
+        await _prepare(sim, unknown)
+        await sim.run_container("batch", claims=[lost], pod=pod)
+        await sim.stop_daemon()
+        leftover = str(uuid.uuid4())
+        _write_spec(sim, leftover, "26-27")
+        await sim.start_daemon()
+        gone = anyio.current_time()  # before: the misses may begin inside remove_pod
+        await sim.remove_pod(pod)  # the pod ends; the kubelet never unprepares its claim
+        claims = {lost.uid, unknown.uid, leftover}
+
+        await wait_until(
+            "the orphans to go", lambda: not claims & set(sim.cdi_claims()), timeout=15
+        )
+        assert anyio.current_time() - gone >= 1.0  # not before the grace, the adopted spec too
+        await wait_until(
+            "the releases to be logged",
+            lambda: len([m for m in sim.daemon.messages("warning") if "released orphan" in m]) == 3,
+            timeout=10,
+        )
+        assert checkpoint_claims(sim.paths.checkpoint) == {}
+        assert any(
+            "shows no DRA claim (1 pods); kubelet v1.35.0 has its "
+            "KubeletPodResourcesDynamicResources gate on by default" in m
+            for m in sim.daemon.messages("info")
+        )
+        [shared] = sim.shared_ids()
+        await wait_until(
+            "the shared container to widen",
+            lambda: cpus(sim.cpus_of(shared)) == everything,
+            timeout=10,
+        )
+        assert await _metric(sim, "dracpu_podresources_sync_working") == 1.0
+        node_gets = [r for r in sim.api.requests if r.method == "GET" and "/nodes/" in r.path]
+        # Per daemon start (two): the publisher's owner reference and the kubelet's version,
+        # once each, however many answers came without claims.
+        assert len(node_gets) == 4
+        assert sim.daemon.messages("error") == []
+
+
+async def test_before_1_34_only_claims_whose_pods_are_gone_are_released_from_empty_answers() -> (
+    None
+):
+    """A kubelet older than 1.34 lists no claims unless its gate was turned on: an answer
+    without any does not say that no pod holds one. Pods are listed all the same, so a claim
+    whose recorded pods are all gone is an orphan; one whose pods are not known stays."""
+    flags = ["--podresources-interval=200ms", "--orphan-grace=1s"]
+    async with open_node_sim(kubelet_version="v1.33.4", extra_args=flags) as sim:
+        await sim.wait_published()
+        server = sim.kubelet.pod_resources
+        assert server is not None
+        server.dynamic_resources = False  # the gate is off: no claim is ever listed
+        pod = sim.runtime.add_pod("batch")
+        lost = sim.allocate("lost", 2, device="cpudevnuma000", reserved_for=[pod])
+        unknown = sim.allocate("unknown", 2, device="cpudevnuma001")  # reserved for no pod
+        await _prepare(sim, lost)
+        await _prepare(sim, unknown)
+        await sim.run_container("batch", claims=[lost], pod=pod)
+        await anyio.sleep(1.5)  # its pod is listed (and its container runs): nothing goes
+        assert set(sim.cdi_claims()) == {lost.uid, unknown.uid}
+
+        gone = anyio.current_time()  # before: the misses may begin inside remove_pod
+        await sim.remove_pod(pod)
+        await wait_until("the orphan to go", lambda: lost.uid not in sim.cdi_claims(), timeout=15)
+        assert anyio.current_time() - gone >= 1.0
+        await wait_until(
+            "the release to be logged",
+            lambda: any(
+                f"released orphan claim {lost.uid}" in m and "the pods it is reserved for" in m
+                for m in sim.daemon.messages("warning")
+            ),
+            timeout=10,
+        )
+        await anyio.sleep(1.5)
+        assert sim.cdi_claims() == [unknown.uid]  # cannot be judged: kept
+        assert any(
+            "either no pod holds one or its KubeletPodResourcesDynamicResources gate is off "
+            "(kubelet version v1.33.4)" in m
+            for m in sim.daemon.messages("info")
+        )
+        assert await _metric(sim, "dracpu_podresources_sync_working") == 0.0
 
 
 async def test_sighup_asks_for_a_list() -> None:

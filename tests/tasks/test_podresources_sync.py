@@ -16,7 +16,7 @@ import math
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 
@@ -115,6 +115,7 @@ async def running(
     grace: float = 300.0,
     clock: Callable[[], float] | None = None,
     delays: Callable[[], Iterator[float]] = podresources_sync.retry_delays,
+    kubelet_version: podresources_sync.VersionReader | None = None,
 ) -> AsyncIterator[tuple[ListTrigger, PodResourcesStatus]]:
     send: MemoryObjectSendStream[Request[Command]]
     send, receive = create_request_stream()
@@ -131,6 +132,7 @@ async def running(
                 status=status,
                 clock=clock or anyio.current_time,
                 delays=delays,
+                kubelet_version=kubelet_version,
                 task_status=task_status,
             )
         )
@@ -288,6 +290,63 @@ async def test_an_answer_without_claims_is_said_once_and_the_owner_still_hears_i
     assert "KubeletPodResourcesDynamicResources gate is off" in said[0]
     assert said[1].startswith("PodResources: the kubelet lists 1 pods with 2 claim references")
     assert status.lists["no_claims"] == 3
+
+
+@dataclass
+class Versions:
+    """The Node's kubelet version as the API server answers it, one answer per read."""
+
+    answers: list[str | DracpuError]
+    reads: int = 0
+
+    async def read(self) -> str:
+        self.reads += 1
+        answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        if isinstance(answer, DracpuError):
+            raise answer
+        return answer
+
+
+async def test_the_kubelets_version_says_whether_an_answer_without_claims_is_its_word(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="dracpu")
+    quiet = replace(listing(references=0), active=frozenset({("ns", "web-0")}))
+    down = PodResourcesError("cannot connect to kubelet.sock: Connection refused")
+    kubelet = Kubelet([quiet, quiet, quiet, down, quiet, listing(U1), quiet, quiet])
+    versions = Versions([DracpuError("503 Service Unavailable"), "v1.33.2", "v1.34.0"])
+    owner = Owner()
+    async with running(
+        kubelet, owner, interval=0.1, delays=lambda: iter([0.0] * 9), kubelet_version=versions.read
+    ) as (_, status):
+        await until(lambda: len(owner.commands) >= 7, "seven listings")
+    # Read when an answer without claims needs it: again after a failed read, not after a
+    # successful one until a List fails (the kubelet may come back as another version).
+    assert [c.authoritative for c in owner.commands[:7]] == [
+        False,  # the read failed
+        False,  # v1.33.2
+        False,
+        True,  # after the failed List: v1.34.0
+        True,  # an answer with claims: no read
+        True,
+        True,
+    ]
+    assert versions.reads == 3
+    assert all(c.pods == {("ns", "web-0")} for c in owner.commands if not c.reports_claims)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("PodResources:")]
+    assert said[0] == (
+        "PodResources: cannot read the kubelet's version from the Node (tried again at the "
+        "next listing without claims): 503 Service Unavailable"
+    )
+    assert "(kubelet version unknown)" in said[1]
+    assert said[2] == "PodResources: the kubelet's version is read again: v1.33.2"
+    assert "(kubelet version v1.33.2)" in said[3]
+    assert "kubelet v1.34.0 has its KubeletPodResourcesDynamicResources gate on" in said[4]
+    assert said[5].startswith("PodResources: the kubelet lists 1 pods with 2 claim references")
+    assert "kubelet v1.34.0 has its" in said[6]
+    assert len(said) == 7
+    assert status.kubelet_version == "v1.34.0"
+    assert status.working
 
 
 async def test_an_owner_that_refuses_a_listing_does_not_end_the_task() -> None:
@@ -458,6 +517,8 @@ async def test_resource_exhausted_backs_off() -> None:
         node.server.fail("RESOURCE_EXHAUSTED", times=3)
         await node.start_sync(interval=3600, grace=3600)
         await until(lambda: node.server.answered("OK") == 1, "a List that works")
+        # The server counts its answer when it sends it; the task counts it once read.
+        await until(lambda: node.status.lists["no_claims"] == 1, "the answer read")
         calls = node.server.calls
         assert [c.code for c in calls] == ["RESOURCE_EXHAUSTED"] * 3 + ["OK"]
         gaps = [b.at - a.at for a, b in itertools.pairwise(calls)]

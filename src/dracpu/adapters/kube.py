@@ -75,7 +75,7 @@ from dracpu.adapters.kube_transport import (
     send_once,
     status_error,
 )
-from dracpu.errors import ConfigError, KubeClientError, KubeServerError
+from dracpu.errors import ConfigError, DracpuError, KubeClientError, KubeServerError
 
 __all__ = [
     "DEFAULT_REQUEST_TIMEOUT",
@@ -85,6 +85,7 @@ __all__ = [
     "KubeClient",
     "WatchEvent",
     "consumable_capacity_dropped",
+    "kubelet_version",
     "open_kube_client",
     "slice_selector",
 ]
@@ -177,6 +178,18 @@ def consumable_capacity_dropped(sent: Mapping[str, Any], stored: Mapping[str, An
             ):
                 return True
     return False
+
+
+def kubelet_version(node: Mapping[str, Any]) -> str:
+    """The Node's ``status.nodeInfo.kubeletVersion`` (the kubelet reports it in its node
+    status); raises :class:`~dracpu.errors.DracpuError` when the Node has none."""
+    status = node.get("status")
+    info = status.get("nodeInfo") if isinstance(status, Mapping) else None
+    version = info.get("kubeletVersion") if isinstance(info, Mapping) else None
+    if not isinstance(version, str) or not version:
+        name = (node.get("metadata") or {}).get("name")
+        raise DracpuError(f"Node {name!r} has no status.nodeInfo.kubeletVersion")
+    return version
 
 
 def _resource_version(obj: Mapping[str, Any]) -> str | None:

@@ -12,9 +12,12 @@ its answer says about our claims.
 - :func:`claims_listed`: the answer as a :class:`PodResourcesListing`, pure. The kubelet lists
   its active pods, each container (sidecars and regular containers) with the prepared DRA claims
   it references in ``dynamic_resources`` (only when its ``KubeletPodResourcesDynamicResources``
-  gate is on: beta and on in 1.34 and 1.35, GA in 1.36; ``pkg/kubelet/apis/podresources/
-  server_v1.go``). A claim of our driver is known by the UID in its CDI device id
-  (``dra.k8s.io/cpu=claim-<uid>``, the id our Prepare answered), else by namespace and name.
+  gate is on; ``pkg/kubelet/apis/podresources/server_v1.go``). A claim of our driver is known by
+  the UID in its CDI device id (``dra.k8s.io/cpu=claim-<uid>``, the id our Prepare answered),
+  else by namespace and name.
+- :func:`claims_shown_by_default`: whether a kubelet of a version has that gate on by default
+  (:data:`DYNAMIC_RESOURCES_BY_DEFAULT`), so that an answer without any claim means no pod holds
+  one.
 
 grpclib runs on asyncio only: this adapter is used by the pod-resources task on the daemon's
 asyncio backend.
@@ -22,6 +25,7 @@ asyncio backend.
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -41,10 +45,12 @@ from dracpu.errors import PodResourcesError
 
 __all__ = [
     "CALL_TIMEOUT",
+    "DYNAMIC_RESOURCES_BY_DEFAULT",
     "ClaimUser",
     "PodResourcesClient",
     "PodResourcesListing",
     "claims_listed",
+    "claims_shown_by_default",
 ]
 
 
@@ -57,6 +63,23 @@ CALL_TIMEOUT = 10.0
 
 # Our CDI device ids: dra.k8s.io/cpu=claim-<uid> (dracpu.core.cdi_spec.device_id).
 _OUR_CDI_ID = f"{CDI_KIND}={DEVICE_PREFIX}"
+
+# The first kubelet minor version whose KubeletPodResourcesDynamicResources gate is on by default:
+# alpha (off) from 1.27, beta and on from 1.34 (kubernetes pkg/features/kube_features.go,
+# the gate's versioned specs; KEP-3695 plans GA in 1.36). An operator can still turn a beta gate
+# off; the daemon cannot see the kubelet's flags.
+DYNAMIC_RESOURCES_BY_DEFAULT = (1, 34)
+_VERSION = re.compile(r"v?(\d+)\.(\d+)(?:\.\d+)?(?:[-+].*)?")
+
+
+def claims_shown_by_default(kubelet_version: str) -> bool:
+    """Whether a kubelet of this version (``status.nodeInfo.kubeletVersion``: ``v1.35.2``,
+    ``v1.34.1-gke.1200``, ``v1.34.0+k3s1``) lists DRA claims by default; ``False`` for an older
+    one and for a version that does not read as one."""
+    match = _VERSION.fullmatch(kubelet_version.strip())
+    if match is None:
+        return False
+    return (int(match[1]), int(match[2])) >= DYNAMIC_RESOURCES_BY_DEFAULT
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,15 +96,17 @@ class PodResourcesListing:
     """What one ``List`` answer says about our driver's claims.
 
     ``by_uid``: the containers referencing each claim, by the claim's UID; ``by_name``: claims
-    of our driver listed without a CDI device id of ours, by (namespace, name); ``pods``: the
-    active pods listed; ``dynamic_resources``: the claim references of any driver. An answer
-    with none at all cannot show claims (:attr:`reports_claims`).
+    of our driver listed without a CDI device id of ours, by (namespace, name); ``pods``: how
+    many active pods are listed, ``active``: their (namespace, name); ``dynamic_resources``: the
+    claim references of any driver. An answer with none at all cannot show claims
+    (:attr:`reports_claims`).
     """
 
     by_uid: Mapping[str, tuple[ClaimUser, ...]]
     by_name: Mapping[tuple[str, str], tuple[ClaimUser, ...]]
     pods: int
     dynamic_resources: int
+    active: frozenset[tuple[str, str]] = frozenset()
 
     @property
     def reports_claims(self) -> bool:
@@ -124,7 +149,9 @@ def claims_listed(
     dynamic = 0
     skip = len(_OUR_CDI_ID)
     pods = _items(response.pod_resources, podres.PodResources, "pod_resources")
+    active: set[tuple[str, str]] = set()
     for pod in pods:
+        active.add((_text(pod.namespace, "a pod namespace"), _text(pod.name, "a pod name")))
         for container in _items(pod.containers, podres.ContainerResources, "containers"):
             references = _items(
                 container.dynamic_resources, podres.DynamicResource, "dynamic_resources"
@@ -165,6 +192,7 @@ def claims_listed(
         by_name=MappingProxyType({key: tuple(users) for key, users in by_name.items()}),
         pods=len(pods),
         dynamic_resources=dynamic,
+        active=frozenset(active),
     )
 
 

@@ -181,18 +181,26 @@ class PodsListed:
     (``dra.k8s.io/cpu=claim-<uid>``) in the pods' ``dynamic_resources``. ``names_in_use``:
     ``(namespace, name)`` of claims of our driver listed without a CDI device id we can read: a
     prepared claim of that name is in use, and so is every claim we know no name of (adopted
-    from its CDI spec). ``reports_claims``: ``False`` when the answer cannot show DRA claims at
-    all (no ``dynamic_resources`` anywhere: the kubelet's ``KubeletPodResourcesDynamicResources``
-    gate is off, or no pod holds a claim of any driver: the two look the same); nothing is
-    released then and earlier misses are forgotten.
+    from its CDI spec). ``pods``: ``(namespace, name)`` of every active pod listed (the kubelet
+    lists them whatever its gates). ``reports_claims``: the answer holds claim references (of
+    any driver). ``authoritative``: the kubelet's version has its
+    ``KubeletPodResourcesDynamicResources`` gate on by default, so an answer without any claim
+    reference means that no pod holds one (without it, the gate off and no claim at all look
+    the same).
 
     ``at``: when the listing was asked for, in monotonic seconds of the task's clock (the core
-    reads no clock); ``grace``: ``--orphan-grace`` in seconds. A prepared claim that no listed
-    pod references and no known container carries in its env is released once it has been
-    missing from every listing since one taken at least ``grace`` earlier; a claim known only
-    from its CDI spec (adopted, never prepared by the kubelet since) at the first such listing.
-    Nothing is released while the runtime's containers are not known (no NRI ``Synchronize``
-    since the start or since the runtime went away). See ``docs/architecture.md``.
+    reads no clock); ``grace``: ``--orphan-grace`` in seconds.
+
+    A prepared claim is in use while a known container carries it in its env, the answer
+    references it, or a pod it is reserved for (``PreparedClaim.pod_names``) is listed. Any
+    other claim is missed by the listing when the listing can tell (``reports_claims`` or
+    ``authoritative``), or when its pods are known by name (all of them absent); otherwise its
+    earlier misses are forgotten. A claim is released once it has been missed by every
+    listing since one taken at least ``grace`` earlier; a claim known only from its CDI spec
+    (adopted, never prepared by the kubelet since) at the first listing that misses it and
+    shows claims. Nothing is released while the runtime's containers are not known (no NRI
+    ``Synchronize`` since the start or since the runtime went away). See
+    ``docs/architecture.md``.
     """
 
     claims_in_use: frozenset[str]
@@ -200,6 +208,8 @@ class PodsListed:
     reports_claims: bool = True
     at: float = 0.0
     grace: float = 0.0
+    pods: frozenset[tuple[str, str]] = frozenset()
+    authoritative: bool = False
 
 
 @dataclass(frozen=True, slots=True)

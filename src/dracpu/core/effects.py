@@ -257,8 +257,10 @@ class Synchronized:
 class ReleasedClaim:
     """A prepared claim released as an orphan by a pod-resources listing, as Unprepare would.
 
-    ``adopted``: it was known only from its CDI spec (one listing was enough); ``missing_since``:
-    the ``at`` of the first listing of the run of listings that missed it."""
+    ``adopted``: it was known only from its CDI spec; ``missing_since``: the ``at`` of the first
+    listing of the run of listings that missed it (the listing itself: one was enough);
+    ``by_pods``: the listings could not show claims, and it went because every pod it is
+    reserved for was missing from them."""
 
     claim_uid: str
     cpus: CpuSet
@@ -266,14 +268,16 @@ class ReleasedClaim:
     name: str
     adopted: bool
     missing_since: float
+    by_pods: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class PodsReconciled:
     """Answer to PodsListed: the claims released as orphans, the claims missing from this
     listing that are kept for now (their grace runs, or the runtime's containers are not
-    known), and whether the listing could show claims at all (``False``: nothing released,
-    earlier misses forgotten)."""
+    known), and whether the listing can tell about every claim (it shows claims, or the
+    kubelet's version says an answer without any means no pod holds one; ``False``: only claims
+    whose pods are known by name were judged, the others' earlier misses are forgotten)."""
 
     released: tuple[ReleasedClaim, ...]
     waiting: tuple[str, ...]

@@ -494,34 +494,46 @@ def _referenced(claim: PreparedClaim, command: PodsListed) -> bool:
     return bool(names) and (not claim.name or (claim.namespace, claim.name) in names)
 
 
+def _pod_listed(claim: PreparedClaim, command: PodsListed) -> bool:
+    """Whether a pod the claim is reserved for is among the listing's active pods."""
+    pods = command.pods
+    return any((claim.namespace, name) in pods for name in claim.pod_names)
+
+
 def pods_listed(state: NodeState, command: PodsListed) -> tuple[NodeState, list[Effect]]:
     """A pod-resources listing: mark the claims it misses, release the orphans (see
     :class:`~dracpu.core.commands.PodsListed` for the rules)."""
-    if not command.reports_claims:
-        new = replace(state, unlisted=MappingProxyType({})) if state.unlisted else state
-        return new, [Reply(PodsReconciled((), (), False))]
+    trusted = command.reports_claims or command.authoritative
     carried = _carried(state)
     unlisted: dict[str, float] = {}
     released: list[ReleasedClaim] = []
     for uid in sorted(state.claims):
         claim = state.claims[uid]
-        if uid in carried or _referenced(claim, command):
+        if uid in carried or _referenced(claim, command) or _pod_listed(claim, command):
             continue
+        if not trusted and not claim.pod_names:
+            continue  # the listing cannot tell: its earlier misses are forgotten
         since = state.unlisted.get(uid)
         adopted = not claim.results
-        ripe = adopted or (since is not None and command.at - since >= command.grace)
+        ripe = (adopted and command.reports_claims) or (
+            since is not None and command.at - since >= command.grace
+        )
         if since is None:
             since = command.at
         if ripe and state.containers_known:
             released.append(
-                ReleasedClaim(uid, claim.cpus, claim.namespace, claim.name, adopted, since)
+                ReleasedClaim(
+                    uid, claim.cpus, claim.namespace, claim.name, adopted, since, not trusted
+                )
             )
         else:
             unlisted[uid] = since
     waiting = tuple(unlisted)
     if not released:
         new = replace(state, unlisted=MappingProxyType(unlisted))
-        return new, [Reply(PodsReconciled((), waiting, True))]
+        if new.unlisted == state.unlisted:
+            new = state
+        return new, [Reply(PodsReconciled((), waiting, trusted))]
     new = _release(state, [r.claim_uid for r in released])
     new = replace(new, unlisted=MappingProxyType(unlisted))
     new, after = unsolicited_widening(new)
@@ -533,7 +545,7 @@ def pods_listed(state: NodeState, command: PodsListed) -> tuple[NodeState, list[
         ),
         WriteCheckpoint(new.checkpoint()),
         *confinement(new),
-        Reply(PodsReconciled(tuple(released), waiting, True)),
+        Reply(PodsReconciled(tuple(released), waiting, trusted)),
         *after,
     ]
 

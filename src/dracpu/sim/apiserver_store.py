@@ -188,9 +188,28 @@ class ApiStore:
         """The current (highest) resourceVersion."""
         return self._version
 
-    def add_node(self, name: str, *, uid: str | None = None) -> dict[str, Any]:
-        """Create a Node (only its metadata); a copy of the stored object."""
-        node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}}
+    def add_node(
+        self, name: str, *, uid: str | None = None, kubelet_version: str | None = None
+    ) -> dict[str, Any]:
+        """Create a Node: its metadata and, with ``kubelet_version``, the ``status.nodeInfo``
+        its kubelet reports (``kubeletVersion`` that version, the other required fields made
+        up); a copy of the stored object."""
+        node: dict[str, Any] = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}}
+        if kubelet_version is not None:
+            node["status"] = {
+                "nodeInfo": {
+                    "architecture": "amd64",
+                    "bootID": "sim-boot",
+                    "containerRuntimeVersion": "containerd://2.4.0",
+                    "kernelVersion": "6.1.0",
+                    "kubeProxyVersion": "",
+                    "kubeletVersion": kubelet_version,
+                    "machineID": "sim-machine",
+                    "operatingSystem": "linux",
+                    "osImage": "Debian GNU/Linux 12 (bookworm)",
+                    "systemUUID": "sim-system",
+                }
+            }
         self._stamp_new(node, uid=uid)
         self._check_schema(node, "Node", name)
         self._nodes[name] = node

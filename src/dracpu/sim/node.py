@@ -6,7 +6,8 @@ daemon process itself is apart (:mod:`dracpu.sim.daemon_process`).
 
 :func:`open_node_sim` starts, in this order:
 
-1. the fake API server (:mod:`dracpu.sim.fake_apiserver`) with a Node object, and its kubeconfig;
+1. the fake API server (:mod:`dracpu.sim.fake_apiserver`) with a Node object (its kubelet's
+   version in its status), and its kubeconfig;
 2. a fake sysfs tree of a named machine (:data:`dracpu.sim.topologies.FIXTURES`);
 3. the fake container runtime listening on the NRI socket (:mod:`dracpu.sim.fake_runtime`),
    with any shared containers that "already run";
@@ -94,6 +95,10 @@ CAPACITY_CPU = "dra.cpu/cpu"  # the capacity grouped devices publish (dra-driver
 # containerd 2.4 embeds NRI v0.12.2, which takes unsolicited UpdateContainers (containerd/nri#301):
 # Unprepare then widens the shared containers at once.
 DEFAULT_RUNTIME_VERSION = "2.4.0"
+# The kubelet the Node reports (status.nodeInfo.kubeletVersion): one whose
+# KubeletPodResourcesDynamicResources gate is on by default (1.34+), as the fake kubelet's
+# PodResources socket behaves unless told otherwise.
+DEFAULT_KUBELET_VERSION = "v1.35.0"
 # CDI spec files of our kind: <cdi-dir>/dra.k8s.io-cpu_claim-<uid>.json.
 _CDI_PREFIX = "dra.k8s.io-cpu_claim-"
 _CDI_KIND = "dra.k8s.io/cpu"
@@ -620,6 +625,7 @@ async def open_node_sim(
     node_name: str = DEFAULT_NODE_NAME,
     runtime_name: str = "containerd",
     runtime_version: str = DEFAULT_RUNTIME_VERSION,
+    kubelet_version: str | None = DEFAULT_KUBELET_VERSION,
     shared_containers: int = 0,
     extra_args: Sequence[str] = (),
     start: bool = True,
@@ -633,6 +639,7 @@ async def open_node_sim(
     ``topology``: a name of :data:`~dracpu.sim.topologies.FIXTURES`; ``mode``, ``group_by``,
     ``reserved``, ``memory_pinning``, ``extra_args``: the daemon's flags. ``runtime_name`` /
     ``runtime_version``: what the fake runtime claims to be (it decides the NRI version).
+    ``kubelet_version``: the Node's ``status.nodeInfo.kubeletVersion`` (``None``: no status).
     ``shared_containers``: pods with one container each that run before the daemon starts.
     ``start=False``: the peers run but no daemon is launched yet (call
     :meth:`NodeSim.start_daemon`). ``pod_resources=False``: the kubelet has no PodResources
@@ -657,7 +664,7 @@ async def open_node_sim(
                 paths.nri_socket, runtime_name=runtime_name, runtime_version=runtime_version
             ) as runtime,
         ):
-            api.add_node(node_name)
+            api.add_node(node_name, kubelet_version=kubelet_version)
             with FakeKubelet(paths.registry_dir) as kubelet:
                 if pod_resources:
                     kubelet.serve_pod_resources()

@@ -131,8 +131,8 @@ class _PodResourcesCollector:
         status = self._status
         yield GaugeMetricFamily(
             "dracpu_podresources_sync_working",
-            "1 while the kubelet answers PodResources List and its answers show DRA claims "
-            "(orphan claims can be released), else 0.",
+            "1 while the kubelet answers PodResources List and its answers show DRA claims, "
+            "or its version lists them by default (every orphan claim can be released), else 0.",
             value=float(status.working),
         )
         yield GaugeMetricFamily(

@@ -39,7 +39,7 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
 from dracpu.adapters.backoff import Pause, RetryLog, backoff_delays
-from dracpu.adapters.pod_resources import PodResourcesListing
+from dracpu.adapters.pod_resources import PodResourcesListing, claims_shown_by_default
 from dracpu.config.values import MIN_PODRESOURCES_INTERVAL
 from dracpu.core.commands import Command, PodsListed
 from dracpu.core.effects import PodsReconciled
@@ -71,6 +71,14 @@ Lister = Callable[[], Awaitable[PodResourcesListing]]
 """Asks the kubelet for one ``List`` (:meth:`PodResourcesClient.list
 <dracpu.adapters.pod_resources.PodResourcesClient.list>`; tests pass their own)."""
 
+VersionReader = Callable[[], Awaitable[str]]
+"""Reads the kubelet's version (the Node's ``status.nodeInfo.kubeletVersion``); raises a
+:class:`~dracpu.errors.DracpuError` when it cannot be had."""
+
+# How long one read of the kubelet's version may take (seconds): it never holds up a listing
+# for long (without it, an answer without claims is not taken at its word).
+VERSION_READ_TIMEOUT = 5.0
+
 
 def retry_delays() -> Iterator[float]:
     """The delays between failed Lists (restarted after one that works)."""
@@ -85,6 +93,13 @@ class PodResourcesStatus:
     """The last List was answered and reconciled."""
     reports_claims: bool = False
     """The last answer could show DRA claims (it held at least one claim reference)."""
+    kubelet_version: str = ""
+    """The kubelet's version as last read (``""``: not read, or it could not be)."""
+    authoritative: bool = False
+    """That version has the kubelet's ``KubeletPodResourcesDynamicResources`` gate on by
+    default: an answer without any claim means no pod holds one."""
+    shows: str = ""
+    """What the answers could show, as last said in the log (one line per change)."""
     lists: Counter[str] = field(default_factory=Counter)
     """Lists by outcome: ``ok``, ``no_claims`` (answered, no claim reference at all),
     ``rate_limited``, ``error``."""
@@ -100,8 +115,9 @@ class PodResourcesStatus:
 
     @property
     def working(self) -> bool:
-        """The sync works: the kubelet answers and its answers show claims."""
-        return self.answered and self.reports_claims
+        """The sync works: the kubelet answers, and its answers show claims or its version says
+        an answer without any means no pod holds one."""
+        return self.answered and (self.reports_claims or self.authoritative)
 
 
 class ListTrigger:
@@ -137,6 +153,7 @@ async def run(
     grace: float,
     trigger: ListTrigger | None = None,
     status: PodResourcesStatus | None = None,
+    kubelet_version: VersionReader | None = None,
     clock: Callable[[], float] = time.monotonic,
     delays: Callable[[], Iterator[float]] = retry_delays,
     task_status: TaskStatus[None] = TASK_STATUS_IGNORED,
@@ -145,12 +162,15 @@ async def run(
 
     ``owner``: this task's own clone of the state owner's command stream (closed on exit);
     ``interval``, ``grace``: seconds (``interval`` 0: list only at start and on request);
-    ``clock``: the monotonic clock whose time each listing carries; ``delays`` makes the retry
-    backoff. Reports started at once: the first List runs after.
+    ``kubelet_version``: reads the kubelet's version (``None``: never known, an answer without
+    claims is never taken at its word); ``clock``: the monotonic clock whose time each listing
+    carries; ``delays`` makes the retry backoff. Reports started at once: the first List runs
+    after.
     """
     trigger = ListTrigger() if trigger is None else trigger
     status = PodResourcesStatus() if status is None else status
     retry = RetryLog(logger, "PodResources List")
+    version = _KubeletVersion(kubelet_version, status)
     backoff: Iterator[float] | None = None
     period = interval if interval > 0 else math.inf
     async with owner:
@@ -162,6 +182,7 @@ async def run(
             try:
                 listing = await lister()
             except PodResourcesError as error:
+                version.stale = True  # the kubelet may restart as another version
                 backoff = delays() if backoff is None else backoff
                 wait = next(backoff)
                 limited = error.code == RATE_LIMITED
@@ -176,11 +197,48 @@ async def run(
             else:
                 backoff = None
                 retry.recovered()
+                if not listing.reports_claims:
+                    await version.refresh()
                 await _reconcile(owner, listing, at, grace, status)
                 await trigger.wait(period)
             rest = began + MIN_PODRESOURCES_INTERVAL - anyio.current_time()
             if rest > 0:
                 await anyio.sleep(rest)
+
+
+class _KubeletVersion:
+    """The kubelet's version, read when an answer without claims needs it and not read again
+    until a List fails (a kubelet restart, maybe as another version) or a read failed."""
+
+    def __init__(self, reader: VersionReader | None, status: PodResourcesStatus) -> None:
+        self._reader = reader
+        self._status = status
+        self._failure = ""  # the last read's failure, said once
+        self.stale = True
+
+    async def refresh(self) -> None:
+        if not self.stale or self._reader is None:
+            return
+        status = self._status
+        try:
+            with anyio.fail_after(VERSION_READ_TIMEOUT):
+                found = await self._reader()
+        except (DracpuError, TimeoutError) as error:
+            status.kubelet_version, status.authoritative = "", False
+            reason = str(error) or f"no answer within {VERSION_READ_TIMEOUT:g} s"
+            if reason != self._failure:
+                logger.warning(
+                    "PodResources: cannot read the kubelet's version from the Node (tried again "
+                    "at the next listing without claims): %s",
+                    reason,
+                )
+            self._failure = reason
+            return
+        if self._failure:
+            logger.info("PodResources: the kubelet's version is read again: %s", found)
+        self._failure = ""
+        self.stale = False
+        status.kubelet_version, status.authoritative = found, claims_shown_by_default(found)
 
 
 async def _reconcile(
@@ -197,23 +255,13 @@ async def _reconcile(
         reports_claims=listing.reports_claims,
         at=at,
         grace=grace,
+        pods=listing.active,
+        authoritative=status.authoritative,
     )
-    if listing.reports_claims != status.reports_claims or not status.answered:
-        if listing.reports_claims:
-            logger.info(
-                "PodResources: the kubelet lists %d pods with %d claim references; orphan "
-                "claims are released after %g s",
-                listing.pods,
-                listing.dynamic_resources,
-                grace,
-            )
-        else:
-            logger.info(
-                "PodResources: the kubelet's answer shows no DRA claim at all (%d pods): either "
-                "no pod holds one or its KubeletPodResourcesDynamicResources gate is off; no "
-                "claim is released as an orphan until an answer shows claims",
-                listing.pods,
-            )
+    shows = "claims" if listing.reports_claims else f"none, {status.kubelet_version or '?'}"
+    if shows != status.shows:
+        status.shows = shows
+        _say_what_the_answer_shows(listing, grace, status)
     status.answered = True
     status.listing = listing
     status.reports_claims = listing.reports_claims
@@ -230,11 +278,18 @@ async def _reconcile(
     for claim in result.released:
         status.released += 1
         name = f"{claim.namespace}/{claim.name}" if claim.name else "name unknown"
-        why = (
-            "known only from its CDI spec: one listing after the runtime's Synchronize is enough"
-            if claim.adopted
-            else f"missing from the listings for {at - claim.missing_since:.0f} s"
-        )
+        if claim.adopted and claim.missing_since == at:
+            why = (
+                "known only from its CDI spec: one listing after the runtime's Synchronize is "
+                "enough"
+            )
+        elif claim.by_pods:
+            why = (
+                "the pods it is reserved for are missing from the listings since "
+                f"{at - claim.missing_since:.0f} s"
+            )
+        else:
+            why = f"missing from the listings for {at - claim.missing_since:.0f} s"
         logger.warning(
             "released orphan claim %s (%s, cpus %s): no pod on the node references it in the "
             "kubelet's PodResources and no running container uses it (%s); its CDI spec is "
@@ -250,4 +305,37 @@ async def _reconcile(
             "PodResources: %d prepared claims missing from the listing, kept for now: %s",
             len(result.waiting),
             list(result.waiting),
+        )
+
+
+def _say_what_the_answer_shows(
+    listing: PodResourcesListing, grace: float, status: PodResourcesStatus
+) -> None:
+    """One INFO line when what the answers can show changes (and at the first answer)."""
+    if listing.reports_claims:
+        logger.info(
+            "PodResources: the kubelet lists %d pods with %d claim references; orphan claims "
+            "are released after %g s",
+            listing.pods,
+            listing.dynamic_resources,
+            grace,
+        )
+    elif status.authoritative:
+        logger.info(
+            "PodResources: the kubelet's answer shows no DRA claim (%d pods); kubelet %s has "
+            "its KubeletPodResourcesDynamicResources gate on by default, so no pod holds one: "
+            "orphan claims are released after %g s",
+            listing.pods,
+            status.kubelet_version,
+            grace,
+        )
+    else:
+        logger.info(
+            "PodResources: the kubelet's answer shows no DRA claim at all (%d pods): either no "
+            "pod holds one or its KubeletPodResourcesDynamicResources gate is off (kubelet "
+            "version %s); until an answer shows claims, only claims whose pods are all gone "
+            "from the listing are released, after %g s",
+            listing.pods,
+            status.kubelet_version or "unknown",
+            grace,
         )
