@@ -9,20 +9,18 @@ two values so that every call writes:
   adapter's own cost, without the kernel's);
 * ``host_cgroups.v1_real_2`` / ``host_cgroups.v1_real_noop``: one listed cgroup with one cgroup
   below it, a ``sleep`` in each, on this machine's cgroup v1 cpuset hierarchy (the kernel moves
-  the tasks); the same with an unchanged pool (reads only: the 10 s check while all is well).
-  Left out, saying why, when not root or without a v1 cpuset hierarchy.
+  the tasks; the test trees of ``tests/cgroups_v1.py``); the same with an unchanged pool (reads
+  only: the 10 s check while all is well). Left out, saying why, when not root or without a v1
+  cpuset hierarchy.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -30,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._harness import emit, measure
 from dracpu.adapters.host_cgroups import HostCgroups
 from dracpu.core.cpuset import CpuSet
+from tests.cgroups_v1 import CGROUP_ROOT, v1_tree, why_not
 
 __all__ = ["main"]
 
 SAMPLES = 500
-V1 = Path("/sys/fs/cgroup/cpuset")
 
 
 def _fake_v2(root: Path) -> None:
@@ -48,32 +46,6 @@ def _fake_v2(root: Path) -> None:
         path = root / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(content)
-
-
-@contextlib.contextmanager
-def _v1_tree() -> Iterator[tuple[str, CpuSet]]:
-    """A listed cgroup and one below it under a scratch parent, a ``sleep`` in each; the listed
-    path and the machine's CPUs. Removed on exit."""
-    top = V1 / f"dracpu-bench-{uuid.uuid4().hex[:8]}"
-    cpus, mems = ((V1 / f"cpuset.{what}").read_text().strip() for what in ("cpus", "mems"))
-    made = [top, top / "host", top / "host" / "svc"]
-    sleeps = []
-    try:
-        for directory in made:
-            directory.mkdir()
-            (directory / "cpuset.mems").write_text(mems)
-            (directory / "cpuset.cpus").write_text(cpus)
-        for directory in made[1:]:
-            sleeps.append(subprocess.Popen(["sleep", "600"]))
-            (directory / "cgroup.procs").write_text(str(sleeps[-1].pid))
-        yield f"{top.name}/host", CpuSet.parse(cpus)
-    finally:
-        for sleep in sleeps:
-            sleep.kill()
-            sleep.wait()
-        for directory in reversed(made):
-            with contextlib.suppress(OSError):
-                directory.rmdir()
 
 
 def _alternating(cgroups: HostCgroups, listed: str, a: CpuSet, b: CpuSet) -> Callable[[], None]:
@@ -93,11 +65,13 @@ def main() -> None:
         measure("host_cgroups.v2_fake_1", alternate, n=SAMPLES)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    if os.geteuid() != 0 or not (V1 / "cpuset.cpus").is_file():
-        emit("host_cgroups.v1_real_2", "ms", skipped="needs root and a cgroup v1 cpuset hierarchy")
+    reason = why_not()
+    if reason is not None:
+        emit("host_cgroups.v1_real_2", "ms", skipped=reason)
         return
-    with _v1_tree() as (listed, machine), tempfile.TemporaryDirectory() as state:
-        cgroups = HostCgroups(V1.parent, Path(state) / "host-cgroups.json")
+    with v1_tree(["host", "host/svc"]) as tree, tempfile.TemporaryDirectory() as state:
+        cgroups = HostCgroups(CGROUP_ROOT, Path(state) / "host-cgroups.json")
+        listed, machine = tree.path("host"), tree.cpus("host")
         fewer = machine - CpuSet([machine.min()])
         alternate = _alternating(cgroups, listed, machine, fewer)
         measure("host_cgroups.v1_real_2", alternate, n=SAMPLES)
