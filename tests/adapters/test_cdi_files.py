@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 from collections.abc import Iterator
@@ -29,7 +30,7 @@ from dracpu.adapters.file_scan import (
     read_spec,
     scan,
 )
-from dracpu.core.cdi_spec import parse_spec, spec_bytes, spec_file_name
+from dracpu.core.cdi_spec import ClaimSpec, parse_spec, spec_bytes, spec_file_name
 from dracpu.core.cpuset import CpuSet
 from dracpu.errors import CdiError
 from tests.mounts import read_only_bind
@@ -417,11 +418,22 @@ def test_list_our_specs_sees_only_our_files(tmp_path: Path) -> None:
     (tmp_path / temp_file_name(UID)).write_bytes(b"partial")
     found = list_our_specs(tmp_path)
     assert set(found) == {UID, OTHER}
-    assert found[UID] == CPUS
+    assert found[UID] == ClaimSpec(CPUS)
     assert isinstance(found[OTHER], CdiError)
     assert spec_file_name(OTHER) in str(found[OTHER])
     assert list_our_specs(tmp_path / "missing") == {}
     assert _vendor_state(tmp_path) == vendor
+
+
+def test_a_shared_pool_claims_spec_is_written_and_read_back(tmp_path: Path) -> None:
+    write_spec(tmp_path, UID, CPUS, shared_pool=True)
+    assert list_our_specs(tmp_path) == {UID: ClaimSpec(CPUS, shared_pool=True)}
+    assert read_spec(tmp_path, UID) == CPUS
+    env = json.loads((tmp_path / spec_file_name(UID)).read_text())["devices"][0]
+    assert env["containerEdits"]["env"] == [
+        f"DRA_CPUSET_{UID}={CPUS}",
+        f"DRA_SHARED_POOL_{UID}=true",
+    ]
 
 
 def test_list_of_a_file_instead_of_a_dir(tmp_path: Path) -> None:

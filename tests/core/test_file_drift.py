@@ -57,6 +57,15 @@ def test_missing_edited_unreadable_and_orphan_specs() -> None:
     assert drifted_claims(state, METADATA_DIR, specs, {}, {}, only={B, D}) == {B, D}
 
 
+def test_a_shared_pool_claims_spec_must_say_so() -> None:
+    # cpuConfig.sharedPool: the spec carries DRA_SHARED_POOL_<uid>=true after DRA_CPUSET_<uid>.
+    state = _state(config_for(), PreparedClaim(A, cpus("1"), shared_pool=True))
+    plain = spec_bytes(A, cpus("1"))
+    assert drifted_claims(state, METADATA_DIR, {A: plain}, {}, {}) == {A}
+    ours = spec_bytes(A, cpus("1"), shared_pool=True)
+    assert drifted_claims(state, METADATA_DIR, {A: ours}, {}, {}) == frozenset()
+
+
 def test_a_spec_of_another_driver_under_our_name_differs() -> None:
     # Upstream's driver names its specs as we do and writes cdiVersion 0.8.0: ours by kind, not
     # our bytes, so it is rewritten.

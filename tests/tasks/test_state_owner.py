@@ -27,6 +27,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from dracpu.adapters import cdi_files, checkpoint_file, file_scan
 from dracpu.adapters.node_files import NodeFiles
 from dracpu.config import Config
+from dracpu.core.cdi_spec import ClaimSpec
 from dracpu.core.checkpoint_schema import CheckpointData, PreparedClaim, StoredCheckpoint, decode
 from dracpu.core.commands import (
     Command,
@@ -102,7 +103,10 @@ def _saved(config: Config) -> dict[str, CpuSet]:
 
 
 def _specs(config: Config) -> dict[str, CpuSet | CdiError]:
-    return file_scan.list_our_specs(config.cdi_dir)
+    """The CPUs of our CDI specs (none of these tests' claims shares the pool)."""
+    found = file_scan.list_our_specs(config.cdi_dir)
+    assert not any(isinstance(s, ClaimSpec) and s.shared_pool for s in found.values())
+    return {uid: s.cpus if isinstance(s, ClaimSpec) else s for uid, s in found.items()}
 
 
 def _metadata(config: Config) -> dict[str, list[str]]:

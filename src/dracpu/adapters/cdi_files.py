@@ -159,15 +159,18 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[written:]
 
 
-def write_spec(cdi_dir: str | os.PathLike[str], claim_uid: str, cpus: CpuSet) -> bool:
-    """Write the spec of a claim unless it holds these bytes already; whether it was written.
+def write_spec(
+    cdi_dir: str | os.PathLike[str], claim_uid: str, cpus: CpuSet, shared_pool: bool = False
+) -> bool:
+    """Write the spec of a claim (``shared_pool``: with ``DRA_SHARED_POOL_<uid>``) unless it
+    holds these bytes already; whether it was written.
 
     Temp file in the same dir (mode 0644, never a ``.json`` name) → write → rename over
     ``dra.k8s.io-cpu_claim-<uid>.json``; no fsync (see the module docstring). The dir is
     created if missing. On any failure the temp file is removed and an existing spec is left as
     it was.
     """
-    data = spec_bytes(claim_uid, cpus)  # validates uid and cpuset before touching the disk
+    data = spec_bytes(claim_uid, cpus, shared_pool)  # checks uid and cpuset before the disk
     return write_changed(
         os.fspath(cdi_dir), spec_file_name(claim_uid), data, "CDI spec", ensure_dir
     )

@@ -17,9 +17,10 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from dracpu.core.cdi_spec import (
+    ClaimSpec,
     claim_uid_from_file_name,
     is_valid_claim_uid,
-    parse_spec,
+    parse_claim_spec,
     spec_file_name,
 )
 from dracpu.core.cpuset import CpuSet
@@ -90,17 +91,17 @@ def read_spec(cdi_dir: str | os.PathLike[str], claim_uid: str) -> CpuSet | None:
     :class:`CdiError` when the file is unreadable, malformed, or names another claim."""
     path = os.path.join(os.fspath(cdi_dir), spec_file_name(claim_uid))
     data = read_ours(path)
-    return None if data is None else _parse_spec(path, claim_uid, data)
+    return None if data is None else _parse_spec(path, claim_uid, data).cpus
 
 
-def _parse_spec(path: str, claim_uid: str, data: bytes) -> CpuSet:
+def _parse_spec(path: str, claim_uid: str, data: bytes) -> ClaimSpec:
     try:
-        uid, cpus = parse_spec(data)
+        uid, spec = parse_claim_spec(data)
     except CdiError as exc:
         raise CdiError(f"CDI spec {path!r}: {exc}") from exc
     if uid != claim_uid:
         raise CdiError(f"CDI spec {path!r} is for claim {uid}, not {claim_uid}")
-    return cpus
+    return spec
 
 
 def is_leftover(name: str) -> bool:
@@ -198,10 +199,11 @@ def scan(
     )
 
 
-def list_our_specs(cdi_dir: str | os.PathLike[str]) -> dict[str, CpuSet | CdiError]:
-    """Every spec file of ours in the dir: claim UID → cpuset, or the error reading/parsing it."""
+def list_our_specs(cdi_dir: str | os.PathLike[str]) -> dict[str, ClaimSpec | CdiError]:
+    """Every spec file of ours in the dir: claim UID → what it says, or the error reading or
+    parsing it."""
     directory = os.fspath(cdi_dir)
-    result: dict[str, CpuSet | CdiError] = {}
+    result: dict[str, ClaimSpec | CdiError] = {}
     for uid, content in scan(directory).specs.items():
         if isinstance(content, CdiError):
             result[uid] = content

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from dracpu.adapters import cdi_files, checkpoint_file, file_scan, metadata_files
 from dracpu.adapters.host_cgroups import CgroupState, HostCgroups
+from dracpu.core.cdi_spec import ClaimSpec
 from dracpu.core.checkpoint_schema import CheckpointData
-from dracpu.core.cpuset import CpuSet
 from dracpu.core.effects import (
     ConfineHostCgroups,
     DeleteCdiSpec,
@@ -88,8 +88,8 @@ class NodeFiles:
     def run(self, effect: Effect) -> None:
         """One file effect; raises :class:`~dracpu.errors.DracpuError` when it fails."""
         match effect:
-            case WriteCdiSpec(claim_uid=uid, cpus=cpus):
-                cdi_files.write_spec(self.cdi_dir, uid, cpus)
+            case WriteCdiSpec(claim_uid=uid, cpus=cpus, shared_pool=shared_pool):
+                cdi_files.write_spec(self.cdi_dir, uid, cpus, shared_pool)
             case DeleteCdiSpec(claim_uid=uid):
                 cdi_files.delete_spec(self.cdi_dir, uid)
             case PruneCdiSpecs(keep=keep):
@@ -134,8 +134,8 @@ class NodeFiles:
         :class:`~dracpu.errors.CheckpointError` when a slot cannot be read at all."""
         return self._checkpoint.restore()
 
-    def our_specs(self) -> dict[str, CpuSet | CdiError]:
-        """Our CDI specs by claim UID: the cpuset each holds, or why it cannot be read."""
+    def our_specs(self) -> dict[str, ClaimSpec | CdiError]:
+        """Our CDI specs by claim UID: what each says, or why it cannot be read."""
         return file_scan.list_our_specs(self.cdi_dir)
 
     def check_cdi_dir(self, probe: bool) -> None:

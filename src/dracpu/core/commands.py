@@ -121,7 +121,9 @@ class PrepareClaim:
     claim with other pods (a shared claim gains consumers) updates the record (known pods are
     never emptied).
     ``pod_claim_name``: the claim's ``resource.kubernetes.io/pod-claim-name`` annotation (where
-    its device metadata appears in the container), ``None`` without one.
+    its device metadata appears in the container), ``None`` without one. ``shared_pool``: its
+    containers run on its CPUs and on the shared pool (its opaque config's
+    ``cpuConfig.sharedPool``).
     """
 
     claim_uid: str
@@ -132,6 +134,7 @@ class PrepareClaim:
     pod_uids: frozenset[str] = frozenset()
     pod_claim_name: str | None = None
     pod_names: frozenset[str] = frozenset()
+    shared_pool: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,10 +148,12 @@ class UnprepareClaim:
 
 @dataclass(frozen=True, slots=True)
 class AdoptedClaim:
-    """A claim found on disk (a CDI spec of ours) that the checkpoint does not know."""
+    """A claim found on disk (a CDI spec of ours) that the checkpoint does not know, and
+    whether its spec names the shared pool."""
 
     claim_uid: str
     cpus: CpuSet
+    shared_pool: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,10 +66,12 @@ class Reply:
 
 @dataclass(frozen=True, slots=True)
 class WriteCdiSpec:
-    """(Re)write ``<cdi-dir>/dra.k8s.io-cpu_claim-<uid>.json`` with ``DRA_CPUSET_<uid>=<cpus>``."""
+    """(Re)write ``<cdi-dir>/dra.k8s.io-cpu_claim-<uid>.json`` with ``DRA_CPUSET_<uid>=<cpus>``
+    (and ``DRA_SHARED_POOL_<uid>=true`` when ``shared_pool``)."""
 
     claim_uid: str
     cpus: CpuSet
+    shared_pool: bool = False
 
 
 @dataclass(frozen=True, slots=True)

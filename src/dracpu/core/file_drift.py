@@ -55,7 +55,7 @@ def drifted_claims(
                 drifted.add(uid)
             continue
         try:
-            expected = spec_bytes(uid, claim.cpus)
+            expected = spec_bytes(uid, claim.cpus, claim.shared_pool)
             files = claim_files(state.config, claim, metadata_dir)
         except DracpuError:
             continue  # no file can be written for it: Prepare refuses such a claim

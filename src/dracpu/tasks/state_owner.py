@@ -855,13 +855,13 @@ class StateOwner:
             return
         claims = self.state.claims
         candidates: list[AdoptedClaim] = []
-        for uid, cpus in sorted(specs.items()):
+        for uid, spec in sorted(specs.items()):
             if uid in claims:
                 continue
-            if isinstance(cpus, CdiError):
-                logger.warning("CDI spec of claim %s cannot be adopted: %s", uid, cpus)
+            if isinstance(spec, CdiError):
+                logger.warning("CDI spec of claim %s cannot be adopted: %s", uid, spec)
                 continue
-            candidates.append(AdoptedClaim(uid, cpus))
+            candidates.append(AdoptedClaim(uid, spec.cpus, spec.shared_pool))
         if not candidates:
             return
         # The specs are the only record of these claims: a rollback would delete them and
