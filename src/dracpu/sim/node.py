@@ -506,11 +506,16 @@ class NodeSim:
         raise SimError(f"CDI spec {path} has no device claim-{claim_uid}")
 
     def cdi_cpus(self, claim_uid: str) -> str | None:
-        """The cpuset in the claim's CDI spec (``DRA_CPUSET_<uid>``), ``None`` without a file."""
-        if not self.paths.cdi_spec(claim_uid).exists():
-            return None
+        """The cpuset in the claim's CDI spec (``DRA_CPUSET_<uid>``), ``None`` without a file
+        (also one removed while it is read: a release in progress)."""
+        try:
+            env = self.cdi_env(claim_uid)
+        except SimError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError):
+                return None
+            raise
         key = f"DRA_CPUSET_{claim_uid}="
-        for entry in self.cdi_env(claim_uid):
+        for entry in env:
             if entry.startswith(key):
                 return entry[len(key) :]
         raise SimError(f"CDI spec of claim {claim_uid} has no {key.rstrip('=')} env")
