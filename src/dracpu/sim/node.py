@@ -48,7 +48,7 @@ import signal
 import sys
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -235,9 +235,13 @@ class NodeSim:
         ``wait_ready`` wait for ``/readyz`` 200. The seconds from launch to ready (or 0)."""
         if self.daemons and self.daemon.returncode is None:
             raise SimError(f"dracpu run is already running (pid {self.daemon.pid})")
+        # A socket a killed daemon left behind is no sign of the new one: the kubelet's plugin
+        # watcher registers a socket when it is created (fsnotify), which the new daemon does by
+        # renaming a fresh socket over the path.
+        stale = self._socket_inodes()
         daemon = await self._launch()
         if register:
-            await self.register()
+            await self.register(stale)
         if not wait_ready:
             return 0.0
         return await daemon.wait_ready()
@@ -270,12 +274,20 @@ class NodeSim:
         self.daemons.append(daemon)
         return daemon
 
-    async def register(self) -> Registration:
-        """The kubelet's plugin watcher: wait for the registration socket, register it."""
+    def _socket_inodes(self) -> set[int]:
+        inodes: set[int] = set()
+        for path in self.kubelet.sockets():
+            with contextlib.suppress(FileNotFoundError):
+                inodes.add(path.lstat().st_ino)
+        return inodes
+
+    async def register(self, stale: Set[int] = frozenset()) -> Registration:
+        """The kubelet's plugin watcher: wait for a registration socket (not one of the
+        ``stale`` inodes a killed daemon left), register it."""
         daemon = self.daemon
         await wait_until(
             "the registration socket",
-            lambda: bool(self.kubelet.sockets()),
+            lambda: bool(self._socket_inodes() - stale),
             timeout=READY_TIMEOUT,
             failed=daemon.exited,
         )
@@ -508,11 +520,16 @@ class NodeSim:
         raise SimError(f"CDI spec {path} has no device claim-{claim_uid}")
 
     def cdi_cpus(self, claim_uid: str) -> str | None:
-        """The cpuset in the claim's CDI spec (``DRA_CPUSET_<uid>``), ``None`` without a file."""
-        if not self.paths.cdi_spec(claim_uid).exists():
-            return None
+        """The cpuset in the claim's CDI spec (``DRA_CPUSET_<uid>``), ``None`` without a file
+        (also one removed while it is read: a release in progress)."""
+        try:
+            env = self.cdi_env(claim_uid)
+        except SimError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError):
+                return None
+            raise
         key = f"DRA_CPUSET_{claim_uid}="
-        for entry in self.cdi_env(claim_uid):
+        for entry in env:
             if entry.startswith(key):
                 return entry[len(key) :]
         raise SimError(f"CDI spec of claim {claim_uid} has no {key.rstrip('=')} env")
