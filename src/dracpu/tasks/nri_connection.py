@@ -164,9 +164,9 @@ class NriConnection:
     """One socket to the runtime: the mux, both ttrpc connections, the handlers, the sender.
 
     ``on_synchronized`` is called once, after the first Synchronize was answered;
-    ``on_configured`` when the runtime's ``Configure`` is answered (the runtime asks for the
-    ``Synchronize`` next). ``recheck`` reads claims again before a container of a pod they are
-    not reserved for is refused (``None``: never).
+    ``on_configured`` once the runtime's ``Configure`` is handled, just before its answer goes
+    out (the runtime asks for the ``Synchronize`` next). ``recheck`` reads claims again before a
+    container of a pod they are not reserved for is refused (``None``: never).
     """
 
     def __init__(

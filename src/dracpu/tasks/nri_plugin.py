@@ -176,7 +176,7 @@ async def run(
     seconds for the link to settle before the connection closes (see the module docstring).
 
     The hand-over of a rolling update (:mod:`dracpu.tasks.handover`): ``on_configured`` is
-    called when a connection's ``Configure`` is answered; ``hand_over``, at a stop, after the
+    called when a connection's ``Configure`` is handled; ``hand_over``, at a stop, after the
     drain and before the connection closes: it returns once the next dracpu is configured
     (``True``) or there is none; a connection that ends after it began is not made again.
     """
