@@ -577,14 +577,16 @@ class _Node:
             node_allocatable=self.config.publish_node_allocatable_resource_mapping,
             expose_pcie_roots=self.config.expose_pcie_roots,
         )
-        await slice_publisher.run(
-            self.kube,
-            self.config.node_name,
-            self.owner.devices,
-            options=options,
-            republish=self.republish_receive.clone(),
-            task_status=task_status,
-        )
+        # The state owner's restore asked for the first publication before this task starts:
+        # the request waits in the channel.
+        async with self.republish_receive.clone() as requests:
+            await slice_publisher.run(
+                self.kube,
+                self.config.node_name,
+                requests,
+                options=options,
+                task_status=task_status,
+            )
 
     def tasks(self) -> list[TaskSpec]:
         registry = metrics.build_registry(

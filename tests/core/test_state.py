@@ -36,6 +36,7 @@ from dracpu.core.commands import (
     claims_from_env,
 )
 from dracpu.core.cpuset import CpuSet
+from dracpu.core.devices import CpuDeviceMode, GroupBy
 from dracpu.core.effects import (
     ClaimPrepared,
     ClaimsAdopted,
@@ -59,7 +60,6 @@ from dracpu.core.effects import (
     WriteDeviceMetadata,
 )
 from dracpu.core.node_config import NodeConfig
-from dracpu.core.slices import CpuDeviceMode, GroupBy
 from dracpu.core.state import (
     ContainerRecord,
     InvariantError,

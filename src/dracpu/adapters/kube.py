@@ -84,7 +84,6 @@ __all__ = [
     "MERGE_PATCH",
     "KubeClient",
     "WatchEvent",
-    "consumable_capacity_dropped",
     "kubelet_version",
     "open_kube_client",
     "slice_selector",
@@ -147,37 +146,6 @@ def slice_selector(driver: str | None, node_name: str | None) -> str:
     if node_name is not None:
         parts.append(f"{_FIELD_NODE_NAME}={node_name}")
     return ",".join(parts)
-
-
-def consumable_capacity_dropped(sent: Mapping[str, Any], stored: Mapping[str, Any]) -> bool:
-    """Whether the API server dropped the consumable-capacity fields of a ResourceSlice.
-
-    A server without the ``DRAConsumableCapacity`` feature (off by default before 1.36) silently
-    strips ``allowMultipleAllocations`` and ``capacity[*].requestPolicy`` from the devices it
-    stores; ``stored`` is the object it answered a create or update with.
-    """
-    stored_devices = {
-        d.get("name"): d
-        for d in (stored.get("spec") or {}).get("devices") or []
-        if isinstance(d, Mapping)
-    }
-    for device in (sent.get("spec") or {}).get("devices") or []:
-        if not isinstance(device, Mapping):
-            continue
-        kept = stored_devices.get(device.get("name"))
-        if kept is None:
-            continue
-        if "allowMultipleAllocations" in device and "allowMultipleAllocations" not in kept:
-            return True
-        kept_capacity = kept.get("capacity") or {}
-        for key, entry in (device.get("capacity") or {}).items():
-            if (
-                isinstance(entry, Mapping)
-                and "requestPolicy" in entry
-                and "requestPolicy" not in (kept_capacity.get(key) or {})
-            ):
-                return True
-    return False
 
 
 def kubelet_version(node: Mapping[str, Any]) -> str:

@@ -62,8 +62,7 @@ from dracpu.core.cdi_spec import CDI_VERSION, check_claim_uid, is_valid_claim_ui
 from dracpu.core.checkpoint_schema import PreparedClaim
 from dracpu.core.commands import DeviceResult
 from dracpu.core.cpuset import EMPTY, CpuSet
-from dracpu.core.node_config import NodeConfig
-from dracpu.core.slices import (
+from dracpu.core.devices import (
     ATTR_CACHE_L3_ID,
     ATTR_CORE_ID,
     ATTR_CORE_TYPE,
@@ -73,8 +72,9 @@ from dracpu.core.slices import (
     ATTR_SOCKET_ID,
     DRIVER_NAME,
     cpu_attributes,
-    wire_attribute,
 )
+from dracpu.core.node_config import NodeConfig
+from dracpu.core.slices import wire_attribute
 from dracpu.errors import ClaimError
 
 __all__ = [

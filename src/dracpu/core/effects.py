@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from dracpu.core.checkpoint_schema import CheckpointData, PreparedClaim
 from dracpu.core.commands import DeviceResult
 from dracpu.core.cpuset import EMPTY, CpuSet
+from dracpu.core.devices import Device
 from dracpu.core.node_config import NodeConfig
-from dracpu.core.slices import Device
 
 __all__ = [
     "ClaimPrepared",
