@@ -460,9 +460,9 @@ class _Node:
 
     def runtime_not_ready(self) -> str:
         """Why the runtime cannot pin a new claim's containers now (``""``: it can)."""
-        if self.link.synchronized:
+        if self.link.status().synchronized:
             return ""
-        return self.link.last_error or "no runtime has connected yet"
+        return self.link.status().last_error or "no runtime has connected yet"
 
     async def run_kubelet_plugin(
         self, *, task_status: TaskStatus[Any] = TASK_STATUS_IGNORED
@@ -525,7 +525,7 @@ class _Node:
         wait (refreshed every second: the NRI task's last error)."""
         logged = False
         while not self.link.synchronized_once:
-            reason = self.link.last_error or "connecting"
+            reason = self.link.status().last_error or "connecting"
             not_ready(
                 "waiting for the container runtime's first NRI Synchronize before registering "
                 f"with the kubelet ({reason})"

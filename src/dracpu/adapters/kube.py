@@ -1,7 +1,8 @@
 """The Kubernetes API, as dracpu uses it: Nodes (read), ResourceClaims (read, status patch),
 ResourceSlices (list, watch, create, update, delete). The ONLY module that imports
-``kubernetes`` (the import takes about half a second and tens of MiB, so nothing else pays for
-it; the import-linter contract in ``pyproject.toml`` keeps it so).
+``kubernetes`` (its import is a large part of the daemon's start and memory,
+``docs/performance.md``, so nothing else pays for it; the import-linter contract in
+``pyproject.toml`` keeps it so).
 
 Every request goes through the official asyncio client ``kubernetes.aio``: its configuration
 loaders (kubeconfig, or the in-cluster service account whose token file is re-read by the

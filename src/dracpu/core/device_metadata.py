@@ -320,8 +320,8 @@ def document(config: NodeConfig, claim: PreparedClaim, request: str) -> dict[str
 def _encode(obj: Mapping[str, Any]) -> bytes:
     # One compact JSON object and a newline: a stream of one document, which a reader of the
     # helper's stream and a reader of one object both take. The helper pretty-prints; Python's
-    # indenting encoder is pure Python, some 40 times slower than the C one on a document of
-    # many devices, and the files are for programs.
+    # indenting encoder is pure Python, far slower than the C one on a document of many devices
+    # (docs/performance.md), and the files are for programs.
     return (json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
 
 
