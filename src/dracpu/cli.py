@@ -169,7 +169,13 @@ def _build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--topology", default="dual-socket-smt2", metavar="NAME", help="a machine of dracpu.sim"
     )
-    sim.add_argument("--cpus", type=int, default=4, metavar="N", help="CPUs of the demo claim")
+    sim.add_argument(
+        "--cpus",
+        type=int,
+        default=None,
+        metavar="N",
+        help="CPUs of the demo claim (default: 4, fewer where one device has less room)",
+    )
     sim.add_argument(
         "--cpu-device-mode",
         choices=[m.value for m in CpuDeviceMode],
