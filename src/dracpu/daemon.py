@@ -35,12 +35,13 @@ exit after SIGTERM skips the interpreter's collections over it.
 
 Each task is started with ``await tg.start(...)``; once it calls ``task_status.started()`` its
 readiness flag turns ready, and ``/readyz`` answers 200 when all have. A task may later report
-not ready through its :class:`~dracpu.tasks.http.ReadinessFlag`. Three flags are not a task's:
+not ready through its :class:`~dracpu.tasks.http.ReadinessFlag`. Some flags are not a task's:
 ``kubelet-registration`` turns ready when the kubelet reports that it registered the plugin, and
 not ready when it refuses it; ``cdi-dir`` is ready while specs can be written into the CDI dir
 (the CDI watcher waits out a read-only, full or missing dir, saying why); ``state-dir`` while
-the checkpoint can be written (the state owner waits the same out); ``host-cgroups``, there once
-a host cgroup is listed (``--confine-host-cgroups``), while every listed one is confined (the
+the checkpoint can be written (the state owner waits the same out); ``slices`` while the node's
+ResourceSlices are published (the slice publisher retries what fails); ``host-cgroups``, there
+once a host cgroup is listed (``--confine-host-cgroups``), while every listed one is confined (the
 state owner tries again the ones that are not, and ``/readyz`` names what each is confined to).
 
 Stopping (SIGTERM/SIGINT, or a task failure): ``/readyz`` turns 503, then the tasks are
@@ -107,6 +108,7 @@ __all__ = [
     "EXIT_INTERRUPTED",
     "EXIT_OK",
     "CDI_DIR",
+    "SLICES",
     "HOST_CGROUPS",
     "KUBELET_REGISTRATION",
     "STATE_DIR",
@@ -133,6 +135,7 @@ STOP_TIMEOUT = 4.5
 KUBELET_REGISTRATION = "kubelet-registration"
 # The readiness flag that says whether CDI specs can be written (the CDI watcher's verdict).
 CDI_DIR = "cdi-dir"
+SLICES = "slices"
 # The readiness flag that says whether the checkpoint can be written (the state owner's verdict).
 STATE_DIR = "state-dir"
 # The readiness flag that says whether every listed host cgroup is confined (the state owner's
@@ -483,6 +486,7 @@ class _Node:
             self.owner.devices,
             options=options,
             republish=self.republish_receive.clone(),
+            health=self.readiness.flag(SLICES, reason="no ResourceSlice is published yet"),
             task_status=task_status,
         )
 

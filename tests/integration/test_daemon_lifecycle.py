@@ -49,7 +49,7 @@ async def test_ready_with_every_task_then_sighup_resyncs_and_sigterm_stops_withi
         assert body == (
             "[+]state-dir ok\n"
             + "".join(f"[+]{task} ok\n" for task in TASKS)
-            + "[+]cdi-dir ok\n[+]kubelet-registration ok\nreadyz check passed\n"
+            + "[+]cdi-dir ok\n[+]kubelet-registration ok\n[+]slices ok\nreadyz check passed\n"
         )
         assert await sim.daemon.get("/healthz") == (200, "ok\n")
         # The supervisor's tasks become ready in start order; the kubelet's registration verdict
