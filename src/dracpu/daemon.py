@@ -55,8 +55,8 @@ sockets they created in their own ``finally``.
 
 Failure policy: a task that can recover (NRI disconnect, API errors) retries inside
 itself. A task that raises after it started, or returns while no stop was asked, is logged (one
-line; the traceback at debug level) and stops the daemon the same graceful way; a task that
-raises before it started ends the start-up. Either way the exit code is 1, so the DaemonSet
+line; for a bug, not a DracpuError, the traceback at debug level) and stops the daemon the same
+graceful way; a task that raises before it started ends the start-up. Either way the exit code is 1, so the DaemonSet
 restarts us; a requested stop exits 0. Cancellation is never swallowed.
 """
 
@@ -198,12 +198,24 @@ class Shutdown:
             logger.error("task %s stopped unexpectedly", task, extra={"task": task})
         else:
             logger.error("task %s failed: %s", task, _describe(error), extra={"task": task})
-            logger.debug("task %s failed", task, exc_info=error, extra={"task": task})
+            if _a_bug(error):
+                logger.debug("task %s failed", task, exc_info=error, extra={"task": task})
         if not self._requested.is_set():
             self.request(f"task {task} failed")
 
     async def wait(self) -> None:
         await self._requested.wait()
+
+
+def _a_bug(error: BaseException) -> bool:
+    """Whether ``error`` holds an exception that is not a :class:`DracpuError`: only then is
+    its traceback worth logging (at DEBUG). A DracpuError is an expected condition whose one
+    line names the file, value or peer at fault; its traceback would only follow that line
+    with dozens of lines of our call stack at every ``--v=4`` start (upstream's chart runs
+    ``--v=4``)."""
+    if isinstance(error, BaseExceptionGroup):
+        return any(_a_bug(inner) for inner in error.exceptions)
+    return not isinstance(error, DracpuError)
 
 
 def _describe(error: BaseException) -> str:
@@ -580,5 +592,6 @@ def _main(config: Config, source: ConfigSource | None) -> int:
         return EXIT_INTERRUPTED
     except Exception as exc:  # a failure while wiring the tasks, before serve() runs
         logger.error("dracpu failed to start: %s", _describe(exc))
-        logger.debug("start-up failure", exc_info=exc)
+        if _a_bug(exc):
+            logger.debug("start-up failure", exc_info=exc)
         return EXIT_FAILURE
