@@ -160,6 +160,33 @@ def test_text_map_of_a_small_machine(
     assert "  worker-1-dra.cpu-000: cpudevnuma000..cpudevnuma001 (2 devices)" in lines
 
 
+def test_the_external_allocators_attributes_are_shown(
+    capsys: pytest.CaptureFixture[str], roots: dict[str, Path]
+) -> None:
+    root = str(roots["offline-isolated"])
+    code, out, err = inspect(capsys, "--host-root", root, "--allocator", "external")
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert any(
+        line.startswith("  cpudevnuma000") and line.endswith("dra.cpu/cpuIDs=0-3,8-11")
+        for line in lines
+    ), lines
+    layout = [line for line in lines if line.startswith("  dra.cpu/smtLayout=")]
+    assert len(layout) == 1
+    assert layout[0].endswith(" (node-wide, on every device)")
+    code, out, err = inspect(capsys, "--host-root", root, "--allocator", "external", "-o", "json")
+    devices = [d for s in json.loads(out) for d in s["spec"]["devices"]]
+    assert {d["attributes"]["dra.cpu/cpuIDs"]["string"] for d in devices} >= {"0-3,8-11"}
+    # a node upstream refuses: SMT-4 cores; the attribute is left out, and said on stderr
+    smt4 = str(roots["smt4"])
+    code, out, err = inspect(capsys, "--host-root", smt4, "--allocator", "external", "-o", "json")
+    assert code == 0
+    assert err.startswith("dracpu inspect: warning: dra.cpu/smtLayout is not published: ")
+    devices = [d for s in json.loads(out) for d in s["spec"]["devices"]]
+    assert all("dra.cpu/smtLayout" not in d["attributes"] for d in devices)
+    assert all("dra.cpu/cpuIDs" in d["attributes"] for d in devices)
+
+
 def test_text_map_of_1024_cpus_stays_short(
     capsys: pytest.CaptureFixture[str], roots: dict[str, Path]
 ) -> None:

@@ -219,6 +219,28 @@ def test_upstream_config_file_loads(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("text", "allocator", "notices"),
+    [
+        # upstream 0.3's values: groupBy machine requires allocator external there
+        ("groupBy: machine\nallocator: external\n", "external", 0),
+        ("groupBy: numanode\nallocator: external\n", "external", 0),
+        # refused upstream; here our allocator picks inside the machine device, with a notice
+        ("groupBy: machine\n", None, 1),
+        ("groupBy: machine\nallocator: cpumanager\n", "cpumanager", 1),
+        ("groupBy: machine\ncpuDeviceMode: individual\n", None, 0),
+    ],
+)
+def test_the_allocator_key(tmp_path: Path, text: str, allocator: str | None, notices: int) -> None:
+    config = _load(["--config", _file(tmp_path, text)])
+    assert config.allocator == allocator
+    assert len(config.notices) == notices
+    if notices:
+        assert config.notices[0].startswith(
+            "groupBy machine without allocator external: upstream 0.3 refuses to start"
+        )
+
+
 def test_our_own_file_keys(tmp_path: Path) -> None:
     path = _file(
         tmp_path,
@@ -449,13 +471,6 @@ def test_bad_environment_values(env: dict[str, str], expected: str) -> None:
         (
             "vmodule: a=1\n",
             'unknown key "vmodule"',
-        ),
-        (
-            "allocator: external\n",
-            'allocator: invalid value "external": dracpu does not implement the external '
-            "allocator (every grouped request must carry an opaque cpuset, split over its "
-            "results); dracpu honours a claim's cpuConfig.cpuset without it: remove the key "
-            'or set "cpumanager"',
         ),
         (
             "allocator: kubelet\n",

@@ -20,12 +20,13 @@ from dracpu.config.go_flags import go_style_flags
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.slices import CpuDeviceMode, GroupBy
 from dracpu.errors import ConfigError
+from dracpu.tasks.dra_cpu_metrics import SPECS
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "upstream-compatibility.md"
 
-# kubernetes-sigs/dra-driver-cpu main (2026-08): internal/driverconfig/flags.go AddFlags,
-# cmd/dracpu/app.go (--config), internal/ctxlog (klog's -v, -vmodule); the Config struct's json
-# keys (internal/driverconfig/config.go, with #229's allocator) and apiVersion.
+# kubernetes-sigs/dra-driver-cpu 0.3: internal/driverconfig/flags.go AddFlags, cmd/dracpu/app.go
+# (--config), internal/ctxlog (klog's -v, -vmodule); the Config struct's json keys
+# (internal/driverconfig/config.go, with #229's allocator; validate.go) and apiVersion.
 UPSTREAM_FLAGS = {
     "--config",
     "--kubeconfig",
@@ -128,7 +129,7 @@ MEANING: dict[str, tuple[str, object]] = {
     "groupBy": ("group_by", GroupBy.MACHINE),
     "sysfsOverlay": ("sysfs_overlay", "OVERLAY"),
     "publishNodeAllocatableResourceMapping": ("publish_node_allocatable_resource_mapping", False),
-    "allocator": ("node_name", "host-a"),
+    "allocator": ("allocator", ""),  # the example's value
 }
 
 
@@ -141,6 +142,8 @@ def _check_meaning(row: Row, config: Config, files: dict[str, str]) -> None:
         value = str(value.port)
     if field == "sysfs_overlay":
         expected = Path(files["OVERLAY"])
+    if field == "allocator":
+        expected = row.example.split(": ", 1)[1]
     assert value == expected, row
 
 
@@ -172,3 +175,28 @@ def test_each_key_does_what_the_table_says(row: Row, files: dict[str, str], tmp_
         return
     assert row.verdict == "accepted"
     _check_meaning(row, _load_flags([f"--config={path}"]), files)
+
+
+# kubernetes-sigs/dra-driver-cpu 0.3: pkg/metrics/metrics.go descriptors, docs/user/metrics.md.
+UPSTREAM_METRICS = {
+    "dra_cpu_allocated_cpus",
+    "dra_cpu_available_cpus",
+    "dra_cpu_reserved_cpus",
+    "dra_cpu_resource_claims_active",
+    "dra_cpu_prepare_claims_total",
+    "dra_cpu_unprepare_claims_total",
+    "dra_cpu_prepare_claim_duration_seconds",
+    "dra_cpu_unprepare_claim_duration_seconds",
+    "dra_cpu_claim_allocated_cpus",
+}
+
+
+def test_the_metrics_table_names_every_upstream_metric_and_we_export_them() -> None:
+    section = DOC.read_text().split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    named = set()
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`dra_cpu_"):
+            named.add(cells[0].strip("`").split("{", 1)[0])
+    assert named == UPSTREAM_METRICS
+    assert {spec.name for spec in SPECS} == UPSTREAM_METRICS

@@ -117,6 +117,12 @@ def _build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="publish KEP-5517 nodeAllocatableResources (config publishNodeAllocatable...)",
     )
+    inspect.add_argument(
+        "--allocator",
+        choices=["cpumanager", "external"],
+        default=None,
+        help="the config's allocator key: external adds dra.cpu/cpuIDs and dra.cpu/smtLayout",
+    )
     inspect.add_argument("-o", "--output", choices=["text", "yaml", "json"], default="text")
 
     plan = sub.add_parser("plan", help="show which CPUs a grouped claim of N CPUs would get")
@@ -223,7 +229,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     import yaml
 
     from dracpu.adapters.sysfs import read_topology
+    from dracpu.core.claim_config import ALLOCATOR_EXTERNAL
     from dracpu.core.cpuset import CpuSet
+    from dracpu.core.external_attributes import left_out
     from dracpu.core.slices import (
         CpuDeviceMode,
         GroupBy,
@@ -236,12 +244,18 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     topology = read_topology(args.host_root, pcie_roots=args.expose_pcie_roots)
     reserved = args.reserved_cpus or CpuSet()
     _warn_absent_reserved("inspect", topology.online, reserved)
+    external = args.allocator == ALLOCATOR_EXTERNAL
     devices = published_devices(
         topology,
         reserved=reserved,
         mode=CpuDeviceMode(args.cpu_device_mode),
         group_by=GroupBy(args.group_by),
+        external=external,
     )
+    if external:
+        grouped = [(d.name, d.cpus) for d in devices if d.grouped]
+        for reason in left_out(topology, grouped):
+            print(f"dracpu inspect: warning: {reason}", file=sys.stderr)
     options = SliceOptions(
         node_allocatable=args.publish_node_allocatable_resource_mapping,
         expose_pcie_roots=args.expose_pcie_roots,

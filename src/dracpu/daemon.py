@@ -15,9 +15,13 @@ tasks, in this order:
    ``debug-dump``: writes ``<state-dir>/debug-dump.json`` at each SIGUSR1 (``gatherinfo``);
 4. ``cdi-watcher``: puts back CDI specs someone deleted or edited, removes orphans;
 5. ``device-health``: reads the online CPUs every second, for the devices' health;
-6. ``kubelet-plugin``: the DRA socket (Prepare / Unprepare, the devices' health);
+6. ``kubelet-plugin``: the DRA socket (Prepare / Unprepare, the devices' health); Prepare is
+   refused, claim by claim, while no runtime is synchronized on NRI (a container created then
+   would run unpinned), Unprepare always works;
 7. ``registration``: the plugin-registration socket, once the DRA socket serves (the kubelet
-   connects to the endpoint as soon as it has our answer);
+   connects to the endpoint as soon as it has our answer) AND a runtime has answered NRI
+   ``Synchronize`` once (upstream 0.3 ``startPlugins``): the kubelet sends no Prepare before
+   the runtime can pin what it creates. The task reports started at once and waits inside;
 8. ``nri-plugin``: pins containers through the runtime's NRI socket, reconnecting by itself;
 9. ``podresources-sync``: asks the kubelet's PodResources API which claims its pods hold, at
    start (after NRI ``Synchronize``), periodically and on SIGHUP, and releases orphan claims;
@@ -35,9 +39,12 @@ exit after SIGTERM skips the interpreter's collections over it.
 
 Each task is started with ``await tg.start(...)``; once it calls ``task_status.started()`` its
 readiness flag turns ready, and ``/readyz`` answers 200 when all have. A task may later report
-not ready through its :class:`~dracpu.tasks.http.ReadinessFlag`. Some flags are not a task's:
+not ready through its :class:`~dracpu.tasks.http.ReadinessFlag`. Six flags are not a task's:
 ``kubelet-registration`` turns ready when the kubelet reports that it registered the plugin, and
-not ready when it refuses it; ``cdi-dir`` is ready while specs can be written into the CDI dir
+not ready when it refuses it (and says what registration waits for: the runtime's first
+``Synchronize``, a registration dir that cannot be written); ``dra-socket`` is ready while the
+DRA socket serves (a kubelet plugins dir that cannot be written is waited out, saying why, like
+the CDI and state dirs); ``cdi-dir`` is ready while specs can be written into the CDI dir
 (the CDI watcher waits out a read-only, full or missing dir, saying why); ``state-dir`` while
 the checkpoint can be written (the state owner waits the same out); ``slices`` while the node's
 ResourceSlices are published (the slice publisher retries what fails); ``host-cgroups``, there
@@ -56,15 +63,15 @@ sockets they created in their own ``finally``.
 Failure policy: a task that can recover (NRI disconnect, API errors) retries inside
 itself. A task that raises after it started, or returns while no stop was asked, is logged (one
 line; for a bug, not a DracpuError, the traceback at debug level) and stops the daemon the same
-graceful way; a task that raises before it started ends the start-up. Either way the exit code is 1, so the DaemonSet
-restarts us; a requested stop exits 0. Cancellation is never swallowed.
+graceful way; a task that raises before it started ends the start-up. Either way the exit code
+is 1, so the DaemonSet restarts us; a requested stop exits 0. Cancellation is never swallowed.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
@@ -75,10 +82,12 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from dracpu import __version__
+from dracpu.adapters.backoff import RetryLog, backoff_delays
 from dracpu.adapters.kube import KubeClient, kubelet_version, open_kube_client
 from dracpu.adapters.pod_resources import PodResourcesClient
 from dracpu.config import Config
 from dracpu.core.commands import Command
+from dracpu.core.devices import CpuDeviceMode
 from dracpu.core.slices import SliceOptions
 from dracpu.core.state_values import NodeState
 from dracpu.errors import DracpuError, leaf_errors
@@ -108,6 +117,7 @@ __all__ = [
     "EXIT_INTERRUPTED",
     "EXIT_OK",
     "CDI_DIR",
+    "DRA_SOCKET",
     "SLICES",
     "HOST_CGROUPS",
     "KUBELET_REGISTRATION",
@@ -135,9 +145,18 @@ STOP_TIMEOUT = 4.5
 KUBELET_REGISTRATION = "kubelet-registration"
 # The readiness flag that says whether CDI specs can be written (the CDI watcher's verdict).
 CDI_DIR = "cdi-dir"
+# The readiness flag that says whether the node's ResourceSlices are published (the slice
+# publisher's verdict).
 SLICES = "slices"
 # The readiness flag that says whether the checkpoint can be written (the state owner's verdict).
 STATE_DIR = "state-dir"
+# The readiness flag that says whether the DRA socket serves (its directory may not be writable).
+DRA_SOCKET = "dra-socket"
+# The retries of a kubelet socket whose directory cannot be written: as the CDI watcher's.
+SOCKET_RETRY_INITIAL = 0.25
+SOCKET_RETRY_CAP = 2.0
+# How often the reason registration waits for the runtime is refreshed on /readyz.
+SYNC_WAIT_POLL = 1.0
 # The readiness flag that says whether every listed host cgroup is confined (the state owner's
 # verdict; there only once a host cgroup was listed).
 HOST_CGROUPS = "host-cgroups"
@@ -355,6 +374,34 @@ async def _stop(running: Sequence[_Running], shutdown: Shutdown, stop_timeout: f
 # --- the daemon's tasks -------------------------------------------------------------------------
 
 
+async def _start_waiting_out(
+    run: Callable[..., Coroutine[Any, Any, object]],
+    what: str,
+    not_ready: Callable[[str], None],
+    started: Callable[[], None],
+) -> None:
+    """Run ``run`` (a task serving a socket), starting it again while its start fails with a
+    :class:`DracpuError` (a kubelet dir that cannot be written: read-only, full, a file in the
+    way): each change of the reason logged once, ``not_ready`` told the reason, retried every
+    0.25-2 s; ``started`` once it serves. A failure after it started ends the daemon as
+    before."""
+    retry = RetryLog(logger, what)
+    delays = backoff_delays(initial=SOCKET_RETRY_INITIAL, cap=SOCKET_RETRY_CAP)
+    async with anyio.create_task_group() as tg:
+        while True:
+            try:
+                await tg.start(run)
+            except DracpuError as exc:
+                delay = next(delays)
+                retry.failed(exc, retry_in=delay)
+                not_ready(str(exc))
+                await anyio.sleep(delay)
+                continue
+            break
+        retry.recovered()
+        started()
+
+
 # --- the real node ------------------------------------------------------------------------------
 
 
@@ -389,6 +436,7 @@ class _Node:
             host_cgroups=partial(readiness.flag, HOST_CGROUPS),
         )
         self.metrics = DraCpuMetrics(self.node_state)
+        self.dra_serving = anyio.Event()  # the DRA socket serves: registration may begin
         self.list_trigger = podresources_sync.ListTrigger()
         self.podresources = podresources_sync.PodResourcesStatus()
 
@@ -419,19 +467,40 @@ class _Node:
             self.config.cdi_dir, self.owner.desired_specs, health=health, task_status=task_status
         )
 
+    def runtime_not_ready(self) -> str:
+        """Why the runtime cannot pin a new claim's containers now (``""``: it can)."""
+        if self.link.synchronized:
+            return ""
+        return self.link.last_error or "no runtime has connected yet"
+
     async def run_kubelet_plugin(
         self, *, task_status: TaskStatus[Any] = TASK_STATUS_IGNORED
     ) -> None:
         config = self.config
-        await kubelet_plugin.run(
-            config.dra_socket,
-            self.send.clone(),
-            self.kube,
-            config.node_name,
-            metrics=self.metrics,
-            health=self.owner.health,
-            task_status=task_status,
-        )
+        grouped = config.cpu_device_mode is CpuDeviceMode.GROUPED
+
+        async def serve(*, task_status: TaskStatus[Any]) -> None:
+            # A stream of its own each attempt: a start that failed closed the one it had.
+            await kubelet_plugin.run(
+                config.dra_socket,
+                self.send.clone(),
+                self.kube,
+                config.node_name,
+                metrics=self.metrics,
+                health=self.owner.health,
+                allocator=config.allocator if grouped else None,
+                runtime_not_ready=self.runtime_not_ready,
+                task_status=task_status,
+            )
+
+        flag = self.readiness.flag(DRA_SOCKET, reason="the DRA socket has not been made yet")
+
+        def serving() -> None:
+            flag.set_ready()
+            self.dra_serving.set()
+
+        task_status.started()
+        await _start_waiting_out(serve, "the DRA socket", flag.set_not_ready, serving)
 
     async def run_debug_dump(self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
         path = self.config.state_dir / debug_dump.DUMP_FILE
@@ -448,12 +517,37 @@ class _Node:
 
     async def run_registration(self, *, task_status: TaskStatus[Any] = TASK_STATUS_IGNORED) -> None:
         verdict = self.readiness.flag(
-            KUBELET_REGISTRATION, reason="the kubelet has not registered the plugin yet"
+            KUBELET_REGISTRATION, reason="waiting for the DRA socket to serve"
         )
+        task_status.started()
+        await self.dra_serving.wait()
+        await self._wait_synchronized(verdict.set_not_ready)
+        verdict.set_not_ready("the kubelet has not registered the plugin yet")
         config = self.config
-        await registration.run(
-            config.registration_socket, config.dra_socket, verdict, task_status=task_status
+        serve = partial(registration.run, config.registration_socket, config.dra_socket, verdict)
+        await _start_waiting_out(
+            serve, "the registration socket", verdict.set_not_ready, lambda: None
         )
+
+    async def _wait_synchronized(self, not_ready: Callable[[str], None]) -> None:
+        """Until a runtime has answered NRI ``Synchronize`` once, ``not_ready`` told why we
+        wait (refreshed every second: the NRI task's last error)."""
+        logged = False
+        while not self.link.synchronized_once:
+            reason = self.link.last_error or "connecting"
+            not_ready(
+                "waiting for the container runtime's first NRI Synchronize before registering "
+                f"with the kubelet ({reason})"
+            )
+            if not logged:
+                logger.info(
+                    "registration with the kubelet waits for the container runtime's first NRI "
+                    "Synchronize on %s",
+                    self.config.nri_socket,
+                )
+                logged = True
+            with anyio.move_on_after(SYNC_WAIT_POLL):
+                await self.link.wait_synchronized_once()
 
     async def run_nri_plugin(self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
         await nri_plugin.run(

@@ -392,3 +392,119 @@ def test_a_machine_mode_cpuset_is_what_the_claim_gets() -> None:
     assert isinstance(reply, Reply)
     assert isinstance(reply.value, ClaimPrepared)
     assert reply.value.cpus == CpuSet([5, 37, 60])
+
+
+# --- the node's allocator (upstream 0.3's allocator key) ---------------------------------------
+
+
+def _prepare(
+    node: NodeConfig, claim: ClaimAllocation, allocator: str | None, state: NodeState | None = None
+) -> Any:
+    """The value the owner replies with: ClaimPrepared, or the error raised."""
+    got = claim_overrides(claim, allocator)
+    command = PrepareClaim(UID, "ns", "c", got.results, got.pin_memory)
+    try:
+        _, effects = apply(state or NodeState.initial(node), command)
+    except ClaimError as exc:
+        return exc
+    reply = effects[-1]
+    assert isinstance(reply, Reply)
+    return reply.value
+
+
+def _numa_node() -> NodeConfig:
+    # dual-socket-smt2: NUMA node 0 holds cpus 0-7,32-39; node 1 8-15,40-47.
+    return NodeConfig.build(NODE, build_topology(FIXTURES["dual-socket-smt2"]))
+
+
+def test_external_splits_the_request_cpuset_over_its_results_lowest_first() -> None:
+    # A count-2 request: two results of 3 CPUs, one per NUMA node; the cpuset names all six.
+    two = [
+        result(device="cpudevnuma000", cpus=3),
+        result(device="cpudevnuma001", cpus=3),
+    ]
+    claim = allocation(two, [config(params(cpuset="2,4,33,9,12,42"), requests=("cpus",))])
+    got = claim_overrides(claim, "external")
+    assert [r.request_cpuset for r in got.results] == [CpuSet.parse("2,4,9,12,33,42")] * 2
+    value = _prepare(_numa_node(), claim, "external")
+    assert isinstance(value, ClaimPrepared)
+    assert value.cpus == CpuSet.parse("2,4,9,12,33,42")
+    # Two results on one device: the first takes the lowest of the cpuset, the second the rest.
+    same = [result(device="cpudevnuma000", cpus=2), result(device="cpudevnuma000", cpus=2)]
+    claim = allocation(same, [config(params(cpuset="3,1,33,5"))])
+    value = _prepare(_numa_node(), claim, "external")
+    assert isinstance(value, ClaimPrepared)
+    assert value.cpus == CpuSet.parse("1,3,5,33")
+
+
+@pytest.mark.parametrize(
+    ("configs", "message"),
+    [
+        ([], "is targeted by 0 opaque configs of driver dra.cpu; with allocator external it must"),
+        (
+            [config(params(cpuset="0-3")), config(params(policy="spread"))],
+            "is targeted by 2 opaque configs",
+        ),
+        ([config(params(policy="spread"))], "has no cpuConfig.cpuset; with allocator external"),
+        ([config(params(cpuset="0-2"))], "opaque cpuset 0-2 has 3 CPUs, which does not match the "),
+        (
+            [config(params(cpuset="0-3"), source="FromClass")],
+            "comes from the DeviceClass; with allocator external the cpuset must be defined per",
+        ),
+    ],
+)
+def test_external_refuses_a_request_without_exactly_one_claim_cpuset(
+    configs: list[dict[str, Any]], message: str
+) -> None:
+    claim = allocation([result(cpus=4)], configs)
+    with pytest.raises(ClaimError) as info:
+        claim_overrides(claim, "external")
+    assert "claim ns/c request 'cpus'" in str(info.value)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("cpuset", "message"),
+    [
+        # cpus of the other NUMA node cannot serve a result on node 0
+        ("8-11", "cannot satisfy request: need 4 CPUs from cpuset 8-11 restricted to the"),
+        ("0-1,64-65", "cpus 64-65 are offline or not on this machine"),
+    ],
+)
+def test_external_refuses_a_cpuset_the_device_cannot_give(cpuset: str, message: str) -> None:
+    claim = allocation([result(cpus=4)], [config(params(cpuset=cpuset))])
+    value = _prepare(_numa_node(), claim, "external")
+    assert isinstance(value, ClaimError)
+    assert message in str(value)
+
+
+def test_cpumanager_refuses_a_cpuset_but_takes_our_other_fields() -> None:
+    claim = allocation([result(cpus=4)], [config(params(cpuset="0-3"))])
+    with pytest.raises(ClaimError) as info:
+        claim_overrides(claim, "cpumanager")
+    assert "cpuConfig.cpuset 0-3 is not taken with allocator cpumanager" in str(info.value)
+    claim = allocation([result(cpus=4)], [config(params(fullCores=True))])
+    value = _prepare(_numa_node(), claim, "cpumanager")
+    assert isinstance(value, ClaimPrepared)
+    assert len(value.cpus) == 4
+    # without the key, the cpuset is honoured (dracpu's own mode)
+    claim = allocation([result(cpus=4)], [config(params(cpuset="0-3"))])
+    value = _prepare(_numa_node(), claim, None)
+    assert isinstance(value, ClaimPrepared)
+    assert value.cpus == CpuSet.parse("0-3")
+
+
+def test_machine_mode_takes_one_device_per_request() -> None:
+    topology = build_topology(FIXTURES["dual-socket-smt2"])
+    node = NodeConfig.build(NODE, topology, group_by=GroupBy.MACHINE)
+    two = [result(device="cpudevmachine", cpus=2), result(device="cpudevmachine", cpus=2)]
+    claim = allocation(two, [config(params(cpuset="4-7"))])
+    value = _prepare(node, claim, "external")
+    assert isinstance(value, ClaimError)
+    assert "request 'cpus' has 2 devices; with groupBy machine every request must have count 1" in (
+        str(value)
+    )
+    one = allocation([result(device="cpudevmachine", cpus=4)], [config(params(cpuset="4-7"))])
+    value = _prepare(node, one, "external")
+    assert isinstance(value, ClaimPrepared)
+    assert value.cpus == CpuSet.parse("4-7")

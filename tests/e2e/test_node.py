@@ -78,6 +78,17 @@ def _start_exclusive(
     return cluster.exclusive_cpus(namespace, name)
 
 
+def _exclusive_beside_shared(
+    cluster: Cluster, target: Target, namespace: str
+) -> tuple[frozenset[int], str]:
+    """An exclusive pod and a shared one beside it, on the rest; the claim's cpus and UID."""
+    cpus = _start_exclusive(cluster, target, namespace)
+    uid: str = cluster.claim_of(namespace, "exclusive")["metadata"]["uid"]
+    cluster.start(shared_pod("shared", namespace, target.node.name))
+    cluster.expect_cpus(namespace, "shared", target.node.shareable - cpus, timeout=SOON)
+    return cpus, uid
+
+
 # --- what the container is given besides its cpus -------------------------------------------
 
 
@@ -235,11 +246,8 @@ def test_a_rolling_update_keeps_the_pinning_and_the_checkpoint(
     cluster: Cluster, target: Target, namespace: str
 ) -> None:
     node = target.node
-    before = _start_exclusive(cluster, target, namespace)
-    uid = cluster.claim_of(namespace, "exclusive")["metadata"]["uid"]
+    before, uid = _exclusive_beside_shared(cluster, target, namespace)
     pod_uid = cluster.kube.get("pod", "exclusive", "-n", namespace)["metadata"]["uid"]
-    cluster.start(shared_pod("shared", namespace, node.name))
-    cluster.expect_cpus(namespace, "shared", node.shareable - before, timeout=SOON)
     recorded = cluster.checkpoint(node.name)[uid]
     assert parse_cpulist(recorded["cpus"]) == before
     assert recorded["podUids"] == [pod_uid]
@@ -263,10 +271,7 @@ def test_a_pod_deleted_while_dracpu_is_down_has_its_claim_released(
     cluster: Cluster, target: Target, namespace: str
 ) -> None:
     node = target.node
-    cpus = _start_exclusive(cluster, target, namespace)
-    uid = cluster.claim_of(namespace, "exclusive")["metadata"]["uid"]
-    cluster.start(shared_pod("shared", namespace, node.name))
-    cluster.expect_cpus(namespace, "shared", node.shareable - cpus, timeout=SOON)
+    _, uid = _exclusive_beside_shared(cluster, target, namespace)
 
     with _daemons_stopped(cluster, node.name):
         # The kubelet cannot reach the driver now: the pod goes, its claim stays prepared.

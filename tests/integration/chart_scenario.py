@@ -256,7 +256,14 @@ async def _walk(
     sim.daemons.append(daemon)
     await sim.wait_published()
     seen["devices"] = sorted(d["name"] for d in sim.published())
-    claim = sim.allocate("chart", cpus=4)
+    seen["attributes"] = {d["name"]: d.get("attributes", {}) for d in sim.published()}
+    # An external allocator's claim (upstream 0.3 `allocator: external`): the CPUs it chose, in
+    # the allocation's opaque config.
+    cpuset = params.get("cpuset")
+    parameters = {"apiVersion": "v1alpha1", "cpuConfig": {"cpuset": cpuset}}
+    opaque = {"driver": "dra.cpu", "parameters": parameters}
+    configs = [{"source": "FromClaim", "requests": ["cpus"], "opaque": opaque}] if cpuset else []
+    claim = sim.allocate("chart", cpus=4, configs=configs)
     answer = await sim.prepare(claim)
     seen["prepare_error"] = answer[claim.uid].error
     seen["cdi_cpus"] = sim.cdi_cpus(claim.uid)

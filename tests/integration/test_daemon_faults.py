@@ -240,22 +240,27 @@ async def test_a_missing_nri_socket_is_waited_out() -> None:
         socket_path.parent.mkdir()
         sim.daemon_args.append(f"--nri-socket={socket_path}")
         started = time.monotonic()
-        await sim.start_daemon(wait_ready=False)
+        await sim.start_daemon(register=False, wait_ready=False)
 
         def not_ready(status: int, body: str) -> None:
-            # The NRI task reports started 10 s after it began without a runtime, itself after
-            # the launch: within 10 s of the launch the daemon cannot be ready.
+            # Without a runtime the daemon is never ready: the kubelet is not told about it.
             if time.monotonic() - started < HELD:
                 assert status in (0, 503)
 
         await _hold(sim, HELD - 1.0, not_ready)
         assert sim.daemon.exited() is None
         assert await _metric(sim, "dracpu_nri_connected ") == "dracpu_nri_connected 0.0"
-        # The kubelet's side works meanwhile: a claim is prepared.
+        # The slices are published meanwhile, but no claim can be prepared: there is no
+        # registration socket for the kubelet to find (no Prepare while nothing can pin).
         await sim.wait_published()
-        claim = sim.allocate("early", 2)
-        assert (await sim.prepare(claim))[claim.uid].error == ""
-        held = cpus(sim.cdi_cpus(claim.uid) or "")
+        assert sim.kubelet.sockets() == []
+        status, body = await sim.daemon.get("/readyz")
+        assert status == 503
+        assert (
+            "[-]kubelet-registration not ready: waiting for the container runtime's first NRI "
+            "Synchronize before registering with the kubelet "
+            f"(cannot connect to {socket_path}: "
+        ) in body
         assert any(
             m.startswith(f"NRI: cannot connect to {socket_path} (attempt 1)")
             for m in sim.daemon.messages("warning")
@@ -267,15 +272,20 @@ async def test_a_missing_nri_socket_is_waited_out() -> None:
             appeared = time.monotonic()
             await runtime.wait_plugin(RECOVERY + 2.0)  # the reconnect backoff is capped at 5 s
             assert time.monotonic() - appeared < RECOVERY + 2.0
-            # Synchronize pinned the container that ran before: the shared pool, not the claim.
-            assert cpus(runtime.containers[shared.id].cpus) == node_cpus(sim) - held
+            # Synchronize pinned the container that ran before to the shared pool.
+            assert cpus(runtime.containers[shared.id].cpus) == node_cpus(sim)
+            await sim.register()
             assert await _ready_within(sim, RECOVERY) < RECOVERY
             assert await _metric(sim, "dracpu_nri_connected ") == "dracpu_nri_connected 1.0"
+            claim = sim.allocate("late", 2)
+            assert (await sim.prepare(claim))[claim.uid].error == ""
+            held = cpus(sim.cdi_cpus(claim.uid) or "")
             app = runtime.add_pod("app", namespace="default")
             await runtime.run_pod_sandbox(app)
             container = runtime.new_container(app, "main", env=sim.cdi_env(claim.uid))
             await runtime.create_container(app, container)
             assert cpus(runtime.containers[container.id].cpus) == held
+            assert cpus(runtime.containers[shared.id].cpus) == node_cpus(sim) - held
             assert await sim.stop_daemon() == 0
 
 

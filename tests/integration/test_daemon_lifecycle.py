@@ -49,7 +49,8 @@ async def test_ready_with_every_task_then_sighup_resyncs_and_sigterm_stops_withi
         assert body == (
             "[+]state-dir ok\n"
             + "".join(f"[+]{task} ok\n" for task in TASKS)
-            + "[+]cdi-dir ok\n[+]kubelet-registration ok\n[+]slices ok\nreadyz check passed\n"
+            + "[+]cdi-dir ok\n[+]dra-socket ok\n[+]kubelet-registration ok\n[+]slices ok\n"
+            + "readyz check passed\n"
         )
         assert await sim.daemon.get("/healthz") == (200, "ok\n")
         # The supervisor's tasks become ready in start order; the kubelet's registration verdict
@@ -157,7 +158,7 @@ async def test_a_task_that_cannot_start_exits_1_with_the_error_logged() -> None:
             assert _sockets_under(sim.paths.kubelet_root) == []
 
 
-async def test_leftovers_at_the_kubelet_sockets_are_replaced_and_a_directory_refused() -> None:
+async def test_leftovers_at_the_kubelet_sockets_are_replaced_and_a_directory_waited_out() -> None:
     async with open_node_sim(start=False) as sim:
         dra = sim.paths.kubelet_root / "plugins" / "dra.cpu" / "dra.sock"
         reg = sim.paths.registry_dir / "dra.cpu-reg.sock"
@@ -176,14 +177,26 @@ async def test_leftovers_at_the_kubelet_sockets_are_replaced_and_a_directory_ref
         assert stat.S_ISSOCK(reg.lstat().st_mode)
         assert await sim.stop_daemon() == 0
 
+        # A directory in the way is a condition of the node: waited out (issue 20), not exit 1.
         dra.mkdir()
         await sim.start_daemon(register=False, wait_ready=False)
-        assert await _exit_code(sim) == 1
-        errors = sim.daemon.messages("error")
-        assert len(errors) == 1
-        assert errors[0].startswith("task kubelet-plugin failed: ")
-        assert f"'{dra}' is a directory" in errors[0]
+        await wait_until(
+            "the DRA socket's failure to be logged",
+            lambda: any(
+                m.startswith("the DRA socket failed, retrying in")
+                for m in sim.daemon.messages("warning")
+            ),
+            failed=sim.daemon.exited,
+        )
+        status, body = await sim.daemon.get("/readyz")
+        assert status == 503
+        assert f"'{dra}' is a directory" in body
         assert dra.is_dir()
+        assert sim.kubelet.sockets() == []  # nothing to register with yet
+        dra.rmdir()
+        await sim.register()
+        await sim.daemon.wait_ready()
+        assert sim.daemon.messages("error") == []
 
 
 async def test_a_topology_that_cannot_be_read_fails_the_start() -> None:

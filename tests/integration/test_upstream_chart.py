@@ -176,6 +176,47 @@ def test_the_charts_arguments(tmp_path: Path, root: str, config: str | None) -> 
     _check_the_chart_run(seen, root, config)
 
 
+# Upstream 0.3's values for an external allocator (docs/user/upgrade.md "Configuration: grouped
+# mode", docs/user/configuration.md `allocator`): `driverConfig` rendered into the ConfigMap.
+EXTERNAL_NUMANODE = (
+    "apiVersion: v1alpha1\ncpuDeviceMode: grouped\ngroupBy: numanode\nallocator: external\n"
+)
+EXTERNAL_MACHINE = "cpuDeviceMode: grouped\ngroupBy: machine\nallocator: external\n"
+
+
+@pytest.mark.parametrize(
+    ("config", "devices"),
+    [
+        (EXTERNAL_NUMANODE, [f"cpudevnuma00{n}" for n in range(4)]),
+        (EXTERNAL_MACHINE, ["cpudevmachine"]),
+    ],
+    ids=["numanode", "machine"],
+)
+def test_upstream_0_3_external_allocator_values(
+    tmp_path: Path, config: str, devices: list[str]
+) -> None:
+    # The scheduler plugin chose CPUs 4-7 (on cpudevnuma000, and on the machine's device).
+    seen = _run(
+        tmp_path,
+        kubelet_root_dir="/var/lib/kubelet",
+        config=config,
+        gatherinfo="subcommand",
+        cpuset="4-7",
+    )
+    port = seen["args"][2].removeprefix("--bind-address=")
+    report = _check_the_node(seen, port, devices)
+    assert seen["cdi_cpus"] == "4-7"
+    assert report["driverConfig"]["allocator"] == "external"
+    for attributes in seen["attributes"].values():
+        # dual-socket-smt2: cpuN and cpuN+32 are siblings
+        assert attributes["dra.cpu/smtLayout"] == {"string": "0-63>32"}
+        assert "string" in attributes["dra.cpu/cpuIDs"]
+    assert seen["attributes"][devices[0]]["dra.cpu/cpuIDs"]["string"] == (
+        "0-7,32-39" if len(devices) > 1 else "0-63"
+    )
+    assert "upstream 0.3 refuses" not in "\n".join(seen["log"])
+
+
 @pytest.mark.parametrize("config", [None, CONFIG], ids=["no-config", "config"])
 def test_the_charts_arguments_on_the_built_image(config: str | None) -> None:
     reason = _missing_image()

@@ -18,7 +18,8 @@ from dracpu.core.state import NodeState
 from dracpu.sim.topologies import build_topology, fixture
 from dracpu.tasks.dra_cpu_metrics import SPECS, DraCpuMetrics, descriptors
 
-# Upstream's metrics (kubernetes-sigs/dra-driver-cpu docs/user/metrics.md): name -> (type, labels).
+# Upstream 0.3's nine metrics (kubernetes-sigs/dra-driver-cpu docs/user/metrics.md):
+# name -> (type, labels).
 UPSTREAM = {
     "dra_cpu_allocated_cpus": ("gauge", []),
     "dra_cpu_available_cpus": ("gauge", []),
@@ -27,6 +28,7 @@ UPSTREAM = {
     "dra_cpu_prepare_claims_total": ("counter", ["result"]),
     "dra_cpu_unprepare_claims_total": ("counter", ["result"]),
     "dra_cpu_prepare_claim_duration_seconds": ("histogram", []),
+    "dra_cpu_unprepare_claim_duration_seconds": ("histogram", []),
     "dra_cpu_claim_allocated_cpus": ("histogram", []),
 }
 
@@ -59,6 +61,7 @@ def _scrape(
 
 def test_introspect_lists_upstreams_metrics_in_its_json() -> None:
     described = descriptors()
+    assert len(described) == 9
     assert {d["name"]: (d["type"], d["labels"]) for d in described} == UPSTREAM
     assert all(d["stability"] == "ALPHA" and d["help"] for d in described)
     assert [d["name"] for d in described] == [s.name for s in SPECS]
@@ -103,8 +106,8 @@ def test_prepare_and_unprepare_are_counted_and_timed_per_claim() -> None:
     metrics.prepared("a", True, 0.002)  # the kubelet prepares a prepared claim again
     metrics.prepared("b", True, 0.2)
     metrics.prepared("c", False, 7.0)
-    metrics.unprepared("a", True)
-    metrics.unprepared("x", False)
+    metrics.unprepared("a", True, 0.001)
+    metrics.unprepared("x", False, 3.0)
     metrics.prepared("a", True, 0.003)  # prepared anew after its Unprepare
     scraped = _scrape(metrics)
     prepare = scraped["dra_cpu_prepare_claims"]
@@ -121,6 +124,13 @@ def test_prepare_and_unprepare_are_counted_and_timed_per_claim() -> None:
     assert duration[(f"{name}_bucket", (("le", "5.0"),))] == 4.0
     assert duration[(f"{name}_bucket", (("le", "+Inf"),))] == 5.0
     assert abs(duration[(f"{name}_sum", ())] - 7.209) < 1e-9
+    name = "dra_cpu_unprepare_claim_duration_seconds"
+    undo = scraped[name]
+    assert undo[(f"{name}_count", ())] == 2.0
+    assert undo[(f"{name}_bucket", (("le", "0.005"),))] == 1.0
+    assert undo[(f"{name}_bucket", (("le", "2.5"),))] == 1.0
+    assert undo[(f"{name}_bucket", (("le", "5.0"),))] == 2.0
+    assert abs(undo[(f"{name}_sum", ())] - 3.001) < 1e-9
     cpus = scraped["dra_cpu_claim_allocated_cpus"]
     # a (4 CPUs) twice: first Prepare and again after its Unprepare; b (2 CPUs) once.
     assert cpus[("dra_cpu_claim_allocated_cpus_count", ())] == 3.0

@@ -27,6 +27,8 @@ from dracpu.config.file import read_config_file
 from dracpu.config.go_flags import DEPRECATED_FLAGS, GIVEN_FLAGS
 from dracpu.config.settings import SETTINGS, Config, Setting
 from dracpu.config.values import BadValue, show
+from dracpu.core.claim_config import ALLOCATOR_EXTERNAL
+from dracpu.core.devices import CpuDeviceMode, GroupBy
 from dracpu.errors import ConfigError
 
 __all__ = ["UNIX_PATH_MAX", "Config", "changed_settings", "load_config"]
@@ -98,6 +100,15 @@ def load_config(
             "or set hostnameOverride in the config file (the host name is empty)"
         )
     values["node_name_source"] = sources["node_name"]
+    grouped = values.get("cpu_device_mode", CpuDeviceMode.GROUPED) is CpuDeviceMode.GROUPED
+    machine = grouped and values.get("group_by") is GroupBy.MACHINE
+    if machine and values.get("allocator") != ALLOCATOR_EXTERNAL:
+        # upstream 0.3 internal/driverconfig/validate.go refuses this; we allocate in the device
+        notices += (
+            "groupBy machine without allocator external: upstream 0.3 refuses to start "
+            "with this; dracpu picks the CPUs inside the machine's device itself (a "
+            "claim's cpuConfig.cpuset is honoured)",
+        )
     values["notices"] = notices
     config = Config(**values)  # type: ignore[arg-type]
     _check_socket_paths(config, sources)

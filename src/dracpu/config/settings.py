@@ -373,9 +373,11 @@ class Config:
         default=None,
         key="allocator",
         convert=v.allocator,
-        help=f"upstream's allocator: {v.ALLOCATOR_CPUMANAGER} (the kubelet's topology-aware "
-        f"allocation, which is ours); {v.ALLOCATOR_EXTERNAL} is refused",
-        default_text=f"unset ({v.ALLOCATOR_CPUMANAGER})",
+        help=f"upstream 0.3's allocator: {v.ALLOCATOR_CPUMANAGER} (ours picks the CPUs, a "
+        f"claim's opaque cpuset is refused) or {v.ALLOCATOR_EXTERNAL} (every grouped request "
+        "carries one opaque cpuset, split over its results; grouped devices publish "
+        "dra.cpu/cpuIDs and dra.cpu/smtLayout); unset: ours picks, an opaque cpuset is honoured",
+        default_text="unset",
     )
     notices: tuple[str, ...] = field(default=(), compare=False)
     """Warnings about how the settings were given (deprecated flags), for the daemon to log

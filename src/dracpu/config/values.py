@@ -18,6 +18,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Literal, TypeVar
 
+from dracpu.core.claim_config import ALLOCATOR_CPUMANAGER, ALLOCATOR_EXTERNAL
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.host_cgroups import check_cgroup_paths
 from dracpu.errors import DracpuError
@@ -61,10 +62,6 @@ LOG_FORMATS: tuple[LogFormat, ...] = ("text", "json")
 # (pkg/kubelet/apis/podresources/grpc/ratelimit.go DefaultQPS): we take at most a tenth.
 MIN_PODRESOURCES_INTERVAL = 0.1
 
-# The values of upstream's ``allocator`` key (kubernetes-sigs/dra-driver-cpu#229,
-# internal/driverconfig/config.go AllocatorCPUManager / AllocatorExternal).
-ALLOCATOR_CPUMANAGER = "cpumanager"
-ALLOCATOR_EXTERNAL = "external"
 
 # Kubernetes object names (node names, and with them pool names) are RFC 1123 DNS subdomains.
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
@@ -367,13 +364,9 @@ def host_cgroups(raw: object) -> tuple[str, ...]:
 
 
 def allocator(raw: object) -> str:
+    """Upstream 0.3's ``allocator`` (``internal/driverconfig/validate.go``); what each value
+    means is :mod:`dracpu.core.claim_config`'s."""
     text = string(raw)
-    if text == ALLOCATOR_EXTERNAL:
-        raise BadValue(
-            "dracpu does not implement the external allocator (every grouped request must "
-            "carry an opaque cpuset, split over its results); dracpu honours a claim's "
-            f"cpuConfig.cpuset without it: remove the key or set {show(ALLOCATOR_CPUMANAGER)}"
-        )
-    if text != ALLOCATOR_CPUMANAGER:
+    if text not in (ALLOCATOR_CPUMANAGER, ALLOCATOR_EXTERNAL):
         raise BadValue(f"must be {show(ALLOCATOR_CPUMANAGER)} or {show(ALLOCATOR_EXTERNAL)}")
     return text

@@ -41,6 +41,20 @@ The rules beyond one field:
   claim that resolve to ``pin`` and ``none`` are refused; a result without the field follows
   the others, and a claim without it the node's ``--memory-pinning``.
 
+The node's ``allocator`` (upstream 0.3's key, ``internal/driverconfig``; grouped mode only:
+upstream's individual mode consults no allocator) changes what a cpuset means:
+
+- not set (dracpu's default): as above; a result's cpuset are exactly its CPUs, in any grouped
+  mode. Upstream has no such mode.
+- ``cpumanager``: dracpu picks every result's CPUs; a claim whose config sets a cpuset is
+  refused (upstream ``cpuallocator.CPUManager``: "preferred CPUs not supported"). Our other
+  fields still apply.
+- ``external`` (upstream ``cpuallocator.External``): every request with a grouped result must
+  be targeted by exactly one opaque config of our driver, from the claim, with a cpuset of
+  exactly the CPUs the request's results consume together; each result then takes the lowest
+  of them still free on its device (:attr:`DeviceResult.request_cpuset`,
+  :func:`dracpu.core.state_claims.prepare`). Upstream's reasons are in the errors.
+
 The cpuset itself is checked where the node state is known
 (:func:`dracpu.core.state_claims.prepare`): of the result's size, online, not reserved, within
 the device, free. ``policy`` and ``fullCores`` steer only CPUs dracpu picks: an individual
@@ -62,6 +76,8 @@ from dracpu.core.cpuset import CpuSet
 from dracpu.errors import ClaimError, CpuSetParseError
 
 __all__ = [
+    "ALLOCATOR_CPUMANAGER",
+    "ALLOCATOR_EXTERNAL",
     "API_VERSION",
     "ClaimOverrides",
     "CpuConfig",
@@ -70,6 +86,10 @@ __all__ = [
     "parse_parameters",
 ]
 
+# The values of upstream's allocator key (internal/driverconfig AllocatorCPUManager,
+# AllocatorExternal; kubernetes-sigs/dra-driver-cpu#229).
+ALLOCATOR_CPUMANAGER = "cpumanager"
+ALLOCATOR_EXTERNAL = "external"
 # upstream api/v1alpha1 APIVersion: the only version of the parameters.
 API_VERSION = "v1alpha1"
 # resource/v1 AllocationConfigSource: configs from the claim; anything else (FromClass) is a
@@ -241,18 +261,23 @@ def _claim_memory(label: str, chosen: Mapping[str, Memory]) -> bool | None:
     return None if not values else values.pop() is Memory.PIN
 
 
-def claim_overrides(allocation: ClaimAllocation) -> ClaimOverrides:
+def claim_overrides(allocation: ClaimAllocation, allocator: str | None = None) -> ClaimOverrides:
     """The claim's results with what its opaque configs ask, and its memory pinning.
 
-    Raises :class:`ClaimError` naming the config and field for a bad config that applies to a
-    result of ours, and for the combinations refused in the module docstring.
+    ``allocator``: the node's ``allocator`` in grouped mode (``None``: not set, or individual
+    mode). Raises :class:`ClaimError` naming the config and field for a bad config that applies
+    to a result of ours, and for the combinations refused in the module docstring.
     """
     label = f"claim {allocation.namespace}/{allocation.name}"
     plain = allocation.device_results()
-    if not allocation.configs:
+    external = allocator == ALLOCATOR_EXTERNAL
+    if not allocation.configs and not external:
         return ClaimOverrides(plain)
     ordered = _precedence(allocation.configs)
     parsed: dict[int, CpuConfig] = {}
+    totals: dict[str, int] = {}  # external: the CPUs each request's results consume together
+    for device in allocation.devices if external else ():
+        totals[device.request_ref] = totals.get(device.request_ref, 0) + (device.consumed_cpus or 1)
     # The results of one request (an individual claim has up to 32) share their configs.
     by_request: dict[str, CpuConfig] = {}
     results: list[DeviceResult] = []
@@ -260,17 +285,10 @@ def claim_overrides(allocation: ClaimAllocation) -> ClaimOverrides:
         ref = device.request_ref
         effective = by_request.get(ref)
         if effective is None:
-            effective = _NOTHING
-            for config in ordered:
-                if _applies(config, device):
-                    if config.index not in parsed:
-                        parsed[config.index] = _parsed(label, config)
-                    effective = effective.under(parsed[config.index])
-            if effective.full_cores and effective.policy is Strategy.SPREAD:
-                raise ClaimError(
-                    f"{label} request {ref!r}: cpuConfig.fullCores true takes whole cores "
-                    "packed; it cannot be combined with cpuConfig.policy 'spread'"
-                )
+            if external:
+                effective = _request_config(label, ref, ordered, device, totals[ref])
+            else:
+                effective = _merged(label, ref, ordered, device, parsed, allocator)
             by_request[ref] = effective
         if effective.cpuset is None and effective.policy is None and effective.full_cores is None:
             results.append(result)
@@ -278,10 +296,76 @@ def claim_overrides(allocation: ClaimAllocation) -> ClaimOverrides:
             results.append(
                 replace(
                     result,
-                    cpuset=effective.cpuset,
+                    cpuset=None if external else effective.cpuset,
+                    request_cpuset=effective.cpuset if external else None,
                     strategy=effective.policy,
                     full_cores=effective.full_cores,
                 )
             )
     memory = {ref: c.memory for ref, c in by_request.items() if c.memory is not None}
     return ClaimOverrides(tuple(results), _claim_memory(label, memory))
+
+
+def _merged(
+    label: str,
+    ref: str,
+    ordered: list[OpaqueConfig],
+    device: AllocatedDevice,
+    parsed: dict[int, CpuConfig],
+    allocator: str | None,
+) -> CpuConfig:
+    """Every config that applies to the request, field by field (``parsed``: the configs read
+    so far, by index)."""
+    effective = _NOTHING
+    for config in ordered:
+        if _applies(config, device):
+            if config.index not in parsed:
+                parsed[config.index] = _parsed(label, config)
+            effective = effective.under(parsed[config.index])
+    if effective.full_cores and effective.policy is Strategy.SPREAD:
+        raise ClaimError(
+            f"{label} request {ref!r}: cpuConfig.fullCores true takes whole cores "
+            "packed; it cannot be combined with cpuConfig.policy 'spread'"
+        )
+    if effective.cpuset is not None and allocator == ALLOCATOR_CPUMANAGER:
+        raise ClaimError(
+            f"{label} request {ref!r}: cpuConfig.cpuset {effective.cpuset} is not taken "
+            "with allocator cpumanager, which picks the CPUs itself (upstream: preferred "
+            "CPUs not supported); remove the cpuset, or run the node with allocator "
+            "external"
+        )
+    return effective
+
+
+def _request_config(
+    label: str, ref: str, ordered: list[OpaqueConfig], device: AllocatedDevice, total: int
+) -> CpuConfig:
+    """``allocator: external``: the one claim config with a cpuset of the whole request
+    (upstream ``External.GetPreferredCPUs``)."""
+    where = f"{label} request {ref!r}"
+    matching = [config for config in ordered if _applies(config, device)]
+    for config in matching:
+        if config.source != SOURCE_CLAIM:
+            raise ClaimError(
+                f"{where}: opaque config [{config.index}] comes from the DeviceClass; with "
+                "allocator external the cpuset must be defined per ResourceClaim request "
+                "(upstream: configuration from DeviceClass is not supported by this driver)"
+            )
+    if len(matching) != 1:
+        raise ClaimError(
+            f"{where} is targeted by {len(matching)} opaque configs of driver dra.cpu; with "
+            "allocator external it must be targeted by exactly 1, carrying cpuConfig.cpuset"
+        )
+    config = matching[0]
+    parsed = _parsed(label, config)
+    if parsed.cpuset is None:
+        raise ClaimError(
+            f"{where}: opaque config [{config.index}] has no cpuConfig.cpuset; with allocator "
+            "external every request needs one (upstream: no opaque cpuset configuration found)"
+        )
+    if len(parsed.cpuset) != total:
+        raise ClaimError(
+            f"{where}: opaque cpuset {parsed.cpuset} has {len(parsed.cpuset)} CPUs, which does "
+            f"not match the request total of {total} CPUs"
+        )
+    return parsed

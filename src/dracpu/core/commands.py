@@ -65,11 +65,16 @@ class DeviceResult:
     user); it must lie in the device's group, be free and have exactly ``consumed_cpus`` CPUs.
     ``None``: dracpu picks the CPUs.
 
-    ``strategy`` and ``full_cores``: the opaque config's ``cpuConfig.policy`` and
-    ``cpuConfig.fullCores`` for this result, over the node's default policy; ``None`` keeps the
-    default. They only steer the choice of CPUs: they take no part in equality, the sort key or
-    the checkpoint, so a re-Prepare of a prepared claim is idempotent whatever they say (they
-    come from the allocation, which cannot change anyway).
+    ``request_cpuset`` (``allocator: external``): the opaque ``cpuConfig.cpuset`` of the whole
+    request, whose results share it (upstream ``cpuallocator.External``): this result takes the
+    lowest ``consumed_cpus`` of its CPUs still free on its device.
+
+    ``strategy``, ``full_cores`` and ``request_cpuset``: the opaque config's
+    ``cpuConfig.policy``, ``cpuConfig.fullCores`` and (external) ``cpuConfig.cpuset`` for this
+    result; ``None`` keeps the node's default policy. They only steer the choice of CPUs: they
+    take no part in equality, the sort key or the checkpoint, so a re-Prepare of a prepared
+    claim is idempotent whatever they say (they come from the allocation, which cannot change
+    anyway).
     """
 
     request: str
@@ -79,6 +84,7 @@ class DeviceResult:
     cpuset: CpuSet | None = None
     strategy: Strategy | None = field(default=None, compare=False)
     full_cores: bool | None = field(default=None, compare=False)
+    request_cpuset: CpuSet | None = field(default=None, compare=False)
 
     def policy(self, default: AllocationPolicy) -> AllocationPolicy:
         """``default`` with this result's overrides."""

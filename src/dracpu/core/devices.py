@@ -61,6 +61,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from dracpu.core.cpuset import CpuSet
+from dracpu.core.external_attributes import external_attributes, smt_layout
 from dracpu.core.slice_validation import MAX_ATTRIBUTE_VALUES_PER_DEVICE
 from dracpu.core.topology import Topology
 from dracpu.errors import TopologyError
@@ -167,13 +168,16 @@ def published_devices(
     mode: CpuDeviceMode,
     group_by: GroupBy,
     numbering: Mapping[int, int] | None = None,
+    external: bool = False,
 ) -> list[Device]:
     """The devices this node publishes, in publication (and allocation priority) order.
 
     ``reserved`` CPUs are never published; reserved CPUs that are not online are ignored.
     ``group_by`` only matters in grouped mode. Devices carry ``pcieRoot`` when the topology has
     PCIe roots. ``numbering`` (individual mode): the device number of each CPU, from
-    :func:`individual_numbering`; ``None``: upstream's enumeration of this topology. Raises
+    :func:`individual_numbering`; ``None``: upstream's enumeration of this topology.
+    ``external`` (``allocator: external``): grouped devices also carry ``dra.cpu/cpuIDs`` and
+    ``dra.cpu/smtLayout`` (:mod:`dracpu.core.external_attributes`). Raises
     :class:`TopologyError` when a device would carry more attribute values than the apiserver
     accepts (a machine with that many PCIe roots).
     """
@@ -181,7 +185,8 @@ def published_devices(
     roots = _PcieRoots(topology.pcie_roots)
     if CpuDeviceMode(mode) is CpuDeviceMode.INDIVIDUAL:
         return _individual_devices(topology, allocatable, roots, numbering)
-    return _grouped_devices(topology, allocatable, GroupBy(group_by), roots)
+    layout = smt_layout(topology) if external else None
+    return _grouped_devices(topology, allocatable, GroupBy(group_by), roots, external, layout)
 
 
 def individual_numbering(
@@ -268,13 +273,14 @@ class _PcieRoots:
 
 
 def _add_pcie_roots(
-    name: str, attributes: dict[str, AttributeValue], roots: tuple[str, ...]
+    name: str, attributes: dict[str, AttributeValue], roots: tuple[str, ...], later: int = 1
 ) -> None:
-    """Add ``pcieRoot`` (when there are roots) after the upstream attributes already there."""
+    """Add ``pcieRoot`` (when there are roots) after the upstream attributes already there;
+    ``later``: how many scalar attributes are added after it."""
     if not roots:
         return
     attributes[ATTR_PCIE_ROOT] = roots
-    values = len(attributes) - 1 + len(roots) + 1  # + ours, added after
+    values = len(attributes) - 1 + len(roots) + later
     if values > MAX_ATTRIBUTE_VALUES_PER_DEVICE:
         raise TopologyError(
             f"device {name}: {len(roots)} PCIe roots are local to its CPUs, which makes "
@@ -342,13 +348,18 @@ def _grouped_device(
     roots: _PcieRoots,
     leading: Mapping[str, AttributeValue],
     trailing: Mapping[str, AttributeValue] | None = None,
+    *,
+    external: bool = False,
+    layout: str | None = None,
 ) -> Device:
     n = len(cpus)
     attributes: dict[str, AttributeValue] = dict(leading)
     attributes[ATTR_SMT_ENABLED] = topology.smt_enabled
     attributes[ATTR_NUM_CPUS] = n
     attributes.update(trailing or {})
-    _add_pcie_roots(name, attributes, roots.of_group(cpus))
+    extra = external_attributes(cpus, layout) if external else {}
+    _add_pcie_roots(name, attributes, roots.of_group(cpus), later=1 + len(extra))
+    attributes.update(extra)
     attributes[ATTR_NUM_ISOLATED_CPUS] = len(cpus & topology.isolated)
     return Device(
         name=name, cpus=cpus, attributes=attributes, capacity={CAPACITY_CPU: n}, grouped=True
@@ -356,12 +367,20 @@ def _grouped_device(
 
 
 def _grouped_devices(
-    topology: Topology, allocatable: CpuSet, group_by: GroupBy, roots: _PcieRoots
+    topology: Topology,
+    allocatable: CpuSet,
+    group_by: GroupBy,
+    roots: _PcieRoots,
+    external: bool,
+    layout: str | None,
 ) -> list[Device]:
     devices: list[Device] = []
     if group_by is GroupBy.MACHINE:
         # Upstream builds the machine group from the online list, NUMA node or not.
-        return [_grouped_device(_NAME_MACHINE, allocatable, topology, roots, {})]
+        machine = _grouped_device(
+            _NAME_MACHINE, allocatable, topology, roots, {}, external=external, layout=layout
+        )
+        return [machine]
     with_numa = allocatable - topology.without_numa_node
     if group_by is GroupBy.SOCKET:
         for socket_id, members in topology.sockets.items():
@@ -369,7 +388,10 @@ def _grouped_devices(
             if cpus:
                 name = f"{_PREFIX_SOCKET}{socket_id:03d}"
                 leading = {ATTR_SOCKET_ID: socket_id}
-                devices.append(_grouped_device(name, cpus, topology, roots, leading))
+                device = _grouped_device(
+                    name, cpus, topology, roots, leading, external=external, layout=layout
+                )
+                devices.append(device)
         return devices
     for numa_id, members in topology.numa_nodes.items():
         cpus = members & with_numa
@@ -380,5 +402,9 @@ def _grouped_devices(
         leading = {ATTR_NUMA_NODE: numa_id, ATTR_SOCKET_ID: socket_id}
         legacy = {ATTR_LEGACY_NUMA_NODE_ID: numa_id, ATTR_DRANET_NUMA_NODE: numa_id}
         name = f"{_PREFIX_NUMA}{numa_id:03d}"
-        devices.append(_grouped_device(name, cpus, topology, roots, leading, legacy))
+        devices.append(
+            _grouped_device(
+                name, cpus, topology, roots, leading, legacy, external=external, layout=layout
+            )
+        )
     return devices

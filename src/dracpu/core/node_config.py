@@ -42,6 +42,8 @@ class NodeConfig:
     ``mode`` / ``group_by``: how the devices were built (a Resync builds them again alike).
     ``numbering``: individual mode, the device number of every CPU numbered by this process
     (:func:`dracpu.core.slices.individual_numbering`), published now or not.
+    ``external_allocator``: ``allocator: external``, so grouped devices carry ``dra.cpu/cpuIDs``
+    and ``dra.cpu/smtLayout`` (:mod:`dracpu.core.external_attributes`).
     ``held``: devices (by name, as published before) whose CPUs went offline while a claim held
     them, and those CPUs (:mod:`dracpu.core.reconfigure`): the devices' health is still reported
     while a claim holds such a CPU (:func:`dracpu.core.health.reported_devices`).
@@ -58,6 +60,7 @@ class NodeConfig:
     mode: CpuDeviceMode = CpuDeviceMode.GROUPED
     group_by: GroupBy = GroupBy.NUMANODE
     numbering: Mapping[int, int] = field(default_factory=_no_numbers)
+    external_allocator: bool = False
     held: Mapping[str, CpuSet] = field(default_factory=_no_held)
     host_cgroups: tuple[str, ...] = ()
     allocatable: CpuSet = field(init=False)
@@ -83,6 +86,7 @@ class NodeConfig:
         policy: AllocationPolicy | None = None,
         pin_memory: bool = False,
         numbering: Mapping[int, int] | None = None,
+        external_allocator: bool = False,
         host_cgroups: tuple[str, ...] = (),
     ) -> NodeConfig:
         """The config with the devices this node publishes in ``mode``/``group_by``;
@@ -98,6 +102,7 @@ class NodeConfig:
             mode=mode,
             group_by=group_by,
             numbering=numbers if mode is CpuDeviceMode.INDIVIDUAL else None,
+            external=external_allocator,
         )
         return cls(
             node_name=node_name,
@@ -109,6 +114,7 @@ class NodeConfig:
             mode=mode,
             group_by=GroupBy(group_by),
             numbering=numbers,
+            external_allocator=external_allocator,
             host_cgroups=host_cgroups,
         )
 
@@ -132,5 +138,6 @@ class NodeConfig:
             policy=self.policy,
             pin_memory=pin_memory,
             numbering=self.numbering,
+            external_allocator=self.external_allocator,
             host_cgroups=host_cgroups,
         )

@@ -23,6 +23,7 @@ __all__ = [
     "KIND",
     "MAX_ATTRIBUTES_AND_CAPACITIES_PER_DEVICE",
     "MAX_ATTRIBUTE_VALUES_PER_DEVICE",
+    "MAX_ATTRIBUTE_VALUE_LENGTH",
     "MAX_DEVICES_PER_SLICE",
     "MAX_DEVICES_PER_SLICE_ADVANCED",
     "MAX_DNS_SUBDOMAIN",
@@ -43,7 +44,7 @@ MAX_ATTRIBUTES_AND_CAPACITIES_PER_DEVICE = 32  # ResourceSliceMaxAttributesAndCa
 MAX_ATTRIBUTE_VALUES_PER_DEVICE = 48  # ResourceSliceMaxAttributeValuesPerDevice (1.36+)
 _MAX_ID_LENGTH = 32  # DeviceMaxIDLength: the C-identifier part of a qualified name
 _MAX_DOMAIN_LENGTH = 63  # DeviceMaxDomainLength = DriverNameMaxLength
-_MAX_ATTRIBUTE_VALUE_LENGTH = 64  # DeviceAttributeMaxValueLength (string and version values)
+MAX_ATTRIBUTE_VALUE_LENGTH = 64  # DeviceAttributeMaxValueLength (string and version values)
 MAX_DNS_SUBDOMAIN = 253  # validation.DNS1123SubdomainMaxLength: object, node and pool names
 _MAX_DNS_LABEL = 63  # validation.DNS1123LabelMaxLength: device names
 _MAX_TAINTS = 16  # DeviceTaintsMaxLength (1.35+)
@@ -53,7 +54,7 @@ _SCALAR_ATTRIBUTE_TYPES = ("int", "bool", "string", "version")
 _LIST_KEYS = frozenset(_LIST_ATTRIBUTE_TYPES)
 # A str of at most this many characters is within the 64-byte limit whatever its encoding
 # (UTF-8 needs at most 4 bytes per character).
-_MAX_ASCII_FAST = _MAX_ATTRIBUTE_VALUE_LENGTH // 4
+_MAX_ASCII_FAST = MAX_ATTRIBUTE_VALUE_LENGTH // 4
 # The node resources a device may map (core helper IsNodeAllocatableResourceName).
 _NODE_ALLOCATABLE_NAMES = frozenset({"cpu", "memory"})
 _HUGEPAGES_PREFIX = "hugepages-"
@@ -176,9 +177,9 @@ def _attribute_errors(path: str, attribute: object) -> tuple[list[str], int]:
         elif element in ("string", "version"):
             if not isinstance(item, str):
                 errors.append(f"{path}.{kind}: {item!r} is not a string")
-            elif len(item.encode()) > _MAX_ATTRIBUTE_VALUE_LENGTH:
+            elif len(item.encode()) > MAX_ATTRIBUTE_VALUE_LENGTH:
                 errors.append(
-                    f"{path}.{kind}: must be no more than {_MAX_ATTRIBUTE_VALUE_LENGTH} bytes"
+                    f"{path}.{kind}: must be no more than {MAX_ATTRIBUTE_VALUE_LENGTH} bytes"
                 )
             elif element == "version" and not _SEMVER_RE.match(item):
                 errors.append(f"{path}.{kind}: {item!r} is not a semantic version")

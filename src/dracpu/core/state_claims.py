@@ -11,6 +11,7 @@ or a pod-resources listing, goes through that one.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from types import MappingProxyType
@@ -29,6 +30,7 @@ from dracpu.core.commands import (
 )
 from dracpu.core.cpuset import EMPTY, CpuSet
 from dracpu.core.device_metadata import check_names, requests_of
+from dracpu.core.devices import CpuDeviceMode, Device, GroupBy
 from dracpu.core.effects import (
     ClaimPrepared,
     ClaimsAdopted,
@@ -51,7 +53,6 @@ from dracpu.core.effects import (
 )
 from dracpu.core.node_config import NodeConfig
 from dracpu.core.reconfigure import reconfigure
-from dracpu.core.slices import Device
 from dracpu.core.state_containers import unsolicited_widening
 from dracpu.core.state_values import NodeState, mutable
 from dracpu.core.topology import Topology
@@ -173,9 +174,11 @@ def _check_result(config: NodeConfig, uid: str, result: DeviceResult) -> Device:
     return device
 
 
-def _outside(config: NodeConfig, device: Device, cpus: CpuSet) -> str:
-    """Why CPUs of an explicit cpuset are not the device's to give (``""``: they all are)."""
-    outside = cpus - (device.cpus & config.allocatable)
+def _outside(config: NodeConfig, cpus: CpuSet, device: Device | None = None) -> str:
+    """Why CPUs of an explicit cpuset are not ``device``'s (``None``: the node's) to give
+    (``""``: they all are)."""
+    group = config.allocatable if device is None else device.cpus & config.allocatable
+    outside = cpus - group
     if not outside:
         return ""
     offline = outside - config.topology.online
@@ -186,17 +189,55 @@ def _outside(config: NodeConfig, device: Device, cpus: CpuSet) -> str:
         for part, why in (
             (offline, "offline or not on this machine"),
             (reserved, "reserved (--reserved-cpus)"),
-            (elsewhere, f"not in device {device.name!r}"),
+            (elsewhere, f"not in device {device.name if device else '?'!r}"),
         )
         if part
     ]
     return "; ".join(reasons)
 
 
+def _one_result_per_request(config: NodeConfig, uid: str, results: Sequence[DeviceResult]) -> None:
+    """``groupBy: machine`` takes one result per request, as upstream 0.3 (its upgrade notes:
+    "exact or firstAvailable device request count to 1")."""
+    if config.mode is not CpuDeviceMode.GROUPED or config.group_by is not GroupBy.MACHINE:
+        return
+    counts = Counter(result.request for result in results)
+    many = sorted(request for request, count in counts.items() if count > 1)
+    if many:
+        raise ClaimError(
+            f"claim {uid} request {many[0]!r} has {counts[many[0]]} devices; with groupBy "
+            "machine every request must have count 1 (ask for the CPUs as capacity instead)"
+        )
+
+
+def _from_request_cpuset(
+    state: NodeState, where: str, result: DeviceResult, wanted: CpuSet, available: CpuSet
+) -> CpuSet:
+    """A result's share of its request's cpuset (``allocator: external``): the lowest
+    ``consumed_cpus`` of it still available on the device (upstream ``External.Allocate``)."""
+    count = result.consumed_cpus
+    assert count is not None  # _check_result
+    outside = _outside(state.config, wanted)
+    if outside:
+        raise ClaimError(f"{where}: cpuset {wanted}: {outside}")
+    candidates = wanted & available
+    if len(candidates) < count:
+        taken = wanted & state.claimed
+        held = f"; cpus {taken} are prepared for claim {_holder(state, taken)}" if taken else ""
+        error = ClaimConflictError if taken else ClaimError
+        raise error(
+            f"{where}: cannot satisfy request: need {count} CPUs from cpuset {wanted} "
+            f"restricted to the device's available cpus {available or 'none'}, only "
+            f"{len(candidates)} candidates{held}"
+        )
+    return candidates.lowest(count)
+
+
 def _pick(state: NodeState, uid: str, results: Sequence[DeviceResult]) -> CpuSet:
     """The CPUs for a new claim: the union over its results (each result with its own policy
     over the node's default)."""
     config = state.config
+    _one_result_per_request(config, uid, results)
     free = config.allocatable - state.claimed
     assignment = EMPTY
     for result in results:
@@ -216,13 +257,15 @@ def _pick(state: NodeState, uid: str, results: Sequence[DeviceResult]) -> CpuSet
             count = result.consumed_cpus
             assert count is not None  # _check_result
             available = (group & free) - assignment
-            if result.cpuset is not None:
+            if result.request_cpuset is not None:
+                cpus = _from_request_cpuset(state, where, result, result.request_cpuset, available)
+            elif result.cpuset is not None:
                 cpus = result.cpuset
                 if len(cpus) != count:
                     raise ClaimError(
                         f"{where}: cpuset {cpus} has {len(cpus)} CPUs, the claim consumes {count}"
                     )
-                outside = _outside(config, device, cpus)
+                outside = _outside(config, cpus, device)
                 if outside:
                     raise ClaimError(f"{where}: cpuset {cpus}: {outside}")
                 if not cpus.isdisjoint(assignment):

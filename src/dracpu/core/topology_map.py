@@ -13,8 +13,9 @@ threads (``0,32`` is the core of cpu0 and its SMT sibling cpu32), cells laid out
 CPUs the kernel links to no NUMA node are shown as their own group (no device publishes them).
 With ``--expose-pcie-roots`` each NUMA node lists the PCIe roots local to it. Offline CPUs have
 no topology; they are listed once after the map. The last part summarises the devices (grouped:
-one line per device; individual: the numbering), what on this node differs from the Go driver's
-slices (``docs/devices.md``), and the ResourceSlices.
+one line per device, with ``dra.cpu/cpuIDs`` and the node's ``dra.cpu/smtLayout`` where the
+devices carry them: ``allocator: external``; individual: the numbering), what on this node
+differs from the Go driver's slices (``docs/devices.md``), and the ResourceSlices.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from dracpu.core.cpuset import CpuSet
+from dracpu.core.external_attributes import ATTR_CPU_IDS, ATTR_SMT_LAYOUT
 from dracpu.core.slices import ATTR_ISOLATED, CAPACITY_CPU, Device, SliceOptions
 from dracpu.core.topology import NO_NUMA_NODE, CoreType, Topology
 
@@ -259,10 +261,17 @@ def _devices_summary(devices: Sequence[Device]) -> Iterator[str]:
     if devices[0].grouped:
         yield f"devices: grouped mode, {_count(len(devices), 'device')}"
         width = max(len(d.name) for d in devices)
+        layouts: set[object] = set()
         for device in devices:
             amount = device.capacity.get(CAPACITY_CPU, 0)
             cpus = device.cpus or "-"
-            yield f"  {device.name.ljust(width)}  {CAPACITY_CPU}={amount}  cpus {cpus}"
+            line = f"  {device.name.ljust(width)}  {CAPACITY_CPU}={amount}  cpus {cpus}"
+            if ATTR_CPU_IDS in device.attributes:
+                line += f"  {ATTR_CPU_IDS}={device.attributes[ATTR_CPU_IDS]}"
+            layouts.add(device.attributes.get(ATTR_SMT_LAYOUT))
+            yield line
+        for layout in sorted(str(v) for v in layouts if v is not None):
+            yield f"  {ATTR_SMT_LAYOUT}={layout} (node-wide, on every device)"
         return
     yield (
         f"devices: individual mode, {_count(len(devices), 'device')} "

@@ -198,6 +198,7 @@ def _upstream_config(config: Config) -> dict[str, Any]:
         "sysfsOverlay": str(config.sysfs_overlay or ""),
         "kubeletRootDir": str(config.kubelet_root_dir),
         "publishNodeAllocatableResourceMapping": config.publish_node_allocatable_resource_mapping,
+        "allocator": config.allocator or "",
     }
     return {key: value for key, value in values.items() if value}
 

@@ -358,6 +358,8 @@ class FakeKubelet:
         self._channels: dict[str, Any] = {}  # driver -> grpc.Channel to its endpoint
         self.pods = KubeletPods()
         self.pod_resources: PodResourcesServer | None = None
+        # What the kubelet did, in order: (time.monotonic(), what), e.g. "registered dra.cpu".
+        self.record: list[tuple[float, str]] = []
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -462,6 +464,8 @@ class FakeKubelet:
                 self._notify(channel, False, str(exc))
                 raise
             self._notify(channel, True, "")
+        with self._lock:
+            self.record.append((time.monotonic(), f"registered {registration.driver}"))
         return registration
 
     def _validate(self, socket_path: Path, info: reg.PluginInfo) -> Registration:

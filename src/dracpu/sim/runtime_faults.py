@@ -113,7 +113,15 @@ class Faults(RuntimeBase):
         sees EOF and must reconnect and register again; the runtime then synchronizes it.
         """
         self._note("restart", f"downtime {downtime} s")
-        await self._stop_all("runtime restart")
-        await anyio.Path(self.socket_path).unlink(missing_ok=True)
+        await self.go_away("runtime restart")
         await anyio.sleep(downtime)
+        await self.come_back()
+
+    async def go_away(self, reason: str = "runtime stopped") -> None:
+        """Stop as a runtime that goes down does: stop listening, hang up, remove the socket."""
+        await self._stop_all(reason)
+        await anyio.Path(self.socket_path).unlink(missing_ok=True)
+
+    async def come_back(self) -> None:
+        """Listen again after :meth:`go_away` (the container table survived)."""
         await self._listen()

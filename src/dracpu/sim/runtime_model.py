@@ -312,6 +312,7 @@ class Call:
     outcome: Outcome
     seconds: float
     connection: int
+    ended: float = 0.0  # time.monotonic() when the call was answered (orders it against peers)
 
 
 @dataclass(frozen=True, slots=True)

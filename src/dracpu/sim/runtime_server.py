@@ -3,6 +3,7 @@ the plugin on mux conn 1 and serves its calls (RegisterPlugin, UpdateContainers)
 
 from __future__ import annotations
 
+import time
 from contextlib import suppress
 
 import anyio
@@ -118,6 +119,7 @@ class NriServer(RuntimeBase):
                 outcome=result.outcome,
                 seconds=anyio.current_time() - started,
                 connection=conn.number,
+                ended=time.monotonic(),
             )
         )
         return result
@@ -467,6 +469,7 @@ class NriServer(RuntimeBase):
                 outcome="error" if error else "ok",
                 seconds=anyio.current_time() - started,
                 connection=conn.number,
+                ended=time.monotonic(),
             )
         )
 
@@ -517,6 +520,7 @@ class NriServer(RuntimeBase):
                 outcome=("closed" if code == CODE_CANCELLED else "error") if code else "ok",
                 seconds=anyio.current_time() - started,
                 connection=conn.number,
+                ended=time.monotonic(),
             )
         )
         await self._reply(conn, stream_id, code=code, text=text)

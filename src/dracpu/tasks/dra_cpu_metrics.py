@@ -1,7 +1,7 @@
 """Upstream's ``dra_cpu_*`` metrics, so that its dashboards and alerts work on dracpu.
 
-kubernetes-sigs/dra-driver-cpu exports eight metrics (``pkg/metrics/metrics.go``, documented in
-``docs/user/metrics.md``, stability ALPHA); :data:`SPECS` has the same names, types, help texts,
+kubernetes-sigs/dra-driver-cpu 0.3 exports nine metrics (``pkg/metrics/metrics.go``, documented
+in ``docs/user/metrics.md``, stability ALPHA); :data:`SPECS` has the same names, types, help texts,
 labels and buckets. They sit on ``/metrics`` next to our own ``dracpu_*`` metrics.
 
 - The four gauges are read from the node state at scrape time (:class:`DraCpuMetrics` is a
@@ -13,7 +13,8 @@ labels and buckets. They sit on ``/metrics`` next to our own ``dracpu_*`` metric
   results by ``result`` (``success``, ``error``; ``unknown`` is exported at 0, as upstream
   initialises all three); the kubelet plugin reports each claim (:meth:`DraCpuMetrics.prepared`,
   :meth:`DraCpuMetrics.unprepared`).
-- ``dra_cpu_prepare_claim_duration_seconds`` observes every per-claim Prepare;
+- ``dra_cpu_prepare_claim_duration_seconds`` observes every per-claim Prepare,
+  ``dra_cpu_unprepare_claim_duration_seconds`` every per-claim Unprepare;
   ``dra_cpu_claim_allocated_cpus`` the CPU count of a claim's first successful Prepare (not
   the kubelet's repeated Prepares of a claim already prepared; again after its Unprepare).
 
@@ -110,6 +111,12 @@ PREPARE_DURATION = MetricSpec(
     "Duration of per-claim prepare operations in seconds.",
     buckets=DEFAULT_BUCKETS,
 )
+UNPREPARE_DURATION = MetricSpec(
+    "dra_cpu_unprepare_claim_duration_seconds",
+    "histogram",
+    "Duration of per-claim unprepare operations in seconds.",
+    buckets=DEFAULT_BUCKETS,
+)
 CLAIM_CPUS = MetricSpec(
     "dra_cpu_claim_allocated_cpus",
     "histogram",
@@ -125,6 +132,7 @@ SPECS: tuple[MetricSpec, ...] = (
     PREPARE_CLAIMS,
     UNPREPARE_CLAIMS,
     PREPARE_DURATION,
+    UNPREPARE_DURATION,
     CLAIM_CPUS,
 )
 
@@ -182,6 +190,7 @@ class DraCpuMetrics:
         self._prepared = dict.fromkeys(_RESULTS, 0)
         self._unprepared = dict.fromkeys(_RESULTS, 0)
         self._duration = _Histogram(PREPARE_DURATION.buckets)
+        self._unprepare_duration = _Histogram(UNPREPARE_DURATION.buckets)
         self._claim_cpus = _Histogram(CLAIM_CPUS.buckets)
         self._counted: set[str] = set()  # claims whose allocation was observed
 
@@ -197,9 +206,10 @@ class DraCpuMetrics:
             self._counted.add(claim_uid)
             self._claim_cpus.observe(float(len(claim.cpus)))
 
-    def unprepared(self, claim_uid: str, ok: bool) -> None:
+    def unprepared(self, claim_uid: str, ok: bool, seconds: float) -> None:
         """One claim of a ``NodeUnprepareResources`` call ended (``ok``: without an error)."""
         self._unprepared[RESULT_SUCCESS if ok else RESULT_ERROR] += 1
+        self._unprepare_duration.observe(seconds)
         if ok:
             self._counted.discard(claim_uid)
 
@@ -224,4 +234,5 @@ class DraCpuMetrics:
                 family.add_metric([result], float(counts[result]))
             yield family
         yield self._duration.family(PREPARE_DURATION)
+        yield self._unprepare_duration.family(UNPREPARE_DURATION)
         yield self._claim_cpus.family(CLAIM_CPUS)

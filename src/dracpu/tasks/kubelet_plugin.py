@@ -193,8 +193,13 @@ class DraService:
         status_patch_delay: float = STATUS_PATCH_DELAY,
         max_pending_status_patches: int = MAX_PENDING_STATUS_PATCHES,
         metrics: DraCpuMetrics | None = None,
+        allocator: str | None = None,
+        runtime_not_ready: Callable[[], str] | None = None,
     ) -> None:
         self._owner = owner
+        self._allocator = allocator  # upstream's allocator key, grouped mode (claim_config)
+        # Why the runtime cannot pin a new claim's containers now ("": it can).
+        self._runtime_not_ready = runtime_not_ready
         self._metrics = metrics  # told each claim's outcome (upstream's dra_cpu_* metrics)
         self._claims = claims
         self._node_name = node_name
@@ -238,8 +243,10 @@ class DraService:
         context = log_context(ref)
         async with self._slots():
             try:
+                self._check_runtime()
                 obj, allocation = await self._read(ref)
-                overrides = claim_overrides(allocation)  # its opaque configs, checked
+                # its opaque configs, checked
+                overrides = claim_overrides(allocation, self._allocator)
                 command = PrepareClaim(
                     claim_uid=ref.uid,
                     namespace=ref.namespace,
@@ -295,6 +302,16 @@ class DraService:
             )
         )
 
+    def _check_runtime(self) -> None:
+        """Refuse a Prepare while the runtime cannot pin its containers (upstream 0.3
+        ``prepareReady``): a container created then would run on every CPU. The kubelet retries
+        a failed Prepare with backoff."""
+        if self._runtime_not_ready is not None and (reason := self._runtime_not_ready()):
+            raise DracpuError(
+                "the container runtime's NRI connection is not synchronized; the kubelet will "
+                f"retry ({reason})"
+            )
+
     async def _read(self, ref: ClaimRef) -> tuple[dict[str, Any], ClaimAllocation]:
         """GET the claim and read our allocation out of it (ClaimError/KubeAPIError if not)."""
         try:
@@ -315,9 +332,10 @@ class DraService:
         return await _each_claim(refs, self._unprepare_measured)
 
     async def _unprepare_measured(self, ref: ClaimRef) -> str:
+        started = time.monotonic()
         error = await self._unprepare_one(ref)
         if self._metrics is not None:
-            self._metrics.unprepared(ref.uid, not error)
+            self._metrics.unprepared(ref.uid, not error, time.monotonic() - started)
         return error
 
     async def _unprepare_one(self, ref: ClaimRef) -> str:
@@ -473,6 +491,8 @@ async def run(
     max_pending_status_patches: int = MAX_PENDING_STATUS_PATCHES,
     status_patch_delay: float = STATUS_PATCH_DELAY,
     metrics: DraCpuMetrics | None = None,
+    allocator: str | None = None,
+    runtime_not_ready: Callable[[], str] | None = None,
     task_status: TaskStatus[DraService] = TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the DRA socket at ``socket_path`` (DRAPlugin v1 and v1beta1, DRAResourceHealth v1
@@ -500,6 +520,8 @@ async def run(
             max_pending_status_patches=max_pending_status_patches,
             status_patch_delay=status_patch_delay,
             metrics=metrics,
+            allocator=allocator,
+            runtime_not_ready=runtime_not_ready,
         )
         streams = HealthStreams(health, node_name)
         plugins: list[Servable] = [

@@ -143,6 +143,7 @@ class _Reply:
 
     payload: bytes
     pins: Sequence[ContainerUpdate] = ()
+    synchronizes: bool = False  # the last part of Synchronize: the connection is synchronized
 
 
 class _Call:
@@ -303,6 +304,8 @@ class NriConnection:
             return
         if await self._write(PLUGIN_SERVICE_CONN, message):
             self._link.written(reply.pins)
+            if reply.synchronizes:
+                self._synchronized.set()  # answered: the runtime has every container's pin
 
     async def _answer_error(self, stream_id: int, code: int, text: str) -> None:
         data = envelopes.response_data(b"", code, text)
@@ -393,7 +396,13 @@ class NriConnection:
         except LocalProtocolError as exc:  # e.g. over the 4 MiB ttrpc limit: never sent
             return everything, f"cannot send it: {exc}"
         if response is None:
-            return everything, f"no answer within {UPDATE_CONTAINERS_TIMEOUT} s"
+            # A runtime that stops answering is closed and reconnected (its Synchronize re-pins
+            # every container); upstream exits instead (pkg/driver/nri_lifecycle.go).
+            reason = (
+                f"the runtime did not answer UpdateContainers within {UPDATE_CONTAINERS_TIMEOUT} s"
+            )
+            self._end(reason)
+            return everything, reason
         if response.status_code != Code.OK:
             # containerd sends the failed list AND an error, and ttrpc then drops the list:
             # any container of the call may have failed (nri pkg/adaptation, updateContainers).
@@ -542,8 +551,7 @@ class NriConnection:
             len(pods),
             len(value.rejected),
         )
-        self._synchronized.set()
-        return _Reply(messages.synchronize_response(pins), pins)
+        return _Reply(messages.synchronize_response(pins), pins, synchronizes=True)
 
     def _event_container(self, call: Call) -> tuple[api.PodSandbox | None, api.Container]:
         pod, container = messages.read_container_event(call.method, call.payload)

@@ -102,6 +102,8 @@ class NriLink:
         # What status() reports; the NRI task keeps these.
         self.connected = False
         self.synchronized = False
+        self._first_sync: anyio.Event | None = None  # created by the first waiter
+        self._synchronized_once = False
         self.runtime: tuple[str, str, str] = ("", "", "")  # name, version, NRI version
         self.unsolicited = False
         self.connections = 0
@@ -126,6 +128,28 @@ class NriLink:
             unsolicited_dropped=self.dropped,
             last_error=self.last_error,
         )
+
+    def mark_synchronized(self) -> None:
+        """A connection's first ``Synchronize`` was answered: the runtime pins what it creates."""
+        self.synchronized = True
+        self.connections += 1
+        self._synchronized_once = True
+        if self._first_sync is not None:
+            self._first_sync.set()
+
+    @property
+    def synchronized_once(self) -> bool:
+        """Whether a runtime has synchronized since the start."""
+        return self._synchronized_once
+
+    async def wait_synchronized_once(self) -> None:
+        """Until a runtime has synchronized since the start (the kubelet is told about us only
+        then: every claim it prepares can be pinned)."""
+        if self._synchronized_once:
+            return
+        if self._first_sync is None:
+            self._first_sync = anyio.Event()
+        await self._first_sync.wait()
 
     def watch(self, committed: CommittedState) -> None:
         """Read the owner's committed state through ``committed``."""

@@ -111,8 +111,7 @@ async def _connections(
     failures = 0
 
     def synchronized() -> None:
-        link.synchronized = True
-        link.connections += 1
+        link.mark_synchronized()
         first_sync.set()
 
     while True:

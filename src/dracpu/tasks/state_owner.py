@@ -119,6 +119,8 @@ from dracpu.adapters.host_cgroups import RECORD_FILE, CgroupState, HostCgroups, 
 from dracpu.adapters.node_files import FILE_EFFECTS, NodeFiles
 from dracpu.adapters.sysfs import read_topology
 from dracpu.config import Config
+from dracpu.core import external_attributes
+from dracpu.core.claim_config import ALLOCATOR_EXTERNAL
 from dracpu.core.commands import AdoptClaims, AdoptedClaim, Command, Resync
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.effects import (
@@ -740,8 +742,13 @@ class StateOwner:
             mode=config.cpu_device_mode,
             group_by=config.group_by,
             pin_memory=config.memory_pinning,
+            external_allocator=config.allocator == ALLOCATOR_EXTERNAL,
             host_cgroups=config.confine_host_cgroups,
         )
+        if node.external_allocator:
+            grouped = [(d.name, d.cpus) for d in node.devices.values() if d.grouped]
+            for reason in external_attributes.left_out(topology, grouped):
+                logger.warning("allocator external: %s", reason)
         logger.info(
             "topology: %d online cpus (%s), %d allocatable, %d devices",
             len(topology.online),
