@@ -366,8 +366,10 @@ async def _orphan(sim: NodeSim, keeper: Any) -> Step:
     _expect(_cpus(container.cpus) == held, f"claim lost's container got cpus {container.cpus}")
     label = _container_label(sim, container.id)
     narrow = {cid: sim.cpus_of(cid) for cid in sim.shared_ids()}
-    await sim.remove_pod(pod)  # ... and the kubelet never calls NodeUnprepareResources
+    # The listings miss the claim from the moment the kubelet drops the pod, at the start of
+    # remove_pod: the grace counts from before the call.
     started = time.monotonic()
+    await sim.remove_pod(pod)  # ... and the kubelet never calls NodeUnprepareResources
     await wait_until(
         "the orphan claim to be released",
         lambda: sim.cdi_cpus(lost.uid) is None,
