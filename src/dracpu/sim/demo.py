@@ -394,22 +394,18 @@ async def _orphan(sim: NodeSim, keeper: Any) -> Step:
         f"daemon: {warning[0].split(':')[0]}",
         f"CDI spec removed; claim {keeper.namespace}/{keeper.name} still prepared",
     ]
-    shared = held - sim.topology.isolated
-    if held & sim.topology.isolated:
-        lines.append(f"cpus {held & sim.topology.isolated} are isolated: free, never shared")
+    shared = _shared_again(sim, held, lines)
 
     def widened() -> bool:
         return all(shared <= _cpus(sim.cpus_of(cid)) for cid in narrow)
 
-    if not shared:
-        pass
-    elif await _unsolicited_updates(sim):
+    if shared and await _unsolicited_updates(sim):
         await wait_until("the shared containers to widen", widened, timeout=WIDEN_TIMEOUT)
         lines += [
             f"{_container_label(sim, cid):<26} cpus {old} -> {sim.cpus_of(cid)}"
             for cid, old in narrow.items()
         ]
-    else:
+    elif shared:
         lines.append(f"cpus {shared} are shared again from the next container event")
     return Step(
         "A pod ends but the kubelet never unprepares its claim: the daemon releases the orphan "
@@ -417,6 +413,15 @@ async def _orphan(sim: NodeSim, keeper: Any) -> Step:
         lines,
         {"claim": lost.uid, "cpus": str(held), "releasedAfter": round(took, 3)},
     )
+
+
+def _shared_again(sim: NodeSim, held: CpuSet, lines: list[str]) -> CpuSet:
+    """The CPUs of a released claim the shared containers get back: not its isolated ones,
+    which are never shared (said in ``lines``)."""
+    isolated = held & sim.topology.isolated
+    if isolated:
+        lines.append(f"cpus {isolated} are isolated: free again, never shared")
+    return held - isolated
 
 
 async def _unsolicited_updates(sim: NodeSim) -> bool:
@@ -436,9 +441,7 @@ async def _unprepare(sim: NodeSim, claim: Any, pod: Any, held: CpuSet) -> Step:
     _expect(sim.cdi_cpus(claim.uid) is None, "the CDI spec is still there after Unprepare")
     sim.deallocate(claim)
     lines = ["CDI spec removed", f"cpus {held} are free again"]
-    shared = held - sim.topology.isolated
-    if held & sim.topology.isolated:
-        lines.append(f"cpus {held & sim.topology.isolated} are isolated: never shared")
+    shared = _shared_again(sim, held, lines)
 
     def widened() -> bool:
         return all(shared <= _cpus(sim.cpus_of(cid)) for cid in narrow)
