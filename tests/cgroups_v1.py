@@ -1,8 +1,9 @@
 """Real cgroup v1 cpusets for the host-cgroup tests: cgroups made under a test parent of this
 machine's ``/sys/fs/cgroup/cpuset``, each with a live ``sleep`` in it, and always removed.
 
-:func:`v1_tree` skips (saying why) when the test cannot run here: not root, no v1 cpuset
-hierarchy (a cgroup v2 node), fewer than 2 CPUs in the root cpuset.
+:func:`v1_tree` skips (saying why: :func:`why_not`) when the test cannot run here: not root, no
+v1 cpuset hierarchy (a cgroup v2 node), fewer than 2 CPUs in the root cpuset.
+``bench/bench_host_cgroups.py`` uses the same trees.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 
 from dracpu.core.cpuset import CpuSet
 
-__all__ = ["CGROUP_ROOT", "V1Tree", "allowed_cpus", "v1_tree"]
+__all__ = ["CGROUP_ROOT", "V1Tree", "allowed_cpus", "v1_tree", "why_not"]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CPUSET = CGROUP_ROOT / "cpuset"
@@ -53,7 +54,8 @@ class V1Tree:
         return allowed_cpus(self.pids[name])
 
 
-def _skip_reason() -> str | None:
+def why_not() -> str | None:
+    """Why real cgroup v1 cpusets cannot be made here (``None``: they can)."""
     if os.geteuid() != 0:
         return "the real cgroup v1 test writes cpusets: it needs root"
     if not (CPUSET / "cpuset.cpus").is_file():
@@ -68,7 +70,7 @@ def v1_tree(children: Sequence[str]) -> Iterator[V1Tree]:
     """A test parent ``dracpu-test-<random>`` under the cpuset hierarchy with the root's CPUs
     and memory nodes, the cgroups ``children`` (paths under it, parents listed first) with the
     same, and a ``sleep`` in each; everything is killed and removed on exit."""
-    reason = _skip_reason()
+    reason = why_not()
     if reason is not None:
         pytest.skip(reason)
     tree = V1Tree(f"dracpu-test-{uuid.uuid4().hex[:8]}")

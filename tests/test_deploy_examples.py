@@ -21,9 +21,9 @@ from dracpu import DRIVER_NAME
 from dracpu.core.allocator import Strategy
 from dracpu.core.claim_config import ClaimOverrides, claim_overrides, parse_parameters
 from dracpu.core.claims import CAPACITY_CPU, read_claim
-from dracpu.core.commands import PrepareClaim
+from dracpu.core.commands import ClaimEnv, Container, CreateContainer, PrepareClaim
 from dracpu.core.cpuset import CpuSet
-from dracpu.core.effects import ClaimPrepared, Reply
+from dracpu.core.effects import ClaimPrepared, ContainerPinned, Effect, Reply, WriteCdiSpec
 from dracpu.core.node_config import NodeConfig
 from dracpu.core.quantity import parse_positive_whole
 from dracpu.core.slices import GroupBy
@@ -140,16 +140,30 @@ def _allocated(path: Path) -> tuple[dict[str, Any], dict[str, Any], str]:
 
 
 def _prepare(path: Path) -> tuple[ClaimOverrides, CpuSet, CpuSet | None]:
-    _, claim, uid = _allocated(path)
-    overrides = claim_overrides(read_claim(claim, uid=uid, pool=NODE))
-    group_by = GroupBy.MACHINE if overrides.results[0].cpuset is not None else GroupBy.NUMANODE
-    node = NodeConfig.build(NODE, TOPOLOGY, group_by=group_by)
-    command = PrepareClaim(uid, "default", "example", overrides.results, overrides.pin_memory)
-    _, effects = apply(NodeState.initial(node), command)
+    overrides, _, effects = _prepared(path)
     reply = effects[-1]
     assert isinstance(reply, Reply)
     assert isinstance(reply.value, ClaimPrepared), reply.value
     return overrides, reply.value.cpus, reply.value.mems
+
+
+def _prepared(path: Path) -> tuple[ClaimOverrides, NodeState, list[Effect]]:
+    """The example's claim prepared by the state machine: its overrides, the new state, the
+    effects."""
+    _, claim, uid = _allocated(path)
+    overrides = claim_overrides(read_claim(claim, uid=uid, pool=NODE))
+    group_by = GroupBy.MACHINE if overrides.results[0].cpuset is not None else GroupBy.NUMANODE
+    node = NodeConfig.build(NODE, TOPOLOGY, group_by=group_by)
+    command = PrepareClaim(
+        uid,
+        "default",
+        "example",
+        overrides.results,
+        overrides.pin_memory,
+        shared_pool=overrides.shared_pool,
+    )
+    state, effects = apply(NodeState.initial(node), command)
+    return overrides, state, effects
 
 
 def _cores(cpus: CpuSet) -> int:
@@ -195,3 +209,24 @@ def test_the_machine_mode_cpuset_is_what_the_claim_gets() -> None:
     assert cpus == overrides.results[0].cpuset == CpuSet.parse("4-7")
     assert len(cpus) == size
     assert pod["spec"]["resourceClaims"][0]["resourceClaimName"] == "cpus-4-7"
+
+
+def test_shared_pool_gives_the_claims_cpus_and_the_pool() -> None:
+    overrides, state, effects = _prepared(EXAMPLES / "shared-pool.yaml")
+    assert overrides.shared_pool is True
+    ((uid, claim),) = state.claims.items()
+    assert claim.shared_pool
+    assert len(claim.cpus) == 2
+    spec = effects[0]
+    assert spec == WriteCdiSpec(uid, claim.cpus, shared_pool=True)
+    # its container: the claim's CPUs plus the shared pool (every other CPU of the node)
+    env = (ClaimEnv(uid, claim.cpus),)
+    _, effects = apply(state, CreateContainer(Container("c", "pod", name="app", claims=env)))
+    reply = effects[-1]
+    assert isinstance(reply, Reply)
+    assert isinstance(reply.value, ContainerPinned)
+    assert reply.value.pin.cpus == TOPOLOGY.online
+    # the pod asks the node for the claim's CPUs, and its CPU limit leaves room for the pool
+    pod, _, _ = _allocated(EXAMPLES / "shared-pool.yaml")
+    (container,) = pod["spec"]["containers"]
+    assert int(container["resources"]["limits"]["cpu"]) > len(claim.cpus)

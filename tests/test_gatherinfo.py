@@ -18,6 +18,7 @@ from types import MappingProxyType
 import pytest
 import yaml
 
+from dracpu.adapters.cdi_files import write_spec
 from dracpu.adapters.host_cgroups import CgroupState
 from dracpu.core.checkpoint_schema import CheckpointData, PreparedClaim, encode
 from dracpu.core.commands import Container
@@ -145,6 +146,7 @@ def test_the_report_has_upstreams_shape_and_ours(node: DriverProcess) -> None:
             "podUids": ["pod-a", "pod-b"],  # the pods the claim is reserved for
             "podNames": [],
             "copierPods": [],
+            "sharedPool": False,
         }
     ]
     assert ours["cdiSpecs"] == {}
@@ -167,6 +169,16 @@ def test_what_the_confined_host_cgroups_held_is_in_the_report(
     found = {"version": 1, "hierarchy": "v2", "found": {"system.slice": ""}}
     (tmp_path / "state" / "host-cgroups.json").write_text(json.dumps(found))
     assert report(node)["dracpu"]["hostCgroupsFound"] == found
+
+
+def test_the_cdi_specs_say_which_claims_share_the_pool(node: DriverProcess, tmp_path: Path) -> None:
+    plain, shared = "11111111-2222-3333-4444-555555555555", "11111111-2222-3333-4444-666666666666"
+    write_spec(tmp_path / "cdi", plain, CpuSet.parse("4-7"))
+    write_spec(tmp_path / "cdi", shared, CpuSet.parse("8-9"), shared_pool=True)
+    assert report(node)["dracpu"]["cdiSpecs"] == {
+        plain: "4-7",
+        shared: "8-9 and the shared pool",
+    }
 
 
 def test_no_driver_process_is_an_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -276,6 +288,7 @@ def test_the_debug_dump_lists_claims_containers_and_the_pins_last_sent() -> None
             "podUids": ["p2"],
             "podNames": [],
             "copierPods": [],
+            "sharedPool": False,
         }
     ]
     containers = {c["id"]: c for c in dump["containers"]}  # type: ignore[attr-defined]

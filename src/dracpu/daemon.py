@@ -13,7 +13,8 @@ tasks, in this order:
    task that changes node state;
 3. ``http``: ``/healthz``, ``/readyz``, ``/metrics`` (ours and upstream's ``dra_cpu_*``);
    ``debug-dump``: writes ``<state-dir>/debug-dump.json`` at each SIGUSR1 (``gatherinfo``);
-4. ``cdi-watcher``: puts back CDI specs someone deleted or edited, removes orphans;
+4. ``cdi-watcher``: notices CDI specs and device metadata someone deleted or edited, and files
+   of ours no claim owns, and asks the state owner to put them right;
 5. ``device-health``: reads the online CPUs every second, for the devices' health;
 6. ``kubelet-plugin``: the DRA socket (Prepare / Unprepare, the devices' health); Prepare is
    refused, claim by claim, while no runtime is synchronized on NRI (a container created then
@@ -44,12 +45,12 @@ not ready through its :class:`~dracpu.tasks.http.ReadinessFlag`. Six flags are n
 not ready when it refuses it (and says what registration waits for: the runtime's first
 ``Synchronize``, a registration dir that cannot be written); ``dra-socket`` is ready while the
 DRA socket serves (a kubelet plugins dir that cannot be written is waited out, saying why, like
-the CDI and state dirs); ``cdi-dir`` is ready while specs can be written into the CDI dir
-(the CDI watcher waits out a read-only, full or missing dir, saying why); ``state-dir`` while
-the checkpoint can be written (the state owner waits the same out); ``slices`` while the node's
-ResourceSlices are published (the slice publisher retries what fails); ``host-cgroups``, there
-once a host cgroup is listed (``--confine-host-cgroups``), while every listed one is confined (the
-state owner tries again the ones that are not, and ``/readyz`` names what each is confined to).
+the CDI and state dirs); ``cdi-dir`` is ready while specs can be written into the CDI dir,
+``state-dir`` while the checkpoint can be written (the state owner, which writes both, waits out
+a read-only, full or missing dir, saying why); ``slices`` while the node's ResourceSlices are
+published (the slice publisher retries what fails); ``host-cgroups``, there once a host cgroup
+is listed (``--confine-host-cgroups``), while every listed one is confined (the state owner tries
+again the ones that are not, and ``/readyz`` names what each is confined to).
 
 Stopping (SIGTERM/SIGINT, or a task failure): ``/readyz`` turns 503, then the tasks are
 cancelled one by one in REVERSE start order, each awaited, so the request sources stop before
@@ -143,7 +144,7 @@ STOP_TIMEOUT = 4.5
 
 # The readiness flag that follows the kubelet's registration verdict (not a task's flag).
 KUBELET_REGISTRATION = "kubelet-registration"
-# The readiness flag that says whether CDI specs can be written (the CDI watcher's verdict).
+# The readiness flag that says whether CDI specs can be written (the state owner's verdict).
 CDI_DIR = "cdi-dir"
 # The readiness flag that says whether the node's ResourceSlices are published (the slice
 # publisher's verdict).
@@ -152,7 +153,8 @@ SLICES = "slices"
 STATE_DIR = "state-dir"
 # The readiness flag that says whether the DRA socket serves (its directory may not be writable).
 DRA_SOCKET = "dra-socket"
-# The retries of a kubelet socket whose directory cannot be written: as the CDI watcher's.
+# The retries of a kubelet socket whose directory cannot be written: as those of the CDI and
+# state dirs (tasks/state_owner).
 SOCKET_RETRY_INITIAL = 0.25
 SOCKET_RETRY_CAP = 2.0
 # How often the reason registration waits for the runtime is refreshed on /readyz.
@@ -433,6 +435,7 @@ class _Node:
             republish=self.republish_send,
             container_updates=self.link.submit,
             state_dir=readiness.flag(STATE_DIR, reason="the checkpoint has not been written yet"),
+            cdi_dir=readiness.flag(CDI_DIR, reason="the CDI dir has not been tried yet"),
             host_cgroups=partial(readiness.flag, HOST_CGROUPS),
         )
         self.metrics = DraCpuMetrics(self.node_state)
@@ -462,10 +465,15 @@ class _Node:
         )
 
     async def run_cdi_watcher(self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
-        health = self.readiness.flag(CDI_DIR, reason="the CDI dir has not been tried yet")
-        await cdi_watcher.run(
-            self.config.cdi_dir, self.owner.desired_specs, health=health, task_status=task_status
-        )
+        config = self.config
+        async with self.send.clone() as send:
+            await cdi_watcher.run(
+                config.cdi_dir,
+                config.device_metadata_dir,
+                lambda: self.owner.state,
+                partial(state_owner.request, send),
+                task_status=task_status,
+            )
 
     def runtime_not_ready(self) -> str:
         """Why the runtime cannot pin a new claim's containers now (``""``: it can)."""

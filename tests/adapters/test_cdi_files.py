@@ -1,35 +1,36 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from dracpu.adapters.cdi_files import (
-    MAX_SPEC_BYTES,
-    check_not_full,
     check_writable,
     delete_spec,
-    dir_identity,
     ensure_dir,
     is_our_probe_file,
-    is_our_temp_file,
-    list_our_specs,
     probe_file_name,
-    read_spec,
-    read_spec_bytes,
-    remove_our_file,
-    scan_dir,
+    prune,
     spec_path,
     temp_file_name,
-    touch_probe,
     write_spec,
 )
-from dracpu.core.cdi_spec import parse_spec, spec_bytes, spec_file_name
+from dracpu.adapters.file_scan import (
+    MAX_FILE_BYTES,
+    check_not_full,
+    dir_identity,
+    is_leftover,
+    list_our_specs,
+    read_ours,
+    read_spec,
+    scan,
+)
+from dracpu.core.cdi_spec import ClaimSpec, parse_spec, spec_bytes, spec_file_name
 from dracpu.core.cpuset import CpuSet
 from dracpu.errors import CdiError
 from tests.mounts import read_only_bind
@@ -77,13 +78,14 @@ def test_temp_and_probe_names() -> None:
     temp = temp_file_name(UID)
     assert temp.startswith(f".dra.k8s.io-cpu_claim-{UID}.json.tmp-")
     assert not temp.endswith((".json", ".yaml"))
-    assert is_our_temp_file(temp)
+    assert is_leftover(temp)
     assert temp != temp_file_name(UID)
-    assert not is_our_temp_file(spec_file_name(UID))
-    assert not is_our_temp_file(".nvidia.json.tmp-0123abcd")
-    assert not is_our_temp_file(f".dra.k8s.io-cpu_claim-{UID}.json.tmp-")
+    assert not is_leftover(spec_file_name(UID))
+    assert not is_leftover(".nvidia.json.tmp-0123abcd")
+    assert not is_leftover(f".dra.k8s.io-cpu_claim-{UID}.json.tmp-")
     probe = probe_file_name()
     assert is_our_probe_file(probe)
+    assert is_leftover(probe)
     assert not probe.endswith((".json", ".yaml"))
     assert not is_our_probe_file("dracpu-cdi-probe-1-0123abcd")
     assert spec_path("/var/run/cdi", UID) == Path(f"/var/run/cdi/dra.k8s.io-cpu_claim-{UID}.json")
@@ -94,8 +96,8 @@ def test_temp_and_probe_names() -> None:
 
 def test_write_spec_creates_dir_and_file(tmp_path: Path, umask_077: None) -> None:
     cdi = tmp_path / "var" / "run" / "cdi"
-    path = write_spec(cdi, UID, CPUS)
-    assert path == cdi / f"dra.k8s.io-cpu_claim-{UID}.json"
+    assert write_spec(cdi, UID, CPUS) is True
+    path = cdi / f"dra.k8s.io-cpu_claim-{UID}.json"
     assert path.read_bytes() == spec_bytes(UID, CPUS)
     # Readable by the runtime and node tools whatever the daemon's umask.
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
@@ -105,9 +107,17 @@ def test_write_spec_creates_dir_and_file(tmp_path: Path, umask_077: None) -> Non
 
 def test_write_spec_replaces_an_existing_spec(tmp_path: Path) -> None:
     write_spec(tmp_path, UID, CpuSet.parse("0-7"))
-    write_spec(tmp_path, UID, CPUS)
+    assert write_spec(tmp_path, UID, CPUS) is True
     assert read_spec(tmp_path, UID) == CPUS
     assert os.listdir(tmp_path) == [spec_file_name(UID)]
+
+
+def test_a_spec_that_holds_the_bytes_already_is_left_alone(tmp_path: Path) -> None:
+    # No rename: the runtimes' CDI watches see nothing and rescan nothing.
+    write_spec(tmp_path, UID, CPUS)
+    inode = (tmp_path / spec_file_name(UID)).stat().st_ino
+    assert write_spec(tmp_path, UID, CPUS) is False
+    assert (tmp_path / spec_file_name(UID)).stat().st_ino == inode
 
 
 def test_no_json_file_appears_before_the_rename(
@@ -125,7 +135,7 @@ def test_no_json_file_appears_before_the_rename(
     monkeypatch.undo()
     [before_rename] = seen
     (temp,) = before_rename
-    assert is_our_temp_file(temp)
+    assert is_leftover(temp)
     assert temp.startswith(".")
     assert not temp.endswith((".json", ".yaml"))  # runtimes read only those
     assert os.listdir(tmp_path) == [spec_file_name(UID)]
@@ -228,41 +238,27 @@ def test_delete_of_a_directory_named_like_ours_is_an_error(tmp_path: Path) -> No
         delete_spec(tmp_path, UID)
 
 
-def test_remove_our_file_refuses_other_names(tmp_path: Path) -> None:
-    _write_vendor_files(tmp_path)
-    for name in VENDOR_FILES:
-        with pytest.raises(CdiError, match="refusing to remove"):
-            remove_our_file(tmp_path, name)
-    with pytest.raises(CdiError, match="refusing to remove"):
-        remove_our_file(tmp_path, f"../{spec_file_name(UID)}")
-    assert sorted(os.listdir(tmp_path)) == sorted(VENDOR_FILES)
+def test_prune_removes_orphans_and_leftovers_only(tmp_path: Path) -> None:
+    vendor = _write_vendor_files(tmp_path)
+    write_spec(tmp_path, UID, CPUS)
+    write_spec(tmp_path, OTHER, CPUS)
     temp = temp_file_name(UID)
     (tmp_path / temp).write_bytes(b"partial")
-    assert remove_our_file(tmp_path, temp) is True
-    assert remove_our_file(tmp_path, temp) is False
-
-
-def test_touch_probe(tmp_path: Path) -> None:
     probe = probe_file_name()
-    touch_probe(tmp_path, probe)
-    touch_probe(tmp_path, probe)
-    assert (tmp_path / probe).exists()
-    with pytest.raises(CdiError, match="refusing to write"):
-        touch_probe(tmp_path, "dra.cpu.json")
-    with pytest.raises(CdiError) as info:
-        touch_probe(tmp_path / "missing", probe)
-    assert str(info.value) == (
-        f"cannot create files in CDI dir {str(tmp_path / 'missing')!r}: No such file or directory"
-    )
+    (tmp_path / probe).write_bytes(b"x")
+    assert prune(tmp_path, frozenset({UID})) == sorted([spec_file_name(OTHER), temp, probe])
+    assert sorted(os.listdir(tmp_path)) == sorted([*VENDOR_FILES, spec_file_name(UID)])
+    assert _vendor_state(tmp_path) == vendor
+    assert prune(tmp_path / "missing", frozenset()) == []
 
 
 def test_check_writable_creates_the_dir_and_leaves_nothing(tmp_path: Path) -> None:
     cdi = tmp_path / "var" / "run" / "cdi"
-    check_writable(cdi, probe_file_name())
+    check_writable(cdi)
     assert os.listdir(cdi) == []
     (tmp_path / "file").write_bytes(b"")
     with pytest.raises(CdiError, match="exists and is not a directory"):
-        check_writable(tmp_path / "file", probe_file_name())
+        check_writable(tmp_path / "file")
 
 
 def _statvfs(
@@ -311,7 +307,7 @@ def test_a_real_read_only_dir(tmp_path: Path) -> None:
             delete_spec(tmp_path, OTHER)
         # Writing what the spec holds already is none either (the rollback of that delete);
         # other content is.
-        assert write_spec(tmp_path, OTHER, CPUS) == tmp_path / spec_file_name(OTHER)
+        assert write_spec(tmp_path, OTHER, CPUS) is False
         with pytest.raises(CdiError, match=r"cannot write CDI spec .*: Read-only file system"):
             write_spec(tmp_path, OTHER, CpuSet.parse("7"))
         with pytest.raises(CdiError, match=r"cannot write CDI spec .*: Read-only file system"):
@@ -319,7 +315,7 @@ def test_a_real_read_only_dir(tmp_path: Path) -> None:
         with pytest.raises(CdiError, match="is on a read-only file system"):
             check_not_full(tmp_path)
         with pytest.raises(CdiError, match="Read-only file system"):
-            check_writable(tmp_path, probe_file_name())
+            check_writable(tmp_path)
     assert read_spec(tmp_path, OTHER) == CPUS
     with pytest.raises(CdiError, match="cannot check CDI dir"):
         check_not_full(tmp_path / "missing")
@@ -345,13 +341,13 @@ def test_check_writable_and_write_spec_on_a_full_or_read_only_dir(
     expected = f"cannot create files in CDI dir {str(cdi)!r}: No space left on device"
     monkeypatch.setattr(os, "write", no_blocks)  # a free inode, no free block
     with pytest.raises(CdiError) as info:
-        check_writable(cdi, probe_file_name())
+        check_writable(cdi)
     assert str(info.value) == expected
     assert os.listdir(cdi) == []  # the probe file it could create is gone again
     monkeypatch.undo()
     monkeypatch.setattr(os, "open", full)
     with pytest.raises(CdiError) as info:
-        check_writable(cdi, probe_file_name())
+        check_writable(cdi)
     assert str(info.value) == expected
     with pytest.raises(CdiError) as info:
         write_spec(cdi, UID, CPUS)
@@ -372,7 +368,7 @@ def test_read_spec(tmp_path: Path) -> None:
     assert read_spec(tmp_path / "missing-dir", UID) is None
     write_spec(tmp_path, UID, CPUS)
     assert read_spec(tmp_path, UID) == CPUS
-    assert read_spec_bytes(tmp_path, UID) == spec_bytes(UID, CPUS)
+    assert read_ours(tmp_path / spec_file_name(UID)) == spec_bytes(UID, CPUS)
 
 
 def test_read_spec_of_a_malformed_file_names_it(tmp_path: Path) -> None:
@@ -407,7 +403,7 @@ def test_read_spec_does_not_block_on_a_fifo(tmp_path: Path) -> None:
 
 
 def test_read_spec_refuses_huge_files(tmp_path: Path) -> None:
-    (tmp_path / spec_file_name(UID)).write_bytes(b" " * (MAX_SPEC_BYTES + 1))
+    (tmp_path / spec_file_name(UID)).write_bytes(b" " * (MAX_FILE_BYTES + 1))
     with pytest.raises(CdiError, match="too large"):
         read_spec(tmp_path, UID)
 
@@ -422,11 +418,22 @@ def test_list_our_specs_sees_only_our_files(tmp_path: Path) -> None:
     (tmp_path / temp_file_name(UID)).write_bytes(b"partial")
     found = list_our_specs(tmp_path)
     assert set(found) == {UID, OTHER}
-    assert found[UID] == CPUS
+    assert found[UID] == ClaimSpec(CPUS)
     assert isinstance(found[OTHER], CdiError)
     assert spec_file_name(OTHER) in str(found[OTHER])
     assert list_our_specs(tmp_path / "missing") == {}
     assert _vendor_state(tmp_path) == vendor
+
+
+def test_a_shared_pool_claims_spec_is_written_and_read_back(tmp_path: Path) -> None:
+    write_spec(tmp_path, UID, CPUS, shared_pool=True)
+    assert list_our_specs(tmp_path) == {UID: ClaimSpec(CPUS, shared_pool=True)}
+    assert read_spec(tmp_path, UID) == CPUS
+    env = json.loads((tmp_path / spec_file_name(UID)).read_text())["devices"][0]
+    assert env["containerEdits"]["env"] == [
+        f"DRA_CPUSET_{UID}={CPUS}",
+        f"DRA_SHARED_POOL_{UID}=true",
+    ]
 
 
 def test_list_of_a_file_instead_of_a_dir(tmp_path: Path) -> None:
@@ -436,32 +443,22 @@ def test_list_of_a_file_instead_of_a_dir(tmp_path: Path) -> None:
         list_our_specs(not_a_dir)
 
 
-def test_scan_dir_reports_contents_errors_and_leftovers(tmp_path: Path) -> None:
+def test_scan_reports_contents_errors_and_leftovers(tmp_path: Path) -> None:
     _write_vendor_files(tmp_path)
     write_spec(tmp_path, UID, CPUS)
     os.mkfifo(tmp_path / spec_file_name(OTHER))
-    old_temp = temp_file_name(UID)
-    (tmp_path / old_temp).write_bytes(b"partial")
-    an_hour_ago = time.time() - 3600
-    os.utime(tmp_path / old_temp, (an_hour_ago, an_hour_ago))
-    probe = probe_file_name()
-    touch_probe(tmp_path, probe)
-    scan = scan_dir(tmp_path)
-    assert scan.specs[UID] == spec_bytes(UID, CPUS)
-    assert parse_spec(scan.specs[UID]) == (UID, CPUS)  # type: ignore[arg-type]
-    assert isinstance(scan.specs[OTHER], CdiError)
-    assert set(scan.ages) == {UID, OTHER}
-    assert scan.ages[UID] < 60
-    assert set(scan.leftovers) == {old_temp, probe}
-    assert scan.leftovers[old_temp] > 3500
-    assert scan.leftovers[probe] < 60
-    # only=: reads just those claims, skips names no file of ours can have, lists nothing else.
-    only = scan_dir(tmp_path, only={UID, "not-a-uid"})
+    found = scan(tmp_path)
+    assert found.specs[UID] == spec_bytes(UID, CPUS)
+    assert parse_spec(spec_bytes(UID, CPUS)) == (UID, CPUS)
+    assert isinstance(found.specs[OTHER], CdiError)
+    assert found.leftovers is False
+    (tmp_path / temp_file_name(UID)).write_bytes(b"partial")
+    assert scan(tmp_path).leftovers is True
+    # only=: reads just those claims, skips names no file of ours can have, no leftovers.
+    only = scan(tmp_path, only={UID, "not-a-uid"})
     assert only.specs == {UID: spec_bytes(UID, CPUS)}
-    assert only.leftovers == {}
-    os.utime(tmp_path / spec_file_name(UID), (an_hour_ago, an_hour_ago))
-    assert scan_dir(tmp_path, only={UID}).ages[UID] > 3500
-    assert scan_dir(tmp_path, only={"0b7e3a52-4c1f-4d7e-9a31-000000000000"}).specs == {}
+    assert only.leftovers is False
+    assert scan(tmp_path, only={"0b7e3a52-4c1f-4d7e-9a31-000000000000"}).specs == {}
 
 
 def test_dir_identity(tmp_path: Path) -> None:

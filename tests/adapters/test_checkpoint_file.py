@@ -84,6 +84,7 @@ def version_1(claims: CheckpointData) -> bytes:
     for claim in doc["claims"].values():
         del claim["podClaimName"], claim["podUids"]  # version 3
         del claim["podNames"], claim["copierPods"]  # version 4
+        del claim["sharedPool"]  # version 5
     canonical = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     doc["checksum"] = "sha256:" + hashlib.sha256(canonical).hexdigest()
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode() + b"\n"

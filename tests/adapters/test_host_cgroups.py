@@ -192,29 +192,28 @@ def test_nothing_is_written_before_what_it_holds_is_recorded(tmp_path: Path) -> 
     assert cgroups.status() == (CgroupState("kubelet.slice", cpus("1")),)
 
 
-def test_a_record_that_cannot_be_read_is_moved_aside(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(
+    ("found", "said", "aside"),
+    [
+        (
+            '{"version": 1, "hierarchy": "v2", "found": {"kubelet.slice": "x"}}',
+            "cannot be read",
+            True,
+        ),
+        ('{"version": 1, "hierarchy": "v1", "found": {"kubelet.slice": "0"}}', "is dropped", False),
+    ],
+    ids=["unreadable", "another hierarchy"],
+)
+def test_a_record_of_no_use_is_put_aside_and_what_the_cgroup_holds_is_recorded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, found: str, said: str, aside: bool
 ) -> None:
     root = v2_node(tmp_path)
-    found = tmp_path / "host-cgroups.json"
-    found.write_text('{"version": 1, "hierarchy": "v2", "found": {"kubelet.slice": "x"}}')
-    cgroups = HostCgroups(root, found)
-    cgroups.confine(("kubelet.slice",), cpus("1"))
-    assert (tmp_path / "host-cgroups.json.corrupt").exists()
-    assert any("cannot be read" in r.getMessage() for r in caplog.records)
-    assert record(found)["found"] == {"kubelet.slice": "0-5"}
-
-
-def test_a_record_of_another_hierarchy_is_dropped(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    root = v2_node(tmp_path)
-    found = tmp_path / "host-cgroups.json"
-    found.write_text('{"version": 1, "hierarchy": "v1", "found": {"kubelet.slice": "0"}}')
-    cgroups = HostCgroups(root, found)
-    cgroups.confine(("kubelet.slice",), cpus("1"))
-    assert record(found)["found"] == {"kubelet.slice": "0-5"}
-    assert any("the record is dropped" in r.getMessage() for r in caplog.records)
+    path = tmp_path / "host-cgroups.json"
+    path.write_text(found)
+    HostCgroups(root, path).confine(("kubelet.slice",), cpus("1"))
+    assert (tmp_path / "host-cgroups.json.corrupt").exists() is aside
+    assert any(said in r.getMessage() for r in caplog.records)
+    assert record(path)["found"] == {"kubelet.slice": "0-5"}
 
 
 def test_no_cgroup_fs(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import copy
 import json
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +13,7 @@ from dracpu.core.cdi_spec import (
     CDI_KIND,
     CDI_VERSION,
     ENV_PREFIX,
-    ReconcilePlan,
+    ClaimSpec,
     build_spec,
     check_claim_uid,
     claim_uid_from_file_name,
@@ -25,9 +24,9 @@ from dracpu.core.cdi_spec import (
     is_our_spec_file,
     is_valid_claim_uid,
     minimum_required_version,
+    parse_claim_spec,
     parse_env,
     parse_spec,
-    plan_reconcile,
     spec_bytes,
     spec_file_name,
     validate_spec,
@@ -145,6 +144,21 @@ def test_build_spec_structure_and_key_order() -> None:
     # Go struct order of specs-go/config.go.
     assert list(spec) == ["cdiVersion", "kind", "devices"]
     assert list(spec["devices"][0]) == ["name", "containerEdits"]
+
+
+def test_a_shared_pool_claims_spec_names_the_pool_after_its_cpus() -> None:
+    spec = build_spec(UID, CpuSet.parse("4-5"), shared_pool=True)
+    assert spec["devices"][0]["containerEdits"] == {
+        "env": [f"DRA_CPUSET_{UID}=4-5", f"DRA_SHARED_POOL_{UID}=true"]
+    }
+    data = spec_bytes(UID, CpuSet.parse("4-5"), shared_pool=True)
+    assert parse_claim_spec(data) == (UID, ClaimSpec(CpuSet.parse("4-5"), shared_pool=True))
+    assert parse_spec(data) == (UID, CpuSet.parse("4-5"))
+    assert parse_claim_spec(EXPECTED) == (UID, ClaimSpec(CPUS))
+    assert validate_spec(json.loads(data), newest_known="0.5.0") == []
+    # the marker is no claim to an env reader of DRA_CPUSET_ (ours, upstream's)
+    env = spec["devices"][0]["containerEdits"]["env"]
+    assert parse_env(env) == {UID: CpuSet.parse("4-5")}
 
 
 def test_empty_cpuset_is_refused() -> None:
@@ -393,9 +407,22 @@ PARSE_ERRORS: list[tuple[str, bytes, str]] = [
      "is not claim-<claim UID>"),
     ("env missing", _spec_with(_set(EDITS, {"mounts": [{"hostPath": "/a",
                                                          "containerPath": "/b"}]})),
-     "exactly one env entry"),
-    ("two env entries", _spec_with(_set((*EDITS, "env"), [f"DRA_CPUSET_{UID}=1", "A=1"])),
-     "exactly one env entry"),
+     f"containerEdits must be the env entry DRA_CPUSET_{UID}, maybe followed by "
+     f"DRA_SHARED_POOL_{UID}"),
+    ("another second env entry", _spec_with(_set((*EDITS, "env"), [f"DRA_CPUSET_{UID}=1", "A=1"])),
+     f"is not DRA_SHARED_POOL_{UID}=true"),
+    ("shared pool not true", _spec_with(_set((*EDITS, "env"), [f"DRA_CPUSET_{UID}=1",
+                                                              f"DRA_SHARED_POOL_{UID}=1"])),
+     f"is not DRA_SHARED_POOL_{UID}=true"),
+    ("shared pool of another claim", _spec_with(_set((*EDITS, "env"), [
+        f"DRA_CPUSET_{UID}=1", f"DRA_SHARED_POOL_{OTHER}=true"])),
+     f"is not DRA_SHARED_POOL_{UID}=true"),
+    ("shared pool first", _spec_with(_set((*EDITS, "env"), [f"DRA_SHARED_POOL_{UID}=true",
+                                                           f"DRA_CPUSET_{UID}=1"])),
+     f"is not DRA_CPUSET_{UID}"),
+    ("three env entries", _spec_with(_set((*EDITS, "env"), [
+        f"DRA_CPUSET_{UID}=1", f"DRA_SHARED_POOL_{UID}=true", "A=1"])),
+     "maybe followed by"),
     ("env of another claim", _spec_with(_set((*EDITS, "env"), [f"DRA_CPUSET_{OTHER}=1"])),
      f"is not DRA_CPUSET_{UID}"),
     ("env of another name", _spec_with(_set((*EDITS, "env"), ["CPUSET=1"])), "is not DRA_CPUSET_"),
@@ -477,41 +504,6 @@ def test_parse_env_rejects_non_strings() -> None:
         parse_env([b"DRA_CPUSET_x=1"])  # type: ignore[list-item]
 
 
-# --- plan_reconcile ------------------------------------------------------------------------------
-
-
-def test_plan_reconcile() -> None:
-    a, b, c, d = (str(uuid.UUID(int=i)) for i in range(1, 5))
-    desired = {a: CpuSet.parse("1"), b: CpuSet.parse("2"), c: CpuSet.parse("3")}
-    existing: dict[str, bytes | None] = {
-        a: spec_bytes(a, CpuSet.parse("1")),  # correct
-        b: spec_bytes(b, CpuSet.parse("7")),  # edited
-        d: b"garbage",  # orphan
-    }
-    plan = plan_reconcile(existing, desired)
-    assert plan == ReconcilePlan(
-        create=((c, CpuSet.parse("3")),), repair=((b, CpuSet.parse("2")),), remove=(d,)
-    )
-    assert plan
-    assert not plan_reconcile({a: spec_bytes(a, CpuSet.parse("1"))}, {a: CpuSet.parse("1")})
-    # Unreadable (None) counts as wrong.
-    assert plan_reconcile({a: None}, {a: CpuSet.parse("1")}).repair == ((a, CpuSet.parse("1")),)
-    # only= restricts the plan to the named claims.
-    assert plan_reconcile(existing, desired, only={b}) == ReconcilePlan(
-        repair=((b, CpuSet.parse("2")),)
-    )
-    assert plan_reconcile(existing, desired, only={d}) == ReconcilePlan(remove=(d,))
-    assert not plan_reconcile(existing, desired, only={a})
-
-
-def test_plan_reconcile_reports_claims_that_cannot_have_a_spec() -> None:
-    a = str(uuid.UUID(int=1))
-    plan = plan_reconcile({}, {a: CpuSet(), "bad/uid": CpuSet.parse("1")})
-    assert not plan
-    assert [uid for uid, _ in plan.invalid] == [a, "bad/uid"]
-    assert "empty cpuset" in dict(plan.invalid)[a]
-
-
 # --- properties --------------------------------------------------------------------------------
 
 uids = st.uuids().map(str) | st.uuids().map(lambda u: str(u).upper())
@@ -519,10 +511,12 @@ cpusets = st.sets(st.integers(0, 2047), min_size=1, max_size=64).map(CpuSet)
 
 
 @settings(max_examples=150, deadline=None)
-@given(uid=uids, cpus=cpusets)
-def test_every_spec_round_trips_and_is_valid_for_old_runtimes(uid: str, cpus: CpuSet) -> None:
-    data = spec_bytes(uid, cpus)
-    assert parse_spec(data) == (uid, cpus)
+@given(uid=uids, cpus=cpusets, shared_pool=st.booleans())
+def test_every_spec_round_trips_and_is_valid_for_old_runtimes(
+    uid: str, cpus: CpuSet, shared_pool: bool
+) -> None:
+    data = spec_bytes(uid, cpus, shared_pool)
+    assert parse_claim_spec(data) == (uid, ClaimSpec(cpus, shared_pool))
     assert validate_spec(json.loads(data), newest_known="0.5.0") == []
     assert parse_env(["A=1", env_entry(uid, cpus)]) == {uid: cpus}
     assert claim_uid_from_file_name(spec_file_name(uid)) == uid

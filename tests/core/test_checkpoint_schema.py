@@ -45,6 +45,7 @@ def sample() -> CheckpointData:
                     frozenset({POD_2, POD_1}),
                     pod_names=frozenset({"web-1", "web-0"}),
                     copiers=frozenset({POD_3}),
+                    shared_pool=True,
                 ),
                 UID_B: PreparedClaim(
                     UID_B,
@@ -86,7 +87,7 @@ def test_empty_round_trip() -> None:
     raw = encode(CheckpointData(), 1)
     assert decode(raw) == StoredCheckpoint(CheckpointData(), 1)
     doc = json.loads(raw)
-    assert doc["version"] == CHECKPOINT_VERSION == 4
+    assert doc["version"] == CHECKPOINT_VERSION == 5
     assert doc["claims"] == {}
     assert doc["sequence"] == 1
 
@@ -105,6 +106,7 @@ def test_layout_is_the_documented_one() -> None:
         "podUids": [POD_1, POD_2],  # sorted
         "podNames": ["web-0", "web-1"],  # sorted
         "copierPods": [POD_3],
+        "sharedPool": True,
         "results": [
             {
                 "request": "req",
@@ -119,6 +121,7 @@ def test_layout_is_the_documented_one() -> None:
     assert doc["claims"][UID_B]["podUids"] == []  # no pods known
     assert doc["claims"][UID_B]["podNames"] == []
     assert doc["claims"][UID_B]["copierPods"] == []
+    assert doc["claims"][UID_B]["sharedPool"] is False
     assert doc["claims"][UID_B]["podClaimName"] == "cpus"
     assert doc["claims"][UID_B]["results"][1]["cpuset"] == "12"
 
@@ -157,11 +160,13 @@ def test_sequence_is_covered_by_the_checksum() -> None:
 
 
 def _older(doc: dict[str, Any], version: int) -> dict[str, Any]:
-    """A version-4 document as an earlier build wrote it: without "podNames" and "copierPods"
-    (version 3), without "podClaimName" and "podUids" (version 2), and without "sequence"
-    (version 1)."""
+    """A version-5 document as an earlier build wrote it: without "sharedPool" (version 4),
+    without "podNames" and "copierPods" (version 3), without "podClaimName" and "podUids"
+    (version 2), and without "sequence" (version 1)."""
     doc = {**doc, "version": version}
-    dropped = {"podNames", "copierPods"}
+    dropped = {"sharedPool"}
+    if version < 4:
+        dropped |= {"podNames", "copierPods"}
     if version < 3:
         dropped |= {"podClaimName", "podUids"}
     doc["claims"] = {
@@ -173,7 +178,8 @@ def _older(doc: dict[str, Any], version: int) -> dict[str, Any]:
     return doc
 
 
-NO_V4: dict[str, Any] = {"pod_names": frozenset(), "copiers": frozenset()}
+NO_V5: dict[str, Any] = {"shared_pool": False}
+NO_V4: dict[str, Any] = {"pod_names": frozenset(), "copiers": frozenset(), **NO_V5}
 
 
 def test_version_1_documents_decode_as_sequence_0() -> None:
@@ -204,16 +210,26 @@ def test_version_3_documents_decode_without_pod_names_and_copiers() -> None:
     }
 
 
+def test_version_4_documents_decode_without_shared_pool() -> None:
+    stored = decode(rewrite(_older(json.loads(encode(sample(), 6)), 4)))
+    assert dict(stored.data.claims) == {
+        uid: replace(claim, **NO_V5) for uid, claim in sample().claims.items()
+    }
+
+
 @pytest.mark.parametrize(
     ("version", "change", "message"),
     [
+        (4, {"sharedPool": True}, "must have keys"),  # version 4 had no such key
+        (5, {"sharedPool": 1}, "sharedPool must be true or false, not 1"),
+        (5, {"sharedPool": None}, "sharedPool must be true or false, not None"),
         (2, {"podClaimName": "cpus"}, "must have keys"),  # version 2 had no such key
-        (4, {"podClaimName": 5}, "podClaimName must be a string"),
+        (5, {"podClaimName": 5}, "podClaimName must be a string"),
         (2, {"podUids": [POD_1]}, "must have keys"),
-        (4, {"podUids": "pod"}, "podUids must be a list"),
+        (5, {"podUids": "pod"}, "podUids must be a list"),
         (3, {"podNames": ["web-0"]}, "must have keys"),  # version 3 had no such key
-        (4, {"podNames": "web-0"}, "podNames must be a list"),
-        (4, {"copierPods": [POD_1, POD_1]}, "copierPods lists a pod twice"),
+        (5, {"podNames": "web-0"}, "podNames must be a list"),
+        (5, {"copierPods": [POD_1, POD_1]}, "copierPods lists a pod twice"),
     ],
 )
 def test_pod_claim_names_are_checked(version: int, change: dict[str, Any], message: str) -> None:
@@ -257,7 +273,7 @@ def test_whitespace_changes_do_not_break_the_checksum() -> None:
         (b"[]", "must be a JSON object"),
         (b'{"claims": {}}', "no integer 'version'"),
         (b'{"version": "1", "claims": {}}', "no integer 'version'"),
-        (b'{"version": 5, "claims": {}, "checksum": "sha256:00"}', "version 5 is unknown"),
+        (b'{"version": 6, "claims": {}, "checksum": "sha256:00"}', "version 6 is unknown"),
         (b'{"version": 0, "claims": {}, "checksum": "sha256:00"}', "version 0 is unknown"),
         (b'{"version": 1, "claims": {}}', "keys must be"),
         (b'{"version": 2, "claims": {}, "checksum": "sha256:00"}', "version 2 keys must be"),

@@ -92,12 +92,23 @@ def error(results: list[dict[str, Any]], configs: list[dict[str, Any]]) -> str:
         ({"fullCores": False}, CpuConfig(full_cores=False)),
         ({"memory": "pin"}, CpuConfig(memory=Memory.PIN)),
         ({"memory": "none"}, CpuConfig(memory=Memory.NONE)),
+        ({"sharedPool": True}, CpuConfig(shared_pool=True)),
+        ({"sharedPool": False}, CpuConfig(shared_pool=False)),
         (
-            {"cpuset": "8", "policy": "spread", "fullCores": False, "memory": "pin"},
-            CpuConfig(CpuSet([8]), Strategy.SPREAD, False, Memory.PIN),
+            {
+                "cpuset": "8",
+                "policy": "spread",
+                "fullCores": False,
+                "memory": "pin",
+                "sharedPool": True,
+            },
+            CpuConfig(CpuSet([8]), Strategy.SPREAD, False, Memory.PIN, True),
         ),
         # null is the same as leaving the field out
-        ({"cpuset": None, "policy": None, "fullCores": None, "memory": None}, CpuConfig()),
+        (
+            {"cpuset": None, "policy": None, "fullCores": None, "memory": None, "sharedPool": None},
+            CpuConfig(),
+        ),
     ],
 )
 def test_every_field_is_read(cpu: dict[str, object], expected: CpuConfig) -> None:
@@ -168,6 +179,13 @@ def test_upstreams_document_is_ours_too() -> None:
         # memory
         (params(memory="bind"), "cpuConfig.memory: 'bind' is not one of pin, none"),
         (params(memory=True), "cpuConfig.memory: true is not one of pin, none"),
+        # sharedPool
+        (params(sharedPool="yes"), "cpuConfig.sharedPool: 'yes' is not a boolean (true or false)"),
+        (params(sharedPool=0), "cpuConfig.sharedPool: 0 is not a boolean"),
+        (
+            params(sharedpool=True),
+            "cpuConfig.sharedpool: unknown field; did you mean 'sharedPool'?",
+        ),
     ],
 )
 def test_bad_parameters_are_named(parameters: object, message: str) -> None:
@@ -214,6 +232,7 @@ _CPU_CONFIG = st.fixed_dictionaries(
         "policy": st.sampled_from(["packed", "spread"]),
         "fullCores": st.booleans(),
         "memory": st.sampled_from(["pin", "none"]),
+        "sharedPool": st.booleans(),
     },
 )
 
@@ -225,6 +244,7 @@ def test_valid_documents_survive_a_json_round_trip(cpu: dict[str, object]) -> No
     assert (None if parsed.policy is None else str(parsed.policy)) == cpu.get("policy")
     assert parsed.full_cores == cpu.get("fullCores")
     assert (None if parsed.memory is None else str(parsed.memory)) == cpu.get("memory")
+    assert parsed.shared_pool == cpu.get("sharedPool")
 
 
 # --- which configs apply, and in which order -----------------------------------------------------
@@ -376,6 +396,22 @@ def test_memory_is_one_setting_per_claim() -> None:
         "claim ns/c: cpuConfig.memory is 'pin' for request 'a' but 'none' for request 'b'; "
         "memory pinning is one setting for the whole claim"
     )
+
+
+def test_shared_pool_is_one_setting_per_claim() -> None:
+    results = [result("a"), result("b", "cpudevnuma001")]
+    assert overrides(results, []).shared_pool is False
+    shared_a = config(params(sharedPool=True), requests=("a",))
+    assert overrides(results, [shared_a]).shared_pool is True  # b follows a
+    from_class = config(params(sharedPool=True), source="FromClass")
+    assert overrides(results, [from_class]).shared_pool is True  # a class may give it
+    alone_b = config(params(sharedPool=False), requests=("b",))
+    assert error(results, [shared_a, alone_b]) == (
+        "claim ns/c: cpuConfig.sharedPool is true for request 'a' but false for request 'b'; "
+        "it is one setting for the whole claim (its containers get one cpuset)"
+    )
+    # the claim's own config wins over its class's, field by field
+    assert overrides(results, [from_class, config(params(sharedPool=False))]).shared_pool is False
 
 
 # --- through the state machine -------------------------------------------------------------------

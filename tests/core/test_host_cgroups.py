@@ -259,8 +259,7 @@ def test_a_sighup_lists_others_and_a_resync_always_confines() -> None:
 
 
 def _resynced(effects: list[Effect]) -> str:
-    reply = effects[-1]
-    assert isinstance(reply, Reply)
+    (reply,) = [e for e in effects if isinstance(e, Reply)]
     assert isinstance(reply.value, Resynced)
     return reply.value.describe()
 

@@ -25,6 +25,7 @@ from dracpu.core.commands import (
     PodsListed,
     PrepareClaim,
     RemoveContainer,
+    RepairNodeFiles,
     Resync,
     RuntimeDisconnected,
     StopContainer,
@@ -1110,16 +1111,41 @@ def test_resync_rewrites_specs_prunes_and_publishes() -> None:
     state, _, _ = ok(state, individual(INDIVIDUAL, 1, [4]))
     new, _value, effects = ok(state, Resync())
     assert new == state
+    # The files after the answer, each on its own (a CDI dir that cannot be written keeps no
+    # SIGHUP from applying): every spec, the prune, then every claim's metadata.
     assert effects == [
+        ConfineHostCgroups((), state.host_pool),  # none listed: gives back what was found
+        PublishSlices(tuple(INDIVIDUAL.devices.values())),
+        Reply(Resynced(2)),
         WriteCdiSpec(uid(1), cpus("4")),
         WriteCdiSpec(uid(2), cpus("5")),
         PruneCdiSpecs(frozenset({uid(1), uid(2)})),
         WriteDeviceMetadata(state.claims[uid(1)], INDIVIDUAL),
         WriteDeviceMetadata(state.claims[uid(2)], INDIVIDUAL),
         PruneDeviceMetadata(frozenset({uid(1), uid(2)})),
-        ConfineHostCgroups((), state.host_pool),  # none listed: gives back what was found
-        PublishSlices(tuple(INDIVIDUAL.devices.values())),
-        Reply(Resynced(2)),
+    ]
+
+
+def test_repair_puts_the_named_claims_files_right_after_the_answer() -> None:
+    state = NodeState.initial(INDIVIDUAL)
+    state, _, _ = ok(state, individual(INDIVIDUAL, 1, [4]))
+    new, value, effects = ok(state, RepairNodeFiles(frozenset({uid(1), uid(3)})))
+    assert new is state
+    assert value is None
+    assert effects == [
+        Reply(None),
+        WriteCdiSpec(uid(1), cpus("4")),  # prepared: its files written
+        WriteDeviceMetadata(state.claims[uid(1)], INDIVIDUAL),
+        DeleteCdiSpec(uid(3)),  # not prepared here: its files removed, looked for by UID
+        DeleteDeviceMetadata(uid(3), None),
+    ]
+    _, _, everything = ok(state, RepairNodeFiles())
+    assert everything == [
+        Reply(None),
+        WriteCdiSpec(uid(1), cpus("4")),
+        PruneCdiSpecs(frozenset({uid(1)})),
+        WriteDeviceMetadata(state.claims[uid(1)], INDIVIDUAL),
+        PruneDeviceMetadata(frozenset({uid(1)})),
     ]
 
 

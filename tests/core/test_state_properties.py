@@ -48,7 +48,7 @@ from dracpu.core.state import (
     commit_phase,
     restore_state,
 )
-from dracpu.core.state_containers import unreserved_claims
+from dracpu.core.state_containers import claims_cpus, unreserved_claims
 from dracpu.errors import DracpuError
 from dracpu.sim.topologies import FIXTURES, build_topology
 from tests.core.state_helpers import (
@@ -121,7 +121,10 @@ def draw_prepare(data: st.DataObject, state: NodeState) -> Command:
         else:
             results.append(DeviceResult(f"r{i}", config.node_name, name))
     pin = data.draw(st.sampled_from([None, True, False]), label="pin")
-    return PrepareClaim(uid(n), "ns", f"c{n}", tuple(results), pin, draw_pods(data))
+    shared_pool = data.draw(st.booleans(), label="shared pool")
+    return PrepareClaim(
+        uid(n), "ns", f"c{n}", tuple(results), pin, draw_pods(data), shared_pool=shared_pool
+    )
 
 
 def draw_container(data: st.DataObject, state: NodeState) -> Container:
@@ -266,12 +269,21 @@ def check_step(state: NodeState, command: Command, new: NodeState, value: object
                 pods = state.claims[env.claim_uid].pod_uids
                 assert not pods or container.pod_uid in pods
             if container.claims:
-                expected = CpuSet.union(state.claims[c.claim_uid].cpus for c in container.claims)
-                assert value.pin.cpus == expected
-                assert value.pin.cpus.isdisjoint(new.shared_pool)
+                claims = [state.claims[c.claim_uid] for c in container.claims]
+                expected = CpuSet.union(claim.cpus for claim in claims)
+                if any(claim.shared_pool for claim in claims):  # its claims' and the pool
+                    assert value.pin.cpus == expected | new.shared_pool
+                    assert container.id in new.mixed
+                else:
+                    assert value.pin.cpus == expected
+                    assert value.pin.cpus.isdisjoint(new.shared_pool)
             else:
                 assert value.pin.cpus == state.shared_pool
                 assert value.pin.cpus
+            # Every container that follows the pool is on it after the reply (rule 7).
+            for cid in new.mixed:
+                record = new.containers[cid]
+                assert record.cpus == claims_cpus(new, record) | new.shared_pool
             # One new decision: every pin it answers with, and every record it moved, has it.
             assert new.pin_seq == state.pin_seq + 1
             assert {u.seq for u in (value.pin, *value.updates)} == {new.pin_seq}

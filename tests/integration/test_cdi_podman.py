@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from dracpu.adapters.cdi_files import write_spec
+from dracpu.adapters.cdi_files import spec_path, write_spec
 from dracpu.adapters.metadata_files import write_claim
 from dracpu.core.cdi_spec import device_id, parse_env, spec_file_name
 from dracpu.core.checkpoint_schema import PreparedClaim
@@ -198,7 +198,8 @@ def test_podman_4_3_accepts_cdi_0_5_0_but_not_0_6_0(podman: Podman, tmp_path: Pa
     if not podman.version.startswith("4.3."):
         pytest.skip(f"the version limit is known for podman 4.3, not {podman.version}")
     uid = str(uuid.uuid4())
-    path = write_spec(tmp_path, uid, CpuSet.parse("5"))
+    write_spec(tmp_path, uid, CpuSet.parse("5"))
+    path = spec_path(tmp_path, uid)
     assert parse_env(_env_lines(podman.run_env(tmp_path, [device_id(uid)]))) == {
         uid: CpuSet.parse("5")
     }

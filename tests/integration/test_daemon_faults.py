@@ -9,13 +9,14 @@ creates containers without pinning them."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
 import anyio
 import pytest
 
-from dracpu.sim.fake_kubelet import ClaimRef
+from dracpu.sim.fake_kubelet import ClaimRef, HealthList, HealthWatch
 from dracpu.sim.fake_runtime import open_fake_runtime
 from dracpu.sim.faults import api_outage
 from dracpu.sim.node import NodeSim, open_node_sim, wait_until
@@ -109,9 +110,9 @@ async def test_a_read_only_cdi_dir_at_start_is_waited_out() -> None:
             assert error == f"cannot write CDI spec {str(spec)!r}: Read-only file system"
             # Said once, however many tries: the daemon's log is not flooded.
             errors = sim.daemon.messages("error")
-            waiting = [m for m in errors if m.startswith("using CDI dir")]
+            waiting = [m for m in errors if m.startswith("writing CDI specs in")]
             assert len(waiting) == 1
-            assert waiting[0].startswith(f"using CDI dir {cdi} failed, retrying in ")
+            assert waiting[0].startswith(f"writing CDI specs in {cdi} failed, retrying in ")
             assert waiting[0].endswith(f": {reason}; Prepare fails until then")
             assert not any(m.startswith("task ") for m in errors)
             # Undoing a spec write that never happened is no error.
@@ -129,10 +130,53 @@ async def test_a_read_only_cdi_dir_at_start_is_waited_out() -> None:
             _, container = await sim.run_container("app", claims=[refused])
             assert cpus(container.cpus) == got
             assert any(
-                m.startswith(f"using CDI dir {cdi} works again after ")
+                m.startswith(f"writing CDI specs in {cdi} works again after ")
                 for m in sim.daemon.messages("info")
             )
             assert await sim.stop_daemon() == 0
+
+
+async def test_a_claim_whose_spec_cannot_be_written_again_is_unhealthy_until_it_is() -> None:
+    # The claim is prepared, then its CDI dir turns read-only and its spec is deleted (through
+    # a descriptor of the dir opened before the read-only mount: the mount shows the same
+    # files). The owner cannot put the spec back: the claim's device says why on the health
+    # stream, until the dir takes writes again and the spec is back.
+    async with open_node_sim() as sim:
+        await sim.wait_published()
+        claim = sim.allocate("claim", 2)
+        assert (await sim.prepare(claim))[claim.uid].error == ""
+        (device,) = set(claim.devices)
+        cdi = sim.paths.cdi_dir
+        spec = sim.paths.cdi_spec(claim.uid)
+        underneath = os.open(cdi, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            with sim.kubelet.watch_health() as watch, read_only_bind(cdi) as mount:
+                assert (await _health(watch, lambda h: device in h.health())).unhealthy() == {}
+                os.unlink(spec.name, dir_fd=underneath)
+                reason = (
+                    f"claim {claim.uid}: cannot write CDI spec {str(spec)!r}: Read-only file "
+                    "system; containers using the claim cannot start until it is written"
+                )
+                health = await _health(watch, lambda h: bool(h.unhealthy()))
+                assert health.unhealthy() == {device: reason}
+                assert not spec.exists()
+                mount.set_read_only(False)
+                await _health(watch, lambda h: h.health()[device] == "HEALTHY")
+                assert spec.exists()
+        finally:
+            os.close(underneath)
+        assert await sim.stop_daemon() == 0
+
+
+async def _health(watch: HealthWatch, done: Callable[[HealthList], bool]) -> HealthList:
+    """The first health list for which ``done`` holds (within ``HELD`` seconds)."""
+    deadline = time.monotonic() + HELD
+    while time.monotonic() < deadline:
+        health = await watch.anext(HELD)
+        assert health is not None, "the daemon ended the health stream"
+        if done(health):
+            return health
+    raise AssertionError(f"no such health list within {HELD} s")
 
 
 async def test_a_full_state_dir_at_start_is_waited_out() -> None:

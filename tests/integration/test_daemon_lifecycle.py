@@ -47,9 +47,9 @@ async def test_ready_with_every_task_then_sighup_resyncs_and_sigterm_stops_withi
         status, body = await sim.daemon.get("/readyz")
         assert status == 200
         assert body == (
-            "[+]state-dir ok\n"
+            "[+]state-dir ok\n[+]cdi-dir ok\n"
             + "".join(f"[+]{task} ok\n" for task in TASKS)
-            + "[+]cdi-dir ok\n[+]dra-socket ok\n[+]kubelet-registration ok\n[+]slices ok\n"
+            + "[+]dra-socket ok\n[+]kubelet-registration ok\n[+]slices ok\n"
             + "readyz check passed\n"
         )
         assert await sim.daemon.get("/healthz") == (200, "ok\n")
@@ -82,7 +82,7 @@ async def test_ready_with_every_task_then_sighup_resyncs_and_sigterm_stops_withi
         assert await sim.stop_daemon(signal.SIGTERM) == 0
         assert time.monotonic() - start < 5
         messages = sim.daemon.messages()
-        assert "resync done: CDI specs of 0 prepared claims rewritten; node unchanged" in messages
+        assert "resync done: files of 0 prepared claims checked; node unchanged" in messages
         assert "SIGTERM received: stopping" in messages
         assert messages[-2:] == ["stopping (SIGTERM)", "stopped"]
         assert sim.daemon.messages("error") == []

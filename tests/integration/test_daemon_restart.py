@@ -144,7 +144,7 @@ async def test_cdi_specs_deleted_while_the_daemon_was_down_are_rewritten_at_star
         # The orphan named a CPU nobody holds, so it was adopted (an upgrade from upstream).
         assert orphan in checkpoint_claims(sim.paths.checkpoint)
         assert sim.cdi_cpus(orphan) == "60-61"
-        assert "CDI specs of 3 prepared claims are in place" in sim.daemon.messages()
+        assert "the files of 3 prepared claims are being put in place" in sim.daemon.messages()
 
 
 async def test_an_orphan_spec_that_conflicts_with_a_claim_is_removed_at_start() -> None:

@@ -412,20 +412,27 @@ async def test_watch_online_follows_the_sysfs_file(
     write_sysfs(FIXTURES["dual-socket-smt2"], tmp_path)
     board = _board(Clock())
     online = tmp_path / ONLINE
-    online.write_text("0-4,6-63\n")
+
+    # The file changes at once, as the kernel's does: written beside it, renamed over it (a
+    # truncate then write would let the watcher read it empty in between).
+    def write(text: str) -> None:
+        online.with_name("online.new").write_text(text)
+        online.with_name("online.new").rename(online)
+
+    write("0-4,6-63\n")
     async with anyio.create_task_group() as tg:
         await tg.start(partial(watch_online, tmp_path, board, interval=0.02))
         # read once before it reports started: the first list is already current
         assert board.snapshot()[1][0].message == "cpu 5 is offline"
 
-        online.write_text("garbage\n")  # unreadable: logged once, the last value stays
+        write("garbage\n")  # unreadable: logged once, the last value stays
         await _until(
             lambda: any("cannot read the online" in r.getMessage() for r in caplog.records)
         )
         await anyio.sleep(0.1)
         assert board.snapshot()[1][0].message == "cpu 5 is offline"
 
-        online.write_text("0-63\n")
+        write("0-63\n")
         await _until(lambda: board.snapshot()[1][0].message == "")
         tg.cancel_scope.cancel()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

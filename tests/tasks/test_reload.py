@@ -226,7 +226,7 @@ def test_report_is_one_line_and_a_warning_per_claim_on_offline_cpus(
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         (
             "WARNING",
-            "resync done: CDI specs of 1 prepared claims rewritten; cpus 5,37 went offline; "
+            "resync done: files of 1 prepared claims checked; cpus 5,37 went offline; "
             "devices removed: cpudev010, cpudev011; slices republished (new pool generation); "
             "claims holding offline cpus: ns/a (cpus 5); 2 shared containers re-pinned",
         ),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -23,9 +24,10 @@ import anyio
 import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from dracpu.adapters import cdi_files, checkpoint_file
+from dracpu.adapters import cdi_files, checkpoint_file, file_scan
 from dracpu.adapters.node_files import NodeFiles
 from dracpu.config import Config
+from dracpu.core.cdi_spec import ClaimSpec
 from dracpu.core.checkpoint_schema import CheckpointData, PreparedClaim, StoredCheckpoint, decode
 from dracpu.core.commands import (
     Command,
@@ -49,6 +51,7 @@ from dracpu.core.effects import (
     PruneCdiSpecs,
     PruneDeviceMetadata,
     PublishSlices,
+    Resynced,
     UpdateContainers,
     WriteCdiSpec,
     WriteCheckpoint,
@@ -100,7 +103,10 @@ def _saved(config: Config) -> dict[str, CpuSet]:
 
 
 def _specs(config: Config) -> dict[str, CpuSet | CdiError]:
-    return cdi_files.list_our_specs(config.cdi_dir)
+    """The CPUs of our CDI specs (none of these tests' claims shares the pool)."""
+    found = file_scan.list_our_specs(config.cdi_dir)
+    assert not any(isinstance(s, ClaimSpec) and s.shared_pool for s in found.values())
+    return {uid: s.cpus if isinstance(s, ClaimSpec) else s for uid, s in found.items()}
 
 
 def _metadata(config: Config) -> dict[str, list[str]]:
@@ -329,16 +335,14 @@ async def test_a_failed_batch_leaves_no_trace_of_the_effects_that_never_began(
     trees: SysfsTrees, scratch: Path
 ) -> None:
     async with running(trees, scratch) as node:
-        await node.ask(_grouped(UID_A, 2))
-        await node.ask(_grouped(UID_B, 2, device="cpudevnuma001"))
-        node.files.ran.clear()
-        node.files.failing.append(WriteCdiSpec)  # a Resync: every spec, then the prune
+        node.files.failing.append(WriteCdiSpec)
         with pytest.raises(CheckpointError):
-            await node.ask(Resync())
-        # The first spec write failed: nothing after it began, nothing to undo but itself.
-        assert node.ran() == [WriteCdiSpec, WriteCdiSpec]
-        assert node.files.ran[0] == node.files.ran[1]
-        assert sorted(node.owner.desired_specs()) == sorted([UID_A, UID_B])
+            await node.ask(_grouped(UID_A, 2))
+        # The spec write failed: nothing after it began, nothing to undo but itself.
+        assert node.ran() == [WriteCdiSpec, DeleteCdiSpec]
+        assert node.owner.state.claims == {}
+        assert _specs(node.config) == {}
+        assert _metadata(node.config) == {}
 
 
 async def test_a_post_commit_failure_keeps_the_new_state(
@@ -404,8 +408,8 @@ async def test_a_cancelled_requester_never_disturbs_the_owner(
         assert sorted(node.owner.state.claims) == [UID_A, UID_B]  # the cancelled one applied
 
 
-async def test_a_command_past_its_deadline_runs_no_further_effect_and_is_rolled_back(
-    trees: SysfsTrees, scratch: Path
+async def test_effects_past_the_deadline_are_cut_off_after_the_hop_that_began(
+    trees: SysfsTrees, scratch: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     send, receive = republish_channel()
     with send, receive:
@@ -414,40 +418,42 @@ async def test_a_command_past_its_deadline_runs_no_further_effect_and_is_rolled_
             assert isinstance(prepared, ClaimPrepared)
             node.owner._republish = send
             node.files.ran.clear()
-            with node.files.holding(WriteCdiSpec) as gate:
 
-                async def release() -> None:
-                    await anyio.sleep(0.5)  # past the deadline: the write is waited for
-                    gate.set()
+            async def release(gate: threading.Event) -> None:
+                await anyio.sleep(0.5)  # past the deadline: the write is waited for
+                gate.set()
 
-                node.tg.start_soon(release)
+            # The commit phase: the hop that had begun ran to its end, the publish after it
+            # never began, the rollback put the old cgroups back.
+            with node.files.holding(ConfineHostCgroups) as gate:
+                node.tg.start_soon(release, gate)
                 message = (
                     r"^the commit phase \(cut off after ConfineHostCgroups\) did not finish "
                     r"within 0.2 s$"
                 )
                 with pytest.raises(DracpuError, match=message):
-                    await node.ask(Resync())  # the specs, the prune, the cgroups; the publish
-            # The hop that had begun ran to its end; the publish after it never began; the
-            # rollback rewrote the files of the old state, newest first.
-            assert node.ran() == [
-                WriteCdiSpec,
-                PruneCdiSpecs,
-                WriteDeviceMetadata,
-                PruneDeviceMetadata,
-                ConfineHostCgroups,
-                ConfineHostCgroups,
-                WriteDeviceMetadata,
-                WriteCdiSpec,
-            ]
+                    await node.ask(Resync())
+            assert node.ran() == [ConfineHostCgroups, ConfineHostCgroups]
             with pytest.raises(anyio.WouldBlock):
                 receive.receive_nowait()
-            assert list(node.owner.state.claims) == [UID_A]
-            assert _specs(node.config) == {UID_A: prepared.cpus}
             assert node.owner.statistics().effects_failed == 1
+            # After the answer: the files of the Resync, each on its own; the one that had begun
+            # ran to its end, the ones after it never began.
+            node.files.ran.clear()
+            with (
+                caplog.at_level(logging.ERROR, logger="dracpu"),
+                node.files.holding(WriteCdiSpec) as gate,
+            ):
+                node.tg.start_soon(release, gate)
+                assert await node.ask(Resync()) == Resynced(1)  # answered before the files
+                await until(lambda: node.owner.statistics().effects_failed == 2, "the cut-off")
+            assert node.ran() == [ConfineHostCgroups, WriteCdiSpec]
+            assert "Resync: post-commit effects cut off after 0.2 s" in caplog.messages
+            assert _specs(node.config) == {UID_A: prepared.cpus}
             assert await node.ask(UnprepareClaim(UID_A)) == ClaimUnprepared(UID_A, prepared.cpus)
             # A prepare is one hop: however slow, nothing comes after it to cut off.
             with node.files.holding(WriteCheckpoint) as gate:
-                node.tg.start_soon(release)
+                node.tg.start_soon(release, gate)
                 assert isinstance(await node.ask(_grouped(UID_B, 2)), ClaimPrepared)
 
 
@@ -644,46 +650,17 @@ async def test_a_commit_phase_takes_one_hop_and_other_effects_split_it(
             hops.clear()
             await node.ask(Resync())
             assert receive.receive_nowait() == "resync"
-    # Resync: the specs, the prune and the host cgroups in one hop, the publish after it (on
-    # the event loop).
+    # Resync: the host cgroups in one hop, the publish after it (on the event loop), then after
+    # the answer each file on its own: one that fails keeps no other from being written.
     assert hops == [
-        [
-            WriteCdiSpec,
-            WriteCdiSpec,
-            PruneCdiSpecs,
-            WriteDeviceMetadata,
-            WriteDeviceMetadata,
-            PruneDeviceMetadata,
-            ConfineHostCgroups,
-        ]
+        [ConfineHostCgroups],
+        [WriteCdiSpec],
+        [WriteCdiSpec],
+        [PruneCdiSpecs],
+        [WriteDeviceMetadata],
+        [WriteDeviceMetadata],
+        [PruneDeviceMetadata],
     ]
-
-
-async def test_desired_specs_follow_the_command_in_flight(trees: SysfsTrees, scratch: Path) -> None:
-    async with running(trees, scratch) as node:
-        # Prepare: the spec is written before the state commits; the watcher must keep it.
-        with node.files.holding(WriteCheckpoint) as gate:
-            node.tg.start_soon(node.ask, _grouped(UID_A, 2))
-            await until(lambda: WriteCheckpoint in node.files.held, "the held checkpoint")
-            assert UID_A not in node.owner.state.claims
-            spec = node.files.ran[0]
-            assert isinstance(spec, WriteCdiSpec)
-            assert node.owner.desired_specs() == {UID_A: spec.cpus}
-            gate.set()
-        await until(lambda: UID_A in node.owner.state.claims, "the commit")
-        assert node.owner.desired_specs() == {UID_A: spec.cpus}
-
-        # Unprepare: the spec is deleted before the state commits; the watcher must not put
-        # it back.
-        with node.files.holding(WriteCheckpoint) as gate:
-            node.tg.start_soon(node.ask, UnprepareClaim(UID_A))
-            await until(lambda: WriteCheckpoint in node.files.held, "the held checkpoint")
-            assert UID_A in node.owner.state.claims
-            assert node.owner.desired_specs() == {}
-            assert _specs(node.config) == {}
-            gate.set()
-        await until(lambda: not node.owner.state.claims, "the commit")
-        assert node.owner.desired_specs() == {}
 
 
 async def test_unsolicited_updates_without_an_nri_task_are_dropped(
@@ -795,10 +772,15 @@ async def test_a_failed_start_resync_keeps_the_claims_and_the_devices(
     assert list(state.claims) == [UID_A]
     assert _saved(config) == {UID_A: CpuSet.parse("4-5")}
     assert len(owner.devices()) == 4  # the publisher never sees an empty node
-    assert any(
-        r.levelno == logging.ERROR and r.getMessage().startswith("start-up Resync failed: ")
-        for r in caplog.records
-    )
+    reason = f"CDI dir {str(config.cdi_dir)!r} exists and is not a directory"
+    assert f"Resync: post-commit effect WriteCdiSpec failed: {reason}" in caplog.messages
+    # The claim's device says why its containers cannot start.
+    _, health = owner.health.snapshot()
+    unhealthy = {h.device: h.message for h in health if h.status == "Unhealthy"}
+    assert unhealthy == {
+        "cpudevnuma000": f"claim {UID_A}: {reason}; containers using the claim cannot start "
+        "until it is written"
+    }
 
 
 async def test_an_unreadable_checkpoint_fails_the_restore(trees: SysfsTrees, scratch: Path) -> None:

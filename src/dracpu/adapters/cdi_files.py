@@ -1,5 +1,6 @@
-"""Our CDI spec files on disk: atomic write, delete, read, list (synchronous; callers run them
-off the event loop: the state owner runs them in anyio's worker threads).
+"""Our CDI spec files on disk, written: atomic write, delete, prune (synchronous; the state
+owner runs them in anyio's worker threads, and is the only writer of the CDI dir). Reading them
+is :mod:`dracpu.adapters.file_scan`.
 
 Runtimes watch the CDI directory with fsnotify for Write, Rename and Remove only (Create is not
 watched on Linux; a Write counts only for a ``.json`` / ``.yaml`` name, a Rename or Remove of any
@@ -7,70 +8,52 @@ file makes them rescan) and read only ``*.json`` / ``*.yaml`` files (container-d
 ``pkg/cdi/cache.go``, ``watch.watch``, and ``pkg/cdi/spec-dirs.go``, ``scanSpecDirs``). So a
 spec is written to a temp file in the SAME directory whose name does not end in ``.json``
 (``.dra.k8s.io-cpu_claim-<uid>.json.tmp-<random>``) and renamed over the final name (the Rename
-event makes the runtime rescan; it never sees a half-written spec).
+event makes the runtime rescan; it never sees a half-written spec), and a file that holds the
+bytes to write already is left alone (no rename, no rescan).
 
 A written spec is NOT fsynced: the checkpoint is the durable record of the prepared claims (it is
 made durable after the spec is written and before the kubelet is answered), and every start
-rewrites the spec of every prepared claim (``Resync``), so a spec that a power loss cut short or
-lost is put back before any container can need it. A DELETE is made durable (the directory is
-fsynced): a spec of ours that outlived its claim would be adopted at the next start, holding CPUs
-the kubelet considers free. (On ``/var/run/cdi``, tmpfs, an fsync does nothing at all; on a
-disk-backed CDI dir it is a disk flush: ``cdi.plain_write_2k_fsync`` in ``bench/bench_cdi.py``.)
+rewrites the spec of every prepared claim that differs (``Resync``), so a spec that a power loss
+cut short or lost is put back before any container can need it. A DELETE is made durable (the
+directory is fsynced): a spec of ours that outlived its claim would be adopted at the next
+start, holding CPUs the kubelet considers free. (On ``/var/run/cdi``, tmpfs, an fsync does
+nothing at all; on a disk-backed CDI dir it is a disk flush: ``cdi.plain_write_2k_fsync`` in
+``bench/bench_cdi.py``.)
 
-Only files named exactly like ours (``dra.k8s.io-cpu_claim-<uuid>.json``), our temp files and our
-watch probes are ever removed or replaced; other vendors' files are never opened for writing. Reads
-use ``O_NOFOLLOW | O_NONBLOCK`` and accept only regular files of bounded size, so a symlink, FIFO or
-device planted under one of our names cannot redirect or hang us. Every ``OSError`` becomes a
-:class:`CdiError` naming the path.
+Only files named exactly like ours (``dra.k8s.io-cpu_claim-<uuid>.json``) and our temp and probe
+files are ever removed or replaced; other vendors' files are never opened for writing. Every
+``OSError`` becomes a :class:`CdiError` naming the path.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import re
 import secrets
-import stat
-import time
-from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 
-from dracpu.core.cdi_spec import (
-    claim_uid_from_file_name,
-    is_valid_claim_uid,
-    parse_spec,
-    spec_bytes,
-    spec_file_name,
-)
+from dracpu.adapters.file_scan import is_leftover, read_ours
+from dracpu.core.cdi_spec import claim_uid_from_file_name, spec_bytes, spec_file_name
 from dracpu.core.cpuset import CpuSet
 from dracpu.errors import CdiError
 
 __all__ = [
     "DIR_MODE",
-    "MAX_SPEC_BYTES",
     "PROBE_PREFIX",
     "SPEC_MODE",
-    "CdiDirScan",
-    "check_not_full",
     "check_writable",
     "delete_spec",
-    "dir_identity",
     "ensure_dir",
     "is_our_probe_file",
-    "is_our_temp_file",
-    "list_our_specs",
     "probe_file_name",
-    "read_spec",
-    "read_spec_bytes",
-    "remove_our_file",
-    "scan_dir",
+    "prune",
     "spec_path",
     "temp_file_name",
     "temp_target",
-    "touch_probe",
     "write_atomically",
+    "write_changed",
     "write_spec",
 ]
 
@@ -80,19 +63,15 @@ SPEC_MODE = 0o644
 # Mode of a CDI dir we create; the DaemonSet mounts /var/run/cdi as DirectoryOrCreate (0755) and
 # upstream creates it with os.MkdirAll(dir, 0755).
 DIR_MODE = 0o755
-# Largest spec we agree to read. Ours are a few hundred bytes (a worst-case cpuset of every other
-# CPU up to id 16383 is ~50 KB); anything bigger under our name is not ours.
-MAX_SPEC_BYTES = 1 << 20
 # Temp files: "." + final name + ".tmp-" + random hex. Hidden, and not ending in .json/.yaml, so
 # runtimes ignore them (CDI loads only .json and .yaml).
 _TEMP_MARK = ".tmp-"
 _TEMP_RE = re.compile(r"\.(?P<final>.+)" + re.escape(_TEMP_MARK) + r"[0-9a-f]{8,64}")
-# Watch probes (tasks/cdi_watcher.py): a hidden, non-.json file the watcher creates to prove its
-# watch is live.
+# The probe the state owner writes (and removes at once) to learn whether files can be created
+# in the CDI dir: hidden and not .json, so runtimes ignore it.
 PROBE_PREFIX = ".dracpu-cdi-probe-"
 _PROBE_RE = re.compile(re.escape(PROBE_PREFIX) + r"[0-9]+-[0-9a-f]{8,64}")
 
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 Fsync = Callable[[int], None]
@@ -117,14 +96,8 @@ def temp_target(name: str) -> str | None:
     return match.group("final") if match else None
 
 
-def is_our_temp_file(name: str) -> bool:
-    """True for a temp file name of one of our claims' specs (:func:`temp_file_name`)."""
-    final = temp_target(name)
-    return final is not None and claim_uid_from_file_name(final) is not None
-
-
 def probe_file_name() -> str:
-    """A fresh watch-probe name: ``.dracpu-cdi-probe-<pid>-<16 hex>``."""
+    """A fresh probe name: ``.dracpu-cdi-probe-<pid>-<16 hex>``."""
     return f"{PROBE_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
 
 
@@ -146,26 +119,34 @@ def ensure_dir(cdi_dir: str | os.PathLike[str]) -> None:
         raise CdiError(f"cannot create CDI dir {str(path)!r}: {exc.strerror or exc}") from exc
 
 
-def dir_identity(cdi_dir: str | os.PathLike[str]) -> tuple[int, int] | None:
-    """``(st_dev, st_ino)`` of the CDI dir, ``None`` when it is missing or not a directory.
-
-    A watch is tied to the inode: when the dir is removed and re-created, the watcher restarts.
-    """
-    try:
-        st = os.stat(cdi_dir)
-    except OSError:
-        return None
-    if not stat.S_ISDIR(st.st_mode):
-        return None
-    return st.st_dev, st.st_ino
-
-
 def _fsync_dir(path: str | os.PathLike[str], fsync: Fsync) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         fsync(fd)
     finally:
         os.close(fd)
+
+
+def check_writable(cdi_dir: str | os.PathLike[str]) -> None:
+    """Prove that specs can be written into the CDI dir now: create it if missing, write a
+    probe file and remove it again. :class:`CdiError` says why not (read-only, full, not a
+    directory, ...). The probe's removal makes every runtime rescan the dir: it is written only
+    at start and while the dir is known not to take writes."""
+    ensure_dir(cdi_dir)
+    path = os.path.join(os.fspath(cdi_dir), probe_file_name())
+    try:
+        fd = os.open(path, _CREATE_FLAGS, SPEC_MODE)
+        try:
+            os.write(fd, b"x")  # a full file system may take the create and refuse the data
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise CdiError(
+            f"cannot create files in CDI dir {os.fspath(cdi_dir)!r}: {exc.strerror or exc}"
+        ) from exc
+    os.unlink(path)
 
 
 # --- write and delete ------------------------------------------------------------------------
@@ -178,20 +159,35 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[written:]
 
 
-def write_spec(cdi_dir: str | os.PathLike[str], claim_uid: str, cpus: CpuSet) -> Path:
-    """Atomically write the spec of a claim; return its path.
+def write_spec(
+    cdi_dir: str | os.PathLike[str], claim_uid: str, cpus: CpuSet, shared_pool: bool = False
+) -> bool:
+    """Write the spec of a claim (``shared_pool``: with ``DRA_SHARED_POOL_<uid>``) unless it
+    holds these bytes already; whether it was written.
 
     Temp file in the same dir (mode 0644, never a ``.json`` name) → write → rename over
     ``dra.k8s.io-cpu_claim-<uid>.json``; no fsync (see the module docstring). The dir is
     created if missing. On any failure the temp file is removed and an existing spec is left as
-    it was; a spec that holds these bytes already is no failure when no file can be created
-    (:func:`write_atomically`).
+    it was.
     """
-    data = spec_bytes(claim_uid, cpus)  # validates uid and cpuset before touching the disk
-    directory = os.fspath(cdi_dir)
-    return Path(
-        write_atomically(directory, spec_file_name(claim_uid), data, "CDI spec", ensure_dir)
+    data = spec_bytes(claim_uid, cpus, shared_pool)  # checks uid and cpuset before the disk
+    return write_changed(
+        os.fspath(cdi_dir), spec_file_name(claim_uid), data, "CDI spec", ensure_dir
     )
+
+
+def write_changed(
+    directory: str, name: str, data: bytes, what: str, make_dir: Callable[[str], None]
+) -> bool:
+    """:func:`write_atomically` unless ``<directory>/<name>`` is a regular file that holds
+    ``data`` already; whether it was written. A file that cannot be read is replaced."""
+    try:
+        if read_ours(os.path.join(directory, name), what) == data:
+            return False
+    except CdiError:
+        pass  # a symlink, a directory, unreadable: replaced (a directory fails the rename)
+    write_atomically(directory, name, data, what, make_dir)
+    return True
 
 
 def write_atomically(
@@ -205,8 +201,7 @@ def write_atomically(
     a temp file ``.<name>.tmp-<random>`` in the same dir (mode 0644) → write → rename over the
     final name; no fsync. ``make_dir(directory)`` creates the dir when the temp file cannot be
     (it exists, almost always). On any failure the temp file is removed, an existing file is
-    left as it was, and :class:`CdiError` says ``cannot write <what> '<path>': <reason>``; when
-    no temp file can be created but the file holds ``data`` already, there is nothing to do.
+    left as it was, and :class:`CdiError` says ``cannot write <what> '<path>': <reason>``.
 
     On the Prepare path: plain string paths (pathlib's parsing was a large part of a spec
     write's Python time, ``cdi.write_spec`` in ``bench/bench_cdi.py``).
@@ -216,10 +211,6 @@ def write_atomically(
     try:
         fd = _create(temp, directory, make_dir)
     except OSError as exc:  # the temp file's random name would only make the message vary
-        if _holds(final, data):
-            # Nothing to write (a rollback of a delete that never happened, on a read-only or
-            # full file system): no failure.
-            return final
         raise CdiError(f"cannot write {what} {final!r}: {exc.strerror or exc}") from exc
     renamed = False
     try:
@@ -237,15 +228,6 @@ def write_atomically(
             with contextlib.suppress(OSError):
                 os.unlink(temp)
     return final
-
-
-def _holds(path: str, data: bytes) -> bool:
-    """Whether the regular file ``path`` holds exactly ``data``."""
-    try:
-        with open(path, "rb") as file:
-            return os.fstat(file.fileno()).st_size == len(data) and file.read() == data
-    except OSError:
-        return False
 
 
 def _create(temp: str, directory: str, make_dir: Callable[[str], None]) -> int:
@@ -279,218 +261,40 @@ def delete_spec(
     return True
 
 
-def remove_our_file(cdi_dir: str | os.PathLike[str], name: str) -> bool:
-    """Remove one of OUR files by base name (spec, temp or probe); refuse any other name."""
-    if not (
-        claim_uid_from_file_name(name) is not None
-        or is_our_temp_file(name)
-        or is_our_probe_file(name)
-    ):
-        raise CdiError(f"refusing to remove {name!r}: not a dracpu CDI file name")
-    path = Path(cdi_dir) / name
+def prune(cdi_dir: str | os.PathLike[str], keep: frozenset[str]) -> list[str]:
+    """Delete our specs whose claim is not in ``keep``, and the temp and probe files of writes
+    cut short (the state owner prunes between its own writes: every one of ours is a
+    leftover); the names removed. Raises :class:`CdiError` naming every file that could not
+    be removed (after trying all)."""
+    directory = os.fspath(cdi_dir)
+    try:
+        names = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise CdiError(f"cannot list CDI dir {directory!r}: {exc.strerror or exc}") from exc
+    removed: list[str] = []
+    errors: list[str] = []
+    for name in names:
+        uid = claim_uid_from_file_name(name)
+        try:
+            if uid is not None and uid not in keep:
+                if delete_spec(directory, uid):
+                    removed.append(name)
+            elif uid is None and is_leftover(name) and _remove(os.path.join(directory, name)):
+                removed.append(name)
+        except CdiError as exc:
+            errors.append(str(exc))
+    if errors:
+        raise CdiError("; ".join(errors))
+    return removed
+
+
+def _remove(path: str) -> bool:
     try:
         os.unlink(path)
     except FileNotFoundError:
         return False
     except OSError as exc:
-        raise CdiError(f"cannot remove {str(path)!r}: {exc.strerror or exc}") from exc
+        raise CdiError(f"cannot remove {path!r}: {exc.strerror or exc}") from exc
     return True
-
-
-def touch_probe(cdi_dir: str | os.PathLike[str], name: str) -> None:
-    """Create or update a watch-probe file (one byte, mode 0644).
-
-    Failing to is failing to create files in the dir at all (read-only, full, missing): the
-    error says so, naming the dir (the probe's name is ours alone).
-    """
-    if not is_our_probe_file(name):
-        raise CdiError(f"refusing to write {name!r}: not a dracpu probe name")
-    path = Path(cdi_dir) / name
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, SPEC_MODE)
-        try:
-            os.write(fd, b"x")  # a write gives an event even where a bare create would not
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise CdiError(
-            f"cannot create files in CDI dir {os.fspath(cdi_dir)!r}: {exc.strerror or exc}"
-        ) from exc
-
-
-def check_not_full(cdi_dir: str | os.PathLike[str]) -> None:
-    """Raise :class:`CdiError` when the CDI dir's file system is read-only, has no free block
-    or no free inode (``statvfs``; root's reserved blocks counted as free): no spec can be
-    written then. Touches no file, so the runtimes' CDI watches see nothing."""
-    directory = os.fspath(cdi_dir)
-    try:
-        st = os.statvfs(directory)
-    except OSError as exc:
-        raise CdiError(f"cannot check CDI dir {directory!r}: {exc.strerror or exc}") from exc
-    if st.f_flag & os.ST_RDONLY:
-        raise CdiError(f"CDI dir {directory!r} is on a read-only file system")
-    if st.f_blocks > 0 and st.f_bfree == 0:
-        raise CdiError(f"CDI dir {directory!r} is on a full file system (no free block)")
-    if st.f_files > 0 and st.f_ffree == 0:  # some file systems report no inode counts: 0
-        raise CdiError(f"CDI dir {directory!r} is on a full file system (no free inode)")
-
-
-def check_writable(cdi_dir: str | os.PathLike[str], probe: str) -> None:
-    """Prove that specs can be written into the CDI dir now: create it if missing, write the
-    probe file ``probe`` and remove it again. :class:`CdiError` says why not (read-only, full,
-    not a directory, ...)."""
-    ensure_dir(cdi_dir)
-    try:
-        touch_probe(cdi_dir, probe)
-    except CdiError:
-        with contextlib.suppress(CdiError):  # created but not written (a full file system)
-            remove_our_file(cdi_dir, probe)
-        raise
-    remove_our_file(cdi_dir, probe)
-
-
-# --- read ------------------------------------------------------------------------------------
-
-
-def _read_regular(path: Path) -> bytes:
-    """Read a regular file without following a symlink or blocking on a FIFO; bounded size."""
-    try:
-        fd = os.open(path, _READ_FLAGS)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise CdiError(f"CDI spec {str(path)!r} is a symlink, not a regular file") from exc
-        if isinstance(exc, FileNotFoundError):
-            raise
-        raise CdiError(f"cannot open CDI spec {str(path)!r}: {exc.strerror or exc}") from exc
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CdiError(f"CDI spec {str(path)!r} is not a regular file")
-        if st.st_size > MAX_SPEC_BYTES:
-            raise CdiError(f"CDI spec {str(path)!r} is too large ({st.st_size} bytes)")
-        chunks: list[bytes] = []
-        total = 0
-        while True:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            total += len(chunk)
-            if total > MAX_SPEC_BYTES:
-                raise CdiError(f"CDI spec {str(path)!r} is too large (> {MAX_SPEC_BYTES} bytes)")
-            chunks.append(chunk)
-        return b"".join(chunks)
-    except OSError as exc:
-        raise CdiError(f"cannot read CDI spec {str(path)!r}: {exc.strerror or exc}") from exc
-    finally:
-        os.close(fd)
-
-
-def read_spec_bytes(cdi_dir: str | os.PathLike[str], claim_uid: str) -> bytes | None:
-    """The raw content of a claim's spec file, ``None`` when it does not exist."""
-    try:
-        return _read_regular(spec_path(cdi_dir, claim_uid))
-    except FileNotFoundError:
-        return None
-
-
-def read_spec(cdi_dir: str | os.PathLike[str], claim_uid: str) -> CpuSet | None:
-    """The cpuset in a claim's spec file, ``None`` when it does not exist.
-
-    Raises :class:`CdiError` when the file is unreadable, malformed, or names another claim.
-    """
-    path = spec_path(cdi_dir, claim_uid)
-    data = read_spec_bytes(cdi_dir, claim_uid)
-    if data is None:
-        return None
-    return _parse_file(path, claim_uid, data)
-
-
-def _parse_file(path: Path, claim_uid: str, data: bytes) -> CpuSet:
-    try:
-        uid, cpus = parse_spec(data)
-    except CdiError as exc:
-        raise CdiError(f"CDI spec {str(path)!r}: {exc}") from exc
-    if uid != claim_uid:
-        raise CdiError(f"CDI spec {str(path)!r} is for claim {uid}, not {claim_uid}")
-    return cpus
-
-
-@dataclass(frozen=True, slots=True)
-class CdiDirScan:
-    """What :func:`scan_dir` found: our spec files (content or read error), temp and probe files.
-
-    ``specs`` maps claim UID → bytes, or the :class:`CdiError` when the file could not be read.
-    ``ages`` maps the claim UID of each spec in ``specs`` to the age of the file (seconds since
-    its last modification; 0 when unknown). ``leftovers`` maps the name of each of our temp /
-    probe files to its age.
-    """
-
-    specs: dict[str, bytes | CdiError] = field(default_factory=dict)
-    ages: dict[str, float] = field(default_factory=dict)
-    leftovers: dict[str, float] = field(default_factory=dict)
-
-
-def _age(path: Path, now: float) -> float | None:
-    """Seconds since ``path`` (not followed) was modified; ``None`` when it is gone."""
-    try:
-        return max(0.0, now - os.lstat(path).st_mtime)
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return 0.0
-
-
-def scan_dir(cdi_dir: str | os.PathLike[str], *, only: Collection[str] | None = None) -> CdiDirScan:
-    """Read our spec files (all, or only those of the claim UIDs in ``only``).
-
-    A missing dir is empty. Other vendors' files are not opened. With ``only``, the directory is
-    not listed and no leftovers are reported.
-    """
-    directory = Path(cdi_dir)
-    scan = CdiDirScan()
-    now = time.time()
-    if only is None:
-        try:
-            names = os.listdir(directory)
-        except FileNotFoundError:
-            return scan
-        except OSError as exc:
-            raise CdiError(
-                f"cannot list CDI dir {str(directory)!r}: {exc.strerror or exc}"
-            ) from exc
-    else:
-        names = [spec_file_name(uid) for uid in only if is_valid_claim_uid(uid)]
-    for name in names:
-        path = directory / name
-        owner = claim_uid_from_file_name(name)
-        if owner is not None:
-            age = _age(path, now)
-            if age is None:
-                continue  # absent, or removed since listing
-            try:
-                scan.specs[owner] = _read_regular(path)
-            except FileNotFoundError:
-                continue
-            except CdiError as exc:
-                scan.specs[owner] = exc
-            scan.ages[owner] = age
-        elif is_our_temp_file(name) or is_our_probe_file(name):
-            age = _age(path, now)
-            if age is not None:
-                scan.leftovers[name] = age
-    return scan
-
-
-def list_our_specs(cdi_dir: str | os.PathLike[str]) -> dict[str, CpuSet | CdiError]:
-    """Every spec file of ours in the dir: claim UID → cpuset, or the error reading/parsing it."""
-    directory = Path(cdi_dir)
-    result: dict[str, CpuSet | CdiError] = {}
-    for uid, content in scan_dir(directory).specs.items():
-        if isinstance(content, CdiError):
-            result[uid] = content
-            continue
-        try:
-            result[uid] = _parse_file(directory / spec_file_name(uid), uid, content)
-        except CdiError as exc:
-            result[uid] = exc
-    return result

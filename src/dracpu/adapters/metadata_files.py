@@ -25,15 +25,14 @@ bound. Every ``OSError`` becomes a :class:`~dracpu.errors.CdiError` naming the p
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
 import os
 import shutil
 import stat
 from collections.abc import Callable, Iterable
 
-from dracpu.adapters.cdi_files import ensure_dir, temp_target, write_atomically
+from dracpu.adapters.cdi_files import ensure_dir, temp_target, write_changed
+from dracpu.adapters.file_scan import read_ours
 from dracpu.core.cdi_spec import is_valid_claim_uid
 from dracpu.core.checkpoint_schema import PreparedClaim
 from dracpu.core.device_metadata import (
@@ -48,7 +47,6 @@ from dracpu.errors import CdiError
 
 __all__ = [
     "DIR_MODE",
-    "MAX_METADATA_BYTES",
     "delete_claim",
     "prune",
     "write_claim",
@@ -56,11 +54,6 @@ __all__ = [
 
 # The helper's metadataDirPerms (kubeletplugin/metadata.go): the runtime reads the files.
 DIR_MODE = 0o755
-# Largest metadata file read back (only to learn the claim UID of a helper-written dir): one
-# of ours for a 16384-CPU group is well below this.
-MAX_METADATA_BYTES = 4 << 20
-
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 # The Go helper's file in each request dir (kubeletplugin/metadata.go metadataFilePath).
 _HELPER_FILE_NAME = "metadata.json"
 
@@ -92,21 +85,10 @@ def write_claim(
     specs: list[str] = []
     for item in claim_files(config, claim, os.fspath(metadata_dir)):
         directory, name = os.path.split(item.host_path)
-        _write_changed(directory, name, item.document, "device metadata", _make_dir)
-        _write_changed(cdi, item.spec_name, item.spec, "device metadata CDI spec", ensure_dir)
+        write_changed(directory, name, item.document, "device metadata", _make_dir)
+        write_changed(cdi, item.spec_name, item.spec, "device metadata CDI spec", ensure_dir)
         specs.append(item.spec_name)
     return specs
-
-
-def _write_changed(
-    directory: str, name: str, data: bytes, what: str, make_dir: Callable[[str], None]
-) -> None:
-    try:
-        if _read_small(os.path.join(directory, name)) == data:
-            return
-    except CdiError:
-        pass  # unreadable: replace it
-    write_atomically(directory, name, data, what, make_dir)
 
 
 def _names(directory: str, what: str) -> list[str]:
@@ -245,19 +227,9 @@ def _helper_dir_owners(path: str) -> set[str]:
 
 
 def _read_small(path: str) -> bytes | None:
-    """A regular file of at most :data:`MAX_METADATA_BYTES`, not through a symlink; else None."""
+    """A regular file of ours, not through a symlink; ``None`` when there is none or it
+    cannot be read."""
     try:
-        fd = os.open(path, _READ_FLAGS)
-    except OSError as exc:
-        if exc.errno not in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR, errno.EACCES):
-            raise CdiError(f"cannot open {path!r}: {exc.strerror or exc}") from exc
+        return read_ours(path, "device metadata")
+    except CdiError:
         return None
-    with contextlib.closing(os.fdopen(fd, "rb")) as file:
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_METADATA_BYTES:
-                return None
-            data = file.read(MAX_METADATA_BYTES + 1)
-        except OSError as exc:
-            raise CdiError(f"cannot read {path!r}: {exc.strerror or exc}") from exc
-    return None if len(data) > MAX_METADATA_BYTES else data

@@ -1,19 +1,19 @@
 """The node state's files: CDI specs, device metadata, the checkpoint and the confined host
-cgroups' cpusets, the way the state owner uses them.
+cgroups' cpusets, the way the state owner, their one writer, uses them.
 
 The state owner (:mod:`dracpu.tasks.state_owner`) runs the file effects of
 :mod:`dracpu.core.effects` (``WriteCdiSpec``, ``DeleteCdiSpec``, ``PruneCdiSpecs``,
 ``WriteDeviceMetadata``, ``DeleteDeviceMetadata``, ``PruneDeviceMetadata``, ``WriteCheckpoint``,
 ``ConfineHostCgroups``) through :meth:`NodeFiles.run_batch`, and reads the files back at start
-(:meth:`NodeFiles.restore_checkpoint`, :meth:`NodeFiles.our_specs`); it writes the checkpoint of the
-state it holds with :meth:`NodeFiles.write_checkpoint` at start and while the state dir cannot be
-written (a test of it, see :mod:`dracpu.tasks.state_owner`). Every call blocks (a written checkpoint
-is ``fdatasync``-ed, a deleted spec's directory ``fsync``-ed): the owner makes them in a worker
-thread, never on the event loop. The formats and the crash-safety rules are
-:mod:`dracpu.adapters.cdi_files`, :mod:`dracpu.adapters.metadata_files`,
-:mod:`dracpu.adapters.checkpoint_file` and :mod:`dracpu.adapters.host_cgroups`; failures are their
-:class:`~dracpu.errors.CdiError` and :class:`~dracpu.errors.CheckpointError` (a host cgroup that
-cannot be confined is no failure: :meth:`NodeFiles.host_cgroups` reports it).
+(:meth:`NodeFiles.restore_checkpoint`, :meth:`NodeFiles.our_specs`); it tests a state dir or CDI
+dir that cannot be written with :meth:`NodeFiles.write_checkpoint` and
+:meth:`NodeFiles.check_cdi_dir`. Every call blocks (a written checkpoint is ``fdatasync``-ed, a
+deleted spec's directory ``fsync``-ed): the owner makes them in a worker thread, never on the
+event loop. The formats and the crash-safety rules are :mod:`dracpu.adapters.cdi_files`,
+:mod:`dracpu.adapters.metadata_files`, :mod:`dracpu.adapters.checkpoint_file` and
+:mod:`dracpu.adapters.host_cgroups`; failures are their :class:`~dracpu.errors.CdiError` and
+:class:`~dracpu.errors.CheckpointError` (a host cgroup that cannot be confined is no failure:
+:meth:`NodeFiles.host_cgroups` reports it).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from dracpu.adapters import cdi_files, checkpoint_file, metadata_files
+from dracpu.adapters import cdi_files, checkpoint_file, file_scan, metadata_files
 from dracpu.adapters.host_cgroups import CgroupState, HostCgroups
+from dracpu.core.cdi_spec import ClaimSpec
 from dracpu.core.checkpoint_schema import CheckpointData
-from dracpu.core.cpuset import CpuSet
 from dracpu.core.effects import (
     ConfineHostCgroups,
     DeleteCdiSpec,
@@ -88,14 +88,14 @@ class NodeFiles:
     def run(self, effect: Effect) -> None:
         """One file effect; raises :class:`~dracpu.errors.DracpuError` when it fails."""
         match effect:
-            case WriteCdiSpec(claim_uid=uid, cpus=cpus):
-                cdi_files.write_spec(self.cdi_dir, uid, cpus)
+            case WriteCdiSpec(claim_uid=uid, cpus=cpus, shared_pool=shared_pool):
+                cdi_files.write_spec(self.cdi_dir, uid, cpus, shared_pool)
             case DeleteCdiSpec(claim_uid=uid):
                 cdi_files.delete_spec(self.cdi_dir, uid)
             case PruneCdiSpecs(keep=keep):
-                removed = self._prune(keep)
+                removed = cdi_files.prune(self.cdi_dir, keep)
                 if removed:
-                    logger.info("removed CDI specs no prepared claim owns: %s", removed)
+                    logger.info("removed CDI files no prepared claim owns: %s", removed)
             case WriteDeviceMetadata(claim=claim, config=config):
                 metadata_files.write_claim(self.metadata_dir, self.cdi_dir, config, claim)
             case DeleteDeviceMetadata(claim_uid=uid, requests=requests):
@@ -134,24 +134,15 @@ class NodeFiles:
         :class:`~dracpu.errors.CheckpointError` when a slot cannot be read at all."""
         return self._checkpoint.restore()
 
-    def our_specs(self) -> dict[str, CpuSet | CdiError]:
-        """Our CDI specs by claim UID: the cpuset each holds, or why it cannot be read."""
-        return cdi_files.list_our_specs(self.cdi_dir)
+    def our_specs(self) -> dict[str, ClaimSpec | CdiError]:
+        """Our CDI specs by claim UID: what each says, or why it cannot be read."""
+        return file_scan.list_our_specs(self.cdi_dir)
 
-    def _prune(self, keep: frozenset[str]) -> list[str]:
-        """Delete our specs whose claim is not in ``keep``; the removed claim UIDs.
-
-        Raises :class:`CdiError` naming every spec that could not be removed (after trying all).
-        """
-        scan = cdi_files.scan_dir(self.cdi_dir)
-        removed: list[str] = []
-        errors: list[str] = []
-        for uid in sorted(scan.specs.keys() - keep):
-            try:
-                if cdi_files.delete_spec(self.cdi_dir, uid):
-                    removed.append(uid)
-            except CdiError as exc:
-                errors.append(str(exc))
-        if errors:
-            raise CdiError("; ".join(errors))
-        return removed
+    def check_cdi_dir(self, probe: bool) -> None:
+        """:class:`~dracpu.errors.CdiError` when the CDI dir cannot take specs: ``probe``, a
+        file created and removed in it (every runtime rescans the dir then); else a look at its
+        file system that writes nothing (read-only, full)."""
+        if probe:
+            cdi_files.check_writable(self.cdi_dir)
+        else:
+            file_scan.check_not_full(self.cdi_dir)

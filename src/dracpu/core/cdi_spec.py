@@ -1,4 +1,4 @@
-"""CDI specs of dracpu: build, encode and parse them, plan the CDI dir (pure).
+"""CDI specs of dracpu: build, encode and parse them (pure).
 
 One spec file per prepared claim (upstream ``pkg/driver/cdi.go`` since PR #154; the contract is in
 ``docs/devices.md``, "What Prepare writes")::
@@ -11,19 +11,25 @@ The runtime injects the env var into every container that asks for the device
 ``dra.k8s.io/cpu=claim-<claimUID>``; the NRI side reads it back (:func:`parse_env`) and checks it
 against its own prepared claims (fail closed).
 
+A claim whose containers also run on the shared pool (its opaque config's
+``cpuConfig.sharedPool``, ours) has a second env entry after the first,
+``DRA_SHARED_POOL_<claimUID>=true`` (:data:`SHARED_POOL_PREFIX`): the claim's own CPUs stay in
+``DRA_CPUSET_<claimUID>``, and the shared ones are the rest of the container's CPUs, which move as
+claims come and go while an env is fixed when the container is created, so the entry names no
+CPU (``docs/claim-config.md``). Its name does not start with ``DRA_CPUSET_``: every reader of
+that prefix (ours, :func:`parse_env`; upstream's NRI plugin) takes the rest of the name for a
+claim UID.
+
 :func:`validate_spec` (from :mod:`dracpu.core.cdi_validation`, re-exported here with the other
 names of that module) is an independent implementation of the rules the CDI library applies when
 it loads a spec. Tests use it to check what :func:`build_spec` produces.
-
-:func:`plan_reconcile` decides which spec files to write and remove so that the CDI directory holds
-exactly the specs of the prepared claims; ``tasks/cdi_watcher.py`` executes the plan.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +54,9 @@ __all__ = [
     "NEWEST_CDI_VERSION",
     "SPEC_FILE_PREFIX",
     "SPEC_FILE_SUFFIX",
-    "ReconcilePlan",
+    "SHARED_POOL_PREFIX",
+    "SHARED_POOL_VALUE",
+    "ClaimSpec",
     "build_spec",
     "check_claim_uid",
     "claim_uid_from_file_name",
@@ -59,9 +67,10 @@ __all__ = [
     "is_our_spec_file",
     "is_valid_claim_uid",
     "minimum_required_version",
+    "parse_claim_spec",
     "parse_env",
     "parse_spec",
-    "plan_reconcile",
+    "shared_pool_entry",
     "spec_bytes",
     "spec_file_name",
     "validate_spec",
@@ -80,6 +89,9 @@ CDI_CLASS = "cpu"
 CDI_KIND = f"{CDI_VENDOR}/{CDI_CLASS}"
 # Env var prefix: upstream cdiEnvVarPrefix "DRA_CPUSET" joined with "_" and the claim UID.
 ENV_PREFIX = "DRA_CPUSET_"
+# Ours: the env entry of a claim whose containers also run on the shared pool, and its value.
+SHARED_POOL_PREFIX = "DRA_SHARED_POOL_"
+SHARED_POOL_VALUE = "true"
 # Device names are "claim-<uid>" (upstream getCDIDeviceName).
 DEVICE_PREFIX = "claim-"
 # File names follow cdi.GenerateTransientSpecName("dra.k8s.io", "cpu", "claim-<uid>") + ".json"
@@ -96,6 +108,18 @@ _UUID_RE = re.compile(
 _FILE_RE = re.compile(
     re.escape(SPEC_FILE_PREFIX) + "(" + _UUID_RE.pattern + ")" + re.escape(SPEC_FILE_SUFFIX)
 )
+
+# --- what a spec says --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimSpec:
+    """What one claim's CDI spec says: the claim's CPUs (``DRA_CPUSET_<uid>``) and whether its
+    containers also run on the shared pool (``DRA_SHARED_POOL_<uid>=true``)."""
+
+    cpus: CpuSet
+    shared_pool: bool = False
+
 
 # --- names -------------------------------------------------------------------------------------
 
@@ -151,22 +175,26 @@ def env_entry(claim_uid: str, cpus: CpuSet) -> str:
 # --- build and encode --------------------------------------------------------------------------
 
 
-def build_spec(claim_uid: str, cpus: CpuSet) -> dict[str, Any]:
-    """The CDI spec of one claim, as a JSON-ready dict.
+def shared_pool_entry(claim_uid: str) -> str:
+    """``DRA_SHARED_POOL_<uid>=true``: the claim's containers also run on the shared pool."""
+    return f"{SHARED_POOL_PREFIX}{check_claim_uid(claim_uid)}={SHARED_POOL_VALUE}"
+
+
+def build_spec(claim_uid: str, cpus: CpuSet, shared_pool: bool = False) -> dict[str, Any]:
+    """The CDI spec of one claim, as a JSON-ready dict (``shared_pool``: with the second env
+    entry, after the claim's CPUs).
 
     Keys are in the order of the Go structs (``specs-go/config.go``). No spec-level
     ``containerEdits``: it is optional and would be empty (the Go driver emits ``{}`` only because
     ``omitempty`` does not apply to a struct).
     """
+    env = [env_entry(claim_uid, cpus)]
+    if shared_pool:
+        env.append(shared_pool_entry(claim_uid))
     return {
         "cdiVersion": CDI_VERSION,
         "kind": CDI_KIND,
-        "devices": [
-            {
-                "name": device_name(claim_uid),
-                "containerEdits": {"env": [env_entry(claim_uid, cpus)]},
-            }
-        ],
+        "devices": [{"name": device_name(claim_uid), "containerEdits": {"env": env}}],
     }
 
 
@@ -179,9 +207,9 @@ def encode_spec(spec: Mapping[str, Any]) -> bytes:
     return text.encode("ascii") + b"\n"
 
 
-def spec_bytes(claim_uid: str, cpus: CpuSet) -> bytes:
-    """``encode_spec(build_spec(claim_uid, cpus))``: the exact file content for a claim."""
-    return encode_spec(build_spec(claim_uid, cpus))
+def spec_bytes(claim_uid: str, cpus: CpuSet, shared_pool: bool = False) -> bytes:
+    """``encode_spec(build_spec(...))``: the exact file content for a claim."""
+    return encode_spec(build_spec(claim_uid, cpus, shared_pool))
 
 
 # --- parse ---------------------------------------------------------------------------------------
@@ -213,13 +241,20 @@ def _strict_cpuset(text: str, what: str) -> CpuSet:
 
 
 def parse_spec(data: bytes) -> tuple[str, CpuSet]:
-    """Parse one of OUR spec files; return ``(claim_uid, cpus)``.
+    """``(claim_uid, cpus)`` of one of OUR spec files (:func:`parse_claim_spec`)."""
+    uid, spec = parse_claim_spec(data)
+    return uid, spec.cpus
+
+
+def parse_claim_spec(data: bytes) -> tuple[str, ClaimSpec]:
+    """Parse one of OUR spec files; return ``(claim_uid, what it says)``.
 
     Strict, like the CDI loader (unknown fields and duplicate keys are errors), and strict about
-    our shape: kind ``dra.k8s.io/cpu``, one device ``claim-<uid>``, one env entry
-    ``DRA_CPUSET_<uid>=<cpuset>`` for the same uid, non-empty cpuset. Any cdiVersion the CDI
-    library accepts is allowed (so upstream's ``0.8.0`` files parse), and so is an empty spec-level
-    ``containerEdits`` (upstream writes ``{}``). Anything else raises :class:`CdiError`.
+    our shape: kind ``dra.k8s.io/cpu``, one device ``claim-<uid>``, the env entry
+    ``DRA_CPUSET_<uid>=<cpuset>`` for the same uid, non-empty cpuset, then
+    ``DRA_SHARED_POOL_<uid>=true`` or nothing. Any cdiVersion the CDI library accepts is allowed
+    (so upstream's ``0.8.0`` files parse), and so is an empty spec-level ``containerEdits``
+    (upstream writes ``{}``). Anything else raises :class:`CdiError`.
     """
     try:
         text = data.decode("utf-8")
@@ -260,14 +295,22 @@ def parse_spec(data: bytes) -> tuple[str, CpuSet]:
     if not is_valid_claim_uid(uid):
         raise CdiError(f"CDI device name {_quote(name)} is not claim-<claim UID>")
     edits = device["containerEdits"]
-    if set(edits) != {"env"} or len(edits["env"]) != 1:
-        raise CdiError(f"CDI device {name}: containerEdits must be exactly one env entry")
-    parsed = parse_env(edits["env"])
-    if set(parsed) != {uid}:
+    env = edits.get("env")
+    if set(edits) != {"env"} or len(env) not in (1, 2):
         raise CdiError(
-            f"CDI device {name}: env {_quote(edits['env'][0])} is not {ENV_PREFIX}{uid}=<cpuset>"
+            f"CDI device {name}: containerEdits must be the env entry {ENV_PREFIX}{uid}, "
+            f"maybe followed by {SHARED_POOL_PREFIX}{uid}"
         )
-    return uid, parsed[uid]
+    parsed = parse_env(env[:1])
+    if set(parsed) != {uid}:
+        raise CdiError(f"CDI device {name}: env {_quote(env[0])} is not {ENV_PREFIX}{uid}=<cpuset>")
+    shared = len(env) == 2
+    if shared and env[1] != shared_pool_entry(uid):
+        raise CdiError(
+            f"CDI device {name}: env {_quote(env[1])} is not "
+            f"{SHARED_POOL_PREFIX}{uid}={SHARED_POOL_VALUE}"
+        )
+    return uid, ClaimSpec(parsed[uid], shared)
 
 
 def parse_env(env: Sequence[str]) -> dict[str, CpuSet]:
@@ -300,58 +343,3 @@ def parse_env(env: Sequence[str]) -> dict[str, CpuSet]:
             )
         claims[uid] = cpus
     return claims
-
-
-# --- reconcile planning --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ReconcilePlan:
-    """What to do so that the CDI dir holds exactly the specs of the prepared claims.
-
-    ``create``: claims whose spec file is missing; ``repair``: claims whose spec file differs from
-    what we would write (edited, malformed, unreadable); ``remove``: claim UIDs of our spec files
-    that no prepared claim owns; ``invalid``: prepared claims no spec can be written for (bad UID,
-    empty cpuset), with the reason. Each tuple is sorted by claim UID.
-    """
-
-    create: tuple[tuple[str, CpuSet], ...] = ()
-    repair: tuple[tuple[str, CpuSet], ...] = ()
-    remove: tuple[str, ...] = ()
-    invalid: tuple[tuple[str, str], ...] = ()
-
-    def __bool__(self) -> bool:
-        return bool(self.create or self.repair or self.remove)
-
-
-def plan_reconcile(
-    existing: Mapping[str, bytes | None],
-    desired: Mapping[str, CpuSet],
-    *,
-    only: Collection[str] | None = None,
-) -> ReconcilePlan:
-    """Compare our spec files with the prepared claims.
-
-    ``existing`` maps the claim UID of each of our spec files to its content, or ``None`` when it
-    could not be read. ``desired`` maps each prepared claim to its cpuset. ``only`` restricts the
-    plan to those claim UIDs (a watcher event names a few files). A spec is correct only when its
-    bytes are exactly :func:`spec_bytes`.
-    """
-    create: list[tuple[str, CpuSet]] = []
-    repair: list[tuple[str, CpuSet]] = []
-    invalid: list[tuple[str, str]] = []
-    wanted = set(desired) if only is None else set(desired) & set(only)
-    for uid in sorted(wanted):
-        cpus = desired[uid]
-        try:
-            content = spec_bytes(uid, cpus)
-        except CdiError as exc:
-            invalid.append((uid, str(exc)))
-            continue
-        if uid not in existing:
-            create.append((uid, cpus))
-        elif existing[uid] != content:
-            repair.append((uid, cpus))
-    candidates = set(existing) if only is None else set(existing) & set(only)
-    remove = sorted(uid for uid in candidates if uid not in desired)
-    return ReconcilePlan(tuple(create), tuple(repair), tuple(remove), tuple(invalid))

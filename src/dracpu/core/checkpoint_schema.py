@@ -1,7 +1,7 @@
 """The checkpoint: what survives a restart of dracpu (and a reboot of the node), as versioned JSON.
 
 Only the prepared claims are persisted: containers are learnt again from NRI ``Synchronize``.
-Layout (version 4)::
+Layout (version 5)::
 
     {"checksum": "sha256:<hex>",
      "claims": {"<claimUID>": {"cpus": "4-5", "mems": "0" | null,
@@ -10,20 +10,21 @@ Layout (version 4)::
                                "podUids": ["<podUID>", ...],
                                "podNames": ["<pod name>", ...],
                                "copierPods": ["<podUID>", ...],
+                               "sharedPool": false,
                                "results": [{"request": "req", "pool": "node", "device": "dev",
                                             "consumedCpus": 2 | null, "cpuset": "4-5" | null}]}},
      "sequence": 7,
-     "version": 4}
+     "version": 5}
 
 ``checksum`` is the SHA-256 of the canonical JSON (sorted keys, no whitespace, ASCII) of the
-document without the ``checksum`` key, so a flipped byte or a truncated file is detected even
-when it still parses. ``sequence`` (an integer >= 1, covered by the checksum) numbers the writes:
-the checkpoint is kept in two slot files written in turn (:mod:`dracpu.adapters.checkpoint_file`),
-and the valid slot with the highest sequence is the newest. Versions 1 (written by earlier dracpu
+document without the ``checksum`` key, so a flipped byte or a truncated file is detected even when
+it still parses. ``sequence`` (an integer >= 1, covered by the checksum) numbers the writes: the
+checkpoint is kept in two slot files written in turn (:mod:`dracpu.adapters.checkpoint_file`), and
+the valid slot with the highest sequence is the newest. Versions 1 (written by earlier dracpu
 builds: without ``sequence``, ``podClaimName`` and ``podUids``; it decodes as sequence 0), 2
-(without ``podClaimName`` and ``podUids``) and 3 (without ``podNames`` and ``copierPods``) still
-decode, their claims without what their version lacks. Whitespace around the document (the
-spaces that pad a slot overwritten by a shorter document) is allowed.
+(without ``podClaimName`` and ``podUids``), 3 (without ``podNames`` and ``copierPods``) and 4
+(without ``sharedPool``) still decode, their claims without what their version lacks. Whitespace
+around the document (the spaces that pad a slot overwritten by a shorter document) is allowed.
 
 ``mems`` are NUMA node ids (``null``: no memory pinning). ``results`` are the claim's allocation
 results, needed to tell an idempotent re-prepare from a conflicting one and to write its device
@@ -39,7 +40,8 @@ adopted from its CDI spec, or decoded from version 1 or 2, which lack the key). 
 PodResources listing names them by (:mod:`dracpu.tasks.podresources_sync`); empty when not
 known. ``copierPods`` (sorted, distinct): UIDs of pods whose containers showed a copy of the
 claim's env and that a fresh look at the claim found not reserved for it; their containers are
-refused without another look or another warning.
+refused without another look or another warning. ``sharedPool``: the claim's containers also
+run on the shared pool (its opaque config's ``cpuConfig.sharedPool``; false before version 5).
 
 :func:`decode` refuses anything else with a :class:`CheckpointError` naming the problem: not
 UTF-8, not JSON, wrong shape, unknown version, bad checksum, bad field types, malformed or
@@ -70,10 +72,10 @@ __all__ = [
 ]
 
 # Bump on any incompatible change of the layout above (2: + "sequence"; 3: + "podClaimName",
-# "podUids"; 4: + "podNames", "copierPods").
-CHECKPOINT_VERSION = 4
+# "podUids"; 4: + "podNames", "copierPods"; 5: + "sharedPool").
+CHECKPOINT_VERSION = 5
 _LEGACY_VERSION = 1  # the layout of earlier builds: no "sequence"; decodes as sequence 0
-_KNOWN_VERSIONS = (_LEGACY_VERSION, 2, 3, CHECKPOINT_VERSION)
+_KNOWN_VERSIONS = (_LEGACY_VERSION, 2, 3, 4, CHECKPOINT_VERSION)
 _CHECKSUM_PREFIX = "sha256:"
 _SHA256_HEX_LEN = 64  # hashlib.sha256().hexdigest() length
 _TOP_KEYS = frozenset({"version", "checksum", "claims", "sequence"})
@@ -88,12 +90,20 @@ _CLAIM_KEYS = frozenset(
         "podUids",
         "podNames",
         "copierPods",
+        "sharedPool",
         "results",
     }
 )
-_CLAIM_KEYS_V3 = _CLAIM_KEYS - {"podNames", "copierPods"}
+_CLAIM_KEYS_V4 = _CLAIM_KEYS - {"sharedPool"}
+_CLAIM_KEYS_V3 = _CLAIM_KEYS_V4 - {"podNames", "copierPods"}
 _CLAIM_KEYS_V1 = _CLAIM_KEYS_V3 - {"podClaimName", "podUids"}  # versions 1 and 2
-_CLAIM_KEYS_OF = {1: _CLAIM_KEYS_V1, 2: _CLAIM_KEYS_V1, 3: _CLAIM_KEYS_V3, 4: _CLAIM_KEYS}
+_CLAIM_KEYS_OF = {
+    1: _CLAIM_KEYS_V1,
+    2: _CLAIM_KEYS_V1,
+    3: _CLAIM_KEYS_V3,
+    4: _CLAIM_KEYS_V4,
+    5: _CLAIM_KEYS,
+}
 _RESULT_KEYS = frozenset({"request", "pool", "device", "consumedCpus", "cpuset"})
 _FRAGMENT_SLACK = 64  # memoized claim fragments beyond 2x the live claims before a sweep
 
@@ -117,6 +127,8 @@ class PreparedClaim:
     ``copiers``: pods whose containers showed a copy of the claim's env and that a fresh look
     at the claim found not reserved for it (a pod's claims cannot change, so they never will
     be): their containers are refused without another look and another warning.
+    ``shared_pool``: its containers run on its CPUs and on the shared pool, which they follow
+    (``cpuConfig.sharedPool``; :mod:`dracpu.core.state_containers`).
     """
 
     claim_uid: str
@@ -129,6 +141,7 @@ class PreparedClaim:
     pod_claim_name: str | None = None
     pod_names: frozenset[str] = frozenset()
     copiers: frozenset[str] = frozenset()
+    shared_pool: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +191,7 @@ def _claim_doc(claim: PreparedClaim) -> dict[str, Any]:
         "podUids": sorted(claim.pod_uids),
         "podNames": sorted(claim.pod_names),
         "copierPods": sorted(claim.copiers),
+        "sharedPool": claim.shared_pool,
         "results": [_result_doc(r) for r in claim.results],
     }
 
@@ -349,6 +363,7 @@ def _decode_claim(uid: str, doc: object, keys: frozenset[str]) -> PreparedClaim:
         pod_claim_name=pod_claim_name,
         pod_names=_pods(uid, "podNames", doc.get("podNames", [])),
         copiers=_pods(uid, "copierPods", doc.get("copierPods", [])),
+        shared_pool=_flag(uid, "sharedPool", doc.get("sharedPool", False)),
     )
 
 
@@ -361,6 +376,12 @@ def _pods(uid: str, key: str, doc: object) -> frozenset[str]:
     if len(pods) != len(doc):
         raise CheckpointError(f"checkpoint claim {uid} {key} lists a pod twice: {doc!r}")
     return pods
+
+
+def _flag(uid: str, key: str, value: object) -> bool:
+    if type(value) is not bool:
+        raise CheckpointError(f"checkpoint claim {uid} {key} must be true or false, not {value!r}")
+    return value
 
 
 def _decode_result(uid: str, index: int, doc: object) -> DeviceResult:

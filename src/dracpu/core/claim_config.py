@@ -14,7 +14,8 @@ The parameters (``opaque.parameters``), upstream's schema (kubernetes-sigs/dra-d
      "cpuConfig": {"cpuset": "0-3",            # upstream: these CPUs, exactly
                    "policy": "packed",         # ours: packed | spread
                    "fullCores": true,          # ours: whole physical cores only
-                   "memory": "pin"}}           # ours: pin | none (cpuset.mems)
+                   "memory": "pin",            # ours: pin | none (cpuset.mems)
+                   "sharedPool": true}}        # ours: the claim's CPUs plus the shared pool
 
 - ``apiVersion`` must be ``v1alpha1`` (upstream refuses any other, and a missing one);
   ``cpuConfig`` must be an object. There is no ``kind``: upstream's type has none.
@@ -40,6 +41,8 @@ The rules beyond one field:
 - ``memory`` is one value per claim (its containers get one ``cpuset.mems``): results of one
   claim that resolve to ``pin`` and ``none`` are refused; a result without the field follows
   the others, and a claim without it the node's ``--memory-pinning``.
+- ``sharedPool`` is one value per claim too (its containers get one cpuset: the claim's CPUs,
+  plus the shared pool when true), with the same rule; a claim without it is ``false``.
 
 The node's ``allocator`` (upstream 0.3's key, ``internal/driverconfig``; grouped mode only:
 upstream's individual mode consults no allocator) changes what a cpuset means:
@@ -98,7 +101,7 @@ SOURCE_CLAIM = "FromClaim"
 SOURCE_CLASS = "FromClass"
 
 _TOP_FIELDS = ("apiVersion", "cpuConfig")
-_CPU_FIELDS = ("cpuset", "policy", "fullCores", "memory")
+_CPU_FIELDS = ("cpuset", "policy", "fullCores", "memory", "sharedPool")
 # Error messages quote at most this much of a bad value.
 _SHOWN_CHARS = 80
 
@@ -119,6 +122,7 @@ class CpuConfig:
     policy: Strategy | None = None
     full_cores: bool | None = None
     memory: Memory | None = None
+    shared_pool: bool | None = None
 
     def under(self, later: CpuConfig) -> CpuConfig:
         """This config with every field ``later`` sets replaced by ``later``'s."""
@@ -135,11 +139,13 @@ _NOTHING = CpuConfig()
 @dataclass(frozen=True, slots=True)
 class ClaimOverrides:
     """What a claim's opaque configs ask: its results (with ``cpuset``, ``strategy`` and
-    ``full_cores`` set from them) for :class:`~dracpu.core.commands.PrepareClaim`, and its
-    memory pinning (``None``: the node's default)."""
+    ``full_cores`` set from them) for :class:`~dracpu.core.commands.PrepareClaim`, its memory
+    pinning (``None``: the node's default) and whether its containers also run on the shared
+    pool."""
 
     results: tuple[DeviceResult, ...]
     pin_memory: bool | None = None
+    shared_pool: bool = False
 
 
 def _show(value: object) -> str:
@@ -207,16 +213,18 @@ def parse_parameters(parameters: object, where: str) -> CpuConfig:
     for key in cpu:
         if key not in _CPU_FIELDS:
             raise ClaimError(_unknown(where, "cpuConfig.", key, _CPU_FIELDS, ""))
-    cpuset, policy, full_cores, memory = (cpu.get(name) for name in _CPU_FIELDS)
-    if full_cores is not None and not isinstance(full_cores, bool):
-        raise ClaimError(
-            f"{where} cpuConfig.fullCores: {_show(full_cores)} is not a boolean (true or false)"
-        )
+    cpuset, policy, full_cores, memory, shared_pool = (cpu.get(name) for name in _CPU_FIELDS)
+    for name, value in (("fullCores", full_cores), ("sharedPool", shared_pool)):
+        if value is not None and not isinstance(value, bool):
+            raise ClaimError(
+                f"{where} cpuConfig.{name}: {_show(value)} is not a boolean (true or false)"
+            )
     return CpuConfig(
         cpuset=None if cpuset is None else _cpuset(where, cpuset),
         policy=None if policy is None else _choice(where, "cpuConfig.policy", policy, Strategy),
         full_cores=full_cores,
         memory=None if memory is None else _choice(where, "cpuConfig.memory", memory, Memory),
+        shared_pool=shared_pool,
     )
 
 
@@ -261,6 +269,19 @@ def _claim_memory(label: str, chosen: Mapping[str, Memory]) -> bool | None:
     return None if not values else values.pop() is Memory.PIN
 
 
+def _claim_shared_pool(label: str, chosen: Mapping[str, bool]) -> bool:
+    """The claim's one ``sharedPool`` out of its results' (request -> value)."""
+    if len(set(chosen.values())) > 1:
+        shared = sorted(r for r, v in chosen.items() if v)
+        alone = sorted(r for r, v in chosen.items() if not v)
+        raise ClaimError(
+            f"{label}: cpuConfig.sharedPool is true for request {shared[0]!r} but false for "
+            f"request {alone[0]!r}; it is one setting for the whole claim (its containers get "
+            "one cpuset)"
+        )
+    return any(chosen.values())
+
+
 def claim_overrides(allocation: ClaimAllocation, allocator: str | None = None) -> ClaimOverrides:
     """The claim's results with what its opaque configs ask, and its memory pinning.
 
@@ -303,7 +324,10 @@ def claim_overrides(allocation: ClaimAllocation, allocator: str | None = None) -
                 )
             )
     memory = {ref: c.memory for ref, c in by_request.items() if c.memory is not None}
-    return ClaimOverrides(tuple(results), _claim_memory(label, memory))
+    shared = {ref: c.shared_pool for ref, c in by_request.items() if c.shared_pool is not None}
+    return ClaimOverrides(
+        tuple(results), _claim_memory(label, memory), _claim_shared_pool(label, shared)
+    )
 
 
 def _merged(

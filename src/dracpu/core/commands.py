@@ -12,6 +12,7 @@ Who sends what:
   :class:`InvalidateContainers` (the runtime failed an unsolicited ``UpdateContainers``),
   :class:`UpdateClaimPods` (a fresh look at a claim's ``status.reservedFor``);
 - the pod-resources sync: :class:`PodsListed`;
+- the CDI watcher: :class:`RepairNodeFiles` (our files on disk differ from the claims);
 - the state owner itself at start and on SIGHUP: :class:`AdoptClaims`, :class:`Resync`.
 
 A container's ``DRA_CPUSET_<claimUID>=<cpuset>`` environment becomes :class:`ClaimEnv` values
@@ -41,6 +42,7 @@ __all__ = [
     "PodsListed",
     "PrepareClaim",
     "RemoveContainer",
+    "RepairNodeFiles",
     "Resync",
     "RuntimeDisconnected",
     "StopContainer",
@@ -119,7 +121,9 @@ class PrepareClaim:
     claim with other pods (a shared claim gains consumers) updates the record (known pods are
     never emptied).
     ``pod_claim_name``: the claim's ``resource.kubernetes.io/pod-claim-name`` annotation (where
-    its device metadata appears in the container), ``None`` without one.
+    its device metadata appears in the container), ``None`` without one. ``shared_pool``: its
+    containers run on its CPUs and on the shared pool (its opaque config's
+    ``cpuConfig.sharedPool``).
     """
 
     claim_uid: str
@@ -130,6 +134,7 @@ class PrepareClaim:
     pod_uids: frozenset[str] = frozenset()
     pod_claim_name: str | None = None
     pod_names: frozenset[str] = frozenset()
+    shared_pool: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,10 +148,12 @@ class UnprepareClaim:
 
 @dataclass(frozen=True, slots=True)
 class AdoptedClaim:
-    """A claim found on disk (a CDI spec of ours) that the checkpoint does not know."""
+    """A claim found on disk (a CDI spec of ours) that the checkpoint does not know, and
+    whether its spec names the shared pool."""
 
     claim_uid: str
     cpus: CpuSet
+    shared_pool: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +238,16 @@ class Resync:
     reserved: CpuSet | None = None
     pin_memory: bool | None = None
     host_cgroups: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RepairNodeFiles:
+    """The files of these claims (their CDI spec, their device metadata) differ from what the
+    claims need: put them right, as the state holds the claims when the command is applied (a
+    prepared claim's files written, a claim not prepared here has its files removed).
+    ``claim_uids=None``: every claim's files, and everything of ours no claim owns removed."""
+
+    claim_uids: frozenset[str] | None = None
 
 
 # --- containers -----------------------------------------------------------------------------------
@@ -366,6 +383,7 @@ Command = (
     | AdoptClaims
     | PodsListed
     | Resync
+    | RepairNodeFiles
     | CreateContainer
     | UpdateContainer
     | StopContainer

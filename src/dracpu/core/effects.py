@@ -66,10 +66,12 @@ class Reply:
 
 @dataclass(frozen=True, slots=True)
 class WriteCdiSpec:
-    """(Re)write ``<cdi-dir>/dra.k8s.io-cpu_claim-<uid>.json`` with ``DRA_CPUSET_<uid>=<cpus>``."""
+    """(Re)write ``<cdi-dir>/dra.k8s.io-cpu_claim-<uid>.json`` with ``DRA_CPUSET_<uid>=<cpus>``
+    (and ``DRA_SHARED_POOL_<uid>=true`` when ``shared_pool``)."""
 
     claim_uid: str
     cpus: CpuSet
+    shared_pool: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -382,7 +384,8 @@ def _names(names: tuple[str, ...]) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Resynced:
-    """Answer to Resync: how many claims' CDI specs (and device metadata) were rewritten; what a
+    """Answer to Resync: how many prepared claims' files (CDI spec, device metadata) are put
+    right after the answer (each written unless it holds its bytes already); what a
     SIGHUP changed (``None``: nothing was read again); the shared containers moved to the new
     pool at once (``repinned``, unsolicited updates) or waiting for their next event
     (``waiting``: the runtime does not take unsolicited updates)."""
@@ -394,7 +397,7 @@ class Resynced:
 
     def describe(self) -> str:
         """One line: everything that changed."""
-        parts = [f"CDI specs of {self.claims} prepared claims rewritten"]
+        parts = [f"files of {self.claims} prepared claims checked"]
         changes = [] if self.changed is None else self.changed.parts()
         parts.extend(changes or ["node unchanged"])
         if self.repinned:

@@ -26,6 +26,13 @@ stays UNHEALTHY for the pods using it, instead of vanishing from the list (the k
 show Unknown after its timeout) or turning HEALTHY with the CPU gone (a group). A device no
 claim holds is simply left out (no pod shows it).
 
+A device is also UNHEALTHY while a prepared claim it was allocated to has a file that could
+not be written (:func:`claim_device_problems`: its CDI spec or device metadata; the state owner
+keeps the reasons until a write of that file works), with the reason in the message. A grouped
+device serves several claims: it shows the problem of any of them, as upstream's
+``markClaimDevicesHealth`` marks a claim's allocated devices (dra-driver-cpu
+``pkg/driver/health.go``).
+
 ``since``: the Unix time (seconds) at which the device's health (status or message) last
 changed, or at which the device was first assessed: ``DeviceHealth.last_updated_time`` of the
 kubelet's API.
@@ -36,8 +43,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from types import MappingProxyType
 
+from dracpu.core.checkpoint_schema import PreparedClaim
 from dracpu.core.cpuset import CpuSet
+from dracpu.core.node_config import NodeConfig
 from dracpu.core.slices import Device
 
 __all__ = [
@@ -45,6 +55,7 @@ __all__ = [
     "DeviceHealth",
     "HealthStatus",
     "assess",
+    "claim_device_problems",
     "offline_message",
     "reported_devices",
 ]
@@ -79,10 +90,34 @@ class DeviceHealth:
 def offline_message(cpus: CpuSet) -> str:
     """Why a device is unhealthy: ``"cpu 5 is offline"``, ``"cpus 5,7-9 are offline"`` (the
     Linux list syntax), cut to :data:`MAX_MESSAGE_CHARS` as the kubelet would."""
-    text = f"cpu {cpus} is offline" if len(cpus) == 1 else f"cpus {cpus} are offline"
+    return _cut(f"cpu {cpus} is offline" if len(cpus) == 1 else f"cpus {cpus} are offline")
+
+
+def _cut(text: str) -> str:
     if len(text) > MAX_MESSAGE_CHARS:
-        text = text[: MAX_MESSAGE_CHARS - len(_ELLIPSIS)] + _ELLIPSIS
+        return text[: MAX_MESSAGE_CHARS - len(_ELLIPSIS)] + _ELLIPSIS
     return text
+
+
+def claim_device_problems(
+    config: NodeConfig, claims: Mapping[str, PreparedClaim], problems: Mapping[str, str]
+) -> dict[str, str]:
+    """``problems`` (claim UID → why its files could not be written) by device: the devices of
+    each prepared claim's results, or for a claim without results (adopted from its CDI spec)
+    the published devices holding its CPUs; a device of several such claims gets their
+    messages joined, each naming its claim."""
+    by_device: dict[str, list[str]] = {}
+    for uid in sorted(problems):
+        claim = claims.get(uid)
+        if claim is None:
+            continue
+        if claim.results:
+            names = {result.device for result in claim.results}
+        else:
+            names = {n for n, d in config.devices.items() if not d.cpus.isdisjoint(claim.cpus)}
+        for name in sorted(names):
+            by_device.setdefault(name, []).append(f"claim {uid}: {problems[uid]}")
+    return {name: "; ".join(messages) for name, messages in by_device.items()}
 
 
 def assess(
@@ -91,16 +126,21 @@ def assess(
     *,
     now: int,
     previous: Iterable[DeviceHealth] = (),
+    problems: Mapping[str, str] = MappingProxyType({}),
 ) -> tuple[DeviceHealth, ...]:
-    """The health of ``devices`` (in their order) with the ``online`` CPUs online, at Unix
-    second ``now``. A device whose status and message are those of its entry in ``previous``
-    keeps that entry's ``since``; any other gets ``now``."""
+    """The health of ``devices`` (in their order) with the ``online`` CPUs online and the
+    claims' file ``problems`` by device (:func:`claim_device_problems`), at Unix second
+    ``now``. A device whose status and message are those of its entry in ``previous`` keeps
+    that entry's ``since``; any other gets ``now``."""
     before = {health.device: health for health in previous}
     assessed: list[DeviceHealth] = []
     for device in devices:
         lost = device.cpus - online
-        if lost:
-            status, message = HealthStatus.UNHEALTHY, offline_message(lost)
+        reasons = [offline_message(lost)] if lost else []
+        if device.name in problems:
+            reasons.append(problems[device.name])
+        if reasons:
+            status, message = HealthStatus.UNHEALTHY, _cut("; ".join(reasons))
         else:
             status, message = HealthStatus.HEALTHY, ""
         old = before.get(device.name)

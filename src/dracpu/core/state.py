@@ -30,7 +30,8 @@ Rules (each checked by :func:`check_invariants` after every command in the prope
    are not known goes to the first pod that uses it (``NodeState.owners``) until it is
    unprepared (fail closed: a spoofed or copied env is an error for CreateContainer).
 7. When a container with a claim starts, the same reply moves every shared container off the
-   claim's CPUs.
+   claim's CPUs, and every container of a shared-pool claim (``PreparedClaim.shared_pool``:
+   pinned to its claims' CPUs plus the pool) off the CPUs that are not its own.
 8. Every container's pin carries the number of the decision that chose it, never above
    ``pin_seq``, which only grows.
 
@@ -77,6 +78,7 @@ from dracpu.core.commands import (
     PodsListed,
     PrepareClaim,
     RemoveContainer,
+    RepairNodeFiles,
     Resync,
     RuntimeDisconnected,
     StopContainer,
@@ -107,9 +109,11 @@ from dracpu.core.state_claims import (
     metadata_files,
     pods_listed,
     prepare,
+    repair,
     resync,
     unprepare,
     update_claim_pods,
+    write_spec,
 )
 from dracpu.core.state_containers import (
     create_container,
@@ -172,6 +176,8 @@ def apply(state: NodeState, command: Command) -> tuple[NodeState, list[Effect]]:
                 return adopt(state, command)
             case Resync():
                 return resync(state, command)
+            case RepairNodeFiles():
+                return repair(state, command)
             case _:
                 assert_never(command)
     except DracpuError as error:
@@ -240,7 +246,7 @@ def rollback(old: NodeState, started: Sequence[Effect], error: DracpuError) -> l
                     continue
                 seen.add(("cdi", uid))
                 claim = old.claims.get(uid)
-                undo.append(DeleteCdiSpec(uid) if claim is None else WriteCdiSpec(uid, claim.cpus))
+                undo.append(DeleteCdiSpec(uid) if claim is None else write_spec(claim))
             case (
                 WriteDeviceMetadata(claim=PreparedClaim(claim_uid=uid))
                 | DeleteDeviceMetadata(claim_uid=uid)
@@ -339,6 +345,13 @@ def check_invariants(state: NodeState, previous: NodeState | None = None) -> Non
         fail("the shared pool is empty but shared containers were given CPUs")
     if config.host_cgroups and not state.host_pool:
         fail(f"host cgroups {config.host_cgroups} are listed but no CPU is shared or reserved")
+    mixed = frozenset(
+        cid
+        for cid, r in state.containers.items()
+        if any(uid in state.claims and state.claims[uid].shared_pool for uid in r.claims)
+    )
+    if mixed != state.mixed:
+        fail(f"mixed container ids {sorted(state.mixed)} != containers of shared-pool claims")
     for uid in state.owners:
         if uid not in state.claims:
             fail(f"claim {uid} has an owner but is not prepared")
@@ -351,7 +364,10 @@ def check_invariants(state: NodeState, previous: NodeState | None = None) -> Non
         if missing:
             fail(f"container {cid} uses claims {missing} that are not prepared")
         held = CpuSet.union(state.claims[uid].cpus for uid in record.claims)
-        if record.cpus != held:
+        if cid in mixed:
+            if record.cpus and not held <= record.cpus:
+                fail(f"container {cid} is pinned to {record.cpus} without its claims' {held}")
+        elif record.cpus != held:
             fail(f"container {cid} is pinned to {record.cpus}, its claims hold {held}")
         for uid in record.claims:
             owner = state.owners.get(uid)
@@ -361,3 +377,9 @@ def check_invariants(state: NodeState, previous: NodeState | None = None) -> Non
             overlap = state.containers[sid].cpus & held
             if overlap:
                 fail(f"shared container {sid} runs on cpus {overlap} of running container {cid}")
+        for mid in mixed - {cid}:
+            other = state.containers[mid]
+            own = CpuSet.union(state.claims[uid].cpus for uid in other.claims)
+            overlap = (other.cpus - own) & held - own
+            if overlap:
+                fail(f"container {mid} shares cpus {overlap} of running container {cid}")

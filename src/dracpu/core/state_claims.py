@@ -21,9 +21,11 @@ from dracpu.core.cdi_spec import is_valid_claim_uid
 from dracpu.core.checkpoint_schema import PreparedClaim
 from dracpu.core.commands import (
     AdoptClaims,
+    AdoptedClaim,
     DeviceResult,
     PodsListed,
     PrepareClaim,
+    RepairNodeFiles,
     Resync,
     UnprepareClaim,
     UpdateClaimPods,
@@ -53,7 +55,7 @@ from dracpu.core.effects import (
 )
 from dracpu.core.node_config import NodeConfig
 from dracpu.core.reconfigure import reconfigure
-from dracpu.core.state_containers import unsolicited_widening
+from dracpu.core.state_containers import claims_cpus, unsolicited_widening
 from dracpu.core.state_values import NodeState, mutable
 from dracpu.core.topology import Topology
 from dracpu.errors import AllocationError, ClaimConflictError, ClaimError, InsufficientCpusError
@@ -66,16 +68,24 @@ __all__ = [
     "pods_listed",
     "prepare",
     "release_files",
+    "repair",
+    "repair_files",
     "resync",
     "unprepare",
     "update_claim_pods",
+    "write_spec",
 ]
 
 
 def claim_files(config: NodeConfig, claim: PreparedClaim) -> list[Effect]:
     """The effects that (re)write a prepared claim's files, in order: its CDI spec, then its
     device metadata (:func:`metadata_files`)."""
-    return [WriteCdiSpec(claim.claim_uid, claim.cpus), *metadata_files(config, claim)]
+    return [write_spec(claim), *metadata_files(config, claim)]
+
+
+def write_spec(claim: PreparedClaim) -> WriteCdiSpec:
+    """The effect that (re)writes a prepared claim's CDI spec."""
+    return WriteCdiSpec(claim.claim_uid, claim.cpus, claim.shared_pool)
 
 
 def metadata_files(config: NodeConfig, claim: PreparedClaim) -> list[Effect]:
@@ -110,6 +120,39 @@ def release_files(claim_uid: str, claim: PreparedClaim | None) -> list[Effect]:
     the release of a leaked claim (a pod-resources listing) both use this."""
     requests = requests_of(claim.results) if claim is not None and claim.results else None
     return [DeleteCdiSpec(claim_uid), DeleteDeviceMetadata(claim_uid, requests)]
+
+
+def repair_files(state: NodeState, uids: frozenset[str] | None) -> list[Effect]:
+    """The effects that put the files of the claims ``uids`` right, as ``state`` holds the
+    claims: a prepared claim's written (:func:`claim_files`), a claim not prepared here has its
+    files removed (:func:`release_files`). ``None``: every prepared claim's files, all CDI specs
+    before any device metadata (a metadata dir that cannot be written keeps no spec from being
+    written), and whatever of ours no claim owns pruned."""
+    claims = state.claims
+    if uids is not None:
+        return [
+            effect
+            for uid in sorted(uids)
+            for effect in (
+                claim_files(state.config, claims[uid])
+                if uid in claims
+                else release_files(uid, None)
+            )
+        ]
+    keep = frozenset(claims)
+    return [
+        *(write_spec(claims[uid]) for uid in sorted(keep)),
+        PruneCdiSpecs(keep),
+        *(effect for uid in sorted(keep) for effect in metadata_files(state.config, claims[uid])),
+        PruneDeviceMetadata(keep),
+    ]
+
+
+def repair(state: NodeState, command: RepairNodeFiles) -> tuple[NodeState, list[Effect]]:
+    """The files go right after the reply, each on its own: a claim whose file cannot be
+    written does not keep the others' from being written, and nothing is rolled back (the
+    state does not change)."""
+    return state, [Reply(None), *repair_files(state, command.claim_uids)]
 
 
 def _normalized(results: Iterable[DeviceResult]) -> tuple[DeviceResult, ...]:
@@ -372,6 +415,7 @@ def prepare(state: NodeState, command: PrepareClaim) -> tuple[NodeState, list[Ef
                 pod_names=names,
                 pod_claim_name=command.pod_claim_name,
                 mems=_claim_mems(state.config, existing.cpus, command.pin_memory),
+                shared_pool=command.shared_pool,
             )
         claims = mutable(state.claims)
         claims[uid] = claim
@@ -399,6 +443,7 @@ def prepare(state: NodeState, command: PrepareClaim) -> tuple[NodeState, list[Ef
         pod_uids=command.pod_uids,
         pod_claim_name=command.pod_claim_name,
         pod_names=command.pod_names,
+        shared_pool=command.shared_pool,
     )
     claims = mutable(state.claims)
     claims[uid] = claim
@@ -446,12 +491,14 @@ def _release(state: NodeState, uids: Iterable[str]) -> NodeState:
         owners.pop(uid, None)
         gone.add(uid)
     containers = state.containers
+    mixed = state.mixed
     stale = [cid for cid, r in containers.items() if not gone.isdisjoint(r.claims)]
     if stale:
         kept = mutable(containers)
         for cid in stale:
             del kept[cid]
         containers = MappingProxyType(kept)
+        mixed = mixed.difference(stale)
     unlisted = state.unlisted
     if not gone.isdisjoint(unlisted):
         unlisted = MappingProxyType({u: t for u, t in unlisted.items() if u not in gone})
@@ -461,6 +508,7 @@ def _release(state: NodeState, uids: Iterable[str]) -> NodeState:
         claimed=state.claimed - CpuSet.from_mask(freed),
         owners=MappingProxyType(owners),
         containers=containers,
+        mixed=mixed,
         unlisted=unlisted,
     )
 
@@ -582,9 +630,10 @@ def pods_listed(state: NodeState, command: PodsListed) -> tuple[NodeState, list[
 
 
 def _adopt_one(
-    state: NodeState, claims: dict[str, PreparedClaim], claimed: CpuSet, uid: str, cpus: CpuSet
+    state: NodeState, claims: dict[str, PreparedClaim], claimed: CpuSet, item: AdoptedClaim
 ) -> str | None:
     """Why a claim cannot be adopted, or ``None`` (then ``claims`` holds it)."""
+    uid, cpus = item.claim_uid, item.cpus
     if not is_valid_claim_uid(uid):
         return "the UID is not an RFC 4122 UUID"
     if not cpus:
@@ -602,7 +651,9 @@ def _adopt_one(
         return "it would leave no CPU for the shared containers"
     if config.host_cgroups and not (left or config.reserved & config.topology.online):
         return "it would leave no CPU for the confined host cgroups"
-    claims[uid] = PreparedClaim(uid, cpus, mems=_claim_mems(state.config, cpus, None))
+    claims[uid] = PreparedClaim(
+        uid, cpus, mems=_claim_mems(state.config, cpus, None), shared_pool=item.shared_pool
+    )
     return None
 
 
@@ -613,7 +664,7 @@ def adopt(state: NodeState, command: AdoptClaims) -> tuple[NodeState, list[Effec
     rejected: list[tuple[str, str]] = []
     for item in command.claims:
         fresh = item.claim_uid not in claims
-        reason = _adopt_one(state, claims, claimed, item.claim_uid, item.cpus)
+        reason = _adopt_one(state, claims, claimed, item)
         if reason is not None:
             rejected.append((item.claim_uid, reason))
         elif fresh:
@@ -646,20 +697,19 @@ def resync(state: NodeState, command: Resync) -> tuple[NodeState, list[Effect]]:
     repinned = sum(len(e.updates) for e in after if isinstance(e, UpdateContainers))
     pool = new.shared_pool
     waiting = sum(1 for cid in new.shared if pool and new.containers[cid].cpus != pool)
-    uids = sorted(new.claims)
-    keep = frozenset(uids)
-    # The claims' CDI specs (what pins their CPUs) all before any device metadata: a metadata
-    # write that fails (its dir unwritable) ends the commit phase, and must not keep a CDI spec
-    # from being written or an orphan spec from being pruned.
+    waiting += sum(
+        1
+        for cid in new.mixed
+        if new.containers[cid].cpus != claims_cpus(new, new.containers[cid]) | pool
+    )
+    # The files are put right after the reply, each on its own (:func:`repair`): a CDI dir
+    # that cannot be written keeps no SIGHUP from applying the node's new config.
     return new, [
-        *(WriteCdiSpec(uid, new.claims[uid].cpus) for uid in uids),
-        PruneCdiSpecs(keep),
-        *(effect for uid in uids for effect in metadata_files(new.config, new.claims[uid])),
-        PruneDeviceMetadata(keep),
         # Always, even with no cgroup listed: a SIGHUP (or a start) without the option puts
         # back what an earlier confinement found.
         ConfineHostCgroups(new.config.host_cgroups, new.host_pool),
         PublishSlices(tuple(new.config.devices.values())),
-        Reply(Resynced(len(uids), changed, repinned, waiting)),
+        Reply(Resynced(len(new.claims), changed, repinned, waiting)),
         *after,
+        *repair_files(new, None),
     ]

@@ -19,6 +19,11 @@ NRI task reads the claim again (:func:`unreserved_claims` says which claims, the
 after its Prepare. A claim whose pods are not known (adopted from its CDI spec, prepared by an
 earlier build, reserved for no pod) goes to the first pod one of whose containers shows its env
 (``NodeState.owners``), and its containers alone use it until Unprepare.
+
+A claim prepared with ``cpuConfig.sharedPool`` (``PreparedClaim.shared_pool``) pins its
+containers to its CPUs plus the shared pool (``NodeState.mixed``): they follow the pool as the
+shared containers do, in the same replies and unsolicited updates (:func:`_pool_updates`), and
+the pool never holds a CPU of any claim, so no one else's claim is touched.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from dracpu.errors import (
 )
 
 __all__ = [
+    "claims_cpus",
     "create_container",
     "forget_container",
     "invalidate",
@@ -145,6 +151,54 @@ def _taken(state: NodeState, uids: Iterable[str]) -> list[str]:
     return [uid for uid in uids if not state.claims[uid].pod_uids]
 
 
+def claims_cpus(state: NodeState, record: ContainerRecord) -> CpuSet:
+    """The CPUs of the claims a container uses."""
+    return CpuSet.union(state.claims[uid].cpus for uid in record.claims)
+
+
+def _follows_pool(state: NodeState, uids: Iterable[str]) -> bool:
+    """Do the containers of these (prepared) claims also run on the shared pool?"""
+    return any(state.claims[uid].shared_pool for uid in uids)
+
+
+def _mixed_updates(
+    state: NodeState,
+    containers: dict[str, ContainerRecord],
+    mixed: Iterable[str],
+    pool: CpuSet,
+    seq: int,
+    skip: str = "",
+) -> list[ContainerUpdate]:
+    """Pin every container of ``mixed`` (but ``skip``) whose cpuset is not its claims' CPUs plus
+    ``pool`` to those, in decision ``seq``, updating the records in ``containers``; the updates
+    to send (with the claims' ``mems``, the record's pin). An empty pool leaves them their
+    claims' CPUs."""
+    updates: list[ContainerUpdate] = []
+    for cid in sorted(mixed):
+        record = containers[cid]
+        cpus = claims_cpus(state, record) | pool
+        if record.cpus != cpus and cid != skip:
+            containers[cid] = _moved_record(record, cpus, seq)
+            updates.append(ContainerUpdate(cid, cpus, record.mems, seq))
+    return updates
+
+
+def _pool_updates(
+    state: NodeState,
+    containers: dict[str, ContainerRecord],
+    shared: Iterable[str],
+    mixed: Iterable[str],
+    seq: int,
+    skip: str = "",
+) -> list[ContainerUpdate]:
+    """Every container that follows the shared pool moved to ``state``'s pool: the shared
+    containers (:func:`_shared_updates`), then those of shared-pool claims."""
+    pool = state.shared_pool
+    updates = _shared_updates(containers, shared, pool, seq, skip)
+    updates.extend(_mixed_updates(state, containers, mixed, pool, seq, skip))
+    return updates
+
+
 def _shared_updates(
     containers: dict[str, ContainerRecord],
     shared: Iterable[str],
@@ -227,6 +281,7 @@ def create_container(state: NodeState, container: Container) -> tuple[NodeState,
     containers = mutable(state.containers)
     shared = set(state.shared)
     shared.discard(container.id)
+    mixed = state.mixed - {container.id}
     containers.pop(container.id, None)
     owners = state.owners
     pool = state.shared_pool
@@ -238,6 +293,9 @@ def create_container(state: NodeState, container: Container) -> tuple[NodeState,
             new_owners = mutable(owners)
             new_owners.update((uid, container.pod_uid) for uid in taken)
             owners = MappingProxyType(new_owners)
+        if _follows_pool(state, uids):
+            cpus |= pool
+            mixed |= {container.id}
         containers[container.id] = ContainerRecord(container, uids, cpus, mems, seq)
     else:
         if not pool:
@@ -248,11 +306,12 @@ def create_container(state: NodeState, container: Container) -> tuple[NodeState,
         cpus, mems = pool, None
         containers[container.id] = ContainerRecord(container, (), pool, None, seq)
         shared.add(container.id)
-    updates = _shared_updates(containers, shared, pool, seq, skip=container.id)
+    updates = _pool_updates(state, containers, shared, mixed, seq, skip=container.id)
     new = replace(
         state,
         containers=MappingProxyType(containers),
         shared=frozenset(shared),
+        mixed=mixed,
         owners=owners,
         pin_seq=seq,
     )
@@ -268,12 +327,14 @@ def forget_container(
     containers = mutable(state.containers)
     containers.pop(container_id, None)
     shared = state.shared - {container_id}
+    mixed = state.mixed - {container_id}
     seq = state.pin_seq + 1
-    updates = _shared_updates(containers, shared, state.shared_pool, seq) if send_updates else []
+    updates = _pool_updates(state, containers, shared, mixed, seq) if send_updates else []
     new = replace(
         state,
         containers=MappingProxyType(containers),
         shared=shared,
+        mixed=mixed,
         pin_seq=seq if updates else state.pin_seq,
     )
     return new, [Reply(ContainerForgotten(container_id, tuple(updates)))]
@@ -291,6 +352,7 @@ def synchronize(state: NodeState, command: Synchronize) -> tuple[NodeState, list
     pool = state.shared_pool
     containers: dict[str, ContainerRecord] = {}
     shared: set[str] = set()
+    mixed: set[str] = set()
     owners = mutable(state.owners)  # owners stay until Unprepare (upstream ClaimTracker.Cleanup)
     moved: list[ContainerUpdate] = []
     narrowed: list[ContainerUpdate] = []
@@ -309,6 +371,9 @@ def synchronize(state: NodeState, command: Synchronize) -> tuple[NodeState, list
             else:
                 uids = tuple(env.claim_uid for env in container.claims)
                 owners.update((uid, container.pod_uid) for uid in _taken(state, uids))
+                if _follows_pool(state, uids):
+                    cpus |= pool
+                    mixed.add(container.id)
                 containers[container.id] = ContainerRecord(container, uids, cpus, mems, seq)
                 narrowed.append(ContainerUpdate(container.id, cpus, mems, seq))
                 continue
@@ -323,6 +388,7 @@ def synchronize(state: NodeState, command: Synchronize) -> tuple[NodeState, list
         state,
         containers=MappingProxyType(containers),
         shared=frozenset(shared),
+        mixed=frozenset(mixed),
         owners=MappingProxyType(owners),
         unsolicited_updates=command.unsolicited_updates,
         containers_known=True,
@@ -335,15 +401,17 @@ def synchronize(state: NodeState, command: Synchronize) -> tuple[NodeState, list
 def invalidate(
     state: NodeState, failed: Iterable[tuple[str, int]]
 ) -> tuple[NodeState, list[Effect]]:
-    """The runtime failed these pins: a shared container whose record still holds the failed
-    decision gets an unknown cpuset, which the next reply that can carry updates sends again.
-    (A container decided anew meanwhile keeps that newer pin: it goes its own way; an exclusive
-    container never gets unsolicited updates.)"""
+    """The runtime failed these pins: a container that follows the shared pool (a shared one,
+    or one of a shared-pool claim) whose record still holds the failed decision gets an unknown
+    cpuset, which the next reply that can carry updates sends again. (A container decided anew
+    meanwhile keeps that newer pin: it goes its own way; a container on its claims' CPUs alone
+    never gets unsolicited updates.)"""
     containers = mutable(state.containers)
     changed = False
     for cid, seq in failed:
         record = containers.get(cid)
-        if record is not None and cid in state.shared and record.seq == seq:
+        follows = cid in state.shared or cid in state.mixed
+        if record is not None and follows and record.seq == seq:
             containers[cid] = replace(record, cpus=EMPTY)
             changed = True
     if not changed:
@@ -352,13 +420,14 @@ def invalidate(
 
 
 def unsolicited_widening(state: NodeState) -> tuple[NodeState, list[Effect]]:
-    """Post-commit updates moving shared containers to the (wider) pool, when the runtime
-    takes unsolicited updates; otherwise they catch up at the next container event."""
-    if not state.unsolicited_updates or not state.shared:
+    """Post-commit updates moving the containers that follow the shared pool to the (wider)
+    pool, when the runtime takes unsolicited updates; otherwise they catch up at the next
+    container event."""
+    if not state.unsolicited_updates or not (state.shared or state.mixed):
         return state, []
     containers = mutable(state.containers)
     seq = state.pin_seq + 1
-    updates = _shared_updates(containers, state.shared, state.shared_pool, seq)
+    updates = _pool_updates(state, containers, state.shared, state.mixed, seq)
     if not updates:
         return state, []
     new = replace(state, containers=MappingProxyType(containers), pin_seq=seq)

@@ -80,6 +80,9 @@ class NodeState:
     """Everything the state owner knows. Treat as immutable: ``apply`` builds a new one.
 
     ``claimed`` is the union of the claims' CPUs; ``shared`` the ids of the shared containers;
+    ``mixed`` the ids of the containers with a claim that also runs them on the shared pool
+    (``PreparedClaim.shared_pool``: pinned to their claims' CPUs plus the pool, which they
+    follow as the shared containers do);
     ``owners`` the pod (UID) that took each claim whose pods are not known (the first pod whose
     container showed its env; it keeps the claim until Unprepare); ``unlisted`` the claims
     missing from every pod-resources listing since the one taken at the time given (monotonic
@@ -96,6 +99,7 @@ class NodeState:
     claimed: CpuSet = EMPTY
     containers: Mapping[str, ContainerRecord] = field(default_factory=_no_containers)
     shared: frozenset[str] = frozenset()
+    mixed: frozenset[str] = frozenset()
     owners: Mapping[str, str] = field(default_factory=_no_owners)
     unlisted: Mapping[str, float] = field(default_factory=_no_misses)
     containers_known: bool = False

@@ -35,8 +35,8 @@ from typing import Any
 import yaml
 
 from dracpu import __version__
-from dracpu.adapters.cdi_files import list_our_specs
 from dracpu.adapters.checkpoint_file import read_newest
+from dracpu.adapters.file_scan import list_our_specs
 from dracpu.adapters.host_cgroups import RECORD_FILE
 from dracpu.adapters.sysfs import read_topology
 from dracpu.adapters.sysfs_overlay import build_overlay_root, load_overlay
@@ -251,6 +251,7 @@ def _checkpoint(process: DriverProcess, config: Config) -> Any:
                 "podUids": sorted(claim.pod_uids),
                 "podNames": sorted(claim.pod_names),
                 "copierPods": sorted(claim.copiers),
+                "sharedPool": claim.shared_pool,
             }
             for uid, claim in sorted(stored.data.claims.items())
         ],
@@ -258,9 +259,15 @@ def _checkpoint(process: DriverProcess, config: Config) -> Any:
 
 
 def _cdi_specs(process: DriverProcess, config: Config) -> Any:
+    """Each of our specs: the claim's cpuset (with `` and the shared pool`` for a claim whose
+    spec names the pool), or the error reading it."""
     return {
-        uid: str(value) if not isinstance(value, Exception) else {"error": str(value)}
-        for uid, value in sorted(list_our_specs(process.path(config.cdi_dir)).items())
+        uid: {"error": str(spec)}
+        if isinstance(spec, Exception)
+        else f"{spec.cpus} and the shared pool"
+        if spec.shared_pool
+        else str(spec.cpus)
+        for uid, spec in sorted(list_our_specs(process.path(config.cdi_dir)).items())
     }
 
 

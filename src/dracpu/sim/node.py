@@ -48,7 +48,7 @@ import signal
 import sys
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -236,6 +236,10 @@ class NodeSim:
         if self.daemons and self.daemon.returncode is None:
             raise SimError(f"dracpu run is already running (pid {self.daemon.pid})")
         self.paths.logs.mkdir(parents=True, exist_ok=True)
+        # A socket a killed daemon left behind is no sign of the new one: the kubelet's plugin
+        # watcher registers a socket when it is created (fsnotify), which the new daemon does by
+        # renaming a fresh socket over the path.
+        stale = self._socket_inodes()
         log_path = self.paths.logs / f"daemon-{len(self.daemons) + 1}.log"
         log_file = log_path.open("wb")
         env = {
@@ -251,17 +255,25 @@ class NodeSim:
         daemon = DaemonProcess(process, log_path, log_file)
         self.daemons.append(daemon)
         if register:
-            await self.register()
+            await self.register(stale)
         if not wait_ready:
             return 0.0
         return await daemon.wait_ready()
 
-    async def register(self) -> Registration:
-        """The kubelet's plugin watcher: wait for the registration socket, register it."""
+    def _socket_inodes(self) -> set[int]:
+        inodes: set[int] = set()
+        for path in self.kubelet.sockets():
+            with contextlib.suppress(FileNotFoundError):
+                inodes.add(path.lstat().st_ino)
+        return inodes
+
+    async def register(self, stale: Set[int] = frozenset()) -> Registration:
+        """The kubelet's plugin watcher: wait for a registration socket (not one of the
+        ``stale`` inodes a killed daemon left), register it."""
         daemon = self.daemon
         await wait_until(
             "the registration socket",
-            lambda: bool(self.kubelet.sockets()),
+            lambda: bool(self._socket_inodes() - stale),
             timeout=READY_TIMEOUT,
             failed=daemon.exited,
         )
@@ -494,11 +506,16 @@ class NodeSim:
         raise SimError(f"CDI spec {path} has no device claim-{claim_uid}")
 
     def cdi_cpus(self, claim_uid: str) -> str | None:
-        """The cpuset in the claim's CDI spec (``DRA_CPUSET_<uid>``), ``None`` without a file."""
-        if not self.paths.cdi_spec(claim_uid).exists():
-            return None
+        """The cpuset in the claim's CDI spec (``DRA_CPUSET_<uid>``), ``None`` without a file
+        (also one removed while it is read: a release in progress)."""
+        try:
+            env = self.cdi_env(claim_uid)
+        except SimError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError):
+                return None
+            raise
         key = f"DRA_CPUSET_{claim_uid}="
-        for entry in self.cdi_env(claim_uid):
+        for entry in env:
             if entry.startswith(key):
                 return entry[len(key) :]
         raise SimError(f"CDI spec of claim {claim_uid} has no {key.rstrip('=')} env")

@@ -65,6 +65,7 @@ def snapshot(
                 "podUids": sorted(claim.pod_uids),
                 "podNames": sorted(claim.pod_names),
                 "copierPods": sorted(claim.copiers),
+                "sharedPool": claim.shared_pool,
             }
             for uid, claim in sorted(state.claims.items())
         ]

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from types import ModuleType
@@ -122,6 +122,7 @@ class DeviceHealthBoard:
         self._clock = clock
         self._devices: tuple[Device, ...] = ()
         self._online: CpuSet | None = None
+        self._problems: Mapping[str, str] = {}
         self._health: tuple[DeviceHealth, ...] = ()
         self._generation = 0
         self._changed: anyio.Event | None = None  # made by the first waiter (needs a loop)
@@ -141,11 +142,23 @@ class DeviceHealthBoard:
         self._online = online
         self._assess()
 
+    def set_problems(self, problems: Mapping[str, str]) -> None:
+        """Why claims' files could not be written, by device
+        (:func:`dracpu.core.health.claim_device_problems`): those devices are unhealthy."""
+        self._problems = problems
+        self._assess()
+
     def _assess(self) -> None:
         online = self._online
         if online is None:
             online = CpuSet.union(device.cpus for device in self._devices)
-        health = assess(self._devices, online, now=int(self._clock()), previous=self._health)
+        health = assess(
+            self._devices,
+            online,
+            now=int(self._clock()),
+            previous=self._health,
+            problems=self._problems,
+        )
         if health == self._health:
             return
         _log_changes(self._health, health)

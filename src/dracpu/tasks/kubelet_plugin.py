@@ -253,6 +253,7 @@ class DraService:
                     name=ref.name,
                     results=overrides.results,
                     pin_memory=overrides.pin_memory,
+                    shared_pool=overrides.shared_pool,
                     pod_uids=allocation.pod_uids,
                     pod_names=allocation.pod_names,
                     pod_claim_name=allocation.pod_claim_name,

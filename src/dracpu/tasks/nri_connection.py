@@ -19,8 +19,9 @@ runtime's ``nri.pkg.api.v1alpha1.Runtime`` (containerd/nri ``pkg/net/multiplex``
    v0.12.1 (:func:`~dracpu.adapters.nri_messages.unsolicited_updates_supported`);
 4. the runtime calls ``Synchronize`` (possibly in parts, ``more``): the state owner gets every
    container (:class:`~dracpu.core.commands.Synchronize`) and the reply re-pins all of them;
-5. events: ``CreateContainer`` pins the new container (its claims' CPUs, or the shared pool) and
-   the same reply moves every shared container off newly claimed CPUs; ``UpdateContainer`` and
+5. events: ``CreateContainer`` pins the new container (its claims' CPUs, plus the shared pool
+   for a ``sharedPool`` claim, or the shared pool) and the same reply moves every container that
+   follows the pool off newly claimed CPUs; ``UpdateContainer`` and
    ``StopContainer`` answer likewise; ``RemoveContainer`` (dedicated RPC or ``StateChange``)
    forgets the container; the other Plugin methods answer UNIMPLEMENTED (code 12), so a v0.12
    runtime falls back to ``StateChange`` for events we did not subscribe to anyway;

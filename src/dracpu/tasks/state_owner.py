@@ -1,93 +1,20 @@
 """The state owner: the one task that holds and changes the node's state.
 
-One module on purpose (longer than most): restoring the node, serving the commands and running
-their effects are one concept, kept in one place; what a command does to the state is
-:mod:`dracpu.core.state`, the file I/O :mod:`dracpu.adapters.node_files`.
-
-:class:`StateOwner` restores the node at start, before it reports ready:
-
-1. read the topology under ``<host-root>/sys`` (in a worker thread) and build the
-   :class:`~dracpu.core.node_config.NodeConfig` (reserved CPUs, device mode, grouping, memory
-   pinning);
-2. load the checkpoint (missing: no claims; corrupt: moved aside, logged, no claims; unreadable:
-   :class:`~dracpu.errors.CheckpointError`, the start fails rather than forget claims) and keep
-   the claims that still fit the node (the others are logged and dropped from the checkpoint; a
-   claim holding CPUs that are offline now is kept whole, with a warning: its devices are
-   reported unhealthy);
-3. adopt the claims whose CDI spec of ours exists but which the checkpoint lacks
-   (:class:`~dracpu.core.commands.AdoptClaims`: an upgrade from the upstream driver, a lost
-   checkpoint); they are kept even when their files cannot be written (the specs stay their
-   record until the checkpoint holds them: never rolled back, never pruned);
-4. write the checkpoint of the restored state: it drops the refused claims, holds the adopted
-   ones, and proves that the state dir takes writes (see "The state dir" below);
-5. :class:`~dracpu.core.commands.Resync`: rewrite the CDI spec of every prepared claim (a
-   reboot empties ``/var/run/cdi``), delete the specs of ours that no prepared claim owns, and
-   hand the devices to the slice publisher.
-
-NRI ``Synchronize`` then re-pins every running container once the NRI task connects.
-
-Then it serves. Every other task sends it a :class:`Request` (a command plus a one-shot reply
-stream) over one bounded memory object stream; :func:`request` is the client side. For each
-request the owner runs the pure :func:`dracpu.core.state.apply` and the effects it returns, in
-order (:func:`dracpu.core.state.commit_phase` splits them):
-
-- the **commit phase**, in crash-safe order (Prepare: the CPUs are reserved in the new state,
-  then ``WriteCdiSpec`` -> ``WriteCheckpoint``; Unprepare: ``DeleteCdiSpec`` -> the CPUs are
-  freed in the new state -> ``WriteCheckpoint``). Each run of consecutive file effects goes to a
-  worker thread in one hop (``anyio.to_thread.run_sync`` with a ``CapacityLimiter(1)``: they
-  fsync, so never on the event loop), in order;
-- the **reply**: the new state becomes the owner's state, then the requester gets the value;
-- the **post-commit** effects (NRI ``UpdateContainers`` widening the shared containers after an
-  Unprepare): their failure is logged and counted, the new state stays (the requester was told,
-  the checkpoint holds it).
-
-If a commit-phase effect fails, the owner keeps the OLD state, runs the undo effects of
-:func:`dracpu.core.state.rollback` (the files of the old state put back; their own failures
-logged), answers the requester with the error and goes on: the checkpoint on disk still equals
-the state kept. The effects are: file effects through
-:class:`~dracpu.adapters.node_files.NodeFiles`, ``UpdateContainers`` handed to the NRI task
-(``container_updates``, which never blocks), ``PublishSlices`` (the node config's devices, then
-a republish request to the slice publisher). After each commit the health board gets the
-devices to report when the node config changed (a SIGHUP's ``Resync``) or the claims on CPUs
-that went offline did (:meth:`StateOwner._follow_health`).
-
-The state dir: a checkpoint that cannot be written (a read-only or full file system, a missing
-dir that cannot be created) is waited out, never a reason to exit (a DaemonSet would crash-loop,
-and while it is down the runtime creates containers without pinning). Every command that writes
-the checkpoint fails meanwhile and is rolled back (Prepare and Unprepare fail per claim, naming
-the file and the cause); what runs keeps running (container events write no checkpoint). The
-owner reports the condition on its ``state_dir`` flag (``/readyz`` shows the reason; the daemon
-names the flag ``state-dir``), logs each change of it once
-(:class:`~dracpu.adapters.backoff.RetryLog`), and between requests writes the checkpoint of the
-committed state again after a backoff (0.25 s growing to 2 s): the first write that works, its
-own or a command's, turns the flag ready.
-
-The host cgroups (``docs/architecture.md``, "Host cgroups"): their ``ConfineHostCgroups``
-effect never fails a command; after each command the owner reports them on the
-``host_cgroups`` flag (made when a cgroup is first listed), tries again after a backoff (1 s
-growing to 30 s) the ones that could not be confined, looks at them every
-:data:`HOST_CGROUPS_CHECK` seconds while all are, between requests as for the state dir, and
-gives them back what they held when :meth:`StateOwner.run` ends.
-
-Errors: a :class:`~dracpu.errors.DracpuError` from an effect is an expected failure (a full
-disk): answered, logged, counted (``apply`` answers bad input itself, with the old state). Any
-other exception is a bug: the requester is answered with a DracpuError wrapping it, then the
-exception ends the owner and with it the daemon (the DaemonSet restarts it, and the restore
-above starts from the checkpoint).
-
-Cancellation: a requester that is cancelled while waiting never disturbs the owner; its answer
-is dropped. One command's effects run in a cancel scope shielded from outside cancellation, so a
-stop lets the command in flight finish (or fail cleanly). A file write that has begun is always
-waited for, however long it takes (its outcome must be known before anything else touches the
-files); ``command_deadline`` bounds the rest: once it has passed, the next effect of the commit
-phase does not begin, and the command fails and is rolled back like any other. Requests still
-queued when the owner stops are answered with an error, never left hanging.
-
-:meth:`StateOwner.desired_specs` is the CDI watcher's view of which specs must exist: the
-committed claims, corrected by the CDI writes and deletes of the command being applied (the
-owner writes a claim's spec, and deletes one, before it commits the new state; without the
-correction the watcher would take a fresh spec for an orphan, or put back a spec an Unprepare
-just removed).
+:class:`StateOwner` restores the node at start (topology, checkpoint, CDI specs the checkpoint
+lacks adopted, a ``Resync``), then serves the commands the other tasks send (:func:`request`),
+one at a time: it runs the pure :func:`dracpu.core.state.apply`, executes the effects in order
+(the file effects through :class:`~dracpu.adapters.node_files.NodeFiles` in a worker thread),
+adopts the new state, replies, then runs the post-commit effects; a failed commit phase keeps
+the old state and is rolled back. It is also the only writer of the CDI dir, the device
+metadata and the checkpoint: it waits out a CDI dir or state dir that cannot be written
+(readiness flags ``cdi-dir`` and ``state-dir``) and reports a claim whose files could not be
+written on its devices' health, and it keeps the listed host cgroups confined to the shared
+pool (their ``ConfineHostCgroups`` effect never fails a command; the ``host-cgroups`` flag,
+retries after a backoff of 1 s growing to 30 s, a look every :data:`HOST_CGROUPS_CHECK` seconds
+while all are confined, what they held given back when :meth:`StateOwner.run` ends). One
+module on purpose: restoring, serving and running effects
+are one concept. The story is ``docs/architecture.md`` ("The tasks and the state owner",
+"Crash safety", "Faults the daemon waits out").
 """
 
 from __future__ import annotations
@@ -121,21 +48,22 @@ from dracpu.adapters.sysfs import read_topology
 from dracpu.config import Config
 from dracpu.core import external_attributes
 from dracpu.core.claim_config import ALLOCATOR_EXTERNAL
-from dracpu.core.commands import AdoptClaims, AdoptedClaim, Command, Resync
-from dracpu.core.cpuset import CpuSet
+from dracpu.core.commands import AdoptClaims, AdoptedClaim, Command, RepairNodeFiles, Resync
 from dracpu.core.effects import (
     ClaimsAdopted,
     ConfineHostCgroups,
     DeleteCdiSpec,
     Effect,
+    PruneCdiSpecs,
     PublishSlices,
     Reply,
     Resynced,
     UpdateContainers,
     WriteCdiSpec,
     WriteCheckpoint,
+    WriteDeviceMetadata,
 )
-from dracpu.core.health import reported_devices
+from dracpu.core.health import claim_device_problems, reported_devices
 from dracpu.core.node_config import NodeConfig
 from dracpu.core.reconfigure import stranded_claims
 from dracpu.core.slices import Device
@@ -145,6 +73,7 @@ from dracpu.tasks.device_health import DeviceHealthBoard
 from dracpu.tasks.slice_publisher import request_republish
 
 __all__ = [
+    "CDI_DIR_CHECK_INTERVAL",
     "COMMAND_DEADLINE",
     "COMMAND_QUEUE_SIZE",
     "HOST_CGROUPS_CHECK",
@@ -168,19 +97,20 @@ COMMAND_QUEUE_SIZE = 64
 # stop within the daemon's 5 s.
 COMMAND_DEADLINE = 4.0
 
-# Retries of a checkpoint that cannot be written (as the CDI dir's, tasks/cdi_watcher): quick
-# at first (a mount being set up, space being freed), then every 2 s at most. Every Prepare fails
-# until one works: the state dir must be used again within seconds of its repair.
-_STATE_DIR_RETRY = partial(backoff_delays, initial=0.25, cap=2.0)
+# Tests of a state dir or CDI dir that cannot be written: quick at first (a mount being set up,
+# space being freed), then every 2 s at most. Every Prepare fails until one works: the dir must
+# be used again within seconds of its repair. A test is one failed file creation (in the CDI
+# dir no runtime sees it).
+_DIR_RETRY = partial(backoff_delays, initial=0.25, cap=2.0)
+# While the CDI dir works, a look at its file system (statvfs: read-only, full?) this often,
+# which writes nothing: a dir remounted read-only shows on /readyz before a Prepare fails.
+CDI_DIR_CHECK_INTERVAL = 10.0
 # How often the confined host cgroups are looked at while all is well (seconds): a value another
 # writer put there (systemd, at a reload of a slice with AllowedCPUs=) is written over.
 HOST_CGROUPS_CHECK = 10.0
 # Retries of host cgroups that could not be confined (tasks' "waited out" rule): a slice that
 # systemd creates later, a cgroup fs mounted later; every 30 s at most.
 _HOST_CGROUPS_RETRY = partial(backoff_delays, initial=1.0, cap=30.0)
-
-# A claim's CDI change before a batch marked it: none (the key was absent).
-_UNMARKED = object()
 
 C = TypeVar("C")
 
@@ -272,6 +202,75 @@ class _CommitFailed(Exception):
         self.started = started
 
 
+class _DirCondition:
+    """A directory the owner writes and waits out while it cannot be written: its readiness
+    flag, the log of its changes (:class:`~dracpu.adapters.backoff.RetryLog`) and when to test
+    it next (:attr:`due`, on anyio's clock). ``check_every``: while it works, how often to look
+    at it without writing (``inf``: never)."""
+
+    def __init__(
+        self,
+        what: str,
+        flag: Health | None,
+        delays: Callable[[], Iterator[float]],
+        check_every: float = math.inf,
+    ) -> None:
+        self._flag = flag
+        self._log = RetryLog(logger, what)
+        self._delays_made = delays
+        self._delays: Iterator[float] | None = None
+        self._check_every = check_every
+        self.failing = False
+        self.suspect = False
+        self.due = math.inf
+
+    def failed(self, problem: str, consequence: str) -> None:
+        """It cannot be written (``problem``); test it again after the next backoff delay."""
+        if self._delays is None:
+            self._delays = self._delays_made()
+        delay = next(self._delays)
+        self.failing = True
+        self.suspect = False
+        self.due = anyio.current_time() + delay
+        self._log.failed(f"{problem}; {consequence}", retry_in=delay, level=logging.ERROR)
+        if self._flag is not None:
+            self._flag.set_not_ready(problem)
+
+    def works(self) -> None:
+        self._delays = None
+        self.failing = self.suspect = False
+        self.due = anyio.current_time() + self._check_every
+        self._log.recovered()
+        if self._flag is not None:
+            self._flag.set_ready()
+
+    def write_failed(self) -> None:
+        """A write into it failed: test it at the next idle moment."""
+        if not self.failing:
+            self.suspect = True
+            self.due = anyio.current_time()
+
+
+# What a claim's file problem means for its containers, by the kind of file (health messages).
+_CDI_SPEC = "CDI spec"
+_METADATA = "device metadata"
+_CONSEQUENCE = {
+    _CDI_SPEC: "containers using the claim cannot start until it is written",
+    _METADATA: "containers using the claim do not find their device metadata until it is written",
+}
+
+
+def _problem_key(effect: Effect) -> tuple[str, str] | None:
+    """The (claim UID, kind of file) a file effect writes for a prepared claim."""
+    match effect:
+        case WriteCdiSpec(claim_uid=uid):
+            return uid, _CDI_SPEC
+        case WriteDeviceMetadata(claim=claim):
+            return claim.claim_uid, _METADATA
+        case _:
+            return None
+
+
 class StateOwner:
     """Holds the node state; :meth:`run` is the task (see the module docstring).
 
@@ -279,12 +278,13 @@ class StateOwner:
     ends). ``republish``: the sending end of the slice publisher's republish channel;
     ``container_updates``: where ``UpdateContainers`` effects go (``None``: dropped with a debug
     log, the next NRI ``Synchronize`` re-pins every container anyway). ``files``: the CDI specs,
-    the checkpoint and the host cgroups (default: the config's directories and the host's
-    cgroup fs). ``state_dir``: told whether the checkpoint can be written, with the reason when
-    not; ``retry_delays`` makes the delays between the writes that test it meanwhile.
-    ``host_cgroups`` makes the readiness flag of the host cgroups (when one is first listed);
-    ``cgroup_retry_delays`` the delays between attempts while one cannot be confined;
-    ``cgroup_check`` the seconds between two looks at them while all are.
+    the device metadata, the checkpoint and the host cgroups (default: the config's directories
+    and the host's cgroup fs). ``state_dir`` and ``cdi_dir``: told whether the checkpoint, and
+    the CDI specs, can be written, with the reason when not; ``retry_delays`` makes the delays
+    between the tests of a dir meanwhile. ``host_cgroups`` makes the readiness flag of the host
+    cgroups (when one is first listed); ``cgroup_retry_delays`` the delays between attempts
+    while one cannot be confined; ``cgroup_check`` the seconds between two looks at them while
+    all are.
     """
 
     def __init__(
@@ -297,7 +297,8 @@ class StateOwner:
         files: NodeFiles | None = None,
         command_deadline: float = COMMAND_DEADLINE,
         state_dir: Health | None = None,
-        retry_delays: Callable[[], Iterator[float]] = _STATE_DIR_RETRY,
+        cdi_dir: Health | None = None,
+        retry_delays: Callable[[], Iterator[float]] = _DIR_RETRY,
         host_cgroups: Callable[[], Health] | None = None,
         cgroup_retry_delays: Callable[[], Iterator[float]] = _HOST_CGROUPS_RETRY,
         cgroup_check: float = HOST_CGROUPS_CHECK,
@@ -324,20 +325,25 @@ class StateOwner:
         self._devices: tuple[Device, ...] = ()
         # The published devices' health (the DRA socket's health streams read it).
         self.health = DeviceHealthBoard()
-        # CDI writes (cpus) and deletes (None) of the command being applied, by claim UID.
-        self._cdi_changes: dict[str, CpuSet | None] = {}
+        # Why a prepared claim's files could not be written, by (claim UID, kind of file);
+        # the health board shows it on the claim's devices until a write of them works.
+        self._file_problems: dict[tuple[str, str], str] = {}
+        self._reported_problems: Mapping[str, str] = {}
         self._applied = 0
         self._failed = 0
         self._effects_failed = 0
         self._by_command: Counter[tuple[str, str]] = Counter()
-        # The state dir's condition: the next test of it while the checkpoint cannot be written.
-        self._state_dir = state_dir
-        self._retry_delays = retry_delays
-        self._dir_log = RetryLog(
-            logger, f"writing the checkpoint in {self._files.checkpoint_path.parent}"
+        self._state_dir = _DirCondition(
+            f"writing the checkpoint in {self._files.checkpoint_path.parent}",
+            state_dir,
+            retry_delays,
         )
-        self._dir_delays: Iterator[float] | None = None
-        self._dir_retry_at: float | None = None  # None: the checkpoint can be written
+        self._cdi_dir = _DirCondition(
+            f"writing CDI specs in {self._files.cdi_dir}",
+            cdi_dir,
+            retry_delays,
+            check_every=CDI_DIR_CHECK_INTERVAL,
+        )
         # The host cgroups: their readiness flag (made when a cgroup is first listed), and the
         # next try while one cannot be confined.
         self._cgroups_flag_factory = host_cgroups
@@ -376,19 +382,6 @@ class StateOwner:
         """The listed host cgroups: what each is confined to, or why it is not."""
         return self._files.host_cgroups()
 
-    def desired_specs(self) -> dict[str, CpuSet]:
-        """The CDI specs that must exist now: ``{claim UID: cpus}`` (the CDI watcher's view):
-        the committed claims, plus the specs the command in flight has written, minus the ones
-        it has deleted."""
-        state = self._state
-        desired = {} if state is None else {uid: c.cpus for uid, c in state.claims.items()}
-        for uid, cpus in self._cdi_changes.items():
-            if cpus is None:
-                desired.pop(uid, None)
-            else:
-                desired[uid] = cpus
-        return desired
-
     # --- the task ------------------------------------------------------------------------------
 
     async def run(self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
@@ -408,19 +401,22 @@ class StateOwner:
                 await self._release_host_cgroups()
 
     async def _next_request(self) -> Request[Command] | None:
-        """The next request (``None``: every send side is closed); meanwhile, while the
-        checkpoint cannot be written it is written again whenever its retry is due, and while a
-        host cgroup cannot be confined the confinement is tried again when due."""
+        """The next request (``None``: every send side is closed); meanwhile a dir whose test is
+        due is tested (a checkpoint or CDI dir that cannot be written, the CDI dir's look), and
+        the host cgroups are confined again when due."""
         while True:
-            retries = [t for t in (self._dir_retry_at, self._cgroups_retry_at) if t is not None]
-            with anyio.CancelScope(deadline=min(retries, default=math.inf)):
+            cgroups = math.inf if self._cgroups_retry_at is None else self._cgroups_retry_at
+            due = min(self._state_dir.due, self._cdi_dir.due, cgroups)
+            with anyio.CancelScope(deadline=due):
                 try:
                     return await self._receive.receive()
                 except EndOfStream:
                     return None
             now = anyio.current_time()
-            if self._dir_retry_at is not None and self._dir_retry_at <= now:
+            if self._state_dir.due <= now:
                 await self._write_checkpoint()
+            if self._cdi_dir.due <= now:
+                await self._check_cdi_dir()
             if self._cgroups_retry_at is not None and self._cgroups_retry_at <= now:
                 await self._confine_again()
 
@@ -479,27 +475,27 @@ class StateOwner:
                 self._files.write_checkpoint, data, limiter=self._files_limiter
             )
         except CheckpointError as error:
-            self._state_dir_failed(error)
+            self._state_dir.failed(str(error), "Prepare and Unprepare fail until then")
         else:
-            self._state_dir_works()
+            self._state_dir.works()
 
-    def _state_dir_failed(self, error: CheckpointError) -> None:
-        if self._dir_delays is None:
-            self._dir_delays = self._retry_delays()
-        delay = next(self._dir_delays)
-        self._dir_retry_at = anyio.current_time() + delay
-        problem = str(error)
-        self._dir_log.failed(
-            f"{problem}; Prepare and Unprepare fail until then", retry_in=delay, level=logging.ERROR
-        )
-        if self._state_dir is not None:
-            self._state_dir.set_not_ready(problem)
-
-    def _state_dir_works(self) -> None:
-        self._dir_delays = self._dir_retry_at = None
-        self._dir_log.recovered()
-        if self._state_dir is not None:
-            self._state_dir.set_ready()
+    async def _check_cdi_dir(self) -> None:
+        """The CDI dir's test: while it works, a look at its file system (read-only, full?)
+        that writes nothing; once a write failed, a probe file created and removed. When it
+        works again after it failed, every claim's files are written again."""
+        condition = self._cdi_dir
+        probe = condition.failing or condition.suspect
+        try:
+            await anyio.to_thread.run_sync(
+                self._files.check_cdi_dir, probe, limiter=self._files_limiter
+            )
+        except CdiError as error:
+            condition.failed(str(error), "Prepare fails until then")
+            return
+        recovered = condition.failing
+        condition.works()
+        if recovered:
+            await self._start_command(RepairNodeFiles())
 
     def _refuse_queued(self) -> None:
         while True:
@@ -512,39 +508,76 @@ class StateOwner:
                 _answer(req, DracpuError(f"the state owner stopped before handling {name}"))
 
     async def _handle(self, req: Request[Command]) -> None:
-        command = req.command
-        name = type(command).__name__
-        with req.reply:  # closed once the owner is done with the request
-            old = self.state
-            try:
-                new, effects = self._apply(old, command)
-                commit, reply, after = commit_phase(effects)
-                with self._effects_scope() as scope:
-                    await self._commit(commit)
-                if scope.cancelled_caught:
-                    raise _CommitFailed(self._cut_off("the commit phase"), [])
-            except _CommitFailed as failed:
-                self._count_failed(name, failed.error)
-                await self._roll_back(name, old, failed.started, failed.error)
-                self._follow_host_cgroups()
-                _answer(req, failed.error)
-                return
-            except Exception as exc:
-                error = DracpuError(f"{name}: internal error: {exc!r}")
-                self._count_failed(name, error)
-                _answer(req, error)
-                raise
-            self._state = new
-            self._follow_health(old, new)
-            self._follow_host_cgroups()
-            self._count_applied(name, reply.value)
-            _answer(req, reply.value)
-            await self._post_commit(name, after)
+        name = type(req.command).__name__
 
-    def _apply(self, state: NodeState, command: Command) -> tuple[NodeState, list[Effect]]:
-        """:func:`dracpu.core.state.apply`; a new command starts a new set of CDI changes."""
-        self._cdi_changes.clear()
-        return apply(state, command)
+        def answer(value: object, committed: bool) -> None:
+            if committed:
+                self._count_applied(name, value)
+            else:
+                assert isinstance(value, DracpuError)
+                self._count_failed(name, value)
+            _answer(req, value)
+
+        with req.reply:  # closed once the owner is done with the request
+            await self._run(req.command, answer)
+
+    async def _start_command(self, command: Command, *, roll_back: bool = True) -> None:
+        """Apply ``command`` as a request is, on the owner's own account (at start, and when
+        the CDI dir works again): its answer is logged."""
+        name = type(command).__name__
+
+        def answer(value: object, committed: bool) -> None:
+            if committed:
+                _report(value)
+            else:
+                logger.error("start-up %s failed: %s", name, value)
+
+        await self._run(command, answer, roll_back=roll_back)
+
+    async def _run(
+        self,
+        command: Command,
+        answer: Callable[[object, bool], None],
+        *,
+        roll_back: bool = True,
+    ) -> None:
+        """The one way a command is run: :func:`~dracpu.core.state.apply`, the commit phase,
+        the new state adopted, ``answer(value, committed)``, the post-commit effects. A failed
+        commit phase keeps the old state and is rolled back, or (``roll_back=False``: the
+        start-up adoption, whose specs are the claims' only record) keeps the new state all
+        the same."""
+        name = type(command).__name__
+        old = self.state
+        try:
+            new, effects = apply(old, command)
+            commit, reply, after = commit_phase(effects)
+            with self._effects_scope() as scope:
+                await self._commit(commit)
+            if scope.cancelled_caught:
+                raise _CommitFailed(self._cut_off("the commit phase"), [])
+        except _CommitFailed as failed:
+            if roll_back:
+                await self._roll_back(name, old, failed.started, failed.error)
+                self._follow_file_problems()
+                self._follow_host_cgroups()
+                answer(failed.error, False)
+                return
+            # The file's condition is reported on its own (a CDI dir or state dir that cannot
+            # be written); what this means for the command is said here.
+            logger.warning(
+                "start-up %s could not write all its files, its claims are kept all the same: %s",
+                name,
+                failed.error,
+            )
+        except Exception as exc:
+            answer(DracpuError(f"{name}: internal error: {exc!r}"), False)
+            raise
+        self._state = new
+        self._follow_health(old, new)
+        self._follow_host_cgroups()
+        answer(reply.value, True)
+        await self._post_commit(name, after)
+        self._follow_file_problems()
 
     # --- effects -------------------------------------------------------------------------------
 
@@ -562,9 +595,8 @@ class StateOwner:
     async def _commit(self, effects: Sequence[Effect]) -> None:
         """The commit phase, in order, each run of consecutive file effects in one hop to a
         worker thread; raises :class:`_CommitFailed` naming the effects that began (the failed
-        one last; the ones after it never began and left no trace, not even in
-        :meth:`desired_specs`). A hop that has begun is waited for; past the deadline, the next
-        effect does not begin."""
+        one last; the ones after it never began and left no trace). A hop that has begun is
+        waited for; past the deadline, the next effect does not begin."""
         started: list[Effect] = []
         index = 0
         try:
@@ -582,14 +614,14 @@ class StateOwner:
                     end += 1
                 await self._run_files(effects[index:end], started)
                 index = end
-            if self._dir_retry_at is not None and any(
+            if self._state_dir.failing and any(
                 isinstance(effect, WriteCheckpoint) for effect in effects
             ):
-                self._state_dir_works()
+                self._state_dir.works()
         except DracpuError as error:
             self._effects_failed += 1
             if isinstance(error, CheckpointError):
-                self._state_dir_failed(error)
+                self._state_dir.failed(str(error), "Prepare and Unprepare fail until then")
             raise _CommitFailed(error, started) from error
         except anyio.get_cancelled_exc_class():
             if started:  # the deadline passed; the effects begun have all run to their end
@@ -598,38 +630,36 @@ class StateOwner:
             raise
 
     async def _run_files(self, batch: Sequence[Effect], started: list[Effect]) -> None:
-        """File effects in one hop to a worker thread; their CDI changes are marked before they
-        begin, and taken back for the ones that never began. A caller cancelled while the hop
-        runs still waits for it (anyio's default: the thread is not abandoned)."""
-        marks = [self._mark(effect) for effect in batch]
+        """File effects in one hop to a worker thread, each outcome noted
+        (:meth:`_note_file`). A caller cancelled while the hop runs still waits for it
+        (anyio's default: the thread is not abandoned)."""
         before = len(started)
         try:
             await anyio.to_thread.run_sync(
                 self._files.run_batch, batch, started, limiter=self._files_limiter
             )
-        except BaseException:
-            for mark in reversed(marks[len(started) - before :]):  # newest first
-                if mark is not None:
-                    uid, previous = mark
-                    if previous is _UNMARKED:
-                        self._cdi_changes.pop(uid, None)
-                    else:
-                        assert previous is None or isinstance(previous, CpuSet)
-                        self._cdi_changes[uid] = previous
+        except DracpuError as error:
+            begun = started[before:]
+            for effect in begun[:-1]:
+                self._note_file(effect, None)
+            if begun:
+                self._note_file(begun[-1], error)
             raise
+        for effect in batch:
+            self._note_file(effect, None)
 
-    def _mark(self, effect: Effect) -> tuple[str, object] | None:
-        """Record a CDI write/delete in :attr:`_cdi_changes`; the claim's previous mark."""
-        match effect:
-            case WriteCdiSpec(claim_uid=uid, cpus=cpus):
-                previous = self._cdi_changes.get(uid, _UNMARKED)
-                self._cdi_changes[uid] = cpus
-            case DeleteCdiSpec(claim_uid=uid):
-                previous = self._cdi_changes.get(uid, _UNMARKED)
-                self._cdi_changes[uid] = None
-            case _:
-                return None
-        return uid, previous
+    def _note_file(self, effect: Effect, error: DracpuError | None) -> None:
+        """Keep what a file effect's outcome says of its claim's files (their health) and of
+        the CDI dir (a failed write there has the dir tested)."""
+        if error is not None and isinstance(effect, WriteCdiSpec | DeleteCdiSpec | PruneCdiSpecs):
+            self._cdi_dir.write_failed()
+        key = _problem_key(effect)
+        if key is None:
+            return
+        if error is not None:
+            self._file_problems[key] = str(error)
+        elif self._file_problems.pop(key, None) is not None:
+            logger.info("the %s of claim %s is written again", key[1], key[0])
 
     def _run_now(self, effect: Effect) -> None:
         """An effect that hands something to another task: it never blocks."""
@@ -657,6 +687,7 @@ class StateOwner:
         self, name: str, old: NodeState, started: Sequence[Effect], error: DracpuError
     ) -> None:
         """Put back the files of ``old``; the undo effects' own failures are logged."""
+        failed = started[-1] if started else None
         with self._effects_scope() as scope:
             for effect in rollback(old, started, error):
                 if isinstance(effect, Reply):
@@ -664,9 +695,9 @@ class StateOwner:
                 try:
                     await self._execute(effect)
                 except DracpuError as exc:
-                    if str(exc) == str(error):
-                        # The undo of the effect that failed, failing the same way: that effect
-                        # left its file as it was (a spec is written by rename, a checkpoint
+                    if effect == failed:
+                        # The undo is the very effect that failed, failing again: that effect
+                        # left its file as it was (a file is written by rename, a checkpoint
                         # slot the store could not mark says so itself), so there is nothing
                         # to put back, and nothing new to report.
                         logger.debug("%s: rollback effect %s: %s", name, _kind(effect), exc)
@@ -678,16 +709,22 @@ class StateOwner:
             logger.error("%s: rollback did not finish within %g s", name, self._command_deadline)
 
     async def _post_commit(self, name: str, effects: Sequence[Effect]) -> None:
-        """Effects after the reply: failures are logged and counted, the new state stays."""
+        """Effects after the reply, each on its own: failures are logged (a claim's file that
+        failed the same way before at DEBUG) and counted, the new state stays."""
         if not effects:
             return
         with self._effects_scope() as scope:
             for effect in effects:
+                key = _problem_key(effect)
+                before = None if key is None else self._file_problems.get(key)
                 try:
                     await self._execute(effect)
                 except DracpuError as exc:
                     self._effects_failed += 1
-                    logger.error("%s: post-commit effect %s failed: %s", name, _kind(effect), exc)
+                    level = logging.DEBUG if before == str(exc) else logging.ERROR
+                    logger.log(
+                        level, "%s: post-commit effect %s failed: %s", name, _kind(effect), exc
+                    )
         if scope.cancelled_caught:
             self._effects_failed += 1
             logger.error("%s: post-commit effects cut off after %g s", name, self._command_deadline)
@@ -711,6 +748,22 @@ class StateOwner:
         devices = reported_devices(config.devices.values(), config.held, new.claimed)
         self.health.set_devices(devices, online=online)
 
+    def _follow_file_problems(self) -> None:
+        """Tell the health board about the prepared claims whose files could not be written
+        (a claim no longer prepared takes its problems with it)."""
+        claims = self.state.claims
+        for key in [key for key in self._file_problems if key[0] not in claims]:
+            del self._file_problems[key]
+        messages: dict[str, list[str]] = {}
+        for (uid, kind), error in sorted(self._file_problems.items()):
+            messages.setdefault(uid, []).append(f"{error}; {_CONSEQUENCE[kind]}")
+        problems = claim_device_problems(
+            self.state.config, claims, {uid: "; ".join(m) for uid, m in messages.items()}
+        )
+        if problems != self._reported_problems:
+            self._reported_problems = problems
+            self.health.set_problems(problems)
+
     # --- counting --------------------------------------------------------------------------------
 
     def _count_applied(self, name: str, value: object) -> None:
@@ -727,8 +780,9 @@ class StateOwner:
     # --- restore ---------------------------------------------------------------------------------
 
     async def restore(self) -> NodeState:
-        """The start state (see the module docstring); raises DracpuError when the node cannot
-        be read (topology, an unreadable checkpoint) or the adoption of CDI specs fails."""
+        """The start state (``docs/architecture.md``, "Crash safety"); raises DracpuError when
+        the node cannot be read (topology, an unreadable checkpoint) or the adoption of CDI
+        specs fails."""
         config = self.config
         read = partial(read_topology, config.host_root, pcie_roots=config.expose_pcie_roots)
         topology = await anyio.to_thread.run_sync(read)
@@ -786,6 +840,10 @@ class StateOwner:
         # added); and whether the state dir takes writes is known before the first Prepare.
         await self._write_checkpoint()
         await self._start_command(Resync())
+        # Whether the CDI dir takes writes, before the first Prepare (the Resync writes
+        # nothing when every file is in place already).
+        self._cdi_dir.suspect = True
+        await self._check_cdi_dir()
         return self.state
 
     async def _adopt(self) -> None:
@@ -797,13 +855,13 @@ class StateOwner:
             return
         claims = self.state.claims
         candidates: list[AdoptedClaim] = []
-        for uid, cpus in sorted(specs.items()):
+        for uid, spec in sorted(specs.items()):
             if uid in claims:
                 continue
-            if isinstance(cpus, CdiError):
-                logger.warning("CDI spec of claim %s cannot be adopted: %s", uid, cpus)
+            if isinstance(spec, CdiError):
+                logger.warning("CDI spec of claim %s cannot be adopted: %s", uid, spec)
                 continue
-            candidates.append(AdoptedClaim(uid, cpus))
+            candidates.append(AdoptedClaim(uid, spec.cpus, spec.shared_pool))
         if not candidates:
             return
         # The specs are the only record of these claims: a rollback would delete them and
@@ -813,39 +871,9 @@ class StateOwner:
         # down, and a restart meanwhile adopts them again.
         await self._start_command(AdoptClaims(tuple(candidates)), roll_back=False)
 
-    async def _start_command(self, command: Command, *, roll_back: bool = True) -> None:
-        """Apply ``command`` as :meth:`_handle` does, before anyone can send one: the commit
-        phase, then the new state, then the post-commit effects; on a failure the old state is
-        kept and rolled back (``roll_back``), or the new state kept all the same."""
-        name = type(command).__name__
-        old = self.state
-        new, effects = self._apply(old, command)
-        commit, reply, after = commit_phase(effects)
-        try:
-            await self._commit(commit)
-        except _CommitFailed as failed:
-            if not roll_back:
-                # The file's condition is reported on its own (a CDI dir or state dir that
-                # cannot be written); what this means for the command is said here.
-                logger.warning(
-                    "start-up %s could not write all its files, its claims are kept all the "
-                    "same: %s",
-                    name,
-                    failed.error,
-                )
-            else:
-                logger.error("start-up %s failed: %s", name, failed.error)
-                await self._roll_back(name, old, failed.started, failed.error)
-                return
-        self._state = new
-        self._follow_health(old, new)
-        self._follow_host_cgroups()
-        _report(reply.value)
-        await self._post_commit(name, after)
-
 
 def _report(value: object) -> None:
-    """Log the answer to a start-up command."""
+    """Log the answer to a command the owner runs on its own account."""
     match value:
         case ClaimsAdopted(adopted=adopted, rejected=rejected):
             if adopted:
@@ -862,7 +890,7 @@ def _report(value: object) -> None:
                     extra={"claim_uid": uid},
                 )
         case Resynced(claims=claims):
-            logger.info("CDI specs of %d prepared claims are in place", claims)
+            logger.info("the files of %d prepared claims are being put in place", claims)
         case DracpuError():
             logger.error("start-up command refused: %s", value)
         case _:
