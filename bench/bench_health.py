@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._harness import measure
 from dracpu._gen.dra_health import v1 as health_v1
 from dracpu.core.cpuset import EMPTY, CpuSet
+from dracpu.core.devices import CpuDeviceMode, GroupBy, published_devices
 from dracpu.core.health import assess
-from dracpu.core.slices import CpuDeviceMode, GroupBy, published_devices
 from dracpu.sim.topologies import FIXTURES, build_topology
 from dracpu.tasks.device_health import health_response
 

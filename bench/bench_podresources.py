@@ -39,9 +39,9 @@ from dracpu.adapters.pod_resources import claims_listed
 from dracpu.core.cdi_spec import device_id
 from dracpu.core.checkpoint_schema import CheckpointData, PreparedClaim
 from dracpu.core.commands import ClaimEnv, Container, DeviceResult, PodsListed, Synchronize
+from dracpu.core.devices import CpuDeviceMode
 from dracpu.core.effects import Effect, PodsReconciled, Reply
 from dracpu.core.node_config import NodeConfig
-from dracpu.core.slices import CpuDeviceMode
 from dracpu.core.state import NodeState, apply, restore_state
 from dracpu.sim._pb2.podresources.v1 import api_pb2 as pr
 from dracpu.sim.topologies import FIXTURES, build_topology

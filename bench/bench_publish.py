@@ -34,18 +34,17 @@ import anyio
 from bench._harness import emit, measure, percentiles
 from dracpu.adapters.kube import KubeClient, open_kube_client
 from dracpu.core.cpuset import CpuSet
-from dracpu.core.slices import (
-    CpuDeviceMode,
-    Device,
-    GroupBy,
-    SliceOptions,
-    build_resource_slices,
-    published_devices,
-)
+from dracpu.core.devices import CpuDeviceMode, Device, GroupBy, published_devices
+from dracpu.core.slices import SliceOptions, build_resource_slices
 from dracpu.sim.fake_apiserver import FakeApiServer, open_fake_apiserver
 from dracpu.sim.topologies import FIXTURES, build_topology
 from dracpu.tasks import slice_publisher
-from dracpu.tasks.slice_publisher import PublisherSettings
+from dracpu.tasks.slice_publisher import (
+    PublisherSettings,
+    Republish,
+    republish_channel,
+    request_republish,
+)
 
 __all__ = ["main"]
 
@@ -92,11 +91,13 @@ async def first_publish(
     api: FakeApiServer, kube: KubeClient, case: Case, devices: list[Device], slices: int
 ) -> float:
     api.kubelet_restart(NODE)
+    send, receive = republish_channel()
+    request_republish(send, Republish("start", tuple(devices)))
     run = functools.partial(
-        slice_publisher.run, kube, NODE, lambda: devices, options=case.options, settings=SETTINGS
+        slice_publisher.run, kube, NODE, receive, options=case.options, settings=SETTINGS
     )
     start = time.perf_counter()
-    async with anyio.create_task_group() as tg:
+    async with send, receive, anyio.create_task_group() as tg:
         await tg.start(run)
         elapsed = time.perf_counter() - start
         tg.cancel_scope.cancel()
@@ -109,9 +110,11 @@ async def republish_after_wipe(
     api: FakeApiServer, kube: KubeClient, devices: list[Device], runs: int
 ) -> list[float]:
     samples: list[float] = []
-    async with anyio.create_task_group() as tg:
+    send, receive = republish_channel()
+    request_republish(send, Republish("start", tuple(devices)))
+    async with send, receive, anyio.create_task_group() as tg:
         await tg.start(
-            functools.partial(slice_publisher.run, kube, NODE, lambda: devices, settings=SETTINGS)
+            functools.partial(slice_publisher.run, kube, NODE, receive, settings=SETTINGS)
         )
         for _ in range(runs + WARMUP):
             with anyio.fail_after(30):

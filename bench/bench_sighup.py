@@ -47,8 +47,9 @@ from bench._harness import emit, measure, percentiles
 from dracpu import DRIVER_NAME
 from dracpu.adapters.sysfs import read_topology
 from dracpu.core.cpuset import CpuSet
+from dracpu.core.devices import CpuDeviceMode
 from dracpu.core.node_config import NodeConfig
-from dracpu.core.slices import CpuDeviceMode, build_resource_slices
+from dracpu.core.slices import build_resource_slices
 from dracpu.sim.node import NodeSim, open_node_sim
 
 __all__ = ["main"]

@@ -55,9 +55,9 @@ from dracpu.core.commands import (
     UnprepareClaim,
 )
 from dracpu.core.cpuset import CpuSet
+from dracpu.core.devices import CpuDeviceMode
 from dracpu.core.effects import Reply
 from dracpu.core.node_config import NodeConfig
-from dracpu.core.slices import CpuDeviceMode
 from dracpu.core.state import NodeState, apply, check_invariants
 from dracpu.errors import DracpuError
 from dracpu.sim.topologies import FIXTURES, build_topology

@@ -28,14 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._harness import measure
 from dracpu.adapters.sysfs import read_topology
 from dracpu.core.cpuset import CpuSet
-from dracpu.core.slices import (
-    CpuDeviceMode,
-    GroupBy,
-    SliceOptions,
-    build_resource_slices,
-    published_devices,
-    validate_slice,
-)
+from dracpu.core.devices import CpuDeviceMode, GroupBy, published_devices
+from dracpu.core.slices import SliceOptions, build_resource_slices
+from dracpu.sim.slice_rules import validate_slice
 from dracpu.sim.topologies import FIXTURES, write_sysfs
 
 __all__ = ["main"]

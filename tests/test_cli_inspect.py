@@ -18,13 +18,8 @@ import yaml
 
 from dracpu.cli import main
 from dracpu.core.cpuset import CpuSet
-from dracpu.core.slices import (
-    CpuDeviceMode,
-    GroupBy,
-    SliceOptions,
-    build_resource_slices,
-    published_devices,
-)
+from dracpu.core.devices import CpuDeviceMode, GroupBy, published_devices
+from dracpu.core.slices import SliceOptions, build_resource_slices
 from dracpu.sim.topologies import FIXTURES, build_topology, write_sysfs
 
 K8S_VERSION = "1.37"  # as tests/core/test_slices.py: newest schema kubernetes-validate ships

@@ -12,7 +12,7 @@ from dracpu.config import UNIX_PATH_MAX, Config, load_config
 from dracpu.config.go_flags import DEPRECATED_FLAGS, add_run_arguments, go_style_flags
 from dracpu.config.values import BindAddress
 from dracpu.core.cpuset import CpuSet
-from dracpu.core.slices import CpuDeviceMode, GroupBy
+from dracpu.core.devices import CpuDeviceMode, GroupBy
 from dracpu.errors import ConfigError
 
 NO_ENV: Mapping[str, str] = {}

@@ -23,10 +23,10 @@ from dracpu.core.claim_config import ClaimOverrides, claim_overrides, parse_para
 from dracpu.core.claims import CAPACITY_CPU, read_claim
 from dracpu.core.commands import ClaimEnv, Container, CreateContainer, PrepareClaim
 from dracpu.core.cpuset import CpuSet
+from dracpu.core.devices import GroupBy
 from dracpu.core.effects import ClaimPrepared, ContainerPinned, Effect, Reply, WriteCdiSpec
 from dracpu.core.node_config import NodeConfig
 from dracpu.core.quantity import parse_positive_whole
-from dracpu.core.slices import GroupBy
 from dracpu.core.state import NodeState, apply
 from dracpu.sim.fake_apiserver import build_resource_claim
 from dracpu.sim.topologies import FIXTURES, build_topology

@@ -18,7 +18,7 @@ from dracpu.cli import _build_parser
 from dracpu.config import Config, load_config
 from dracpu.config.go_flags import go_style_flags
 from dracpu.core.cpuset import CpuSet
-from dracpu.core.slices import CpuDeviceMode, GroupBy
+from dracpu.core.devices import CpuDeviceMode, GroupBy
 from dracpu.errors import ConfigError
 from dracpu.tasks.dra_cpu_metrics import SPECS
 

@@ -65,7 +65,7 @@ def _cpuset_arg(text: str) -> object:
 def _build_parser() -> argparse.ArgumentParser:
     from dracpu.config.go_flags import add_run_arguments
     from dracpu.core.allocator import Strategy
-    from dracpu.core.slices import CpuDeviceMode, GroupBy
+    from dracpu.core.devices import CpuDeviceMode, GroupBy
 
     parser = _Parser(
         prog="dracpu",
@@ -231,14 +231,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from dracpu.adapters.sysfs import read_topology
     from dracpu.core.claim_config import ALLOCATOR_EXTERNAL
     from dracpu.core.cpuset import CpuSet
+    from dracpu.core.devices import CpuDeviceMode, GroupBy, published_devices
     from dracpu.core.external_attributes import left_out
-    from dracpu.core.slices import (
-        CpuDeviceMode,
-        GroupBy,
-        SliceOptions,
-        build_resource_slices,
-        published_devices,
-    )
+    from dracpu.core.slices import SliceOptions, build_resource_slices
     from dracpu.core.topology_map import render_map
 
     topology = read_topology(args.host_root, pcie_roots=args.expose_pcie_roots)
@@ -362,7 +357,7 @@ def _cmd_introspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_sim(args: argparse.Namespace) -> int:
-    from dracpu.core.slices import CpuDeviceMode, GroupBy
+    from dracpu.core.devices import CpuDeviceMode, GroupBy
 
     try:
         from dracpu.sim.demo import DemoOptions

@@ -1,71 +1,15 @@
 """The supervisor of ``dracpu run``: one task group, start order, readiness, graceful stop.
 
-:func:`main` sets up logging and runs :func:`serve` on anyio's asyncio backend (grpclib and the
-gRPC server's protocols need asyncio; every other task needs only anyio) with the daemon's
-tasks, in this order:
-
-1. ``signals``: first, so that SIGTERM during a slow start already stops gracefully (a SIGHUP
-   that arrives before the owner runs waits in the owner's queue); a SIGHUP reads the settings
-   (the :class:`~dracpu.tasks.reload.ConfigSource` :func:`main` is given) and the topology
-   again (:mod:`dracpu.tasks.reload`);
-2. ``state-owner``: restores the node (topology, checkpoint, CDI specs: see
-   :class:`~dracpu.tasks.state_owner.StateOwner`) before it reports ready, then is the one
-   task that changes node state;
-3. ``http``: ``/healthz``, ``/readyz``, ``/metrics`` (ours and upstream's ``dra_cpu_*``);
-   ``debug-dump``: writes ``<state-dir>/debug-dump.json`` at each SIGUSR1 (``gatherinfo``);
-4. ``cdi-watcher``: notices CDI specs and device metadata someone deleted or edited, and files
-   of ours no claim owns, and asks the state owner to put them right;
-5. ``device-health``: reads the online CPUs every second, for the devices' health;
-6. ``kubelet-plugin``: the DRA socket (Prepare / Unprepare, the devices' health); Prepare is
-   refused, claim by claim, while no runtime is synchronized on NRI (a container created then
-   would run unpinned), Unprepare always works;
-7. ``registration``: the plugin-registration socket, once the DRA socket serves (the kubelet
-   connects to the endpoint as soon as it has our answer) AND a runtime has answered NRI
-   ``Synchronize`` once (upstream 0.3 ``startPlugins``): the kubelet sends no Prepare before
-   the runtime can pin what it creates. The task reports started at once and waits inside;
-8. ``nri-plugin``: pins containers through the runtime's NRI socket, reconnecting by itself;
-9. ``podresources-sync``: asks the kubelet's PodResources API which claims its pods hold, at
-   start (after NRI ``Synchronize``), periodically and on SIGHUP, and releases orphan claims;
-10. ``slice-publisher``: publishes the devices as ResourceSlices, retrying API errors itself.
-
-The Kubernetes client is opened once, before the tasks (in-cluster, or ``--kubeconfig``), and
-shared by the kubelet plugin (claims), the NRI plugin (a claim read again before a container of
-a pod it is not reserved for is refused) and the slice publisher.
-
-Memory: the cyclic garbage collector is off during the start-up; once every task runs, the
-objects of the start-up (modules, the restored state, the clients) are frozen out of it
-(``gc.freeze``) and it is turned back on, so a full collection never walks them (it would pause
-a Prepare; docs/performance.md), and the heap is frozen again before :func:`main` returns, so the
-exit after SIGTERM skips the interpreter's collections over it.
-
-Each task is started with ``await tg.start(...)``; once it calls ``task_status.started()`` its
-readiness flag turns ready, and ``/readyz`` answers 200 when all have. A task may later report
-not ready through its :class:`~dracpu.tasks.http.ReadinessFlag`. Six flags are not a task's:
-``kubelet-registration`` turns ready when the kubelet reports that it registered the plugin, and
-not ready when it refuses it (and says what registration waits for: the runtime's first
-``Synchronize``, a registration dir that cannot be written); ``dra-socket`` is ready while the
-DRA socket serves (a kubelet plugins dir that cannot be written is waited out, saying why, like
-the CDI and state dirs); ``cdi-dir`` is ready while specs can be written into the CDI dir,
-``state-dir`` while the checkpoint can be written (the state owner, which writes both, waits out
-a read-only, full or missing dir, saying why); ``slices`` while the node's ResourceSlices are
-published (the slice publisher retries what fails); ``host-cgroups``, there once a host cgroup
-is listed (``--confine-host-cgroups``), while every listed one is confined (the state owner tries
-again the ones that are not, and ``/readyz`` names what each is confined to).
-
-Stopping (SIGTERM/SIGINT, or a task failure): ``/readyz`` turns 503, then the tasks are
-cancelled one by one in REVERSE start order, each awaited, so the request sources stop before
-the state owner, which finishes the command in flight (bounded by its own deadline). One
-exception: a task stops only after the tasks it ``outlives`` (:class:`TaskSpec`): the NRI plugin
-outlives the DRA and registration sockets, so the widening of every Unprepare the DRA socket
-answered is queued before the NRI plugin sends what is queued and disconnects. The whole stop is
-bounded by :data:`STOP_TIMEOUT`; a second signal cancels everything at once. Tasks remove the
-sockets they created in their own ``finally``.
-
-Failure policy: a task that can recover (NRI disconnect, API errors) retries inside
-itself. A task that raises after it started, or returns while no stop was asked, is logged (one
-line; for a bug, not a DracpuError, the traceback at debug level) and stops the daemon the same
-graceful way; a task that raises before it started ends the start-up. Either way the exit code
-is 1, so the DaemonSet restarts us; a requested stop exits 0. Cancellation is never swallowed.
+:func:`main` sets up logging and runs :func:`serve` on anyio's asyncio backend with the daemon's
+tasks (:meth:`_Node.tasks`, in start order: signals, state owner, HTTP, debug dump, CDI watcher,
+device health, DRA socket, registration, NRI plugin, pod-resources sync, slice publisher). Each
+task reports ready through ``task_status.started()``; the readiness flags that are no task's
+(``kubelet-registration``, ``dra-socket``, ``cdi-dir``, ``state-dir``, ``slices``,
+``host-cgroups``) are
+made here and handed to their owners. A stop cancels the tasks in reverse start order (a task
+after those it :attr:`TaskSpec.outlives`), within :data:`STOP_TIMEOUT`; a second signal cancels
+at once. A task that fails ends the daemon with exit code 1, a requested stop with 0. The story
+is ``docs/architecture.md`` ("Tasks and start order").
 """
 
 from __future__ import annotations
@@ -477,9 +421,9 @@ class _Node:
 
     def runtime_not_ready(self) -> str:
         """Why the runtime cannot pin a new claim's containers now (``""``: it can)."""
-        if self.link.synchronized:
+        if self.link.status().synchronized:
             return ""
-        return self.link.last_error or "no runtime has connected yet"
+        return self.link.status().last_error or "no runtime has connected yet"
 
     async def run_kubelet_plugin(
         self, *, task_status: TaskStatus[Any] = TASK_STATUS_IGNORED
@@ -542,7 +486,7 @@ class _Node:
         wait (refreshed every second: the NRI task's last error)."""
         logged = False
         while not self.link.synchronized_once:
-            reason = self.link.last_error or "connecting"
+            reason = self.link.status().last_error or "connecting"
             not_ready(
                 "waiting for the container runtime's first NRI Synchronize before registering "
                 f"with the kubelet ({reason})"
@@ -594,15 +538,17 @@ class _Node:
             node_allocatable=self.config.publish_node_allocatable_resource_mapping,
             expose_pcie_roots=self.config.expose_pcie_roots,
         )
-        await slice_publisher.run(
-            self.kube,
-            self.config.node_name,
-            self.owner.devices,
-            options=options,
-            republish=self.republish_receive.clone(),
-            health=self.readiness.flag(SLICES, reason="no ResourceSlice is published yet"),
-            task_status=task_status,
-        )
+        # The state owner's restore asked for the first publication before this task starts:
+        # the request waits in the channel.
+        async with self.republish_receive.clone() as requests:
+            await slice_publisher.run(
+                self.kube,
+                self.config.node_name,
+                requests,
+                options=options,
+                health=self.readiness.flag(SLICES, reason="no ResourceSlice is published yet"),
+                task_status=task_status,
+            )
 
     def tasks(self) -> list[TaskSpec]:
         registry = metrics.build_registry(

@@ -19,13 +19,13 @@ from dracpu import __version__
 from dracpu.adapters.kube import (
     LISTED,
     WatchEvent,
-    consumable_capacity_dropped,
     kubelet_version,
     open_kube_client,
 )
 from dracpu.core.claims import device_status_patch, read_claim
 from dracpu.core.cpuset import CpuSet
-from dracpu.core.slices import CpuDeviceMode, GroupBy, build_resource_slices, published_devices
+from dracpu.core.devices import CpuDeviceMode, GroupBy, published_devices
+from dracpu.core.slices import build_resource_slices, consumable_capacity_dropped
 from dracpu.errors import (
     ConfigError,
     DracpuError,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from dracpu.core.checkpoint_schema import CheckpointData, decode, encode
 from dracpu.core.commands import Command, InvalidateContainers
 from dracpu.core.cpuset import CpuSet
+from dracpu.core.devices import CpuDeviceMode, Device, GroupBy
 from dracpu.core.effects import (
     ConfineHostCgroups,
     ContainerUpdate,
@@ -27,7 +28,6 @@ from dracpu.core.effects import (
     WriteDeviceMetadata,
 )
 from dracpu.core.node_config import NodeConfig
-from dracpu.core.slices import CpuDeviceMode, Device, GroupBy
 from dracpu.core.state import NodeState, PreparedClaim, apply, commit_phase, rollback
 from dracpu.core.topology import CpuInfo, Topology
 from dracpu.errors import CdiError, DracpuError

@@ -21,9 +21,9 @@ from dracpu.core.claim_config import (
 from dracpu.core.claims import ClaimAllocation, read_claim
 from dracpu.core.commands import DeviceResult, PrepareClaim
 from dracpu.core.cpuset import CpuSet
+from dracpu.core.devices import GroupBy
 from dracpu.core.effects import ClaimPrepared, Reply
 from dracpu.core.node_config import NodeConfig
-from dracpu.core.slices import GroupBy
 from dracpu.core.state import NodeState, apply
 from dracpu.errors import ClaimError
 from dracpu.sim.fake_apiserver import build_resource_claim

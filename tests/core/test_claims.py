@@ -19,15 +19,10 @@ from dracpu.core.claims import (
 )
 from dracpu.core.commands import DeviceResult, PrepareClaim
 from dracpu.core.cpuset import CpuSet
+from dracpu.core.devices import CAPACITY_CPU, CpuDeviceMode, GroupBy, published_devices
 from dracpu.core.effects import ClaimPrepared, Reply
 from dracpu.core.node_config import NodeConfig
-from dracpu.core.slices import (
-    CAPACITY_CPU,
-    CpuDeviceMode,
-    GroupBy,
-    build_resource_slices,
-    published_devices,
-)
+from dracpu.core.slices import build_resource_slices
 from dracpu.core.state import NodeState, apply
 from dracpu.errors import ClaimError
 from dracpu.sim.apiserver_patch import apply_merge_patch

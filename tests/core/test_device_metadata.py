@@ -36,14 +36,10 @@ from dracpu.core.device_metadata import (
     metadata_spec_owner,
     result_cpus,
 )
+from dracpu.core.devices import CpuDeviceMode, GroupBy
 from dracpu.core.effects import Reply
 from dracpu.core.node_config import NodeConfig
-from dracpu.core.slices import (
-    CpuDeviceMode,
-    GroupBy,
-    SliceOptions,
-    build_resource_slices,
-)
+from dracpu.core.slices import SliceOptions, build_resource_slices
 from dracpu.core.state import NodeState, apply
 from dracpu.core.topology import Topology
 from dracpu.errors import ClaimError

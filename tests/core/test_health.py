@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dracpu.core.cpuset import EMPTY, CpuSet
+from dracpu.core.devices import CpuDeviceMode, Device, GroupBy, published_devices
 from dracpu.core.health import (
     MAX_MESSAGE_CHARS,
     DeviceHealth,
@@ -20,7 +21,6 @@ from dracpu.core.health import (
     offline_message,
     reported_devices,
 )
-from dracpu.core.slices import CpuDeviceMode, Device, GroupBy, published_devices
 from dracpu.core.topology import Topology
 from dracpu.sim.topologies import FIXTURES, build_topology
 

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from dracpu.core.commands import DeviceResult, PrepareClaim, Resync, UnprepareClaim
 from dracpu.core.cpuset import CpuSet
+from dracpu.core.devices import GroupBy
 from dracpu.core.effects import (
     ClaimPrepared,
     ClaimUnprepared,
@@ -29,7 +30,6 @@ from dracpu.core.host_cgroups import (
     v1_wanted,
     v1_write_order,
 )
-from dracpu.core.slices import GroupBy
 from dracpu.core.state import NodeState, apply, check_invariants
 from dracpu.errors import InsufficientCpusError
 from tests.core.state_helpers import NODE, FakeDisk, config_for, cpus, run, uid

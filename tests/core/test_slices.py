@@ -21,7 +21,7 @@ import pytest
 
 from dracpu.adapters.sysfs import read_topology
 from dracpu.core.cpuset import CpuSet
-from dracpu.core.slices import (
+from dracpu.core.devices import (
     API_VERSION,
     ATTR_CACHE_L3_ID,
     ATTR_CORE_ID,
@@ -38,24 +38,31 @@ from dracpu.core.slices import (
     ATTR_SOCKET_ID,
     CAPACITY_CPU,
     DRIVER_NAME,
-    MAX_DEVICES_PER_SLICE,
-    MAX_DEVICES_PER_SLICE_ADVANCED,
     NO_L3_CACHE,
     CpuDeviceMode,
     Device,
     GroupBy,
-    SliceOptions,
-    build_resource_slices,
     devices_by_name,
     individual_numbering,
-    max_devices_per_slice,
     published_devices,
+)
+from dracpu.core.slices import (
+    MAX_DEVICES_PER_SLICE,
+    MAX_DEVICES_PER_SLICE_ADVANCED,
+    SliceOptions,
+    SliceWrites,
+    build_resource_slices,
+    consumable_capacity_dropped,
+    max_devices_per_slice,
+    next_generation,
+    pool_generation,
+    slice_content,
     slice_name,
-    validate_pool,
-    validate_slice,
+    slice_writes,
 )
 from dracpu.core.topology import CpuInfo, Topology
 from dracpu.errors import ConfigError, TopologyError
+from dracpu.sim.slice_rules import validate_pool, validate_slice
 from dracpu.sim.topologies import FIXTURES, MachineSpec, PciRoot, build_topology, write_sysfs
 from tests.core import upstream_driver
 
@@ -977,3 +984,59 @@ def test_pool_validator_catches_inconsistent_slices() -> None:
     twice = copy.deepcopy(slices)
     twice[1]["spec"]["devices"][0]["name"] = "cpudev000"
     assert any("cpudev000" in e for e in validate_pool(twice))
+
+
+# --- the diff a publisher sends -----------------------------------------------------------------
+
+DUAL = build_topology(FIXTURES["dual-socket-smt2"])
+
+
+def _stored(obj: dict[str, Any], version: str) -> dict[str, Any]:
+    """``obj`` as the server stores it: with a uid and a resourceVersion."""
+    metadata = {
+        **obj["metadata"],
+        "uid": f"uid-{obj['metadata']['name']}",
+        "resourceVersion": version,
+    }
+    return {**obj, "metadata": metadata}
+
+
+def test_slice_writes_creates_updates_and_deletes() -> None:
+    devices = published_devices(DUAL, reserved=CpuSet(), mode=INDIVIDUAL, group_by=GroupBy.NUMANODE)
+    wanted = build_resource_slices("node-a", devices)  # 64 devices: one slice
+    assert len(wanted) == 1
+    assert slice_writes([], wanted) == SliceWrites(delete=(), write=((wanted[0], None),))
+    same = _stored(wanted[0], "7")
+    assert slice_writes([same], wanted) == SliceWrites(delete=(), write=())
+    edited = copy.deepcopy(same)
+    edited["spec"]["devices"].pop()
+    assert slice_writes([edited], wanted) == SliceWrites(delete=(), write=((wanted[0], "7"),))
+    other = _stored({**wanted[0], "metadata": {"name": "node-a-gpu-0"}}, "3")  # another layout
+    writes = slice_writes([same, other], wanted)
+    assert writes.delete == (other,)
+    assert writes.write == ()
+
+
+def test_what_the_server_dropped_is_no_difference() -> None:
+    devices = published_devices(DUAL, reserved=CpuSet(), mode=GROUPED, group_by=GroupBy.NUMANODE)
+    [wanted] = build_resource_slices("node-a", devices)
+    answered = copy.deepcopy(wanted)
+    for device in answered["spec"]["devices"]:  # a server without DRAConsumableCapacity
+        device.pop("allowMultipleAllocations")
+        device["capacity"]["dra.cpu/cpu"].pop("requestPolicy")
+    assert consumable_capacity_dropped(wanted, answered)
+    assert not consumable_capacity_dropped(wanted, wanted)
+    stored = _stored(answered, "9")
+    assert slice_writes([stored], [wanted]).write == ((wanted, "9"),)  # looks changed ...
+    record = {"node-a-dra.cpu-000": (slice_content(wanted), slice_content(answered))}
+    assert slice_writes([stored], [wanted], record).write == ()  # ... but is what we sent
+
+
+def test_the_pool_generation_never_goes_back() -> None:
+    assert next_generation(0, 0, changed=False) == 1  # first publication
+    assert next_generation(0, 41, changed=False) == 42  # a restart: above what is there
+    assert next_generation(5, 5, changed=False) == 5  # a repair keeps it
+    assert next_generation(5, 5, changed=True) == 6  # new content
+    assert next_generation(5, 9, changed=False) == 10  # someone published higher
+    assert pool_generation({"spec": {"pool": {"generation": 3}}}) == 3
+    assert pool_generation({"spec": {"pool": {"generation": True}}}) == 0

@@ -38,9 +38,9 @@ from dracpu.core.commands import (
     UpdateContainer,
 )
 from dracpu.core.cpuset import CpuSet
+from dracpu.core.devices import CpuDeviceMode, GroupBy
 from dracpu.core.effects import ClaimPrepared, ContainerPinned, Reply, Synchronized, WriteCdiSpec
 from dracpu.core.node_config import NodeConfig
-from dracpu.core.slices import CpuDeviceMode, GroupBy
 from dracpu.core.state import (
     NodeState,
     apply,

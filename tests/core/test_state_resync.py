@@ -14,6 +14,7 @@ import pytest
 from dracpu.core.checkpoint_schema import CheckpointData, PreparedClaim
 from dracpu.core.commands import CreateContainer, Resync, Synchronize, UnprepareClaim
 from dracpu.core.cpuset import CpuSet
+from dracpu.core.devices import CAPACITY_CPU, CpuDeviceMode
 from dracpu.core.effects import (
     ConfineHostCgroups,
     ContainerPinned,
@@ -29,7 +30,6 @@ from dracpu.core.effects import (
     WriteDeviceMetadata,
 )
 from dracpu.core.health import reported_devices
-from dracpu.core.slices import CAPACITY_CPU, CpuDeviceMode
 from dracpu.core.state import InvariantError, NodeState, check_invariants, restore_state
 from dracpu.errors import InsufficientCpusError
 from tests.core.state_helpers import NODE, config_for, cpus, device_of, topology16, uid

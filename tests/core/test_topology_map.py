@@ -5,13 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dracpu.core.cpuset import CpuSet
-from dracpu.core.slices import (
-    CpuDeviceMode,
-    GroupBy,
-    SliceOptions,
-    build_resource_slices,
-    published_devices,
-)
+from dracpu.core.devices import CpuDeviceMode, GroupBy, published_devices
+from dracpu.core.slices import SliceOptions, build_resource_slices
 from dracpu.core.topology import CpuInfo, Topology
 from dracpu.core.topology_map import LINE_WIDTH, claim_keys, render_map
 from dracpu.sim.topologies import FIXTURES, MachineSpec, build_topology

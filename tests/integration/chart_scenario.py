@@ -38,7 +38,7 @@ from typing import Any
 
 import anyio
 
-from dracpu.core.slices import CpuDeviceMode
+from dracpu.core.devices import CpuDeviceMode
 from dracpu.sim.fake_apiserver import open_fake_apiserver
 from dracpu.sim.fake_kubelet import FakeKubelet
 from dracpu.sim.fake_runtime import open_fake_runtime

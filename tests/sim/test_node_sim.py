@@ -13,7 +13,8 @@ import pytest
 from dracpu.adapters.cdi_files import write_spec
 from dracpu.cli import main as cli_main
 from dracpu.core.cpuset import CpuSet
-from dracpu.core.slices import CpuDeviceMode, GroupBy, build_resource_slices, published_devices
+from dracpu.core.devices import CpuDeviceMode, GroupBy, published_devices
+from dracpu.core.slices import build_resource_slices
 from dracpu.sim.node import NodeSim, SimError, open_node_sim
 from dracpu.sim.topologies import FIXTURES
 

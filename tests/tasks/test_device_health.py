@@ -31,8 +31,8 @@ from anyio.abc import TaskStatus
 from dracpu._gen.dra_health import v1 as health_v1
 from dracpu.adapters.grpc_unix import Servable, StreamClosed, open_grpc_server
 from dracpu.core.cpuset import EMPTY, CpuSet
+from dracpu.core.devices import CpuDeviceMode, GroupBy, published_devices
 from dracpu.core.health import HealthStatus
-from dracpu.core.slices import CpuDeviceMode, GroupBy, published_devices
 from dracpu.sim.fake_kubelet import HealthList, HealthVersion, HealthWatch
 from dracpu.sim.topologies import FIXTURES, build_topology, write_sysfs
 from dracpu.tasks.device_health import (

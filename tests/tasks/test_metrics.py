@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dracpu.adapters.host_cgroups import CgroupState
 from dracpu.core.cpuset import CpuSet
+from dracpu.core.effects import UpdateContainers
 from dracpu.tasks.http import Readiness
 from dracpu.tasks.metrics import build_registry
 from dracpu.tasks.nri_link import NriLink, NriStatus
@@ -33,10 +34,13 @@ def test_the_nri_side_is_read_at_scrape_time() -> None:
     assert before[("dracpu_nri_synchronized", ())] == 0.0
     assert before[("dracpu_nri_connections_total", ())] == 0.0
 
-    link.connected = link.synchronized = link.unsolicited = True
-    link.connections = 2
-    link.runtime = ("containerd", "v2.4.0", "v0.12.2")
-    link.sent, link.failed, link.dropped = 5, 1, 3
+    for _ in range(3):  # before a runtime synchronizes, the owner's updates are dropped
+        link.submit(UpdateContainers(()))
+    link.configured(("containerd", "v2.4.0", "v0.12.2"), unsolicited=True)
+    link.mark_synchronized()
+    link.mark_synchronized()  # a second connection
+    for failed in (False, False, True, False, False):
+        link.update_sent(failed=failed)
     after = _samples(generate_latest(registry).decode())
     assert after[("dracpu_nri_connected", ())] == 1.0
     assert after[("dracpu_nri_synchronized", ())] == 1.0

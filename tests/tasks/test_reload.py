@@ -29,6 +29,7 @@ from dracpu.config import Config, load_config
 from dracpu.config.go_flags import add_run_arguments
 from dracpu.core.commands import Command, DeviceResult, PrepareClaim, Resync
 from dracpu.core.cpuset import CpuSet
+from dracpu.core.devices import Device
 from dracpu.core.effects import NodeChanged, Resynced, StrandedClaim
 from dracpu.sim.fake_kubelet import HealthList, HealthVersion, HealthWatch
 from dracpu.sim.hotplug import set_offline
@@ -247,6 +248,7 @@ class Running:
     owner: StateOwner
     send: MemoryObjectSendStream[Request[Command]]
     republished: list[str]
+    published: list[tuple[Device, ...]]
 
 
 @asynccontextmanager
@@ -259,10 +261,12 @@ async def running(host: Host, scratch: Path) -> AsyncIterator[Running]:
     send, receive = create_request_stream()
     republish_send, republish_receive = republish_channel()
     asked: list[str] = []
+    published: list[tuple[Device, ...]] = []
 
     async def collect() -> None:
-        async for reason in republish_receive:
-            asked.append(reason)
+        async for asking in republish_receive:
+            asked.append(asking.reason)
+            published.append(asking.devices)
 
     with send, receive, republish_send, republish_receive:
         owner = StateOwner(source.loaded, receive, republish=republish_send)
@@ -271,7 +275,7 @@ async def running(host: Host, scratch: Path) -> AsyncIterator[Running]:
             tg.start_soon(collect)
             reloader = Reloader(source.loaded, source, setup=Logging())
             await tg.start(partial(signals.run, send.clone(), print, reloader=reloader))
-            yield Running(owner, send, asked)
+            yield Running(owner, send, asked, published)
             tg.cancel_scope.cancel()
 
 
@@ -293,7 +297,7 @@ async def test_a_cpu_offline_plus_sighup_reaches_the_health_stream_within_a_seco
     caplog.set_level(logging.INFO, logger="dracpu")
     async with running(host, scratch) as node:
         owner = node.owner
-        by_cpu = {device.cpus.min(): device.name for device in owner.devices()}
+        by_cpu = {device.cpus.min(): device.name for device in owner.state.config.devices.values()}
         held, free = by_cpu[5], by_cpu[37]  # the two threads of one core
         claim_uid = "aaaaaaaa-0000-4000-8000-000000000001"
         result = DeviceResult("cpus", NODE, held)
@@ -315,7 +319,9 @@ async def test_a_cpu_offline_plus_sighup_reaches_the_health_stream_within_a_seco
                 assert len(after.devices) == 61
                 assert after.unhealthy() == {held: "cpu 5 is offline"}
                 assert owner.state.claims[claim_uid].cpus == CpuSet([5])
-                assert {d.cpus.min() for d in owner.devices()}.isdisjoint({5, 37})
+                assert {d.cpus.min() for d in owner.state.config.devices.values()}.isdisjoint(
+                    {5, 37}
+                )
 
                 # Back online: every device again, under its old name, healthy.
                 host.offline("")
@@ -323,6 +329,8 @@ async def test_a_cpu_offline_plus_sighup_reaches_the_health_stream_within_a_seco
                 back = await _until(watch, lambda h: len(h.devices) == 62)
                 assert back.health() == first.health()
         assert node.republished == ["resync"] * 3  # the start-up Resync, then the two SIGHUPs
+        # Each request carries the devices of its moment: all, then without cpus 5 and 37, all.
+        assert [len(devices) for devices in node.published] == [62, 60, 62]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert (
         f"claim ns/pinned ({claim_uid}) holds cpus 5, which are offline: it keeps them (its CDI "
@@ -337,7 +345,7 @@ async def test_a_restart_keeps_a_claim_whose_cpu_is_offline_and_reports_it(
     source = _source(host, scratch)
     claim_uid = "aaaaaaaa-0000-4000-8000-000000000002"
     async with running(host, scratch) as node:
-        held = {d.cpus.min(): d.name for d in node.owner.devices()}[6]
+        held = {d.cpus.min(): d.name for d in node.owner.state.config.devices.values()}[6]
         result = DeviceResult("cpus", NODE, held)
         await request(node.send, PrepareClaim(claim_uid, "ns", "kept", (result,)))
     host.offline("6")
@@ -348,7 +356,7 @@ async def test_a_restart_keeps_a_claim_whose_cpu_is_offline_and_reports_it(
         owner = StateOwner(source.loaded, receive)
         await owner.restore()
     assert owner.state.claims[claim_uid].cpus == CpuSet([6])
-    assert all(6 not in d.cpus for d in owner.devices())
+    assert all(6 not in d.cpus for d in owner.state.config.devices.values())
     # (a restart numbers the devices afresh: the claim's device name, from its results, is
     # reported for its offline CPU)
     _, health = owner.health.snapshot()

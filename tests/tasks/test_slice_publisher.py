@@ -13,24 +13,24 @@ from typing import Any
 
 import anyio
 import pytest
+from anyio.streams.memory import MemoryObjectSendStream
 
 from dracpu.adapters.backoff import backoff_delays
 from dracpu.adapters.kube import KubeClient
 from dracpu.core.cpuset import CpuSet
-from dracpu.core.slices import (
-    CpuDeviceMode,
-    Device,
-    GroupBy,
-    SliceOptions,
-    published_devices,
-    slice_name,
-    validate_pool,
-)
+from dracpu.core.devices import CpuDeviceMode, Device, GroupBy, published_devices
+from dracpu.core.slices import SliceOptions, slice_name
 from dracpu.sim.fake_apiserver import FakeApiServer
+from dracpu.sim.slice_rules import validate_pool
 from dracpu.sim.topologies import FIXTURES, MachineSpec, build_topology
 from dracpu.tasks import slice_publisher
 from dracpu.tasks.http import ReadinessFlag
-from dracpu.tasks.slice_publisher import PublisherSettings, republish_channel, request_republish
+from dracpu.tasks.slice_publisher import (
+    PublisherSettings,
+    Republish,
+    republish_channel,
+    request_republish,
+)
 from tests.kube_helpers import NODE, NODE_UID, connected, foreign_slice
 
 FAST = PublisherSettings(
@@ -69,14 +69,20 @@ def devices(
 @contextlib.asynccontextmanager
 async def publishing(
     kube: KubeClient,
-    desired: slice_publisher.DesiredDevices,
+    want: Sequence[Device],
+    *,
+    settings: PublisherSettings = FAST,
     **kwargs: Any,
-) -> AsyncIterator[None]:
-    async with anyio.create_task_group() as tg:
+) -> AsyncIterator[MemoryObjectSendStream[Republish]]:
+    """The publisher, asked to publish ``want`` before it starts (as the state owner's restore
+    asks); yields the stream of further requests."""
+    send, receive = republish_channel()
+    async with send, receive, anyio.create_task_group() as tg:
+        request_republish(send, Republish("start", tuple(want)))
         await tg.start(
-            functools.partial(slice_publisher.run, kube, NODE, desired, settings=FAST, **kwargs)
+            functools.partial(slice_publisher.run, kube, NODE, receive, settings=settings, **kwargs)
         )
-        yield
+        yield send
         tg.cancel_scope.cancel()
 
 
@@ -135,7 +141,7 @@ def expected_pool(api: FakeApiServer, want: Sequence[Device]) -> None:
 @pytest.mark.anyio
 async def test_first_publish_happens_before_started() -> None:
     want = devices()
-    async with connected() as (api, kube), publishing(kube, lambda: want):
+    async with connected() as (api, kube), publishing(kube, want):
         slices = ours(api)  # right after started(): no waiting
         assert [s["metadata"]["name"] for s in slices] == [slice_name(NODE, 0)]
         expected_pool(api, want)
@@ -153,7 +159,7 @@ async def test_first_publish_happens_before_started() -> None:
 async def test_slice_options_reach_the_published_slices() -> None:
     want = devices(CpuDeviceMode.INDIVIDUAL, topology_name="big-1024")
     options = SliceOptions(node_allocatable=True, expose_pcie_roots=True)
-    async with connected() as (api, kube), publishing(kube, lambda: want, options=options):
+    async with connected() as (api, kube), publishing(kube, want, options=options):
         slices = ours(api)
         assert [len(s["spec"]["devices"]) for s in slices] == [64] * 16
         for device in slices[0]["spec"]["devices"]:
@@ -166,7 +172,7 @@ async def test_300_cpus_individual_mode_give_three_slices() -> None:
     spec = MachineSpec(sockets=2, cores_per_cluster=75, threads_per_core=2)
     want = devices(CpuDeviceMode.INDIVIDUAL, spec=spec)
     assert len(want) == 300
-    async with connected() as (api, kube), publishing(kube, lambda: want):
+    async with connected() as (api, kube), publishing(kube, want):
         slices = ours(api)
         assert [s["metadata"]["name"] for s in slices] == [slice_name(NODE, i) for i in range(3)]
         assert [len(s["spec"]["devices"]) for s in slices] == [128, 128, 44]
@@ -176,7 +182,7 @@ async def test_300_cpus_individual_mode_give_three_slices() -> None:
 
 @pytest.mark.anyio
 async def test_nothing_is_written_while_nothing_changes() -> None:
-    async with connected() as (api, kube), publishing(kube, lambda: devices()):
+    async with connected() as (api, kube), publishing(kube, devices()):
         await settled(api)
         before = writes(api)
         assert before == ["POST"]
@@ -191,7 +197,7 @@ async def test_nothing_is_written_while_nothing_changes() -> None:
 async def test_slices_wiped_by_a_kubelet_restart_come_back() -> None:
     spec = MachineSpec(sockets=2, cores_per_cluster=75, threads_per_core=2)
     want = devices(CpuDeviceMode.INDIVIDUAL, spec=spec)
-    async with connected() as (api, kube), publishing(kube, lambda: want):
+    async with connected() as (api, kube), publishing(kube, want):
         await settled(api)
         assert len(api.kubelet_restart(NODE)) == 3
         assert ours(api) == []
@@ -203,7 +209,7 @@ async def test_slices_wiped_by_a_kubelet_restart_come_back() -> None:
 @pytest.mark.anyio
 async def test_someone_elses_edit_is_repaired() -> None:
     want = devices()
-    async with connected() as (api, kube), publishing(kube, lambda: want):
+    async with connected() as (api, kube), publishing(kube, want):
         await settled(api)
         original = ours(api)[0]["spec"]
         name = slice_name(NODE, 0)
@@ -233,7 +239,7 @@ async def test_other_drivers_and_nodes_are_untouched_and_our_stale_slices_go() -
             foreign_slice("node-a-dra.cpu-x7k2p", driver="dra.cpu", node=NODE)
         )
         want = devices()
-        async with publishing(kube, lambda: want):
+        async with publishing(kube, want):
             assert [s["metadata"]["name"] for s in ours(api)] == [slice_name(NODE, 0)]
             expected_pool(api, want)
             assert generations(api) == {2}  # above the stale slices' generation 1
@@ -253,7 +259,7 @@ async def test_server_errors_and_dropped_connections_are_retried() -> None:
         api.fail_next(2, status=409, method="POST")
         api.fail_next(1, status=503, method="GET", path="resourceslices")
         want = devices()
-        async with publishing(kube, lambda: want):
+        async with publishing(kube, want):
             await until(lambda: len(ours(api)) == 1, "published after retries")
             expected_pool(api, want)
             assert api.pending_faults() == 0
@@ -264,7 +270,7 @@ async def test_started_even_while_the_api_server_fails_then_publishes() -> None:
     async with connected() as (api, kube):
         api.fail_next(10_000, status=503)
         want = devices()
-        async with publishing(kube, lambda: want):
+        async with publishing(kube, want):
             assert ours(api) == []  # started() came although nothing could be published
             await anyio.sleep(0.2)
             api.clear_faults()
@@ -281,7 +287,7 @@ async def test_the_health_flag_says_whether_the_slices_are_published(
         flag = ReadinessFlag("slices", reason="no ResourceSlice is published yet")
         api.fail_next(10_000, status=503, path="resourceslices")
         want = devices()
-        async with publishing(kube, lambda: want, health=flag):
+        async with publishing(kube, want, health=flag):
             # Started (the kubelet is served), but /readyz says the slices are not published.
             assert flag.reason.startswith("publishing ResourceSlices fails: ")
             assert "503" in flag.reason
@@ -321,23 +327,13 @@ async def test_after_an_outage_any_request_that_works_ends_both_waits() -> None:
     # The issue's outage: the watch is cut and the slices vanish while the server is away; the
     # publisher and the watch both wait 60 s before their next attempt. When another task's
     # request (a Prepare's claim GET) works, both retry at once: the slices are back.
-    send, receive = republish_channel()
     want = devices()
-    async with (
-        send,
-        connected() as (api, kube),
-        anyio.create_task_group() as tg,
-    ):
-        await tg.start(
-            functools.partial(
-                slice_publisher.run, kube, NODE, lambda: want, republish=receive, settings=PATIENT
-            )
-        )
+    async with connected() as (api, kube), publishing(kube, want, settings=PATIENT) as send:
         await settled(api)
         api.fail_next(10_000, status=503)
         api.break_watches()
         api.kubelet_restart(NODE)
-        request_republish(send, "SIGHUP")  # a pass that fails: the publisher waits too
+        request_republish(send, Republish("SIGHUP", tuple(want)))  # fails: it waits too
         await until(
             lambda: failed_slice_lists(api, 503) == 1 and api.open_watches == 0,
             "the pass and the watch failed",
@@ -349,42 +345,33 @@ async def test_after_an_outage_any_request_that_works_ends_both_waits() -> None:
         await until(lambda: len(ours(api)) == 1, "slices back", seconds=5.0)
         expected_pool(api, want)
         await until(lambda: api.open_watches == 1, "the watch is back", seconds=5.0)
-        tg.cancel_scope.cancel()
 
 
 @pytest.mark.anyio
 async def test_an_error_the_server_answered_is_not_retried_on_another_success() -> None:
     # A 403 (RBAC) is not cured by the server answering someone else: the wait runs its course.
-    async with connected() as (api, kube), anyio.create_task_group() as tg:
+    async with connected() as (api, kube):
         api.fail_next(10_000, status=403, method="GET", path="resourceslices")
-        await tg.start(
-            functools.partial(slice_publisher.run, kube, NODE, devices, settings=PATIENT)
-        )
-        assert failed_slice_lists(api, 403) == 1
-        api.clear_faults()
-        await kube.get_node(NODE)
-        await anyio.sleep(0.5)
-        assert failed_slice_lists(api, 403) == 1
-        assert ours(api) == []
-        tg.cancel_scope.cancel()
+        async with publishing(kube, devices(), settings=PATIENT):
+            assert failed_slice_lists(api, 403) == 1
+            api.clear_faults()
+            await kube.get_node(NODE)
+            await anyio.sleep(0.5)
+            assert failed_slice_lists(api, 403) == 1
+            assert ours(api) == []
 
 
 @pytest.mark.anyio
 async def test_a_republish_request_ends_any_retry_wait() -> None:
-    send, receive = republish_channel()
     want = devices()
-    async with send, connected() as (api, kube), anyio.create_task_group() as tg:
+    async with connected() as (api, kube):
         api.fail_next(1, status=403, method="GET", path="resourceslices")
-        await tg.start(
-            functools.partial(
-                slice_publisher.run, kube, NODE, lambda: want, republish=receive, settings=PATIENT
-            )
-        )
-        assert ours(api) == []
-        request_republish(send, "SIGHUP")  # the administrator fixed RBAC and says so
-        await until(lambda: len(ours(api)) == 1, "published at once", seconds=5.0)
-        expected_pool(api, want)
-        tg.cancel_scope.cancel()
+        async with publishing(kube, want, settings=PATIENT) as send:
+            assert ours(api) == []
+            # The administrator fixed RBAC and says so (SIGHUP: the same devices again).
+            request_republish(send, Republish("SIGHUP", tuple(want)))
+            await until(lambda: len(ours(api)) == 1, "published at once", seconds=5.0)
+            expected_pool(api, want)
 
 
 @pytest.mark.anyio
@@ -404,15 +391,12 @@ async def test_unavailable_and_refusing_servers_have_their_own_backoff() -> None
         backoff=recorded("answered", 0.02),
         unavailable_backoff=recorded("unavailable", 0.01),
     )
-    async with connected() as (api, kube), anyio.create_task_group() as tg:
+    async with connected() as (api, kube):
         # Creates fail (only the publish pass makes them; a dropped POST is never resent).
         for status in (503, None, 429, 403, 422, 500):
             api.fail_next(status=status, method="POST", path="resourceslices")
-        await tg.start(
-            functools.partial(slice_publisher.run, kube, NODE, devices, settings=settings)
-        )
-        await until(lambda: len(ours(api)) == 1, "published after the failures")
-        tg.cancel_scope.cancel()
+        async with publishing(kube, devices(), settings=settings):
+            await until(lambda: len(ours(api)) == 1, "published after the failures")
     assert taken == [
         ("unavailable", 0.01),
         ("unavailable", 0.02),
@@ -430,7 +414,7 @@ async def test_an_outage_is_logged_once_and_its_end_once(
     caplog.set_level(logging.DEBUG, logger="dracpu.tasks.slice_publisher")
     async with connected() as (api, kube):
         api.fail_next(20, status=503, method="GET", path="resourceslices", watch=False)
-        async with publishing(kube, devices):
+        async with publishing(kube, devices()):
             await until(lambda: len(ours(api)) == 1, "published after the outage")
             await settled(api)
     # The publish pass and the watch's relist share the 20 failures; each says its outage
@@ -478,13 +462,10 @@ async def test_a_watch_that_keeps_failing_backs_off_although_each_relist_works(
             yield delay
 
     settings = PublisherSettings(debounce=0.01, backoff=recorded_backoff)
-    async with connected() as (api, kube), anyio.create_task_group() as tg:
+    async with connected() as (api, kube):
         api.fail_next(10_000, status=403, watch=True)
-        await tg.start(
-            functools.partial(slice_publisher.run, kube, NODE, devices, settings=settings)
-        )
-        await until(lambda: len(taken) >= 5, "five watch retries")
-        tg.cancel_scope.cancel()
+        async with publishing(kube, devices(), settings=settings):
+            await until(lambda: len(taken) >= 5, "five watch retries")
     assert taken[:5] == expected
 
 
@@ -494,16 +475,14 @@ async def test_a_watch_that_keeps_failing_backs_off_although_each_relist_works(
 @pytest.mark.anyio
 async def test_generation_increases_across_restarts_and_changes() -> None:
     async with connected() as (api, kube):
-        async with publishing(kube, lambda: devices()):
+        async with publishing(kube, devices()):
             assert generations(api) == {1}
-        async with publishing(kube, lambda: devices()):
+        async with publishing(kube, devices()):
             assert generations(api) == {2}  # a restart never goes backwards
-        send, receive = anyio.create_memory_object_stream[Sequence[Device]](4)
-        async with send, receive, publishing(kube, receive):
-            await send.send(devices())
-            await until(lambda: generations(api) == {3}, "published from the stream")
+        async with publishing(kube, devices()) as send:
+            await until(lambda: generations(api) == {3}, "published from the request")
             await settled(api)
-            await send.send(devices(reserved="0-3"))
+            request_republish(send, Republish("SIGHUP", tuple(devices(reserved="0-3"))))
             await until(lambda: generations(api) == {4}, "a change bumps the generation")
             capacities = [
                 d["capacity"]["dra.cpu/cpu"]["value"] for d in ours(api)[0]["spec"]["devices"]
@@ -513,7 +492,7 @@ async def test_generation_increases_across_restarts_and_changes() -> None:
 
 @pytest.mark.anyio
 async def test_a_higher_foreign_generation_is_overtaken() -> None:
-    async with connected() as (api, kube), publishing(kube, lambda: devices()):
+    async with connected() as (api, kube), publishing(kube, devices()):
         await settled(api)
         api.edit_resource_slice(
             slice_name(NODE, 0), lambda o: o["spec"]["pool"].update(generation=41)
@@ -522,19 +501,13 @@ async def test_a_higher_foreign_generation_is_overtaken() -> None:
 
 
 @pytest.mark.anyio
-async def test_republish_request_rereads_the_devices() -> None:
-    current = {"devices": devices()}
-    send, receive = republish_channel()
-    async with (
-        send,
-        connected() as (api, kube),
-        publishing(kube, lambda: current["devices"], republish=receive),
-    ):
+async def test_a_republish_request_brings_the_devices() -> None:
+    async with connected() as (api, kube), publishing(kube, devices()) as send:
         await settled(api)
-        current["devices"] = devices(CpuDeviceMode.INDIVIDUAL)
-        request_republish(send, "SIGHUP")
+        individual = devices(CpuDeviceMode.INDIVIDUAL)
+        request_republish(send, Republish("SIGHUP", tuple(individual)))
         await until(lambda: len(published_names(api)) == 64, "individual devices published")
-        expected_pool(api, current["devices"])
+        expected_pool(api, individual)
         assert generations(api) == {2}
 
 
@@ -542,27 +515,18 @@ async def test_republish_request_rereads_the_devices() -> None:
 async def test_a_republish_request_does_not_wait_for_the_debounce() -> None:
     # A kubelet wipe (one DELETE per slice) waits out the debounce; a republish request (one per
     # SIGHUP) is one event and goes out at once.
-    current = {"devices": devices()}
-    send, receive = republish_channel()
     slow = dataclasses.replace(FAST, debounce=60.0)
-    async with send, connected() as (api, kube), anyio.create_task_group() as tg:
-        desired = lambda: current["devices"]  # noqa: E731
-        await tg.start(
-            functools.partial(
-                slice_publisher.run, kube, NODE, desired, settings=slow, republish=receive
-            )
-        )
-        current["devices"] = devices(CpuDeviceMode.INDIVIDUAL)
-        request_republish(send, "SIGHUP")
+    async with connected() as (api, kube), publishing(kube, devices(), settings=slow) as send:
+        individual = devices(CpuDeviceMode.INDIVIDUAL)
+        request_republish(send, Republish("SIGHUP", tuple(individual)))
         await until(lambda: len(published_names(api)) == 64, "republished", seconds=10.0)
-        tg.cancel_scope.cancel()
 
 
 @pytest.mark.anyio
 async def test_cluster_without_consumable_capacity_gets_the_fallback() -> None:
     async with (
         connected(consumable_capacity=False) as (api, kube),
-        publishing(kube, lambda: devices()),
+        publishing(kube, devices()),
     ):
         await settled(api)
         slices = ours(api)

@@ -40,6 +40,7 @@ from dracpu.core.commands import (
     UnprepareClaim,
 )
 from dracpu.core.cpuset import CpuSet
+from dracpu.core.devices import CpuDeviceMode
 from dracpu.core.effects import (
     ClaimPrepared,
     ClaimUnprepared,
@@ -57,7 +58,6 @@ from dracpu.core.effects import (
     WriteCheckpoint,
     WriteDeviceMetadata,
 )
-from dracpu.core.slices import CpuDeviceMode
 from dracpu.errors import CdiError, CheckpointError, ClaimError, DracpuError
 from dracpu.tasks import state_owner
 from dracpu.tasks.slice_publisher import republish_channel
@@ -649,7 +649,9 @@ async def test_a_commit_phase_takes_one_hop_and_other_effects_split_it(
             await node.ask(_grouped(UID_B, 2, device="cpudevnuma001"))
             hops.clear()
             await node.ask(Resync())
-            assert receive.receive_nowait() == "resync"
+            assert receive.receive_nowait().devices == tuple(
+                node.owner.state.config.devices.values()
+            )
     # Resync: the host cgroups in one hop, the publish after it (on the event loop), then after
     # the answer each file on its own: one that fails keeps no other from being written.
     assert hops == [
@@ -673,7 +675,7 @@ async def test_unsolicited_updates_without_an_nri_task_are_dropped(
     owner = StateOwner(config, receive)
     async with send, anyio.create_task_group() as tg:
         await tg.start(owner.run)
-        assert len(owner.devices()) == 64  # 64 CPUs, individual devices, none reserved
+        assert len(owner.state.config.devices) == 64  # 64 CPUs, individual devices
         await request(send, Synchronize((Container("s", "p"),), unsolicited_updates=True))
         result = DeviceResult("cpus", "node-a", "cpudev002")
         prepared = await request(send, PrepareClaim(UID_A, "ns", "c", (result,)))
@@ -702,8 +704,8 @@ async def test_a_fresh_node_restores_empty_and_hands_its_devices_to_the_publishe
         owner = StateOwner(config, owner_end, republish=send)
         state = await owner.restore()
         assert dict(state.claims) == {}
-        assert [d.name for d in owner.devices()] == [f"cpudevnuma00{n}" for n in range(4)]
-        assert receive.receive_nowait() == "resync"
+        request = receive.receive_nowait()  # the devices travel with the request
+        assert [d.name for d in request.devices] == [f"cpudevnuma00{n}" for n in range(4)]
     # An empty checkpoint in slot 0: the proof that the state dir takes writes, before the
     # first Prepare needs it.
     zero, one = checkpoint_file.slot_paths(config.checkpoint_path)
@@ -771,7 +773,7 @@ async def test_a_failed_start_resync_keeps_the_claims_and_the_devices(
     state = await owner.restore()
     assert list(state.claims) == [UID_A]
     assert _saved(config) == {UID_A: CpuSet.parse("4-5")}
-    assert len(owner.devices()) == 4  # the publisher never sees an empty node
+    assert len(owner.state.config.devices) == 4
     reason = f"CDI dir {str(config.cdi_dir)!r} exists and is not a directory"
     assert f"Resync: post-commit effect WriteCdiSpec failed: {reason}" in caplog.messages
     # The claim's device says why its containers cannot start.

@@ -10,7 +10,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from dracpu.config import Config
 from dracpu.core.commands import Command
-from dracpu.core.slices import ATTR_PCIE_ROOT
+from dracpu.core.devices import ATTR_PCIE_ROOT
 from dracpu.tasks.state_owner import Request, StateOwner, create_request_stream
 from tests.fixtures import SysfsTrees
 
@@ -37,8 +37,8 @@ async def test_pcie_roots_reach_the_published_devices_only_when_exposed(
     with send, receive:
         owner = StateOwner(config(trees, scratch, expose=True), receive)
         await owner.restore()
-        roots = {d.name: d.attributes[ATTR_PCIE_ROOT] for d in owner.devices()}
+        roots = {d.name: d.attributes[ATTR_PCIE_ROOT] for d in owner.state.config.devices.values()}
         assert roots["cpudevnuma001"] == ("pci0000:5d", "pci0001:00")
         plain = StateOwner(config(trees, scratch, expose=False), receive)
         await plain.restore()
-        assert all(ATTR_PCIE_ROOT not in d.attributes for d in plain.devices())
+        assert all(ATTR_PCIE_ROOT not in d.attributes for d in plain.state.config.devices.values())

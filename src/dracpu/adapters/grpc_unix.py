@@ -60,6 +60,7 @@ from grpclib.const import Status
 from grpclib.encoding.proto import ProtoCodec
 from grpclib.exceptions import GRPCError
 from grpclib.protocol import H2Protocol
+from h2.utilities import SizeLimitDict
 
 from dracpu.adapters.socket_files import BACKLOG, listening_socket
 from dracpu.errors import DracpuError
@@ -92,11 +93,10 @@ STOP_TIMEOUT = 1.0
 # The kubelet keeps its connection to the DRA socket for the life of the plugin and makes two
 # calls per pod (Prepare, Unprepare), so the daemon's memory would grow for some 30,000 pods. A
 # late frame trails its stream by a round trip on a unix socket, while a peer may have at most
-# 100 streams open (h2's SETTINGS_MAX_CONCURRENT_STREAMS): ten times that covers it. Set on the
-# class (grpclib builds the h2 connection itself), so every h2 connection of the process keeps
-# this many.
+# 100 streams open (h2's SETTINGS_MAX_CONCURRENT_STREAMS): ten times that covers it. Set on each
+# connection this server accepts (:class:`_Protocol`); h2's class and every other connection
+# (our clients') keep h2's default.
 CLOSED_STREAMS_KEPT = 1024
-h2.connection.H2Connection.MAX_CLOSED_STREAMS = CLOSED_STREAMS_KEPT
 # Event-loop turns the stop lets pass for connections already accepted to be set up: asyncio
 # needs two (its accept task makes the protocol and the transport, which then calls
 # connection_made), a few more while a protocol still waits for its connection; a peer that
@@ -217,6 +217,11 @@ class _Protocol(H2Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._peer = cast(asyncio.Transport, transport)
         super().connection_made(transport)
+        # grpclib made this connection's h2 state machine; h2 reads its bound of closed
+        # streams once, when it makes the (still empty) record of them: a record of our bound
+        # takes its place. Neither library has a public way to set it per connection.
+        h2_connection: h2.connection.H2Connection = self.connection._connection
+        h2_connection._closed_streams = SizeLimitDict(size_limit=CLOSED_STREAMS_KEPT)
 
     def pause_writing(self) -> None:
         super().pause_writing()

@@ -1,7 +1,8 @@
 """The Kubernetes API, as dracpu uses it: Nodes (read), ResourceClaims (read, status patch),
 ResourceSlices (list, watch, create, update, delete). The ONLY module that imports
-``kubernetes`` (the import takes about half a second and tens of MiB, so nothing else pays for
-it; the import-linter contract in ``pyproject.toml`` keeps it so).
+``kubernetes`` (its import is a large part of the daemon's start and memory,
+``docs/performance.md``, so nothing else pays for it; the import-linter contract in
+``pyproject.toml`` keeps it so).
 
 Every request goes through the official asyncio client ``kubernetes.aio``: its configuration
 loaders (kubeconfig, or the in-cluster service account whose token file is re-read by the
@@ -84,7 +85,6 @@ __all__ = [
     "MERGE_PATCH",
     "KubeClient",
     "WatchEvent",
-    "consumable_capacity_dropped",
     "kubelet_version",
     "open_kube_client",
     "slice_selector",
@@ -147,37 +147,6 @@ def slice_selector(driver: str | None, node_name: str | None) -> str:
     if node_name is not None:
         parts.append(f"{_FIELD_NODE_NAME}={node_name}")
     return ",".join(parts)
-
-
-def consumable_capacity_dropped(sent: Mapping[str, Any], stored: Mapping[str, Any]) -> bool:
-    """Whether the API server dropped the consumable-capacity fields of a ResourceSlice.
-
-    A server without the ``DRAConsumableCapacity`` feature (off by default before 1.36) silently
-    strips ``allowMultipleAllocations`` and ``capacity[*].requestPolicy`` from the devices it
-    stores; ``stored`` is the object it answered a create or update with.
-    """
-    stored_devices = {
-        d.get("name"): d
-        for d in (stored.get("spec") or {}).get("devices") or []
-        if isinstance(d, Mapping)
-    }
-    for device in (sent.get("spec") or {}).get("devices") or []:
-        if not isinstance(device, Mapping):
-            continue
-        kept = stored_devices.get(device.get("name"))
-        if kept is None:
-            continue
-        if "allowMultipleAllocations" in device and "allowMultipleAllocations" not in kept:
-            return True
-        kept_capacity = kept.get("capacity") or {}
-        for key, entry in (device.get("capacity") or {}).items():
-            if (
-                isinstance(entry, Mapping)
-                and "requestPolicy" in entry
-                and "requestPolicy" not in (kept_capacity.get(key) or {})
-            ):
-                return True
-    return False
 
 
 def kubelet_version(node: Mapping[str, Any]) -> str:

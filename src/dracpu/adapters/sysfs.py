@@ -146,10 +146,6 @@ class _Reader:
     def _required_int(self, rel: str) -> int:
         return self._int(rel, self._required(rel))
 
-    def _optional_int(self, rel: str, default: int) -> int:
-        text = self._read(rel)
-        return default if text is None else self._int(rel, text)
-
     def _cpulist(self, rel: str, text: str) -> CpuSet:
         try:
             return CpuSet.parse(text)

@@ -62,8 +62,7 @@ from dracpu.core.cdi_spec import CDI_VERSION, check_claim_uid, is_valid_claim_ui
 from dracpu.core.checkpoint_schema import PreparedClaim
 from dracpu.core.commands import DeviceResult
 from dracpu.core.cpuset import EMPTY, CpuSet
-from dracpu.core.node_config import NodeConfig
-from dracpu.core.slices import (
+from dracpu.core.devices import (
     ATTR_CACHE_L3_ID,
     ATTR_CORE_ID,
     ATTR_CORE_TYPE,
@@ -73,8 +72,9 @@ from dracpu.core.slices import (
     ATTR_SOCKET_ID,
     DRIVER_NAME,
     cpu_attributes,
-    wire_attribute,
 )
+from dracpu.core.node_config import NodeConfig
+from dracpu.core.slices import wire_attribute
 from dracpu.errors import ClaimError
 
 __all__ = [
@@ -320,8 +320,8 @@ def document(config: NodeConfig, claim: PreparedClaim, request: str) -> dict[str
 def _encode(obj: Mapping[str, Any]) -> bytes:
     # One compact JSON object and a newline: a stream of one document, which a reader of the
     # helper's stream and a reader of one object both take. The helper pretty-prints; Python's
-    # indenting encoder is pure Python, some 40 times slower than the C one on a document of
-    # many devices, and the files are for programs.
+    # indenting encoder is pure Python, far slower than the C one on a document of many devices
+    # (docs/performance.md), and the files are for programs.
     return (json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
 
 

@@ -62,7 +62,6 @@ from enum import StrEnum
 
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.external_attributes import external_attributes, smt_layout
-from dracpu.core.slice_validation import MAX_ATTRIBUTE_VALUES_PER_DEVICE
 from dracpu.core.topology import Topology
 from dracpu.errors import TopologyError
 
@@ -98,6 +97,9 @@ __all__ = [
 DRIVER_NAME = "dra.cpu"  # upstream cmd/dracpu/app.go driverName; also the DeviceClass name
 API_VERSION = "resource.k8s.io/v1"  # the GA DRA API, the one upstream publishes
 KIND = "ResourceSlice"
+# The API server's limit of attribute values per device, a list counting each of its values
+# (k8s.io/api resource/v1 types.go ResourceSliceMaxAttributeValuesPerDevice, 1.36+).
+MAX_ATTRIBUTE_VALUES_PER_DEVICE = 48
 
 CAPACITY_CPU = "dra.cpu/cpu"  # upstream device.CPUResourceQualifiedName
 

@@ -18,12 +18,13 @@ The result types (past tense) are the values a :class:`Reply` carries on success
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from dracpu.core.checkpoint_schema import CheckpointData, PreparedClaim
 from dracpu.core.commands import DeviceResult
 from dracpu.core.cpuset import EMPTY, CpuSet
+from dracpu.core.devices import Device
 from dracpu.core.node_config import NodeConfig
-from dracpu.core.slices import Device
 
 __all__ = [
     "ClaimPrepared",
@@ -124,9 +125,10 @@ class WriteCheckpoint:
     checkpoint: CheckpointData
 
 
-@dataclass(frozen=True, slots=True)
-class ContainerUpdate:
-    """Set a container's ``cpuset.cpus`` (and ``cpuset.mems`` unless ``mems`` is ``None``).
+class ContainerUpdate(NamedTuple):
+    """Set a container's ``cpuset.cpus`` (and ``cpuset.mems`` unless ``mems`` is ``None``); a
+    named tuple, as :class:`~dracpu.core.state_values.ContainerRecord`, for the replies that
+    move hundreds of containers.
 
     ``seq``: the number of the owner's decision that chose this pin
     (:attr:`dracpu.core.state.NodeState.pin_seq`): of two writes to a container, the one with

@@ -26,11 +26,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from dracpu.core.cpuset import CpuSet
-from dracpu.core.slice_validation import MAX_ATTRIBUTE_VALUE_LENGTH
 from dracpu.core.topology import Topology
 
 __all__ = ["ATTR_CPU_IDS", "ATTR_SMT_LAYOUT", "external_attributes", "left_out", "smt_layout"]
 
+# The API server's limit of a string attribute value (k8s.io/api resource/v1 types.go
+# DeviceAttributeMaxValueLength), in bytes.
+MAX_ATTRIBUTE_VALUE_LENGTH = 64
 ATTR_CPU_IDS = "dra.cpu/cpuIDs"  # upstream AttributeCPUIDs
 # upstream AttributeSMTLayout: version 1 of the encoding, whose name carries no version suffix
 ATTR_SMT_LAYOUT = "dra.cpu/smtLayout"

@@ -47,8 +47,8 @@ from types import MappingProxyType
 
 from dracpu.core.checkpoint_schema import PreparedClaim
 from dracpu.core.cpuset import CpuSet
+from dracpu.core.devices import Device
 from dracpu.core.node_config import NodeConfig
-from dracpu.core.slices import Device
 
 __all__ = [
     "MAX_MESSAGE_CHARS",

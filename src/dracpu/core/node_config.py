@@ -12,7 +12,7 @@ from types import MappingProxyType
 
 from dracpu.core.allocator import AllocationPolicy
 from dracpu.core.cpuset import EMPTY, CpuSet
-from dracpu.core.slices import (
+from dracpu.core.devices import (
     CpuDeviceMode,
     Device,
     GroupBy,

@@ -34,9 +34,9 @@ from itertools import chain
 from dracpu.core.checkpoint_schema import PreparedClaim
 from dracpu.core.commands import Resync
 from dracpu.core.cpuset import EMPTY, CpuSet
+from dracpu.core.devices import Device
 from dracpu.core.effects import NodeChanged, StrandedClaim
 from dracpu.core.node_config import NodeConfig
-from dracpu.core.slices import Device
 from dracpu.core.state_values import NodeState
 from dracpu.core.topology import Topology
 from dracpu.errors import InsufficientCpusError

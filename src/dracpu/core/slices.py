@@ -12,98 +12,56 @@ publisher can GET/PUT each slice by name and repair it in place; the index is ze
 name order (the scheduler's first-fit order) is device order. No device still gives one empty
 slice (upstream publishes none): an empty pool says "nothing here", no pool says "unknown".
 
-This module also re-exports the names of :mod:`dracpu.core.devices` and
-:mod:`dracpu.core.slice_validation`, so ``from dracpu.core.slices import ...`` keeps working for
-every public name of the three.
+What a publisher sends to keep the pool so (:func:`slice_writes`, :func:`next_generation`) is
+here too, pure; the task that sends it is :mod:`dracpu.tasks.slice_publisher`.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from dracpu.core.devices import (
-    ATTR_CACHE_L3_ID,
-    ATTR_CORE_ID,
-    ATTR_CORE_TYPE,
-    ATTR_CPU_ID,
-    ATTR_DRANET_NUMA_NODE,
-    ATTR_ISOLATED,
-    ATTR_LEGACY_NUMA_NODE_ID,
-    ATTR_NUM_CPUS,
-    ATTR_NUM_ISOLATED_CPUS,
-    ATTR_NUMA_NODE,
-    ATTR_PCIE_ROOT,
-    ATTR_SMT_ENABLED,
-    ATTR_SOCKET_ID,
+    API_VERSION,
     CAPACITY_CPU,
     DRIVER_NAME,
-    NO_L3_CACHE,
-    AttributeValue,
-    CpuDeviceMode,
-    Device,
-    GroupBy,
-    cpu_attributes,
-    devices_by_name,
-    individual_numbering,
-    published_devices,
-)
-from dracpu.core.slice_validation import (
-    API_VERSION,
     KIND,
-    MAX_ATTRIBUTE_VALUES_PER_DEVICE,
-    MAX_ATTRIBUTES_AND_CAPACITIES_PER_DEVICE,
-    MAX_DEVICES_PER_SLICE,
-    MAX_DEVICES_PER_SLICE_ADVANCED,
-    MAX_DNS_SUBDOMAIN,
-    max_devices_per_slice,
-    node_name_errors,
-    validate_pool,
-    validate_slice,
+    AttributeValue,
+    Device,
 )
 from dracpu.errors import ConfigError
 
 __all__ = [
-    "API_VERSION",
-    "ATTR_CACHE_L3_ID",
-    "ATTR_CORE_ID",
-    "ATTR_CORE_TYPE",
-    "ATTR_CPU_ID",
-    "ATTR_DRANET_NUMA_NODE",
-    "ATTR_ISOLATED",
-    "ATTR_LEGACY_NUMA_NODE_ID",
-    "ATTR_NUMA_NODE",
-    "ATTR_NUM_CPUS",
-    "ATTR_NUM_ISOLATED_CPUS",
-    "ATTR_PCIE_ROOT",
-    "ATTR_SMT_ENABLED",
-    "ATTR_SOCKET_ID",
-    "AttributeValue",
-    "CAPACITY_CPU",
-    "CpuDeviceMode",
-    "DRIVER_NAME",
-    "Device",
-    "GroupBy",
-    "KIND",
-    "MAX_ATTRIBUTES_AND_CAPACITIES_PER_DEVICE",
-    "MAX_ATTRIBUTE_VALUES_PER_DEVICE",
     "MAX_DEVICES_PER_SLICE",
     "MAX_DEVICES_PER_SLICE_ADVANCED",
-    "NO_L3_CACHE",
+    "MAX_DNS_SUBDOMAIN",
     "SliceOptions",
+    "SliceWrites",
     "build_resource_slices",
-    "cpu_attributes",
-    "devices_by_name",
-    "individual_numbering",
+    "consumable_capacity_dropped",
     "max_devices_per_slice",
-    "published_devices",
+    "next_generation",
+    "node_name_errors",
+    "pool_content",
+    "pool_generation",
+    "slice_content",
     "slice_name",
-    "validate_pool",
-    "validate_slice",
+    "slice_writes",
     "wire_attribute",
 ]
+
+# The API server's limits the slices are built within (k8s.io/api resource/v1 types.go).
+MAX_DEVICES_PER_SLICE = 128  # ResourceSliceMaxDevices
+MAX_DEVICES_PER_SLICE_ADVANCED = 64  # ResourceSliceMaxDevicesWithAdvancedFeatures (1.36+)
+MAX_DNS_SUBDOMAIN = 253  # validation.DNS1123SubdomainMaxLength: slice, node and pool names
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS_SUBDOMAIN = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")
+# List-typed attribute values (DRAListTypeAttributes, 1.36): an "advanced feature".
+_LIST_KEYS = frozenset(("ints", "bools", "strings", "versions"))
 
 # KEP-5517 (k8s.io/api resource/v1 NodeAllocatableMapping, 1.37 shape): the node resource our
 # devices are, and the multiplier: one consumed dra.cpu/cpu, or one individual device, is one
@@ -134,6 +92,35 @@ class SliceOptions:
 
 
 # --- slices --------------------------------------------------------------------------------------
+
+
+def max_devices_per_slice(wire_devices: Iterable[Mapping[str, Any]]) -> int:
+    """128, or 64 when any device uses an "advanced feature" (list-typed attribute, taints,
+    counter consumption): the API server's per-slice limit for these devices."""
+    for device in wire_devices:
+        if device.get("taints") or device.get("consumesCounters"):
+            return MAX_DEVICES_PER_SLICE_ADVANCED
+        for attribute in (device.get("attributes") or {}).values():
+            # type() first: the ABC isinstance check is slow on 1000-device pools
+            if (type(attribute) is dict or isinstance(attribute, Mapping)) and not (
+                _LIST_KEYS.isdisjoint(attribute)
+            ):
+                return MAX_DEVICES_PER_SLICE_ADVANCED
+    return MAX_DEVICES_PER_SLICE
+
+
+def node_name_errors(value: object) -> list[str]:
+    """Why ``value`` cannot name a node (and so a pool): a lowercase RFC 1123 subdomain of at
+    most 253 characters."""
+    if not isinstance(value, str):
+        return ["must be a string"]
+    if not value:
+        return ["must not be empty"]
+    if len(value) > MAX_DNS_SUBDOMAIN:
+        return [f"must be no more than {MAX_DNS_SUBDOMAIN} characters"]
+    if not _DNS_SUBDOMAIN.fullmatch(value):
+        return ["must be a lowercase RFC 1123 subdomain"]
+    return []
 
 
 def slice_name(node_name: str, index: int) -> str:
@@ -267,3 +254,121 @@ def build_resource_slices(
             }
         )
     return slices
+
+
+# --- the diff a publisher sends ------------------------------------------------------------------
+
+
+def slice_content(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """The parts of a slice the publisher owns and compares: its spec and owner references."""
+    return {
+        "spec": obj.get("spec"),
+        "ownerReferences": (obj.get("metadata") or {}).get("ownerReferences"),
+    }
+
+
+def _name(obj: Mapping[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("name") or "")
+
+
+def pool_generation(obj: Mapping[str, Any]) -> int:
+    """A slice's ``spec.pool.generation`` (0 when it has none that is a number)."""
+    value = ((obj.get("spec") or {}).get("pool") or {}).get("generation")
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def pool_content(slices: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """What the pool says without its generation (compare, never send: shallow copies)."""
+    contents = []
+    for obj in slices:
+        content = slice_content(obj)
+        spec = dict(content["spec"])
+        spec["pool"] = {k: v for k, v in spec["pool"].items() if k != "generation"}
+        contents.append({**content, "spec": spec})
+    return contents
+
+
+def next_generation(current: int, highest: int, *, changed: bool) -> int:
+    """The pool generation to publish: ``highest`` (of the slices found) + 1 at the first
+    publication of this process (``current`` 0), so a restart never goes backwards; one more
+    when the pool's content ``changed`` or a slice of ours carries a higher generation; else
+    ``current``."""
+    if current == 0:
+        return highest + 1
+    if changed or highest > current:
+        return max(current, highest) + 1
+    return current
+
+
+@dataclass(frozen=True, slots=True)
+class SliceWrites:
+    """What to send so that the pool holds the wanted slices.
+
+    ``delete``: the slices found that are not wanted (extra ones, another layout's names), in
+    name order: delete each with its ``uid`` and ``resourceVersion`` as preconditions.
+    ``write``: the wanted slices that are missing or differ, in pool order, each with the
+    ``resourceVersion`` of the slice to update (``None``: create it).
+    """
+
+    delete: tuple[Mapping[str, Any], ...]
+    write: tuple[tuple[dict[str, Any], str | None], ...]
+
+
+def slice_writes(
+    existing: Sequence[Mapping[str, Any]],
+    wanted: Sequence[dict[str, Any]],
+    stored: Mapping[str, tuple[Mapping[str, Any], Mapping[str, Any]]] = MappingProxyType({}),
+) -> SliceWrites:
+    """The diff between the slices ``existing`` on the server and the ``wanted`` ones.
+
+    ``stored``: by slice name, what this publisher last sent and what the server stored in
+    answer (its :func:`slice_content`): a wanted slice whose content is what was sent is
+    expected to look as stored, so fields the server drops (or defaults) are no difference.
+    """
+    have = {_name(obj): obj for obj in existing}
+    names = {_name(obj) for obj in wanted}
+    delete = tuple(obj for name, obj in sorted(have.items()) if name not in names)
+    write: list[tuple[dict[str, Any], str | None]] = []
+    for want in wanted:
+        current = have.get(_name(want))
+        if current is None:
+            write.append((want, None))
+            continue
+        content = slice_content(want)
+        sent, answered = stored.get(_name(want), (None, None))
+        expected = answered if sent == content else content
+        if slice_content(current) != expected:
+            version = (current.get("metadata") or {}).get("resourceVersion")
+            write.append((want, str(version or "")))
+    return SliceWrites(delete, tuple(write))
+
+
+def consumable_capacity_dropped(sent: Mapping[str, Any], stored: Mapping[str, Any]) -> bool:
+    """Whether the API server dropped the consumable-capacity fields of a ResourceSlice.
+
+    A server without the ``DRAConsumableCapacity`` feature (off by default before 1.36) silently
+    strips ``allowMultipleAllocations`` and ``capacity[*].requestPolicy`` from the devices it
+    stores; ``stored`` is the object it answered a create or update with.
+    """
+    stored_devices = {
+        d.get("name"): d
+        for d in (stored.get("spec") or {}).get("devices") or []
+        if isinstance(d, Mapping)
+    }
+    for device in (sent.get("spec") or {}).get("devices") or []:
+        if not isinstance(device, Mapping):
+            continue
+        kept = stored_devices.get(device.get("name"))
+        if kept is None:
+            continue
+        if "allowMultipleAllocations" in device and "allowMultipleAllocations" not in kept:
+            return True
+        kept_capacity = kept.get("capacity") or {}
+        for key, entry in (device.get("capacity") or {}).items():
+            if (
+                isinstance(entry, Mapping)
+                and "requestPolicy" in entry
+                and "requestPolicy" not in (kept_capacity.get(key) or {})
+            ):
+                return True
+    return False

@@ -28,10 +28,9 @@ the pool never holds a CPU of any claim, so no one else's claim is touched.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from types import MappingProxyType
-from typing import Any
 
 from dracpu.core.checkpoint_schema import PreparedClaim
 from dracpu.core.commands import Container, Synchronize
@@ -211,8 +210,7 @@ def _shared_updates(
     Nothing when the pool is empty.
 
     The loop of a CreateContainer that moves hundreds of containers: records already at the
-    pool are kept (compared by mask, no ``CpuSet.__eq__`` call) and the new values are built by
-    :func:`_moved_record` and :func:`_pool_update`, not by the dataclass constructors.
+    pool are kept (compared by mask, no ``CpuSet.__eq__`` call).
     """
     updates: list[ContainerUpdate] = []
     if not pool:
@@ -226,50 +224,14 @@ def _shared_updates(
     return updates
 
 
-# A frozen dataclass's constructor sets each field through object.__setattr__; setting the slots
-# through their descriptors builds the same value faster. Guarded by bench/bench_state.py
-# (state.create_container: 200 shared containers moved; the figures are in
-# docs/performance.md). Only for these two classes, which have no __post_init__;
-# tests/core/test_state.py checks their fields and that the values equal the constructors'.
-_new = object.__new__
-_SetSlot = Callable[[object, Any], None]
-
-
-def _slot_setter(cls: type[ContainerRecord] | type[ContainerUpdate], name: str) -> _SetSlot:
-    setter: _SetSlot = vars(cls)[name].__set__
-    return setter
-
-
-_set_record_container = _slot_setter(ContainerRecord, "container")
-_set_record_claims = _slot_setter(ContainerRecord, "claims")
-_set_record_cpus = _slot_setter(ContainerRecord, "cpus")
-_set_record_mems = _slot_setter(ContainerRecord, "mems")
-_set_record_seq = _slot_setter(ContainerRecord, "seq")
-_set_update_id = _slot_setter(ContainerUpdate, "container_id")
-_set_update_cpus = _slot_setter(ContainerUpdate, "cpus")
-_set_update_mems = _slot_setter(ContainerUpdate, "mems")
-_set_update_seq = _slot_setter(ContainerUpdate, "seq")
-
-
 def _moved_record(record: ContainerRecord, cpus: CpuSet, seq: int) -> ContainerRecord:
-    """``ContainerRecord(record.container, record.claims, cpus, record.mems, seq)``."""
-    moved: ContainerRecord = _new(ContainerRecord)
-    _set_record_container(moved, record.container)
-    _set_record_claims(moved, record.claims)
-    _set_record_cpus(moved, cpus)
-    _set_record_mems(moved, record.mems)
-    _set_record_seq(moved, seq)
-    return moved
+    """``record`` pinned to ``cpus`` by decision ``seq``."""
+    return ContainerRecord(record.container, record.claims, cpus, record.mems, seq)
 
 
 def _pool_update(container_id: str, pool: CpuSet, seq: int) -> ContainerUpdate:
-    """``ContainerUpdate(container_id, pool, None, seq)``."""
-    update: ContainerUpdate = _new(ContainerUpdate)
-    _set_update_id(update, container_id)
-    _set_update_cpus(update, pool)
-    _set_update_mems(update, None)
-    _set_update_seq(update, seq)
-    return update
+    """A shared container's update to ``pool`` by decision ``seq``."""
+    return ContainerUpdate(container_id, pool, None, seq)
 
 
 def create_container(state: NodeState, container: Container) -> tuple[NodeState, list[Effect]]:
@@ -412,7 +374,7 @@ def invalidate(
         record = containers.get(cid)
         follows = cid in state.shared or cid in state.mixed
         if record is not None and follows and record.seq == seq:
-            containers[cid] = replace(record, cpus=EMPTY)
+            containers[cid] = record._replace(cpus=EMPTY)
             changed = True
     if not changed:
         return state, [Reply(None)]

@@ -24,8 +24,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from dracpu.core.cpuset import CpuSet
+from dracpu.core.devices import ATTR_ISOLATED, CAPACITY_CPU, Device
 from dracpu.core.external_attributes import ATTR_CPU_IDS, ATTR_SMT_LAYOUT
-from dracpu.core.slices import ATTR_ISOLATED, CAPACITY_CPU, Device, SliceOptions
+from dracpu.core.slices import SliceOptions
 from dracpu.core.topology import NO_NUMA_NODE, CoreType, Topology
 
 __all__ = ["claim_keys", "render_map"]

@@ -22,8 +22,8 @@ from typing import Any
 import anyio
 
 from dracpu import DRIVER_NAME
-from dracpu.core.slice_validation import validate_slice
 from dracpu.sim.apiserver_validation import SchemaValidator, claim_status_errors
+from dracpu.sim.slice_rules import validate_slice
 
 __all__ = [
     "DEFAULT_HISTORY",

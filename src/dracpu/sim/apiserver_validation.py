@@ -7,7 +7,7 @@
   on every call and a reference-resolving validator is slower than an inlined one (figures in
   ``docs/performance.md``).
 - The API server's own rules the schema cannot express: for ResourceSlices
-  :func:`dracpu.core.slices.validate_slice` (128 devices, 32 attributes + capacities, qualified
+  :func:`dracpu.sim.slice_rules.validate_slice` (128 devices, 32 attributes + capacities, qualified
   names, pool and node names, request policies ...); for a ResourceClaim's ``status.devices``
   :func:`claim_status_errors` (each entry must name an allocated device, ``data`` is a JSON
   object of at most 10 KiB, at most 8 conditions, no duplicate keys).

@@ -47,7 +47,7 @@ import anyio
 
 from dracpu.core.allocator import describe_plan
 from dracpu.core.cpuset import CpuSet
-from dracpu.core.slices import CpuDeviceMode, GroupBy
+from dracpu.core.devices import CpuDeviceMode, GroupBy
 from dracpu.errors import DracpuError, leaf_errors
 from dracpu.sim.fake_kubelet import HealthList, HealthWatch
 from dracpu.sim.node import (

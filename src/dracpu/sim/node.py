@@ -58,7 +58,7 @@ import anyio.abc
 
 from dracpu import DRIVER_NAME
 from dracpu.core.cpuset import CpuSet
-from dracpu.core.slices import CpuDeviceMode, GroupBy
+from dracpu.core.devices import CpuDeviceMode, GroupBy
 from dracpu.core.topology import Topology
 from dracpu.sim.daemon_process import (
     READY_TIMEOUT,

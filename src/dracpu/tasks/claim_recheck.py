@@ -97,8 +97,6 @@ class ClaimRecheck:
         self._committed = committed
         self._claims = claims
         self._timeout = timeout
-        self.looks = 0
-        """Claims read so far (for tests and the debug log)."""
 
     def _suspects(
         self, containers: Iterable[Container]
@@ -162,7 +160,6 @@ class ClaimRecheck:
 
     async def _look(self, claim: PreparedClaim, found: dict[str, dict[str, str] | str]) -> None:
         assert self._claims is not None
-        self.looks += 1
         try:
             obj = await self._claims.get_resource_claim(claim.namespace, claim.name)
         except KubeNotFoundError:

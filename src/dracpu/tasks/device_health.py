@@ -67,8 +67,8 @@ from dracpu.adapters.grpc_unix import (
 )
 from dracpu.adapters.sysfs import read_online
 from dracpu.core.cpuset import CpuSet
+from dracpu.core.devices import Device
 from dracpu.core.health import DeviceHealth, HealthStatus, assess
-from dracpu.core.slices import Device
 from dracpu.errors import TopologyError
 
 __all__ = [

@@ -24,17 +24,11 @@ labels and buckets. They sit on ``/metrics`` next to our own ``dracpu_*`` metric
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from prometheus_client.metrics_core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
-from prometheus_client.utils import floatToGoString
+from prometheus_client import Histogram
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from dracpu.core.state import NodeState
 
@@ -151,32 +145,18 @@ def descriptors() -> list[dict[str, object]]:
     ]
 
 
-class _Histogram:
-    """Counts per bucket (not cumulative), the sum and the count."""
+def _histogram(spec: MetricSpec) -> Histogram:
+    """prometheus_client's histogram of ``spec``, in no registry: :class:`DraCpuMetrics`
+    collects it."""
+    return Histogram(spec.name, spec.help, buckets=spec.buckets, registry=None)
 
-    __slots__ = ("bounds", "count", "counts", "total")
 
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
-        self.total = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        # A value equal to a bound belongs to that bucket (Prometheus: le, "less or equal").
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.total += value
-        self.count += 1
-
-    def family(self, spec: MetricSpec) -> HistogramMetricFamily:
-        cumulative, buckets = 0, []
-        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
-            cumulative += count
-            label: str = floatToGoString(bound)  # type: ignore[no-untyped-call]
-            buckets.append((label, float(cumulative)))
-        family = HistogramMetricFamily(spec.name, spec.help)
-        family.add_metric([], buckets, sum_value=self.total)
-        return family
+def _collected(histogram: Histogram) -> Iterable[Metric]:
+    """The histogram's samples without its ``_created`` one, which upstream's Go metrics do
+    not have."""
+    for metric in histogram.collect():
+        metric.samples = [s for s in metric.samples if not s.name.endswith("_created")]
+        yield metric
 
 
 class DraCpuMetrics:
@@ -189,9 +169,9 @@ class DraCpuMetrics:
         self._state = state
         self._prepared = dict.fromkeys(_RESULTS, 0)
         self._unprepared = dict.fromkeys(_RESULTS, 0)
-        self._duration = _Histogram(PREPARE_DURATION.buckets)
-        self._unprepare_duration = _Histogram(UNPREPARE_DURATION.buckets)
-        self._claim_cpus = _Histogram(CLAIM_CPUS.buckets)
+        self._duration = _histogram(PREPARE_DURATION)
+        self._unprepare_duration = _histogram(UNPREPARE_DURATION)
+        self._claim_cpus = _histogram(CLAIM_CPUS)
         self._counted: set[str] = set()  # claims whose allocation was observed
 
     def prepared(self, claim_uid: str, ok: bool, seconds: float) -> None:
@@ -233,6 +213,5 @@ class DraCpuMetrics:
             for result in _RESULTS:
                 family.add_metric([result], float(counts[result]))
             yield family
-        yield self._duration.family(PREPARE_DURATION)
-        yield self._unprepare_duration.family(UNPREPARE_DURATION)
-        yield self._claim_cpus.family(CLAIM_CPUS)
+        for histogram in (self._duration, self._unprepare_duration, self._claim_cpus):
+            yield from _collected(histogram)

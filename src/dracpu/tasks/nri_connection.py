@@ -371,9 +371,8 @@ class NriConnection:
     async def _send_batch(self, batch: list[ContainerUpdate]) -> None:
         link = self._link
         failed, reason = await self._update_containers(batch)
-        link.sent += 1
+        link.update_sent(failed=bool(failed))
         if failed:
-            link.failed += 1
             logger.warning(
                 "NRI: UpdateContainers of %d containers failed (%s); they are re-pinned at "
                 "the next container event",
@@ -492,9 +491,10 @@ class NriConnection:
             self._request_timeout = runtime.request_timeout / 1000
         self._unsolicited = messages.unsolicited_updates_supported(runtime)
         link = self._link
-        link.runtime = (runtime.runtime_name, runtime.runtime_version, runtime.NRI_version)
-        link.unsolicited = self._unsolicited
-        link.connected = True
+        link.configured(
+            (runtime.runtime_name, runtime.runtime_version, runtime.NRI_version),
+            unsolicited=self._unsolicited,
+        )
         logger.info(
             "NRI: configured by %s %s (NRI %s) as %s-%s; events %#x; unsolicited updates %s",
             runtime.runtime_name or "an unnamed runtime",

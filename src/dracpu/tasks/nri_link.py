@@ -99,40 +99,56 @@ class NriLink:
         self._sending = False  # an UpdateContainers taken from the queue has not been answered
         self._answering = 0  # event handlers working on their answer
         self._settled: anyio.Event | None = None  # set when settled() may hold
-        # What status() reports; the NRI task keeps these.
-        self.connected = False
-        self.synchronized = False
+        # What status() reports; the NRI task tells them through the methods below.
+        self._connected = False
+        self._synchronized = False
         self._first_sync: anyio.Event | None = None  # created by the first waiter
         self._synchronized_once = False
-        self.runtime: tuple[str, str, str] = ("", "", "")  # name, version, NRI version
-        self.unsolicited = False
-        self.connections = 0
-        self.sent = 0
-        self.failed = 0
-        self.dropped = 0
-        self.last_error = ""
+        self._runtime: tuple[str, str, str] = ("", "", "")  # name, version, NRI version
+        self._unsolicited = False
+        self._connections = 0
+        self._sent = 0
+        self._failed = 0
+        self._dropped = 0
+        self._last_error = ""
 
     def status(self) -> NriStatus:
         """The current state of the NRI connection."""
-        name, version, nri_version = self.runtime
+        name, version, nri_version = self._runtime
         return NriStatus(
-            connected=self.connected,
-            synchronized=self.synchronized,
+            connected=self._connected,
+            synchronized=self._synchronized,
             runtime_name=name,
             runtime_version=version,
             nri_version=nri_version,
-            unsolicited_updates=self.unsolicited,
-            connections=self.connections,
-            unsolicited_sent=self.sent,
-            unsolicited_failed=self.failed,
-            unsolicited_dropped=self.dropped,
-            last_error=self.last_error,
+            unsolicited_updates=self._unsolicited,
+            connections=self._connections,
+            unsolicited_sent=self._sent,
+            unsolicited_failed=self._failed,
+            unsolicited_dropped=self._dropped,
+            last_error=self._last_error,
         )
+
+    def configured(self, runtime: tuple[str, str, str], *, unsolicited: bool) -> None:
+        """A runtime (name, version, NRI version) configured the plugin; ``unsolicited``:
+        it takes unsolicited updates."""
+        self._runtime = runtime
+        self._unsolicited = unsolicited
+        self._connected = True
+
+    def connect_failed(self, reason: str) -> None:
+        """No runtime could be reached, for ``reason``."""
+        self._last_error = reason
+
+    def update_sent(self, *, failed: bool) -> None:
+        """An unsolicited ``UpdateContainers`` was answered; ``failed``: it failed containers."""
+        self._sent += 1
+        self._failed += failed
 
     def mark_synchronized(self) -> None:
         """A connection's first ``Synchronize`` was answered: the runtime pins what it creates."""
-        self.synchronized = True
-        self.connections += 1
+        self._synchronized = True
+        self._connections += 1
         self._synchronized_once = True
         if self._first_sync is not None:
             self._first_sync.set()
@@ -175,7 +191,7 @@ class NriLink:
     def submit(self, effect: UpdateContainers) -> None:
         """Queue the containers of an unsolicited update (the owner's post-commit hand-off)."""
         if not self._live:
-            self.dropped += 1
+            self._dropped += 1
             logger.debug(
                 "no synchronized NRI runtime takes unsolicited updates: dropping the updates of "
                 "%d containers (the next Synchronize re-pins them)",
@@ -200,10 +216,10 @@ class NriLink:
         self._sending = False
         self._answering = 0
         self._check_settled()
-        self.connected = False
-        self.synchronized = False
-        self.unsolicited = False
-        self.last_error = reason
+        self._connected = False
+        self._synchronized = False
+        self._unsolicited = False
+        self._last_error = reason
 
     def fresh(self, updates: Iterable[ContainerUpdate]) -> list[ContainerUpdate]:
         """The pins an event reply should carry for ``updates`` (decided with the answer):

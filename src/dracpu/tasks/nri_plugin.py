@@ -119,7 +119,7 @@ async def _connections(
             stream = await connect(socket)
         except OSError as exc:
             failures += 1
-            link.last_error = f"cannot connect to {socket}: {exc}"
+            link.connect_failed(f"cannot connect to {socket}: {exc}")
             log = logger.warning if failures == 1 else logger.debug
             log("NRI: cannot connect to %s (attempt %d): %s; retrying", socket, failures, exc)
             await anyio.sleep(next(delays))
@@ -183,7 +183,7 @@ async def run(
                     "NRI: no runtime synchronized within %g s (%s); starting anyway: "
                     "containers are pinned once it connects",
                     start_timeout,
-                    link.last_error or "still trying",
+                    link.status().last_error or "still trying",
                 )
             task_status.started()
             await anyio.sleep_forever()

@@ -56,10 +56,11 @@ outage that the retries cover anyway. Whether the slices are published is the ``
 while passes fail (a conflict or a vanished slice excepted: the next pass relists), so
 ``/readyz`` never says all is well while the scheduler cannot see the node's CPUs.
 
-Republishing on demand (SIGHUP, topology change): send any reason string on the ``republish``
-stream (see :func:`republish_channel` and :func:`request_republish`); with a callable ``desired``
-source the devices are re-read first. Such a request is published without the debounce: it is
-one event (the state owner sends one per Resync), not the start of a burst.
+What to publish: the devices travel with each request on the ``requests`` stream
+(:class:`Republish`, :func:`republish_channel`, :func:`request_republish`): the state owner sends
+one at start and one per Resync (SIGHUP, a topology change), with its node config's devices.
+Nothing is published before the first. Such a request is published without the debounce: it is
+one event, not the start of a burst. What to write is :func:`dracpu.core.slices.slice_writes`.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import AsyncIterable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -78,27 +79,33 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from dracpu import DRIVER_NAME
 from dracpu.adapters.backoff import Health, Pause, RetryLog, backoff_delays
-from dracpu.adapters.kube import LISTED, KubeClient, consumable_capacity_dropped
-from dracpu.core.slices import Device, SliceOptions, build_resource_slices
-from dracpu.errors import DracpuError, KubeAPIError, KubeNotFoundError
+from dracpu.adapters.kube import LISTED, KubeClient
+from dracpu.core.devices import Device
+from dracpu.core.slices import (
+    SliceOptions,
+    build_resource_slices,
+    consumable_capacity_dropped,
+    next_generation,
+    pool_content,
+    pool_generation,
+    slice_content,
+    slice_writes,
+)
+from dracpu.errors import KubeAPIError, KubeNotFoundError
 
 __all__ = [
     "DEFAULT_DEBOUNCE",
     "DEFAULT_RESYNC_INTERVAL",
     "DEFAULT_START_TIMEOUT",
     "UNAVAILABLE_RETRY_CAP",
-    "DesiredDevices",
     "PublisherSettings",
+    "Republish",
     "republish_channel",
     "request_republish",
     "run",
 ]
 
 logger = logging.getLogger(__name__)
-
-DesiredDevices = Callable[[], Sequence[Device]] | AsyncIterable[Sequence[Device]]
-"""Where the devices come from: a callable (called at start and on every republish request) or
-an async iterable of device lists (each list replaces the previous one)."""
 
 # A burst of triggers (a kubelet wipe deletes every slice one by one) is handled by ONE pass:
 # the publisher waits this long after the first trigger. The Go helper waits 30 s
@@ -168,17 +175,29 @@ class _Retries:
         self._answered = self._unavailable = None
 
 
-def republish_channel() -> tuple[MemoryObjectSendStream[str], MemoryObjectReceiveStream[str]]:
+@dataclass(frozen=True, slots=True)
+class Republish:
+    """Publish ``devices`` (in publication order) now; ``reason`` says why, in the log."""
+
+    reason: str
+    devices: tuple[Device, ...]
+
+
+def republish_channel() -> tuple[
+    MemoryObjectSendStream[Republish], MemoryObjectReceiveStream[Republish]
+]:
     """A stream pair for republish requests: pass the receiving end to :func:`run`."""
-    return anyio.create_memory_object_stream[str](_REPUBLISH_BUFFER)
+    return anyio.create_memory_object_stream[Republish](_REPUBLISH_BUFFER)
 
 
-def request_republish(channel: MemoryObjectSendStream[str], reason: str) -> None:
-    """Ask for a republish without waiting; dropped if many requests are pending already."""
+def request_republish(channel: MemoryObjectSendStream[Republish], request: Republish) -> None:
+    """Ask for a republish without waiting. The publisher takes each request at once, so only
+    one sent before it runs can wait; a request that finds the buffer full is dropped (the
+    sender has sent newer ones since)."""
     with contextlib.suppress(
         anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError
     ):
-        channel.send_nowait(reason)
+        channel.send_nowait(request)
 
 
 @dataclass(slots=True)
@@ -202,30 +221,6 @@ def _version(obj: Mapping[str, Any]) -> str:
     return str((obj.get("metadata") or {}).get("resourceVersion") or "")
 
 
-def _generation(obj: Mapping[str, Any]) -> int:
-    value = ((obj.get("spec") or {}).get("pool") or {}).get("generation")
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
-def _content(obj: Mapping[str, Any]) -> dict[str, Any]:
-    """The parts of a slice we own and compare: spec and owner references."""
-    return {
-        "spec": obj.get("spec"),
-        "ownerReferences": (obj.get("metadata") or {}).get("ownerReferences"),
-    }
-
-
-def _without_generation(slices: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The pool's content without the generation (shallow copies: compare, never modify)."""
-    contents = []
-    for obj in slices:
-        content = _content(obj)
-        spec = dict(content["spec"])
-        spec["pool"] = {k: v for k, v in spec["pool"].items() if k != "generation"}
-        contents.append({**content, "spec": spec})
-    return contents
-
-
 class _Publisher:
     def __init__(
         self,
@@ -240,8 +235,7 @@ class _Publisher:
         self.node_name = node_name
         self.options = options
         self.settings = settings
-        self.source: Callable[[], Sequence[Device]] | None = None
-        self.devices: Sequence[Device] | None = None
+        self.devices: tuple[Device, ...] | None = None
         self.consumable = True
         self.generation = 0  # 0: not published yet by this process
         self.owner_uid: str | None = None
@@ -262,8 +256,8 @@ class _Publisher:
 
     # --- triggers ----------------------------------------------------------------------------
 
-    def wake(self, reason: str, *, refresh: bool = False) -> None:
-        self.wake_send.send_nowait((reason, refresh))
+    def wake(self, reason: str, *, urgent: bool = False) -> None:
+        self.wake_send.send_nowait((reason, urgent))
         self.publish_pause.wake()  # a retry wait ends too: do what was asked now
 
     def server_answered(self) -> None:
@@ -274,45 +268,37 @@ class _Publisher:
         if self.watch_waits_for_server:
             self.watch_pause.wake()
 
-    async def forward_desired(self, stream: AsyncIterable[Sequence[Device]]) -> None:
-        async for devices in stream:
-            self.devices = list(devices)
-            self.wake("devices changed")
-
-    async def forward_republish(self, stream: MemoryObjectReceiveStream[str]) -> None:
-        async with stream:
-            async for reason in stream:
-                self.wake(f"republish requested ({reason})", refresh=True)
+    async def forward_requests(self, requests: AsyncIterable[Republish]) -> None:
+        async for request in requests:
+            self.devices = request.devices
+            self.wake(f"republish requested ({request.reason})", urgent=True)
 
     # --- the publish loop --------------------------------------------------------------------
 
     async def main_loop(self) -> None:
-        reasons: list[str] = ["start"]
-        refresh = self.source is not None
+        reasons: list[str] = []
         retries = _Retries(self.settings)
         while True:
             if not reasons:
-                with anyio.move_on_after(self.settings.resync_interval):
-                    reason, refresh = await self.wake_receive.receive()
+                urgent = False
+                # Nothing to publish before the first request: only a request ends the wait.
+                wait = math.inf if self.devices is None else self.settings.resync_interval
+                with anyio.move_on_after(wait):
+                    reason, urgent = await self.wake_receive.receive()
                     reasons.append(reason)
                 if not reasons:
                     reasons.append("periodic resync")
-                if not refresh:  # a republish request (SIGHUP) is one event: no burst to wait for
+                if not urgent:  # a republish request (SIGHUP) is one event: no burst to wait for
                     await anyio.sleep(self.settings.debounce)
             while True:  # drain the triggers that came meanwhile
                 try:
-                    reason, more = self.wake_receive.receive_nowait()
+                    reason, _ = self.wake_receive.receive_nowait()
                 except anyio.WouldBlock:
                     break
                 reasons.append(reason)
-                refresh = refresh or more
-            if refresh and self.source is not None:
-                self.refresh_devices()
-            refresh = False
             if self.devices is None:
                 logger.debug("no devices to publish yet (%s)", ", ".join(reasons))
                 reasons = []
-                self.first_attempt.set()
                 continue
             logger.debug("publishing ResourceSlices: %s", ", ".join(dict.fromkeys(reasons)))
             try:
@@ -343,13 +329,6 @@ class _Publisher:
             reasons = []
             self.first_attempt.set()
 
-    def refresh_devices(self) -> None:
-        assert self.source is not None
-        try:
-            self.devices = list(self.source())
-        except DracpuError as exc:
-            logger.error("cannot compute the devices to publish, keeping the last ones: %s", exc)
-
     async def reconcile(self) -> None:
         """One publish pass (see the module docstring); raises on API errors."""
         assert self.devices is not None
@@ -362,36 +341,29 @@ class _Publisher:
                 uid = (node.get("metadata") or {}).get("uid")
                 self.owner_uid = uid if isinstance(uid, str) and uid else None
         existing, _ = await self.kube.list_resource_slices(DRIVER_NAME, self.node_name)
-        have = {_name(obj): obj for obj in existing}
-        highest = max((_generation(obj) for obj in existing), default=0)
         desired = self.build()
-        key = _without_generation(desired)
-        if self.generation == 0:
-            self.generation = highest + 1
-        elif key != self.pool_key or highest > self.generation:
-            self.generation = max(self.generation, highest) + 1
+        key = pool_content(desired)
+        highest = max((pool_generation(obj) for obj in existing), default=0)
+        self.generation = next_generation(self.generation, highest, changed=key != self.pool_key)
         self.pool_key = key
         for obj in desired:
             obj["spec"]["pool"]["generation"] = self.generation
         self.wanted = tuple(_name(obj) for obj in desired)
-        changes = 0
-        for name, obj in sorted(have.items()):
-            if name not in self.wanted:
-                await self.delete(name, obj)
-                changes += 1
-        for want in desired:
+        stored = {name: (w.sent, w.stored) for name, w in self.written.items()}
+        writes = slice_writes(existing, desired, stored)
+        for gone in writes.delete:
+            await self.delete(_name(gone), gone)
+        for want, version in writes.write:
             name = _name(want)
-            current = have.get(name)
-            if current is not None and self.up_to_date(want, current):
-                continue
-            if current is None:
-                stored = await self.kube.create_resource_slice(want)
+            if version is None:
+                answer = await self.kube.create_resource_slice(want)
             else:
-                metadata = {**want["metadata"], "resourceVersion": _version(current)}
-                stored = await self.kube.update_resource_slice({**want, "metadata": metadata})
-            changes += 1
-            self.written[name] = _Written(_content(want), _content(stored), _version(stored))
-            if self.consumable and consumable_capacity_dropped(want, stored):
+                metadata = {**want["metadata"], "resourceVersion": version}
+                answer = await self.kube.update_resource_slice({**want, "metadata": metadata})
+            self.written[name] = _Written(
+                slice_content(want), slice_content(answer), _version(answer)
+            )
+            if self.consumable and consumable_capacity_dropped(want, answer):
                 logger.warning(
                     "the API server dropped allowMultipleAllocations/requestPolicy from "
                     "ResourceSlice %s: the cluster lacks the DRAConsumableCapacity feature; "
@@ -400,6 +372,7 @@ class _Publisher:
                 )
                 self.consumable = False
                 raise _Restart
+        changes = len(writes.delete) + len(writes.write)
         for name in list(self.written):
             if name not in self.wanted:
                 del self.written[name]
@@ -424,17 +397,6 @@ class _Publisher:
             generation=0,
             owner_uid=self.owner_uid,
         )
-
-    def expected(self, want: Mapping[str, Any]) -> dict[str, Any]:
-        """What a wanted slice looks like as stored (the server may drop or default fields)."""
-        content = _content(want)
-        record = self.written.get(_name(want))
-        if record is not None and record.sent == content:
-            return record.stored
-        return content
-
-    def up_to_date(self, want: Mapping[str, Any], current: Mapping[str, Any]) -> bool:
-        return _content(current) == self.expected(want)
 
     async def delete(self, name: str, obj: Mapping[str, Any]) -> None:
         uid = (obj.get("metadata") or {}).get("uid")
@@ -469,7 +431,7 @@ class _Publisher:
             return True
         if record.resource_version == _version(obj):
             return False  # our own write
-        return _content(obj) != record.stored
+        return slice_content(obj) != record.stored
 
     async def watch_loop(self) -> None:
         await self.first_attempt.wait()
@@ -500,43 +462,34 @@ class _Publisher:
 async def run(
     kube: KubeClient,
     node_name: str,
-    desired: DesiredDevices,
+    requests: AsyncIterable[Republish],
     *,
     options: SliceOptions = _UPSTREAM_DEFAULTS,
-    republish: MemoryObjectReceiveStream[str] | None = None,
     settings: PublisherSettings = PublisherSettings(),
     health: Health | None = None,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Publish ``desired`` devices for ``node_name`` until cancelled (see the module docstring).
-
-    ``options``: upstream's publication switches. ``republish``: the receiving end of
-    :func:`republish_channel`. ``health``: ready while the slices are published. ``started()``
-    comes after the first publish attempt, successful or not, or after
-    ``settings.start_timeout``.
+    """Publish the devices of each of ``requests`` for ``node_name`` until cancelled (see the
+    module docstring). ``options``: upstream's publication switches. ``health``: ready while the
+    slices are published. ``started()`` comes after the first publish attempt, successful or
+    not, or after ``settings.start_timeout``.
     """
     publisher = _Publisher(kube, node_name, options, settings, health)
     stop_listening = kube.on_success(publisher.server_answered)
     try:
-        await _run(publisher, desired, republish, settings, task_status)
+        await _run(publisher, requests, settings, task_status)
     finally:
         stop_listening()
 
 
 async def _run(
     publisher: _Publisher,
-    desired: DesiredDevices,
-    republish: MemoryObjectReceiveStream[str] | None,
+    requests: AsyncIterable[Republish],
     settings: PublisherSettings,
     task_status: anyio.abc.TaskStatus[None],
 ) -> None:
     async with publisher.wake_send, publisher.wake_receive, anyio.create_task_group() as tg:
-        if callable(desired):
-            publisher.source = desired
-        else:
-            tg.start_soon(publisher.forward_desired, desired, name="slice publisher: devices")
-        if republish is not None:
-            tg.start_soon(publisher.forward_republish, republish, name="slice publisher: requests")
+        tg.start_soon(publisher.forward_requests, requests, name="slice publisher: requests")
         tg.start_soon(publisher.main_loop, name="slice publisher")
         tg.start_soon(publisher.watch_loop, name="slice publisher: watch")
         with anyio.move_on_after(settings.start_timeout):

@@ -49,6 +49,7 @@ from dracpu.config import Config
 from dracpu.core import external_attributes
 from dracpu.core.claim_config import ALLOCATOR_EXTERNAL
 from dracpu.core.commands import AdoptClaims, AdoptedClaim, Command, RepairNodeFiles, Resync
+from dracpu.core.devices import Device
 from dracpu.core.effects import (
     ClaimsAdopted,
     ConfineHostCgroups,
@@ -66,11 +67,10 @@ from dracpu.core.effects import (
 from dracpu.core.health import claim_device_problems, reported_devices
 from dracpu.core.node_config import NodeConfig
 from dracpu.core.reconfigure import stranded_claims
-from dracpu.core.slices import Device
 from dracpu.core.state import NodeState, apply, commit_phase, restore_state, rollback
 from dracpu.errors import CdiError, CheckpointError, DracpuError
 from dracpu.tasks.device_health import DeviceHealthBoard
-from dracpu.tasks.slice_publisher import request_republish
+from dracpu.tasks.slice_publisher import Republish, request_republish
 
 __all__ = [
     "CDI_DIR_CHECK_INTERVAL",
@@ -292,7 +292,7 @@ class StateOwner:
         config: Config,
         receive: MemoryObjectReceiveStream[Request[Command]],
         *,
-        republish: MemoryObjectSendStream[str] | None = None,
+        republish: MemoryObjectSendStream[Republish] | None = None,
         container_updates: ContainerUpdates | None = None,
         files: NodeFiles | None = None,
         command_deadline: float = COMMAND_DEADLINE,
@@ -322,7 +322,6 @@ class StateOwner:
         # owner awaits each hop, and this limiter keeps any other caller out of the way.
         self._files_limiter = anyio.CapacityLimiter(1)
         self._state: NodeState | None = None
-        self._devices: tuple[Device, ...] = ()
         # The published devices' health (the DRA socket's health streams read it).
         self.health = DeviceHealthBoard()
         # Why a prepared claim's files could not be written, by (claim UID, kind of file);
@@ -363,10 +362,6 @@ class StateOwner:
         if self._state is None:
             raise DracpuError("the state owner has not restored the node yet")
         return self._state
-
-    def devices(self) -> Sequence[Device]:
-        """The devices to publish (the slice publisher's ``desired`` source)."""
-        return self._devices
 
     def statistics(self) -> OwnerStatistics:
         """A snapshot of the counters and the queue depth."""
@@ -730,11 +725,10 @@ class StateOwner:
             logger.error("%s: post-commit effects cut off after %g s", name, self._command_deadline)
 
     def _publish(self, devices: tuple[Device, ...]) -> None:
-        """The devices to publish now (the publisher reads them at the republish it is asked
-        for); their health follows the committed state (:meth:`_follow_health`)."""
-        self._devices = devices
+        """Ask the slice publisher to publish ``devices`` now (the request carries them);
+        their health follows the committed state (:meth:`_follow_health`)."""
         if self._republish is not None:
-            request_republish(self._republish, "resync")
+            request_republish(self._republish, Republish("resync", devices))
 
     def _follow_health(self, old: NodeState, new: NodeState) -> None:
         """Tell the health board the devices to report when the committed state changed them:
@@ -810,12 +804,9 @@ class StateOwner:
             len(node.allocatable),
             len(node.devices),
         )
-        # The devices are known now, whatever happens to the Resync below (which publishes
-        # them again): a publisher must never see an empty device list for a working node.
-        self._devices = tuple(node.devices.values())
         data = await anyio.to_thread.run_sync(self._files.restore_checkpoint)
         state, refused = restore_state(node, data)
-        reported = reported_devices(self._devices, state.config.held, state.claimed)
+        reported = reported_devices(node.devices.values(), state.config.held, state.claimed)
         self.health.set_devices(reported, online=topology.online)
         for stranded in stranded_claims(state.claims, state.claimed - state.config.allocatable):
             logger.warning("%s", stranded.warning(), extra={"claim_uid": stranded.claim_uid})

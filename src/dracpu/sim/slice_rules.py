@@ -1,10 +1,12 @@
-"""The apiserver's rules for ResourceSlice objects (``k8s.io/api`` resource/v1 ``types.go``
-limits, ``pkg/apis/resource/validation/validation.go``).
+"""The fake API server's reading of the rules the API server applies to ResourceSlice objects
+(``k8s.io/api`` resource/v1 ``types.go`` limits, ``pkg/apis/resource/validation/validation.go``,
+apimachinery's quantity grammar), beyond the OpenAPI schema
+(:mod:`dracpu.sim.apiserver_validation`).
 
-:func:`validate_slice` re-checks a ResourceSlice object against the apiserver's own rules, for our
-tests and the simulator's fake API server; :func:`validate_pool` checks the slices of one pool
-together. The limits are also what :mod:`dracpu.core.devices` and :mod:`dracpu.core.slices` build
-within.
+Written for the simulator from those sources, sharing no code with :mod:`dracpu.core`, which
+builds the slices these rules check: a mistake in the daemon's reading of a limit cannot hide
+behind the same mistake here. :func:`validate_slice` checks one slice, :func:`validate_pool` the
+slices of one pool together.
 """
 
 from __future__ import annotations
@@ -15,37 +17,21 @@ from collections.abc import Iterable, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
-from dracpu.core.quantity import parse_quantity
-from dracpu.errors import QuantityError
+__all__ = ["quantity_value", "validate_pool", "validate_slice"]
 
-__all__ = [
-    "API_VERSION",
-    "KIND",
-    "MAX_ATTRIBUTES_AND_CAPACITIES_PER_DEVICE",
-    "MAX_ATTRIBUTE_VALUES_PER_DEVICE",
-    "MAX_ATTRIBUTE_VALUE_LENGTH",
-    "MAX_DEVICES_PER_SLICE",
-    "MAX_DEVICES_PER_SLICE_ADVANCED",
-    "MAX_DNS_SUBDOMAIN",
-    "max_devices_per_slice",
-    "node_name_errors",
-    "validate_pool",
-    "validate_slice",
-]
-
-API_VERSION = "resource.k8s.io/v1"  # the GA DRA API, the one upstream publishes
-KIND = "ResourceSlice"
+_API_VERSION = "resource.k8s.io/v1"
+_KIND = "ResourceSlice"
 
 # --- apiserver limits (k8s.io/api resource/v1 types.go) ----------------------------------------
 
-MAX_DEVICES_PER_SLICE = 128  # ResourceSliceMaxDevices
-MAX_DEVICES_PER_SLICE_ADVANCED = 64  # ResourceSliceMaxDevicesWithAdvancedFeatures (1.36+)
-MAX_ATTRIBUTES_AND_CAPACITIES_PER_DEVICE = 32  # ResourceSliceMaxAttributesAndCapacitiesPerDevice
-MAX_ATTRIBUTE_VALUES_PER_DEVICE = 48  # ResourceSliceMaxAttributeValuesPerDevice (1.36+)
+_MAX_DEVICES_PER_SLICE = 128  # ResourceSliceMaxDevices
+_MAX_DEVICES_PER_SLICE_ADVANCED = 64  # ResourceSliceMaxDevicesWithAdvancedFeatures (1.36+)
+_MAX_ATTRIBUTES_AND_CAPACITIES_PER_DEVICE = 32  # ResourceSliceMaxAttributesAndCapacitiesPerDevice
+_MAX_ATTRIBUTE_VALUES_PER_DEVICE = 48  # ResourceSliceMaxAttributeValuesPerDevice (1.36+)
 _MAX_ID_LENGTH = 32  # DeviceMaxIDLength: the C-identifier part of a qualified name
 _MAX_DOMAIN_LENGTH = 63  # DeviceMaxDomainLength = DriverNameMaxLength
-MAX_ATTRIBUTE_VALUE_LENGTH = 64  # DeviceAttributeMaxValueLength (string and version values)
-MAX_DNS_SUBDOMAIN = 253  # validation.DNS1123SubdomainMaxLength: object, node and pool names
+_MAX_ATTRIBUTE_VALUE_LENGTH = 64  # DeviceAttributeMaxValueLength (string and version values)
+_MAX_DNS_SUBDOMAIN = 253  # validation.DNS1123SubdomainMaxLength: object, node and pool names
 _MAX_DNS_LABEL = 63  # validation.DNS1123LabelMaxLength: device names
 _MAX_TAINTS = 16  # DeviceTaintsMaxLength (1.35+)
 _MAX_VALID_VALUES = 10  # CapacityRequestPolicyDiscreteMaxOptions
@@ -54,7 +40,7 @@ _SCALAR_ATTRIBUTE_TYPES = ("int", "bool", "string", "version")
 _LIST_KEYS = frozenset(_LIST_ATTRIBUTE_TYPES)
 # A str of at most this many characters is within the 64-byte limit whatever its encoding
 # (UTF-8 needs at most 4 bytes per character).
-_MAX_ASCII_FAST = MAX_ATTRIBUTE_VALUE_LENGTH // 4
+_MAX_ASCII_FAST = _MAX_ATTRIBUTE_VALUE_LENGTH // 4
 # The node resources a device may map (core helper IsNodeAllocatableResourceName).
 _NODE_ALLOCATABLE_NAMES = frozenset({"cpu", "memory"})
 _HUGEPAGES_PREFIX = "hugepages-"
@@ -71,32 +57,32 @@ _SEMVER_RE = re.compile(
 )
 
 
-def max_devices_per_slice(wire_devices: Iterable[Mapping[str, Any]]) -> int:
+def _max_devices_per_slice(wire_devices: Iterable[Mapping[str, Any]]) -> int:
     """128, or 64 when any device uses an "advanced feature" (list-typed attribute, taints,
     counter consumption): the apiserver's per-slice limit for these devices."""
     for device in wire_devices:
         if device.get("taints") or device.get("consumesCounters"):
-            return MAX_DEVICES_PER_SLICE_ADVANCED
+            return _MAX_DEVICES_PER_SLICE_ADVANCED
         for attribute in (device.get("attributes") or {}).values():
             # type() first: the ABC isinstance check is slow on 1000-device pools
             if (type(attribute) is dict or isinstance(attribute, Mapping)) and not (
                 _LIST_KEYS.isdisjoint(attribute)
             ):
-                return MAX_DEVICES_PER_SLICE_ADVANCED
-    return MAX_DEVICES_PER_SLICE
+                return _MAX_DEVICES_PER_SLICE_ADVANCED
+    return _MAX_DEVICES_PER_SLICE
 
 
 def _dns_subdomain_errors(value: str) -> list[str]:
     if not value:
         return ["must not be empty"]
-    if len(value) > MAX_DNS_SUBDOMAIN:
-        return [f"must be no more than {MAX_DNS_SUBDOMAIN} characters"]
+    if len(value) > _MAX_DNS_SUBDOMAIN:
+        return [f"must be no more than {_MAX_DNS_SUBDOMAIN} characters"]
     if not _DNS_SUBDOMAIN_RE.match(value):
         return ["must be a lowercase RFC 1123 subdomain"]
     return []
 
 
-def node_name_errors(value: object) -> list[str]:
+def _node_name_errors(value: object) -> list[str]:
     if not isinstance(value, str):
         return ["must be a string"]
     return _dns_subdomain_errors(value)
@@ -137,12 +123,44 @@ def _qualified_name_errors(name: str) -> tuple[str, ...]:
     return tuple(errors)
 
 
+# apimachinery's quantity grammar (k8s.io/apimachinery/pkg/api/resource quantity.go): a signed
+# decimal number, then a binary-SI or decimal-SI suffix or a decimal exponent.
+_QUANTITY = re.compile(
+    r"(?P<number>[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))"
+    r"(?:(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)|[eE](?P<exponent>[+-]?[0-9]+))?"
+)
+_SUFFIXES: Mapping[str, Fraction] = {
+    **{s: Fraction(1024) ** (i + 1) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
+    "m": Fraction(1, 1000),
+    **{s: Fraction(1000) ** (i + 1) for i, s in enumerate(("k", "M", "G", "T", "P", "E"))},
+}
+# A decimal exponent beyond this is out of the range the API server stores (an int64 of
+# nano-units and the exponents of its inf.Dec scale); beyond it a Fraction would be huge.
+_MAX_EXPONENT = 40
+_MAX_QUANTITY_TEXT = 128
+
+
+def quantity_value(value: object) -> Fraction | str:
+    """The exact value of the quantity string ``value``, or why it is none."""
+    if not isinstance(value, str):
+        return f"{value!r} is not a quantity string"
+    match = _QUANTITY.fullmatch(value) if len(value) <= _MAX_QUANTITY_TEXT else None
+    if match is None:
+        return f"{value!r} is not a Kubernetes quantity"
+    exponent = int(match["exponent"] or 0)
+    if abs(exponent) > _MAX_EXPONENT:
+        return f"{value!r} is out of range: the decimal exponent must be within +-{_MAX_EXPONENT}"
+    return (
+        Fraction(match["number"])
+        * _SUFFIXES.get(match["suffix"] or "", Fraction(1))
+        * Fraction(10) ** exponent
+    )
+
+
 def _parse_quantity(value: object) -> Fraction | None:
     """The exact value of a quantity; None when it is not one (the callers word the error)."""
-    try:
-        return parse_quantity(value)
-    except QuantityError:
-        return None
+    parsed = quantity_value(value)
+    return parsed if isinstance(parsed, Fraction) else None
 
 
 def _attribute_errors(path: str, attribute: object) -> tuple[list[str], int]:
@@ -177,9 +195,9 @@ def _attribute_errors(path: str, attribute: object) -> tuple[list[str], int]:
         elif element in ("string", "version"):
             if not isinstance(item, str):
                 errors.append(f"{path}.{kind}: {item!r} is not a string")
-            elif len(item.encode()) > MAX_ATTRIBUTE_VALUE_LENGTH:
+            elif len(item.encode()) > _MAX_ATTRIBUTE_VALUE_LENGTH:
                 errors.append(
-                    f"{path}.{kind}: must be no more than {MAX_ATTRIBUTE_VALUE_LENGTH} bytes"
+                    f"{path}.{kind}: must be no more than {_MAX_ATTRIBUTE_VALUE_LENGTH} bytes"
                 )
             elif element == "version" and not _SEMVER_RE.match(item):
                 errors.append(f"{path}.{kind}: {item!r} is not a semantic version")
@@ -192,10 +210,11 @@ def _request_policy_errors(path: str, capacity: Fraction, policy: object) -> lis
     errors: list[str] = []
     default: Fraction | None = None
     if "default" in policy:
-        try:
-            default = parse_quantity(policy["default"])
-        except QuantityError as exc:
-            errors.append(f"{path}.default: {exc}")
+        parsed = quantity_value(policy["default"])
+        if isinstance(parsed, str):
+            errors.append(f"{path}.default: {parsed}")
+        else:
+            default = parsed
     valid_values = policy.get("validValues")
     valid_range = policy.get("validRange")
     if valid_values and valid_range is not None:
@@ -261,10 +280,10 @@ def _device_errors(path: str, device: object) -> list[str]:
     if not isinstance(attributes, Mapping) or not isinstance(capacity, Mapping):
         return [*errors, f"{path}: attributes and capacity must be objects"]
     total = len(attributes) + len(capacity)
-    if total > MAX_ATTRIBUTES_AND_CAPACITIES_PER_DEVICE:
+    if total > _MAX_ATTRIBUTES_AND_CAPACITIES_PER_DEVICE:
         errors.append(
             f"{path}: {total} attributes and capacities, at most "
-            f"{MAX_ATTRIBUTES_AND_CAPACITIES_PER_DEVICE} allowed"
+            f"{_MAX_ATTRIBUTES_AND_CAPACITIES_PER_DEVICE} allowed"
         )
     values = 0
     for key, attribute in attributes.items():
@@ -272,9 +291,9 @@ def _device_errors(path: str, device: object) -> list[str]:
         attribute_errors, count = _attribute_errors(f"{path}.attributes[{key}]", attribute)
         errors.extend(attribute_errors)
         values += count
-    if values > MAX_ATTRIBUTE_VALUES_PER_DEVICE:
+    if values > _MAX_ATTRIBUTE_VALUES_PER_DEVICE:
         errors.append(
-            f"{path}: {values} attribute values, at most {MAX_ATTRIBUTE_VALUES_PER_DEVICE} allowed"
+            f"{path}: {values} attribute values, at most {_MAX_ATTRIBUTE_VALUES_PER_DEVICE} allowed"
         )
     multi = device.get("allowMultipleAllocations") is True
     for key, entry in capacity.items():
@@ -283,10 +302,9 @@ def _device_errors(path: str, device: object) -> list[str]:
         if not isinstance(entry, Mapping):
             errors.append(f"{where}: must be an object")
             continue
-        try:
-            value = parse_quantity(entry.get("value"))
-        except QuantityError as exc:
-            errors.append(f"{where}.value: {exc}")
+        value = quantity_value(entry.get("value"))
+        if isinstance(value, str):
+            errors.append(f"{where}.value: {value}")
             continue
         if "requestPolicy" in entry:
             if not multi:
@@ -308,10 +326,9 @@ def _device_errors(path: str, device: object) -> list[str]:
 
 
 def _positive_quantity_errors(path: str, value: object) -> list[str]:
-    try:
-        amount = parse_quantity(value)
-    except QuantityError as exc:
-        return [f"{path}: {exc}"]
+    amount = quantity_value(value)
+    if isinstance(amount, str):
+        return [f"{path}: {amount}"]
     return [] if amount > 0 else [f"{path}: must be positive"]
 
 
@@ -379,15 +396,15 @@ def validate_slice(obj: Mapping[str, Any]) -> list[str]:
     names, attribute values and capacity request policies. Pair it with a schema check.
     """
     errors: list[str] = []
-    if obj.get("apiVersion") != API_VERSION:
-        errors.append(f"apiVersion: must be {API_VERSION!r}, got {obj.get('apiVersion')!r}")
-    if obj.get("kind") != KIND:
-        errors.append(f"kind: must be {KIND!r}, got {obj.get('kind')!r}")
+    if obj.get("apiVersion") != _API_VERSION:
+        errors.append(f"apiVersion: must be {_API_VERSION!r}, got {obj.get('apiVersion')!r}")
+    if obj.get("kind") != _KIND:
+        errors.append(f"kind: must be {_KIND!r}, got {obj.get('kind')!r}")
     metadata = obj.get("metadata")
     if not isinstance(metadata, Mapping):
         errors.append("metadata: required")
     elif "name" in metadata:
-        errors.extend(f"metadata.name: {e}" for e in node_name_errors(metadata["name"]))
+        errors.extend(f"metadata.name: {e}" for e in _node_name_errors(metadata["name"]))
     elif "generateName" not in metadata:
         errors.append("metadata.name: name or generateName is required")
     spec = obj.get("spec")
@@ -401,8 +418,8 @@ def validate_slice(obj: Mapping[str, Any]) -> list[str]:
         pool_name = pool.get("name")
         if not isinstance(pool_name, str) or not pool_name:
             errors.append("spec.pool.name: required")
-        elif len(pool_name) > MAX_DNS_SUBDOMAIN:
-            errors.append(f"spec.pool.name: must be no more than {MAX_DNS_SUBDOMAIN} characters")
+        elif len(pool_name) > _MAX_DNS_SUBDOMAIN:
+            errors.append(f"spec.pool.name: must be no more than {_MAX_DNS_SUBDOMAIN} characters")
         else:
             for part in pool_name.split("/"):
                 errors.extend(f"spec.pool.name: {e}" for e in _dns_subdomain_errors(part))
@@ -423,7 +440,7 @@ def validate_slice(obj: Mapping[str, Any]) -> list[str]:
             f"is required, got {selectors or 'none'}"
         )
     if "nodeName" in spec:
-        errors.extend(f"spec.nodeName: {e}" for e in node_name_errors(spec["nodeName"]))
+        errors.extend(f"spec.nodeName: {e}" for e in _node_name_errors(spec["nodeName"]))
     for flag in ("allNodes", "perDeviceNodeSelection"):
         if flag in spec and spec[flag] is not True:
             errors.append(f"spec.{flag}: must be either unset or true")
@@ -433,7 +450,7 @@ def validate_slice(obj: Mapping[str, Any]) -> list[str]:
     devices = devices or []
     if not isinstance(devices, list):
         return [*errors, "spec.devices: must be a list"]
-    limit = max_devices_per_slice(d for d in devices if isinstance(d, Mapping))
+    limit = _max_devices_per_slice(d for d in devices if isinstance(d, Mapping))
     if len(devices) > limit:
         return [*errors, f"spec.devices: {len(devices)} devices, at most {limit} allowed"]
     seen: set[object] = set()
