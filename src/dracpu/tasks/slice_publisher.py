@@ -48,12 +48,13 @@ log says each change once (:class:`~dracpu.adapters.backoff.RetryLog`): the firs
 different one, the recovery; repeats go to DEBUG.
 
 Readiness: ``task_status.started()`` is called after the FIRST pass has been attempted, whether it
-succeeded or not (and at the latest after ``start_timeout`` seconds). Readiness of the DaemonSet
-pod means "serving the kubelet": Prepare and Unprepare of running pods must work even while the
-API server is briefly unreachable, and the start order puts this task last, so waiting for a
-successful publish would hold the whole daemon back for an outage that the retries cover anyway.
-The scheduler cannot place new claims on the node until the slices exist, which is the correct
-effect of an unreachable API server.
+succeeded or not (and at the latest after ``start_timeout`` seconds): Prepare and Unprepare of
+running pods must work even while the API server is briefly unreachable, and the start order
+puts this task last, so waiting for a successful publish would hold the whole daemon back for an
+outage that the retries cover anyway. Whether the slices are published is the ``health`` flag's
+(the daemon names it ``slices``): ready once a pass has stored them, not ready with the reason
+while passes fail (a conflict or a vanished slice excepted: the next pass relists), so
+``/readyz`` never says all is well while the scheduler cannot see the node's CPUs.
 
 What to publish: the devices travel with each request on the ``requests`` stream
 (:class:`Republish`, :func:`republish_channel`, :func:`request_republish`): the state owner sends
@@ -77,7 +78,7 @@ import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from dracpu import DRIVER_NAME
-from dracpu.adapters.backoff import Pause, RetryLog, backoff_delays
+from dracpu.adapters.backoff import Health, Pause, RetryLog, backoff_delays
 from dracpu.adapters.kube import LISTED, KubeClient
 from dracpu.core.devices import Device
 from dracpu.core.slices import (
@@ -222,9 +223,15 @@ def _version(obj: Mapping[str, Any]) -> str:
 
 class _Publisher:
     def __init__(
-        self, kube: KubeClient, node_name: str, options: SliceOptions, settings: PublisherSettings
+        self,
+        kube: KubeClient,
+        node_name: str,
+        options: SliceOptions,
+        settings: PublisherSettings,
+        health: Health | None = None,
     ) -> None:
         self.kube = kube
+        self.health = health
         self.node_name = node_name
         self.options = options
         self.settings = settings
@@ -305,6 +312,8 @@ class _Publisher:
                 transient = _unavailable(exc) or exc.status in (404, 409)
                 level = logging.WARNING if transient else logging.ERROR
                 self.publish_log.failed(exc, retry_in=delay, level=level)
+                if self.health is not None and exc.status not in (404, 409):
+                    self.health.set_not_ready(f"publishing ResourceSlices fails: {exc}")
                 self.first_attempt.set()
                 self.publish_waits_for_server = _unavailable(exc)
                 try:
@@ -315,6 +324,8 @@ class _Publisher:
                 continue
             retries.reset()
             self.publish_log.recovered()
+            if self.health is not None:
+                self.health.set_ready()
             reasons = []
             self.first_attempt.set()
 
@@ -455,13 +466,15 @@ async def run(
     *,
     options: SliceOptions = _UPSTREAM_DEFAULTS,
     settings: PublisherSettings = PublisherSettings(),
+    health: Health | None = None,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Publish the devices of each of ``requests`` for ``node_name`` until cancelled (see the
-    module docstring). ``options``: upstream's publication switches. ``started()`` comes after
-    the first publish attempt, successful or not, or after ``settings.start_timeout``.
+    module docstring). ``options``: upstream's publication switches. ``health``: ready while the
+    slices are published. ``started()`` comes after the first publish attempt, successful or
+    not, or after ``settings.start_timeout``.
     """
-    publisher = _Publisher(kube, node_name, options, settings)
+    publisher = _Publisher(kube, node_name, options, settings, health)
     stop_listening = kube.on_success(publisher.server_answered)
     try:
         await _run(publisher, requests, settings, task_status)
