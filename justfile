@@ -16,11 +16,13 @@ test *ARGS:
 # the optional external peers some tests use, from Debian (they skip, saying why, without them):
 # podman (a real CDI consumer), grpc-go (the kubelet's gRPC stack, built in GOPATH mode) and
 # shellcheck (the e2e scripts)
+[doc("install from Debian the optional peers some tests use: podman, grpc-go, shellcheck")]
 peers:
     apt-get install -y podman runc busybox-static golang-go golang-google-grpc-dev shellcheck
 
 # regenerate requirements/*.lock from pyproject.toml: pinned, hashed, for Python 3.11 on any
 # platform; the current pins are kept unless ARGS say otherwise (e.g. --upgrade-package NAME)
+[doc("regenerate requirements/*.lock from pyproject.toml (pins kept unless ARGS say otherwise)")]
 lock *ARGS:
     #!/usr/bin/env bash
     set -euo pipefail
@@ -36,6 +38,7 @@ lock *ARGS:
 
 # run the pre-commit hooks (.pre-commit-config.yaml) on every file; `just hooks install` sets
 # them up for each commit
+[doc("run the pre-commit hooks on every file; `just hooks install`: at each commit")]
 hooks *ARGS="run --all-files":
     {{venv}}/pre-commit {{ARGS}}
 
@@ -67,6 +70,7 @@ proto-check:
 
 # rewrite the table of every setting in docs/upstream-compatibility.md from the settings
 # (dracpu.config.settings); tests/test_settings_table.py fails while it is stale
+[doc("rewrite docs/upstream-compatibility.md's table of every setting from dracpu.config")]
 settings-doc:
     {{venv}}/python scripts/settings_doc.py
 
@@ -80,6 +84,7 @@ inspect *ARGS:
 
 # build the DaemonSet image with podman (or docker): `just image`, `just image dracpu:v1`, extra
 # build flags after the tag (e.g. --build-arg BASE_IMAGE=... or PIP_INDEX_URL / PIP_CERT)
+[doc("build the DaemonSet image (podman or docker); build flags after the tag (docs/image.md)")]
 image tag="dracpu:dev" *ARGS:
     #!/usr/bin/env bash
     set -euo pipefail
@@ -95,6 +100,7 @@ e2e *ARGS:
 
 # the local one-node cluster of real Kubernetes components (tests/cluster/README.md; root, Go):
 # `just cluster up`, `just cluster deploy`, `just cluster down`, `just cluster env`
+[doc("a local one-node cluster of real Kubernetes components: up, deploy, down, env")]
 cluster *ARGS:
     tests/cluster/cluster {{ARGS}}
 
@@ -108,6 +114,7 @@ cluster-build:
 
 # the e2e suite on the local cluster: up, deploy, tests/e2e, artifacts on failure, down; args go
 # to pytest. DRACPU_CLUSTER_RUNTIME picks the runtime (containerd)
+[doc("the e2e suite on the local cluster (up, deploy, tests/e2e, down); args go to pytest")]
 e2e-local *ARGS:
     tests/cluster/e2e {{ARGS}}
 

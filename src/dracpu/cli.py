@@ -24,10 +24,13 @@ from collections.abc import Sequence
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from dracpu import __version__
-from dracpu.errors import AllocationError, DracpuError
+from dracpu.errors import AllocationError, ConfigError, DracpuError
+
+if TYPE_CHECKING:
+    from dracpu.core.cpuset import CpuSet
 
 __all__ = ["main"]
 
@@ -175,7 +178,13 @@ def _build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--topology", default="dual-socket-smt2", metavar="NAME", help="a machine of dracpu.sim"
     )
-    sim.add_argument("--cpus", type=int, default=4, metavar="N", help="CPUs of the demo claim")
+    sim.add_argument(
+        "--cpus",
+        type=int,
+        default=None,
+        metavar="N",
+        help="CPUs of the demo claim (default: 4, fewer where one device has less room)",
+    )
     sim.add_argument(
         "--cpu-device-mode",
         choices=[m.value for m in CpuDeviceMode],
@@ -203,6 +212,19 @@ def _node_name(explicit: str | None) -> str:
     return explicit or os.environ.get("NODE_NAME") or socket.gethostname().lower()
 
 
+def _warn_absent_reserved(command: str, online: CpuSet, reserved: CpuSet) -> None:
+    """One stderr line when ``--reserved-cpus`` names CPUs that are not online here: they
+    reserve nothing (the daemon warns the same way at start; a config file shared by nodes of
+    different sizes may name them, so it is no error)."""
+    outside = reserved - online
+    if outside:
+        print(
+            f"dracpu {command}: warning: --reserved-cpus {reserved}: cpus {outside} are not "
+            f"online on this node (online: {online or 'none'}); they reserve nothing",
+            file=sys.stderr,
+        )
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     import yaml
 
@@ -216,6 +238,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
     topology = read_topology(args.host_root, pcie_roots=args.expose_pcie_roots)
     reserved = args.reserved_cpus or CpuSet()
+    _warn_absent_reserved("inspect", topology.online, reserved)
     external = args.allocator == ALLOCATOR_EXTERNAL
     devices = published_devices(
         topology,
@@ -251,17 +274,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from dracpu.adapters.sysfs import read_topology
     from dracpu.core.allocator import AllocationPolicy, Strategy, allocate, describe_plan
     from dracpu.core.cpuset import CpuSet
-    from dracpu.errors import InsufficientCpusError
 
     topology = read_topology(args.host_root)
     reserved = args.reserved_cpus or CpuSet()
+    _warn_absent_reserved("plan", topology.online, reserved)
+    if args.cpus < 1:
+        raise ConfigError(f"invalid CPU count {args.cpus}: --cpus must be at least 1")
     available = (args.available if args.available is not None else topology.online) - reserved
     policy = AllocationPolicy(strategy=Strategy(args.policy), full_cores=args.full_cores)
     try:
         cpus = allocate(topology, available, args.cpus, policy)
     except AllocationError as exc:
-        if not isinstance(exc, InsufficientCpusError):
-            raise  # an invalid request (--cpus 0, a count no whole cores make): bad input, exit 2
+        # The request is valid but this node cannot meet it (not enough free CPUs, a count no
+        # whole cores make): exit 1, as documented.
         print(f"dracpu plan: {exc}", file=sys.stderr)
         return EXIT_UNSATISFIABLE
     plan = describe_plan(topology, cpus)

@@ -4,7 +4,8 @@
 tasks (:meth:`_Node.tasks`, in start order: signals, state owner, HTTP, debug dump, CDI watcher,
 device health, DRA socket, registration, NRI plugin, pod-resources sync, slice publisher). Each
 task reports ready through ``task_status.started()``; the readiness flags that are no task's
-(``kubelet-registration``, ``dra-socket``, ``cdi-dir``, ``state-dir``, ``host-cgroups``) are
+(``kubelet-registration``, ``dra-socket``, ``cdi-dir``, ``state-dir``, ``slices``,
+``host-cgroups``) are
 made here and handed to their owners. A stop cancels the tasks in reverse start order (a task
 after those it :attr:`TaskSpec.outlives`), within :data:`STOP_TIMEOUT`; a second signal cancels
 at once. A task that fails ends the daemon with exit code 1, a requested stop with 0. The story
@@ -62,6 +63,7 @@ __all__ = [
     "EXIT_OK",
     "CDI_DIR",
     "DRA_SOCKET",
+    "SLICES",
     "HOST_CGROUPS",
     "KUBELET_REGISTRATION",
     "STATE_DIR",
@@ -88,6 +90,9 @@ STOP_TIMEOUT = 4.5
 KUBELET_REGISTRATION = "kubelet-registration"
 # The readiness flag that says whether CDI specs can be written (the state owner's verdict).
 CDI_DIR = "cdi-dir"
+# The readiness flag that says whether the node's ResourceSlices are published (the slice
+# publisher's verdict).
+SLICES = "slices"
 # The readiness flag that says whether the checkpoint can be written (the state owner's verdict).
 STATE_DIR = "state-dir"
 # The readiness flag that says whether the DRA socket serves (its directory may not be writable).
@@ -158,12 +163,24 @@ class Shutdown:
             logger.error("task %s stopped unexpectedly", task, extra={"task": task})
         else:
             logger.error("task %s failed: %s", task, _describe(error), extra={"task": task})
-            logger.debug("task %s failed", task, exc_info=error, extra={"task": task})
+            if _a_bug(error):
+                logger.debug("task %s failed", task, exc_info=error, extra={"task": task})
         if not self._requested.is_set():
             self.request(f"task {task} failed")
 
     async def wait(self) -> None:
         await self._requested.wait()
+
+
+def _a_bug(error: BaseException) -> bool:
+    """Whether ``error`` holds an exception that is not a :class:`DracpuError`: only then is
+    its traceback worth logging (at DEBUG). A DracpuError is an expected condition whose one
+    line names the file, value or peer at fault; its traceback would only follow that line
+    with dozens of lines of our call stack at every ``--v=4`` start (upstream's chart runs
+    ``--v=4``)."""
+    if isinstance(error, BaseExceptionGroup):
+        return any(_a_bug(inner) for inner in error.exceptions)
+    return not isinstance(error, DracpuError)
 
 
 def _describe(error: BaseException) -> str:
@@ -529,6 +546,7 @@ class _Node:
                 self.config.node_name,
                 requests,
                 options=options,
+                health=self.readiness.flag(SLICES, reason="no ResourceSlice is published yet"),
                 task_status=task_status,
             )
 
@@ -622,5 +640,6 @@ def _main(config: Config, source: ConfigSource | None) -> int:
         return EXIT_INTERRUPTED
     except Exception as exc:  # a failure while wiring the tasks, before serve() runs
         logger.error("dracpu failed to start: %s", _describe(exc))
-        logger.debug("start-up failure", exc_info=exc)
+        if _a_bug(exc):
+            logger.debug("start-up failure", exc_info=exc)
         return EXIT_FAILURE

@@ -11,6 +11,17 @@ driver runs), plus the free-uncore-cache cases of the kubelet uncore-alignment w
 
 Each case names its upstream test and sub-test. Where our allocator intentionally answers
 differently, ``ours`` holds our answer and ``deviation`` says why; the test asserts ``ours``.
+
+One deviation has no upstream case, since upstream's fixtures have cores of one width only:
+where whole free cores add up to the request, we never split a core, while the kubelet's
+``takeFullCores`` takes the free cores in its own order (fewest free CPUs first: a core whose
+sibling is offline, having one CPU, comes first) and ``takeRemainingCPUs`` then splits a core
+for the rest. A split core shares its other thread (its L1 and L2 caches and execution units)
+with another claim; a core left over is only a core another claim gets whole. Our documented
+order (whole NUMA nodes, whole L3 caches, whole cores) wins, and
+``test_allocator.py::test_whole_cores_that_add_up_are_taken_before_a_core_is_split`` holds the
+case (dual-socket-smt2 with cpu63 offline, 4 CPUs: ``28-29,60-61``, where the kubelet's order
+gives ``28-29,31,60``).
 Not ported: ``TestTakeByTopologyNUMADistributed`` (the distribute-across-NUMA option, which
 dracpu does not offer), the ``...ForResize`` cases (in-place resize; a claim's CPUs never change)
 and the accumulator-internals tests (``freeSockets``, ``freeCores`` ... orderings of private

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -197,6 +198,28 @@ def test_full_cores_with_mixed_core_widths_finds_an_exact_combination() -> None:
     topology = Topology(cpus=cpus, smt_enabled=True, offline=cs("3"))
     assert allocate(topology, topology.online, 8, FULL) == cs("4-11")
     assert allocate(topology, topology.online, 4, FULL) == cs("4-7")
+
+
+def test_whole_cores_that_add_up_are_taken_before_a_core_is_split() -> None:
+    """Issue 20: on dual-socket-smt2 with cpu63 offline (core 31 keeps one thread), 4 CPUs were
+    28-29,31,60: the one-thread core, a whole core and half of core 29, while two whole
+    two-thread cores were free. The kubelet would answer the same (its takeFullCores takes the
+    free cores in its order, the one-thread core first; takeRemainingCPUs then splits a core):
+    whole cores first, as documented, wins (kubelet_cases.py lists the deviation)."""
+    topology = build_topology(replace(FIXTURES["dual-socket-smt2"], offline=cs("63")))
+    assert allocate(topology, topology.online, 4) == cs("28-29,60-61")
+    assert allocate(topology, topology.online, 6) == cs("28-30,60-62")
+    # The one-thread core is whole too: an odd count takes it rather than split a core.
+    assert allocate(topology, topology.online, 3) == cs("28,31,60")
+    assert allocate(topology, topology.online, 5) == cs("28-29,31,60-61")
+    for count in range(1, 16):  # NUMA node 3: 15 CPUs, 8 cores
+        result = allocate(topology, topology.online, count)
+        split = [core for core in topology.cores_of(result) if not core <= result]
+        assert split == [], (count, result)
+    # Where no whole cores add up, one core is split, no more.
+    busy = cs("24-26,56-58")  # numa 3 keeps cores 27,28,29,30 (two threads) and 31 (one)
+    result = allocate(topology, topology.online - busy, 10)
+    assert len([core for core in topology.cores_of(result) if not core <= result]) <= 1
 
 
 def test_hybrid_prefers_p_cores_then_spills_to_e_cores() -> None:

@@ -7,7 +7,7 @@ from types import MappingProxyType
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dracpu.core.checkpoint_schema import (
@@ -398,7 +398,8 @@ _cpus = st.frozensets(st.integers(0, 255), min_size=1, max_size=8).map(CpuSet)
 _text = st.text(max_size=12)
 
 
-@settings(max_examples=60)
+# Generation slows down on a loaded machine (seven strategies per claim): not the code's time.
+@settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.dictionaries(
         _uids,

@@ -345,8 +345,16 @@ async def test_slices_are_back_within_5s_of_an_8s_api_outage() -> None:
             return [m for m in sim.daemon.messages("info") if "publishing ResourceSlices" in m]
 
         await wait_until("the recovery to be logged", lambda: bool(back_lines()), timeout=5)
-        failed = [m for m in sim.daemon.messages("warning") if "publishing ResourceSlices" in m]
+        warned = sim.daemon.messages("warning")
+        failed = [m for m in warned if m.startswith("publishing ResourceSlices")]
         back = back_lines()
         assert [m.split(",")[0] for m in failed] == ["publishing ResourceSlices failed"]
         assert [m.split(" after")[0] for m in back] == ["publishing ResourceSlices works again"]
+        # /readyz said so meanwhile (the flag `slices`), once, and is ready again.
+        [not_ready] = [m for m in warned if m.startswith("task slices is not ready: ")]
+        assert "publishing ResourceSlices fails: " in not_ready
+        with anyio.fail_after(5):
+            while (await _readyz(sim))[0] != 200:  # noqa: ASYNC110 - polls the HTTP port
+                await anyio.sleep(0.05)
+        assert "[+]slices ok" in (await _readyz(sim))[1]
         assert sim.daemon.messages("error") == []

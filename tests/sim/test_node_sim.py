@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +16,7 @@ from dracpu.core.cpuset import CpuSet
 from dracpu.core.devices import CpuDeviceMode, GroupBy, published_devices
 from dracpu.core.slices import build_resource_slices
 from dracpu.sim.node import NodeSim, SimError, open_node_sim
+from dracpu.sim.topologies import FIXTURES
 
 pytestmark = pytest.mark.anyio
 
@@ -137,6 +141,35 @@ def test_dracpu_sim_walks_a_claim_through_the_node(capsys: pytest.CaptureFixture
     assert out[-1].startswith("OK: 9 steps checked in ")
 
 
+def readme_topologies() -> list[str]:
+    """The topologies the README's `dracpu sim` section lists (``--topology``: ...)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## `dracpu sim`", 1)[1].split("\n## ", 1)[0]
+    listed = re.search(r"\(`--topology`:(.*?)\)\.", section, re.DOTALL)
+    assert listed is not None, "the README's dracpu sim section lists no topologies"
+    return re.findall(r"`([a-z0-9-]+)`", listed[1])
+
+
+def test_the_readme_lists_every_topology() -> None:
+    assert sorted(readme_topologies()) == sorted(FIXTURES)
+
+
+@pytest.mark.parametrize("topology", readme_topologies())
+def test_dracpu_sim_exits_0_on_every_topology_the_readme_lists(
+    topology: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli_main(["sim", "--topology", topology, "-o", "json"]) == 0, capsys.readouterr().out
+    document = json.loads(capsys.readouterr().out)
+    assert document["ok"] is True
+    steps = document["steps"]
+    assert len(steps) == 9
+    claim = CpuSet.parse(steps[4]["cpus"])
+    assert 1 <= len(claim) <= 4  # the default size, or what fits (vm-2cpu: 1)
+    assert steps[5]["cpus"] == steps[4]["cpus"]  # the container got the claim's CPUs
+    assert steps[8]["unhealthy"]  # the CPU that went offline made a device unhealthy
+    assert set(steps[8]["healthAfter"].values()) == {"HEALTHY"}
+
+
 def test_dracpu_sim_json_with_an_old_runtime(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["sim", "-o", "json", "--runtime-version", "2.2.0", "--shared", "1", "--cpus", "2"]
     assert cli_main(argv) == 0
@@ -162,8 +195,26 @@ def test_dracpu_sim_fails_with_exit_1_when_the_node_refuses(
     last = capsys.readouterr().out.splitlines()[-1]
     assert last.startswith("FAILED: NodePrepareResources failed: preparing claim ")
     assert last.endswith(
-        "would leave no CPU for the 1 shared containers: the shared pool 0-1 would become empty"
+        "would leave no CPU for the 1 shared containers: the shared pool 0-1 would become empty; "
+        "choose a smaller --cpus (at most 1 fit here)"
     )
+    # More than any device has: the scheduler cannot allocate it, and the message says --cpus.
+    # With --keep, the run says where its files are, failed or not.
+    argv = ["sim", "--topology", "vm-2cpu", "--cpus", "4", "--shared", "1", "--keep"]
+    assert cli_main(argv) == 1
+    failed, kept = capsys.readouterr().out.splitlines()[-2:]
+    assert failed == (
+        "FAILED: no published device has 4 free CPUs: {'cpudevnuma000': 2}; choose a smaller "
+        "--cpus (at most 1 fit here)"
+    )
+    assert kept.startswith("node files and daemon logs kept in /")
+    root = Path(kept.rsplit(" ", 1)[1])
+    try:
+        logs = list((root / "logs").iterdir())
+        assert logs, "no daemon log kept"
+        assert all(log.stat().st_size > 0 for log in logs)
+    finally:
+        shutil.rmtree(root)
 
 
 def test_dracpu_sim_refuses_an_unknown_topology(capsys: pytest.CaptureFixture[str]) -> None:

@@ -24,6 +24,7 @@ from dracpu.sim.fake_apiserver import FakeApiServer
 from dracpu.sim.slice_rules import validate_pool
 from dracpu.sim.topologies import FIXTURES, MachineSpec, build_topology
 from dracpu.tasks import slice_publisher
+from dracpu.tasks.http import ReadinessFlag
 from dracpu.tasks.slice_publisher import (
     PublisherSettings,
     Republish,
@@ -275,6 +276,38 @@ async def test_started_even_while_the_api_server_fails_then_publishes() -> None:
             api.clear_faults()
             await until(lambda: len(ours(api)) == 1, "published once the server is back")
             expected_pool(api, want)
+
+
+@pytest.mark.anyio
+async def test_the_health_flag_says_whether_the_slices_are_published(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="dracpu")
+    async with connected() as (api, kube):
+        flag = ReadinessFlag("slices", reason="no ResourceSlice is published yet")
+        api.fail_next(10_000, status=503, path="resourceslices")
+        want = devices()
+        async with publishing(kube, want, health=flag):
+            # Started (the kubelet is served), but /readyz says the slices are not published.
+            assert flag.reason.startswith("publishing ResourceSlices fails: ")
+            assert "503" in flag.reason
+            api.clear_faults()
+            await until(lambda: flag.ready, "ready once a pass stored the slices")
+            expected_pool(api, want)
+            # A conflict is relisted at once: not a reason to say the node is not ready.
+            await settled(api)
+            original = ours(api)[0]["spec"]
+            api.fail_next(1, status=409, method="PUT")
+
+            def tamper(obj: dict[str, Any]) -> None:
+                obj["spec"]["devices"][0]["attributes"]["dra.cpu/numCPUs"] = {"int": 999}
+
+            api.edit_resource_slice(slice_name(NODE, 0), tamper)  # the next pass repairs it
+            await until(lambda: ours(api)[0]["spec"] == original, "edit reverted")
+            assert api.pending_faults() == 0  # the first repair met the conflict
+            assert flag.ready
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("task slices")]
+    assert [m.split(":")[0] for m in said] == ["task slices is not ready", "task slices is ready"]
 
 
 def failed_slice_lists(api: FakeApiServer, status: int) -> int:

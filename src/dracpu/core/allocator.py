@@ -21,6 +21,11 @@ boundary and the tree still nests. Starting at the top, at each level:
    packing order: fewest free CPUs in the parent first, then in the unit, then lowest id.
 3. If what is left now fits one unit, descend as in 1; otherwise move one level down in the same
    scope. At the thread level, threads are taken from the fullest cores first.
+4. Whole cores first: when what a unit's descent took splits a core (a thread taken, its free
+   sibling left) although whole free cores of the unit add up to the request, those cores are
+   taken instead (the earliest in packing order), as long as they span no more NUMA nodes,
+   sockets and L3 caches. Greedy whole units of an odd size (a core with an offline thread,
+   an L3 holding one) otherwise leave a remainder that only a split core can make.
 
 ``spread`` runs the same descent over one representative thread per core (the lowest free one),
 in rounds: no core gives a second thread while another core with a free thread has given none.
@@ -36,9 +41,12 @@ core type alone when it has room, otherwise all of that type's usable CPUs are t
 comes from the other cores (``spread`` and ``full_cores`` apply within each part); if whole cores
 cannot add up that way, one descent over all free CPUs decides.
 
-Deviations from the kubelet, each a ported test case in ``tests/core/kubelet_cases.py``: a count
-of zero is an error; ``spread`` gives every core one thread before any core a second; the
-L3-aware step is always on and keeps best fit at the NUMA/socket levels above it.
+Deviations from the kubelet, each a ported test case in ``tests/core/kubelet_cases.py`` or listed
+there: a count of zero is an error; ``spread`` gives every core one thread before any core a
+second; the L3-aware step is always on and keeps best fit at the NUMA/socket levels above it;
+whole cores that add up exactly win over a split core where cores differ in width (a core with
+an offline thread, hybrid cores): the kubelet's ``takeFullCores`` takes free cores in its own
+order, a narrow core first, and ``takeRemainingCPUs`` then splits a core for the rest.
 
 Everything works on bit masks (``CpuSet.mask``) and a per-topology index built once; a request
 touches only the units on its way down, so a 1024-CPU machine costs well under a millisecond.
@@ -175,7 +183,7 @@ def _index(topology: Topology) -> _Index:
 class _Pick:
     """One descent over the unit tree with a mutable free mask; collects what it takes."""
 
-    __slots__ = ("core_cap", "free", "full_cores", "spread", "taken")
+    __slots__ = ("core_cap", "free", "full_cores", "splits", "spread", "taken")
 
     def __init__(
         self, index: _Index, free: int, *, spread: bool = False, full_cores: bool = False
@@ -186,6 +194,7 @@ class _Pick:
         # the most a single core can hold in this view: a request no larger may fit one core
         self.core_cap = 1 if spread else index.max_core_size
         self.taken = 0
+        self.splits = 0  # cores the thread level took part of, leaving a free thread
 
     # --- measures ---------------------------------------------------------------------------
 
@@ -286,16 +295,34 @@ class _Pick:
 
     def descend(self, unit: _Unit, need: int) -> int:
         """Take all of ``need`` inside ``unit``, a container that :meth:`fits` it."""
-        if not self.full_cores:
-            return self.fill(unit, unit.level + 1, need)
-        free, taken = self.free, self.taken
+        free, taken, splits = self.free, self.taken, self.splits
         left = self.fill(unit, unit.level + 1, need)
-        if left:
+        if self.full_cores and left:
             # whole sub-units taken greedily left a remainder no core combination makes (cores
             # of mixed width); the unit as a whole can (fits() said so): choose exactly in it
             self.free, self.taken = free, taken
             left = self._exact(unit, need)
+        elif not left and self.splits > splits and not self.spread:
+            self.unsplit(unit, need, free, taken)
         return left
+
+    def unsplit(self, scope: _Unit, need: int, free: int, taken: int) -> None:
+        """What the descent took under ``scope`` (``need`` CPUs, from ``free``; ``taken``
+        before) splits a core: take whole free cores adding up to ``need`` instead, if some do
+        and they span no more NUMA nodes, sockets and L3 caches (greedy whole units of an odd
+        size, a core with an offline thread, leave a remainder that only a split can make)."""
+        if scope.width and need % scope.width:
+            return  # cores of one width cannot make the count: the split stays
+        got = self.taken & ~taken
+        self.free = free  # packing order as the descent saw it
+        order = [core for core in self.ordered_cores(scope) if core.mask & free == core.mask]
+        self.free = free & ~got
+        whole = _exact_cores(order, need)
+        if whole is None or any(
+            a > b for a, b in zip(_spans(scope, whole), _spans(scope, got), strict=True)
+        ):
+            return
+        self.free, self.taken = free & ~whole, taken | whole
 
     def _exact(self, scope: _Unit, need: int) -> int:
         """Full-cores mode: whole cores under ``scope`` adding up to exactly ``need``."""
@@ -314,6 +341,7 @@ class _Pick:
                 need -= self.take(low)
                 mask ^= low
             if not need:
+                self.splits += mask != 0  # the last core keeps a free thread
                 break
         return need
 
@@ -374,6 +402,22 @@ def allocate(
     return CpuSet.from_mask(result)
 
 
+def _spans(scope: _Unit, mask: int) -> tuple[int, int, int]:
+    """How many units of the three levels above cores (under ``scope``) ``mask`` touches."""
+    counts = [0, 0, 0]
+
+    def visit(unit: _Unit) -> None:
+        if unit.level >= _CORE or not unit.mask & mask:
+            return
+        if unit.level >= _L1:
+            counts[unit.level] += 1
+        for kid in unit.children:
+            visit(kid)
+
+    visit(scope)
+    return counts[0], counts[1], counts[2]
+
+
 def _whole_core_mask(index: _Index, free: int) -> int:
     mask = 0
     for core in index.cores:
@@ -395,7 +439,8 @@ def _choose(index: _Index, free: int, count: int, policy: AllocationPolicy) -> i
     if policy.strategy is Strategy.SPREAD:
         return _spread(index, free, count)
     pick = _Pick(index, free)
-    pick.fill(index.root, _L1, count)
+    if pick.fill(index.root, _L1, count) == 0 and pick.splits:
+        pick.unsplit(index.root, count, free, 0)
     return pick.taken
 
 

@@ -6,18 +6,23 @@ through its life, checking every step and printing what happened:
 1. the daemon is ready: every task started and the fake kubelet registered it;
 2. its ResourceSlices are in the fake API server (which validated them);
 3. the containers that ran before it are pinned to the shared pool at NRI ``Synchronize``;
-4. the simulator, playing the scheduler, allocates a claim of N CPUs from a published device;
+4. the simulator, playing the scheduler, allocates a claim of N CPUs from a published device
+   (``--cpus``; by default 4, or as many as one device can give while the shared containers
+   keep a CPU);
 5. the kubelet prepares it: the CPUs, the CDI spec, the claim's ``status.devices`` cpuset;
 6. the runtime creates the pod's container with the CDI env: it gets exactly the claim's CPUs,
    and every shared container shrinks to the rest;
 7. a second claim's pod ends and the kubelet never unprepares it (a lost call): the kubelet's
    PodResources stops listing it while it still lists the first claim's pod, and the daemon
    releases the orphan after the grace (the demo's daemon lists every 500 ms with a grace of
-   2 s), its CPUs shared again; the first claim stays;
+   2 s), its CPUs shared again (those that are not isolated: isolated CPUs are never shared);
+   the first claim stays;
 8. the first pod ends and the kubelet unprepares its claim: the CDI spec goes and the shared
    containers get the CPUs back (at once when the runtime's NRI takes unsolicited updates, else
    at the next container event, which the demo then causes);
-8. a CPU goes offline in the fake sysfs: the kubelet's health stream reports its device
+9. a CPU that a published device counts goes offline in the fake sysfs (the highest one that
+   has a NUMA node: a CPU linked to none is in no device but ``cpudevmachine``): the kubelet's
+   health stream reports its device
    unhealthy within a second; SIGHUP: the daemon reads the topology again and republishes the
    slices (the device gone, or the group's capacity one smaller, a new pool generation), and
    the health stream follows (:func:`_hotplug`).
@@ -30,9 +35,12 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
 from typing import Any, TextIO
 
 import anyio
@@ -74,6 +82,8 @@ ORPHAN_GRACE = 2.0
 DEMO_FLAGS = (f"--podresources-interval={LIST_INTERVAL}", f"--orphan-grace={ORPHAN_GRACE:g}s")
 # How long the demo waits for the orphan to go: the grace, two Lists and slack for a busy host.
 ORPHAN_TIMEOUT = ORPHAN_GRACE + 10.0
+# The demo claim's size when --cpus is not given (where one device has room for it).
+DEFAULT_CPUS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +91,7 @@ class DemoOptions:
     """What ``dracpu sim`` was asked to simulate."""
 
     topology: str = DEFAULT_TOPOLOGY
-    cpus: int = 4
+    cpus: int | None = None  # None: DEFAULT_CPUS, fewer where one device has less room
     mode: CpuDeviceMode = CpuDeviceMode.GROUPED
     group_by: GroupBy = GroupBy.NUMANODE
     reserved: str = ""
@@ -123,9 +133,13 @@ def _where(sim: NodeSim, cpus: CpuSet) -> str:
     return f"{cores} cores, NUMA node {numa}, L3 {l3}"
 
 
-async def run_demo(options: DemoOptions, emit: Callable[[Step], None]) -> list[Step]:
+async def run_demo(
+    options: DemoOptions, emit: Callable[[Step], None], *, root: Path | None = None
+) -> list[Step]:
     """Run the scripted demo; ``emit`` gets each step as it completes. Raises
-    :class:`~dracpu.sim.node.SimError` (or another DracpuError) when a step goes wrong."""
+    :class:`~dracpu.sim.node.SimError` (or another DracpuError) when a step goes wrong.
+    ``root``: where the node's files go (kept there); ``None``: a temporary directory, kept
+    only with ``options.keep``."""
     steps: list[Step] = []
 
     def done(step: Step) -> None:
@@ -142,22 +156,21 @@ async def run_demo(options: DemoOptions, emit: Callable[[Step], None]) -> list[S
         shared_containers=options.shared,
         extra_args=DEMO_FLAGS,
         start=False,
+        root=root,
         keep=options.keep,
     ) as sim:
         done(await _start(sim, options))
         done(await _slices(sim))
         done(_synchronized(sim))
-        claim_step, claim = _allocate(sim, options)
+        claim_step, claim, hint = _allocate(sim, options)
         done(claim_step)
-        prepare_step, held = await _prepare(sim, claim)
+        prepare_step, held = await _prepare(sim, claim, hint)
         done(prepare_step)
         create_step, pod = await _create(sim, claim, held)
         done(create_step)
         done(await _orphan(sim, claim))
         done(await _unprepare(sim, claim, pod, held))
         done(await _hotplug(sim, options))
-        if options.keep:
-            done(Step("Files kept", [f"node files and daemon logs in {sim.paths.root}"]))
     return steps
 
 
@@ -228,12 +241,32 @@ def _synchronized(sim: NodeSim) -> Step:
     )
 
 
-def _allocate(sim: NodeSim, options: DemoOptions) -> tuple[Step, Any]:
-    claim = sim.allocate("demo", options.cpus, namespace=DEMO_NAMESPACE)
+def _room(sim: NodeSim, options: DemoOptions) -> int:
+    """The most CPUs one claim can get from one published device while the shared containers
+    keep a CPU (the daemon refuses a Prepare that would leave them none)."""
+    free = sim.free_capacity()
+    largest = max(free.values(), default=0) if free else len(sim.published())
+    shareable = sim.topology.online - _cpus(options.reserved) - sim.topology.isolated
+    return max(0, min(largest, len(shareable) - 1 if sim.shared_ids() else largest))
+
+
+def _allocate(sim: NodeSim, options: DemoOptions) -> tuple[Step, Any, str]:
+    """The scheduler's allocation of the demo claim; also the hint to add to a refusal when
+    ``--cpus`` asked for more than the node has room for."""
+    room = _room(sim, options)
+    count = min(DEFAULT_CPUS, room) if options.cpus is None else options.cpus
+    _expect(
+        count > 0, "no published device has a CPU to spare while the shared containers keep one"
+    )
+    hint = f"; choose a smaller --cpus (at most {room} fit here)" if count > room else ""
+    try:
+        claim = sim.allocate("demo", count, namespace=DEMO_NAMESPACE)
+    except SimError as exc:
+        raise SimError(f"{exc}{hint}") from exc
     result = claim.results[0]
     if "consumedCapacity" in result:
         how = (
-            f"{options.cpus} CPUs of {result['device']} "
+            f"{count} CPUs of {result['device']} "
             f"(consumedCapacity dra.cpu/cpu={result['consumedCapacity']['dra.cpu/cpu']})"
         )
     else:
@@ -243,7 +276,7 @@ def _allocate(sim: NodeSim, options: DemoOptions) -> tuple[Step, Any]:
         [f"claim UID {claim.uid}"],
         {"claim": claim.uid, "results": claim.results},
     )
-    return step, claim
+    return step, claim, hint
 
 
 def _admit(sim: NodeSim, pod_name: str, claim: Any) -> None:
@@ -253,12 +286,12 @@ def _admit(sim: NodeSim, pod_name: str, claim: Any) -> None:
     sim.kubelet.pods.add_pod(DEMO_NAMESPACE, pod_name, {"main": [claim.uid]})
 
 
-async def _prepare(sim: NodeSim, claim: Any) -> tuple[Step, CpuSet]:
+async def _prepare(sim: NodeSim, claim: Any, hint: str) -> tuple[Step, CpuSet]:
     _admit(sim, "demo-app", claim)
     started = time.monotonic()
     answer = (await sim.prepare(claim))[claim.uid]
     took = time.monotonic() - started
-    _expect(answer.error == "", f"NodePrepareResources failed: {answer.error}")
+    _expect(answer.error == "", f"NodePrepareResources failed: {answer.error}{hint}")
     text = sim.cdi_cpus(claim.uid)
     _expect(text is not None, f"no CDI spec for claim {claim.uid}")
     held = _cpus(text or "")
@@ -333,8 +366,10 @@ async def _orphan(sim: NodeSim, keeper: Any) -> Step:
     _expect(_cpus(container.cpus) == held, f"claim lost's container got cpus {container.cpus}")
     label = _container_label(sim, container.id)
     narrow = {cid: sim.cpus_of(cid) for cid in sim.shared_ids()}
-    await sim.remove_pod(pod)  # ... and the kubelet never calls NodeUnprepareResources
+    # The listings miss the claim from the moment the kubelet drops the pod, at the start of
+    # remove_pod: the grace counts from before the call.
     started = time.monotonic()
+    await sim.remove_pod(pod)  # ... and the kubelet never calls NodeUnprepareResources
     await wait_until(
         "the orphan claim to be released",
         lambda: sim.cdi_cpus(lost.uid) is None,
@@ -359,24 +394,34 @@ async def _orphan(sim: NodeSim, keeper: Any) -> Step:
         f"daemon: {warning[0].split(':')[0]}",
         f"CDI spec removed; claim {keeper.namespace}/{keeper.name} still prepared",
     ]
+    shared = _shared_again(sim, held, lines)
 
     def widened() -> bool:
-        return all(held <= _cpus(sim.cpus_of(cid)) for cid in narrow)
+        return all(shared <= _cpus(sim.cpus_of(cid)) for cid in narrow)
 
-    if await _unsolicited_updates(sim):
+    if shared and await _unsolicited_updates(sim):
         await wait_until("the shared containers to widen", widened, timeout=WIDEN_TIMEOUT)
         lines += [
             f"{_container_label(sim, cid):<26} cpus {old} -> {sim.cpus_of(cid)}"
             for cid, old in narrow.items()
         ]
-    else:
-        lines.append(f"cpus {held} are shared again from the next container event")
+    elif shared:
+        lines.append(f"cpus {shared} are shared again from the next container event")
     return Step(
         "A pod ends but the kubelet never unprepares its claim: the daemon releases the orphan "
         f"{took:.1f} s later (List every {LIST_INTERVAL}, --orphan-grace {ORPHAN_GRACE:g}s)",
         lines,
         {"claim": lost.uid, "cpus": str(held), "releasedAfter": round(took, 3)},
     )
+
+
+def _shared_again(sim: NodeSim, held: CpuSet, lines: list[str]) -> CpuSet:
+    """The CPUs of a released claim the shared containers get back: not its isolated ones,
+    which are never shared (said in ``lines``)."""
+    isolated = held & sim.topology.isolated
+    if isolated:
+        lines.append(f"cpus {isolated} are isolated: free again, never shared")
+    return held - isolated
 
 
 async def _unsolicited_updates(sim: NodeSim) -> bool:
@@ -396,11 +441,14 @@ async def _unprepare(sim: NodeSim, claim: Any, pod: Any, held: CpuSet) -> Step:
     _expect(sim.cdi_cpus(claim.uid) is None, "the CDI spec is still there after Unprepare")
     sim.deallocate(claim)
     lines = ["CDI spec removed", f"cpus {held} are free again"]
+    shared = _shared_again(sim, held, lines)
 
     def widened() -> bool:
-        return all(held <= _cpus(sim.cpus_of(cid)) for cid in narrow)
+        return all(shared <= _cpus(sim.cpus_of(cid)) for cid in narrow)
 
-    if await _unsolicited_updates(sim):
+    if not shared or not narrow:
+        how = "(nothing to widen: no shareable CPU was held)" if narrow else "(none run)"
+    elif await _unsolicited_updates(sim):
         how = "at once (unsolicited NRI UpdateContainers)"
         await wait_until("the shared containers to widen", widened, timeout=WIDEN_TIMEOUT)
     else:
@@ -442,7 +490,10 @@ async def _health(watch: HealthWatch, done: Callable[[HealthList], bool], what: 
 
 
 async def _hotplug(sim: NodeSim, options: DemoOptions) -> Step:
-    cpu = max(sim.topology.online - _cpus(options.reserved))
+    # A CPU linked to no NUMA node is in no device but cpudevmachine (docs/devices.md): one
+    # that has a node makes a device unhealthy in every mode and grouping.
+    counted = CpuSet(c for c, info in sim.topology.cpus.items() if info.numa_node >= 0)
+    cpu = max((sim.topology.online - _cpus(options.reserved)) & counted)
     before = _capacities(sim.published())
     generation = max(int(s["spec"]["pool"]["generation"]) for s in sim.slices())
     with sim.kubelet.watch_health() as watch:
@@ -523,7 +574,7 @@ def main(options: DemoOptions, *, output: str = "text", out: TextIO | None = Non
     """Run the demo and print it (``output``: ``text`` or ``json``); the exit code."""
     stream = out if out is not None else sys.stdout
     spec = fixture(options.topology)  # ConfigError (exit 2) for an unknown name, before anything
-    if options.cpus < 1:
+    if options.cpus is not None and options.cpus < 1:
         print(f"dracpu sim: error: --cpus must be at least 1, not {options.cpus}", file=sys.stderr)
         return EXIT_USAGE
     started = time.monotonic()
@@ -542,8 +593,10 @@ def main(options: DemoOptions, *, output: str = "text", out: TextIO | None = Non
             show(step)
 
     failure = ""
+    # --keep: the node's files go where this run can name them, whatever happens to it.
+    kept = Path(tempfile.mkdtemp(prefix="dracpu-sim-")) if options.keep else None
     try:
-        anyio.run(run_demo, options, emit, backend="asyncio")
+        anyio.run(partial(run_demo, options, emit, root=kept), backend="asyncio")
     except* DracpuError as group:  # the peers' task groups wrap what a step raised
         failure = "; ".join(str(error) for error in leaf_errors(group))
     elapsed = time.monotonic() - started
@@ -556,9 +609,14 @@ def main(options: DemoOptions, *, output: str = "text", out: TextIO | None = Non
         }
         if failure:
             document["error"] = failure
+        if kept is not None:
+            document["kept"] = str(kept)
         print(json.dumps(document, indent=2), file=stream)
-    elif failure:
-        print(f"FAILED: {failure}", file=stream)
     else:
-        print(f"OK: {len(steps)} steps checked in {elapsed:.1f} s", file=stream)
+        if failure:
+            print(f"FAILED: {failure}", file=stream)
+        else:
+            print(f"OK: {len(steps)} steps checked in {elapsed:.1f} s", file=stream)
+        if kept is not None:
+            print(f"node files and daemon logs kept in {kept}", file=stream)
     return EXIT_FAILED if failure else EXIT_OK

@@ -24,7 +24,7 @@ import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from dracpu import DRIVER_NAME
-from dracpu.adapters.backoff import Pause, RetryLog, backoff_delays
+from dracpu.adapters.backoff import Health, Pause, RetryLog, backoff_delays
 from dracpu.adapters.kube import LISTED, KubeClient
 from dracpu.core.devices import Device
 from dracpu.core.slices import (
@@ -169,9 +169,15 @@ def _version(obj: Mapping[str, Any]) -> str:
 
 class _Publisher:
     def __init__(
-        self, kube: KubeClient, node_name: str, options: SliceOptions, settings: PublisherSettings
+        self,
+        kube: KubeClient,
+        node_name: str,
+        options: SliceOptions,
+        settings: PublisherSettings,
+        health: Health | None = None,
     ) -> None:
         self.kube = kube
+        self.health = health
         self.node_name = node_name
         self.options = options
         self.settings = settings
@@ -252,6 +258,8 @@ class _Publisher:
                 transient = _unavailable(exc) or exc.status in (404, 409)
                 level = logging.WARNING if transient else logging.ERROR
                 self.publish_log.failed(exc, retry_in=delay, level=level)
+                if self.health is not None and exc.status not in (404, 409):
+                    self.health.set_not_ready(f"publishing ResourceSlices fails: {exc}")
                 self.first_attempt.set()
                 self.publish_waits_for_server = _unavailable(exc)
                 try:
@@ -262,6 +270,8 @@ class _Publisher:
                 continue
             retries.reset()
             self.publish_log.recovered()
+            if self.health is not None:
+                self.health.set_ready()
             reasons = []
             self.first_attempt.set()
 
@@ -402,13 +412,15 @@ async def run(
     *,
     options: SliceOptions = _UPSTREAM_DEFAULTS,
     settings: PublisherSettings = PublisherSettings(),
+    health: Health | None = None,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Publish the devices of each of ``requests`` for ``node_name`` until cancelled (see the
-    module docstring). ``options``: upstream's publication switches. ``started()`` comes after
-    the first publish attempt, successful or not, or after ``settings.start_timeout``.
+    module docstring). ``options``: upstream's publication switches. ``health``: ready while the
+    slices are published. ``started()`` comes after the first publish attempt, successful or
+    not, or after ``settings.start_timeout``.
     """
-    publisher = _Publisher(kube, node_name, options, settings)
+    publisher = _Publisher(kube, node_name, options, settings, health)
     stop_listening = kube.on_success(publisher.server_answered)
     try:
         await _run(publisher, requests, settings, task_status)
