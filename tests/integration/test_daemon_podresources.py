@@ -17,6 +17,7 @@ import uuid
 import anyio
 import pytest
 
+from dracpu.sim.fake_runtime import FakePod
 from dracpu.sim.node import NodeSim, SimClaim, open_node_sim, wait_until
 from tests.integration.conftest import checkpoint_claims, cpus, node_cpus
 
@@ -35,6 +36,18 @@ def _write_spec(sim: NodeSim, uid: str, cpu_list: str) -> None:
         '{"cdiVersion":"0.5.0","kind":"dra.k8s.io/cpu","devices":[{"name":"claim-'
         f'{uid}","containerEdits":{{"env":["DRA_CPUSET_{uid}={cpu_list}"]}}}}]}}'
     )
+
+
+async def _lost_and_unknown(sim: NodeSim) -> tuple[FakePod, SimClaim, SimClaim]:
+    """Two claims of 2 CPUs, prepared: ``lost``, reserved for a pod whose container runs, and
+    ``unknown``, reserved for no pod."""
+    pod = sim.runtime.add_pod("batch")
+    lost = sim.allocate("lost", 2, device="cpudevnuma000", reserved_for=[pod])
+    unknown = sim.allocate("unknown", 2, device="cpudevnuma001")
+    await _prepare(sim, lost)
+    await _prepare(sim, unknown)
+    await sim.run_container("batch", claims=[lost], pod=pod)
+    return pod, lost, unknown
 
 
 async def _metric(sim: NodeSim, name: str) -> float | None:
@@ -160,12 +173,7 @@ async def test_on_a_quiet_node_orphans_go_after_the_grace_when_the_kubelet_shows
     async with open_node_sim(shared_containers=1, extra_args=flags) as sim:
         everything = node_cpus(sim)
         await sim.wait_published()
-        pod = sim.runtime.add_pod("batch")
-        lost = sim.allocate("lost", 2, device="cpudevnuma000", reserved_for=[pod])
-        unknown = sim.allocate("unknown", 2, device="cpudevnuma001")  # reserved for no pod
-        await _prepare(sim, lost)
-        await _prepare(sim, unknown)
-        await sim.run_container("batch", claims=[lost], pod=pod)
+        pod, lost, unknown = await _lost_and_unknown(sim)
         await sim.stop_daemon()
         leftover = str(uuid.uuid4())
         _write_spec(sim, leftover, "26-27")
@@ -215,12 +223,7 @@ async def test_before_1_34_only_claims_whose_pods_are_gone_are_released_from_emp
         server = sim.kubelet.pod_resources
         assert server is not None
         server.dynamic_resources = False  # the gate is off: no claim is ever listed
-        pod = sim.runtime.add_pod("batch")
-        lost = sim.allocate("lost", 2, device="cpudevnuma000", reserved_for=[pod])
-        unknown = sim.allocate("unknown", 2, device="cpudevnuma001")  # reserved for no pod
-        await _prepare(sim, lost)
-        await _prepare(sim, unknown)
-        await sim.run_container("batch", claims=[lost], pod=pod)
+        pod, lost, unknown = await _lost_and_unknown(sim)
         await anyio.sleep(1.5)  # its pod is listed (and its container runs): nothing goes
         assert set(sim.cdi_claims()) == {lost.uid, unknown.uid}
 
