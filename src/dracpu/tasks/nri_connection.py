@@ -13,18 +13,21 @@ runtime's ``nri.pkg.api.v1alpha1.Runtime`` (containerd/nri ``pkg/net/multiplex``
    to our registration;
 2. ``RegisterPlugin{name, index, NRI_version}`` on conn 2 (``dra.cpu``/``00`` by default, and
    the NRI release our API follows, :data:`~dracpu.adapters.nri_messages.NRI_VERSION`);
-3. the runtime calls ``Configure``: we subscribe to CreateContainer, UpdateContainer,
-   StopContainer and RemoveContainer (mask 0x688, valid on every runtime since NRI v0.2) and
-   note the runtime's name and versions: unsolicited updates are allowed only with NRI >=
-   v0.12.1 (:func:`~dracpu.adapters.nri_messages.unsolicited_updates_supported`);
+3. the runtime calls ``Configure``: we subscribe to CreateContainer, PostStartContainer,
+   UpdateContainer, StopContainer and RemoveContainer (mask 0x6c8, valid on every runtime since
+   NRI v0.2) and note the runtime's name and versions: unsolicited updates are allowed only
+   with NRI >= v0.12.1 (:func:`~dracpu.adapters.nri_messages.unsolicited_updates_supported`);
 4. the runtime calls ``Synchronize`` (possibly in parts, ``more``): the state owner gets every
    container (:class:`~dracpu.core.commands.Synchronize`) and the reply re-pins all of them;
 5. events: ``CreateContainer`` pins the new container (its claims' CPUs, plus the shared pool
    for a ``sharedPool`` claim, or the shared pool) and the same reply moves every container that
    follows the pool off newly claimed CPUs; ``UpdateContainer`` and
-   ``StopContainer`` answer likewise; ``RemoveContainer`` (dedicated RPC or ``StateChange``)
-   forgets the container; the other Plugin methods answer UNIMPLEMENTED (code 12), so a v0.12
-   runtime falls back to ``StateChange`` for events we did not subscribe to anyway;
+   ``StopContainer`` answer likewise; ``PostStartContainer`` (dedicated RPC or
+   ``StateChange``) sends a container that started its pin again if a newer decision may have
+   been lost while it was starting (:class:`~dracpu.core.commands.ContainerStarted`);
+   ``RemoveContainer`` (likewise) forgets the container; the other Plugin methods answer
+   UNIMPLEMENTED (code 12), so a v0.12 runtime falls back to ``StateChange`` for events we did
+   not subscribe to anyway;
 6. once synchronized, the sender sends the link's queued unsolicited updates
    (:class:`~dracpu.tasks.nri_link.NriLink`), one ``UpdateContainers`` at a time.
 
@@ -64,6 +67,7 @@ from dracpu.config import Config
 from dracpu.core.commands import (
     Command,
     Container,
+    ContainerStarted,
     CreateContainer,
     InvalidateContainers,
     RemoveContainer,
@@ -202,6 +206,7 @@ class NriConnection:
             "Configure": self._configure,
             "Synchronize": self._synchronize,
             "CreateContainer": self._create_container,
+            "PostStartContainer": self._post_start_container,
             "UpdateContainer": self._update_container,
             "StopContainer": self._stop_container,
             "RemoveContainer": self._remove_container,
@@ -649,10 +654,25 @@ class NriConnection:
         await self._forget(call, container.id)
         return _Reply(b"")  # RemoveContainerResponse is empty
 
+    async def _started(self, call: Call, container_id: str) -> None:
+        try:
+            await self._ask(ContainerStarted(container_id), self._deadline(call))
+        except _Refused as refused:
+            # Never fail a start: the container runs anyway; a Synchronize re-pins it.
+            logger.warning("NRI: PostStartContainer %s: %s", container_id, refused.message)
+
+    async def _post_start_container(self, call: Call) -> _Reply:
+        _, container = self._event_container(call)
+        await self._started(call, container.id)
+        return _Reply(b"")  # PostStartContainerResponse is empty
+
     async def _state_change(self, call: Call) -> _Reply:
         event = messages.read_state_change(call.payload)
-        if event.event == api.REMOVE_CONTAINER and event.container.id:
-            await self._forget(call, event.container.id)
+        if event.container.id:
+            if event.event == api.REMOVE_CONTAINER:
+                await self._forget(call, event.container.id)
+            elif event.event == api.POST_START_CONTAINER:
+                await self._started(call, event.container.id)
         return _Reply(b"")  # Empty
 
     async def _shutdown(self, call: Call) -> _Reply:
