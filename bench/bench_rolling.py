@@ -28,7 +28,14 @@ out.
   the DaemonSet's update strategy;
 * ``rolling.unpinned.outside``: the same over the containers created outside the rolls (the
   steady state's noise: a claim's container is pinned in the same reply that narrows the shared
-  containers, which the runtime applies a few ms apart).
+  containers, which the runtime applies a few ms apart), with ``claim_containers`` (the claims'
+  containers among them) and ``exposed`` (shared ones that lived beside a claim's container).
+
+``--rolls 0 --duration S --cycle-claim T`` measures the start race instead
+(``docs/architecture.md``, "NRI"): no roll, ``S`` seconds of churn, and the claim's pod
+replaced every ``T`` seconds (each gone, its claim unprepared, before the next), so that the
+claim's container's reply narrows the shared pool again and again while shared containers
+start.
 
 Needs: root on the node, the local cluster up with dracpu deployed (``just cluster up``, ``just
 cluster deploy``), ``KUBECONFIG`` (``eval "$(just cluster env)"``). Run:
@@ -353,18 +360,26 @@ def _shared_churn(stop: threading.Event, interval: float, lifetime: float, write
         _delete(name)
 
 
-def _hold_claim(stop: threading.Event, ready: threading.Event) -> None:
-    """One pod holding a one-CPU claim for the whole run (the node has two CPUs: one claim and
-    the shared pool), so that every roll has a claim in use."""
-    _apply(_pod("holder", claim=True))
-    while not ready.is_set():
-        phase = _kubectl("get", "pod", "-n", NAMESPACE, "holder", "-o", "jsonpath={.status.phase}")
-        if phase == "Running":
-            ready.set()
-        else:
+def _hold_claim(stop: threading.Event, ready: threading.Event, cycle: float) -> None:
+    """One pod holding a one-CPU claim (the node has two CPUs: one claim and the shared pool):
+    for the whole run, so that every roll has a claim in use; or, with ``cycle`` > 0, a new pod
+    and claim every ``cycle`` seconds, each deleted and gone (its claim unprepared) before the
+    next, so that the shared pool narrows and widens again and again beside the churn."""
+    n = 0
+    while True:
+        n += 1
+        name = f"holder-{n}"
+        _apply(_pod(name, claim=True))
+        while True:
+            phase = _kubectl("get", "pod", "-n", NAMESPACE, name, "-o", "jsonpath={.status.phase}")
+            if phase == "Running":
+                break
             time.sleep(0.5)
-    stop.wait()
-    _kubectl("delete", "pod", "-n", NAMESPACE, "holder", "--wait=true", timeout=120)
+        ready.set()
+        stop.wait(cycle if cycle > 0 else None)
+        _kubectl("delete", "pod", "-n", NAMESPACE, name, "--wait=true", timeout=120)
+        if stop.is_set():
+            return
 
 
 def _roll(timeout: int) -> tuple[float, float]:
@@ -417,6 +432,15 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=10.0, help="seconds after the last roll")
     parser.add_argument("--pause", type=float, default=5.0, help="seconds between rolls")
     parser.add_argument("--details", type=Path, help="write every container's record here")
+    parser.add_argument(
+        "--cycle-claim",
+        type=float,
+        default=0.0,
+        help="seconds each claim's pod lives before the next replaces it (0: one for the run)",
+    )
+    parser.add_argument(
+        "--duration", type=float, default=0.0, help="seconds of churn without rolls (--rolls 0)"
+    )
     args = parser.parse_args()
     if not KUBEPODS.is_dir():
         raise SystemExit(f"no {KUBEPODS}: is the local cluster up (just cluster up)?")
@@ -434,7 +458,9 @@ def main() -> None:
     api = threading.Thread(target=_watch_api, args=(names, stop_api, pod_claims), daemon=True)
     holding = threading.Event()
     work = [
-        threading.Thread(target=_hold_claim, args=(stop_work, holding), daemon=True),
+        threading.Thread(
+            target=_hold_claim, args=(stop_work, holding, args.cycle_claim), daemon=True
+        ),
         *(
             threading.Thread(
                 target=_shared_churn,
@@ -450,12 +476,13 @@ def main() -> None:
     if not holding.wait(300):
         raise SystemExit("bench_rolling: the pod with the claim did not start within 300 s")
     strategy = _strategy()
+    started = time.monotonic()
     time.sleep(args.settle)  # the steady state before the first roll
     rolls: list[tuple[float, float]] = []
     for _ in range(args.rolls):
         rolls.append(_roll(300))
         time.sleep(args.pause)
-    time.sleep(args.settle)
+    time.sleep(args.settle if rolls else args.duration)
     stop_work.set()
     for thread in work:
         thread.join()
@@ -472,7 +499,11 @@ def main() -> None:
     sampler.judge(pod_claims)
     _kubectl("delete", "namespace", NAMESPACE, "--wait=true", timeout=300)
 
-    window_start, window_end = rolls[0][0], rolls[-1][1] + args.settle
+    # Without rolls every container is outside them; the details count from the churn's start.
+    origin = rolls[0][0] if rolls else started
+    window_start, window_end = (
+        (rolls[0][0], rolls[-1][1] + args.settle) if rolls else (float("inf"), float("inf"))
+    )
     judged = [c for c in sampler.containers.values() if _judged(c)]
     during = [c for c in judged if window_start <= c.first_seen <= window_end]
     outside = [c for c in judged if c not in during]
@@ -491,24 +522,35 @@ def main() -> None:
         "tick_p99_ms": round(gaps[round(0.99 * (len(gaps) - 1))], 1),
         "tick_max_ms": round(gaps[-1], 1),
     }
+    if rolls:
+        _figure(
+            "rolling.unpinned",
+            during,
+            rolls=len(rolls),
+            rolls_with_claim=rolls_with_claim,
+            exposed=exposed,
+            roll_s=[round(end - start, 1) for start, end in rolls],
+            strategy=strategy,
+            **tick,
+        )
     _figure(
-        "rolling.unpinned",
-        during,
-        rolls=len(rolls),
-        rolls_with_claim=rolls_with_claim,
-        exposed=exposed,
-        roll_s=[round(end - start, 1) for start, end in rolls],
-        strategy=strategy,
+        "rolling.unpinned.outside",
+        outside,
+        claim_containers=sum(1 for c in outside if c.claims),
+        exposed=sum(
+            any(first <= c.last_seen and last >= c.first_seen for first, last in claimed)
+            for c in outside
+            if not c.claims
+        ),
         **tick,
     )
-    _figure("rolling.unpinned.outside", outside, **tick)
     if args.details:
         records = [
             {
                 **asdict(c),
                 "during": c in during,
-                "first_seen": round(c.first_seen - window_start, 3),
-                "last_seen": round(c.last_seen - window_start, 3),
+                "first_seen": round(c.first_seen - origin, 3),
+                "last_seen": round(c.last_seen - origin, 3),
             }
             for c in sampler.containers.values()
         ]
