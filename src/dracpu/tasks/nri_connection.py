@@ -164,6 +164,14 @@ class _Call:
 Handler = Callable[[Call], Awaitable[_Reply]]
 
 
+# The events whose answer carries nothing, as StateChange delivers them (runtimes before NRI
+# v0.12 have no dedicated RPC for them): the owner's command for each.
+_NOTICES: dict[int, type[ContainerStarted] | type[RemoveContainer]] = {
+    api.POST_START_CONTAINER: ContainerStarted,
+    api.REMOVE_CONTAINER: RemoveContainer,
+}
+
+
 class NriConnection:
     """One socket to the runtime: the mux, both ttrpc connections, the handlers, the sender.
 
@@ -643,36 +651,30 @@ class NriConnection:
         pins = self._link.fresh(value.updates)
         return _Reply(messages.stop_container_response(pins), pins)
 
-    async def _forget(self, call: Call, container_id: str) -> None:
+    async def _tell(self, call: Call, command: ContainerStarted | RemoveContainer) -> None:
+        """Tell the owner of an event whose answer carries nothing: a refusal is logged, never
+        answered (the runtime goes on anyway: the container starts, or is gone)."""
         try:
-            await self._ask(RemoveContainer(container_id), self._deadline(call))
+            await self._ask(command, self._deadline(call))
         except _Refused as refused:
-            logger.warning("NRI: RemoveContainer %s: %s", container_id, refused.message)
+            name = type(command).__name__
+            logger.warning("NRI: %s %s: %s", name, command.container_id, refused.message)
 
     async def _remove_container(self, call: Call) -> _Reply:
         _, container = self._event_container(call)
-        await self._forget(call, container.id)
+        await self._tell(call, RemoveContainer(container.id))
         return _Reply(b"")  # RemoveContainerResponse is empty
-
-    async def _started(self, call: Call, container_id: str) -> None:
-        try:
-            await self._ask(ContainerStarted(container_id), self._deadline(call))
-        except _Refused as refused:
-            # Never fail a start: the container runs anyway; a Synchronize re-pins it.
-            logger.warning("NRI: PostStartContainer %s: %s", container_id, refused.message)
 
     async def _post_start_container(self, call: Call) -> _Reply:
         _, container = self._event_container(call)
-        await self._started(call, container.id)
+        await self._tell(call, ContainerStarted(container.id))
         return _Reply(b"")  # PostStartContainerResponse is empty
 
     async def _state_change(self, call: Call) -> _Reply:
         event = messages.read_state_change(call.payload)
-        if event.container.id:
-            if event.event == api.REMOVE_CONTAINER:
-                await self._forget(call, event.container.id)
-            elif event.event == api.POST_START_CONTAINER:
-                await self._started(call, event.container.id)
+        notice = _NOTICES.get(event.event)
+        if notice is not None and event.container.id:
+            await self._tell(call, notice(event.container.id))
         return _Reply(b"")  # Empty
 
     async def _shutdown(self, call: Call) -> _Reply:
