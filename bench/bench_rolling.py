@@ -380,6 +380,20 @@ def _hold_claim(stop: threading.Event, ready: threading.Event, cycle: float) -> 
         _kubectl("delete", "pod", "-n", NAMESPACE, name, "--wait=true", timeout=120)
         if stop.is_set():
             return
+        # The claim goes with its pod (the resource claim controller): until it is gone the
+        # scheduler counts its CPU as allocated and gives the next claim the shared pool's last
+        # CPU, which Prepare refuses while shared containers run (a kubelet back-off of a minute).
+        with contextlib.suppress(RuntimeError):  # "no matching resources": gone already
+            _kubectl(
+                "wait",
+                "--for=delete",
+                "resourceclaims",
+                "--all",
+                "-n",
+                NAMESPACE,
+                "--timeout=120s",
+                timeout=150,
+            )
 
 
 def _roll(timeout: int) -> tuple[float, float]:
