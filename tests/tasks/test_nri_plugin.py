@@ -416,6 +416,8 @@ async def test_unprepare_widens_at_once_on_a_fixed_runtime() -> None:
         assert isinstance(call.request, pb.UpdateContainersRequest)
         assert {u.container_id for u in call.request.update} == node.state.shared
         node.assert_shared_at(wide)
+        # The fake logs the call before it answers; the link counts it once the answer is read.
+        await node.link.settled()
         assert node.link.status().unsolicited_sent == 1
 
 
