@@ -73,7 +73,7 @@ __all__ = [
 ]
 
 # The capacity grouped devices publish and allocations consume (upstream
-# device.CPUResourceQualifiedName; dracpu.core.slices.CAPACITY_CPU), and its short form: an
+# device.CPUResourceQualifiedName; dracpu.core.devices.CAPACITY_CPU), and its short form: an
 # unqualified capacity name is in the driver's own domain (resource/v1 QualifiedName).
 CAPACITY_CPU = "dra.cpu/cpu"
 _CAPACITY_CPU_SHORT = CAPACITY_CPU.rpartition("/")[2]

@@ -4,45 +4,18 @@ One module, a little longer than most: the handlers and the sender share one con
 lifetime and its ordering rule, and splitting them would pass the connection's state between
 modules (the queue and the rule itself live in :mod:`dracpu.tasks.nri_link`).
 
-On the socket, :class:`~dracpu.wire.mux.MuxConnection` carries two ttrpc connections: conn 1,
-where we serve ``nri.pkg.api.v1alpha1.Plugin`` to the runtime, and conn 2, where we call the
-runtime's ``nri.pkg.api.v1alpha1.Runtime`` (containerd/nri ``pkg/net/multiplex``,
-``pkg/adaptation``). The sequence of a connection:
-
-1. the reader serves conn 1 from the start, because ``Configure`` may arrive before the answer
-   to our registration;
-2. ``RegisterPlugin{name, index, NRI_version}`` on conn 2 (``dra.cpu``/``00`` by default, and
-   the NRI release our API follows, :data:`~dracpu.adapters.nri_messages.NRI_VERSION`);
-3. the runtime calls ``Configure``: we subscribe to CreateContainer, UpdateContainer,
-   StopContainer and RemoveContainer (mask 0x688, valid on every runtime since NRI v0.2) and
-   note the runtime's name and versions: unsolicited updates are allowed only with NRI >=
-   v0.12.1 (:func:`~dracpu.adapters.nri_messages.unsolicited_updates_supported`);
-4. the runtime calls ``Synchronize`` (possibly in parts, ``more``): the state owner gets every
-   container (:class:`~dracpu.core.commands.Synchronize`) and the reply re-pins all of them;
-5. events: ``CreateContainer`` pins the new container (its claims' CPUs, plus the shared pool
-   for a ``sharedPool`` claim, or the shared pool) and the same reply moves every container that
-   follows the pool off newly claimed CPUs; ``UpdateContainer`` and
-   ``StopContainer`` answer likewise; ``RemoveContainer`` (dedicated RPC or ``StateChange``)
-   forgets the container; the other Plugin methods answer UNIMPLEMENTED (code 12), so a v0.12
-   runtime falls back to ``StateChange`` for events we did not subscribe to anyway;
-6. once synchronized, the sender sends the link's queued unsolicited updates
-   (:class:`~dracpu.tasks.nri_link.NriLink`), one ``UpdateContainers`` at a time.
-
-Every reply's pins and every ``UpdateContainers`` go through the link's ordering rule (pins from
-the committed state, re-sent when a newer decision was made while they were on their way); a
-container the runtime failed to update is reported to the owner
-(:class:`~dracpu.core.commands.InvalidateContainers`, with the failed decisions' numbers).
-
-A refusal of the state owner (a spoofed or malformed ``DRA_CPUSET_*`` env, a claim not prepared
-here, a claim not reserved for the container's pod) fails the container's creation with a status
-code (fail closed); so does an owner that does not answer well before the runtime's deadline
-(2 s by default): a plugin that times out is dropped and the container is created *unpinned*, so
-we answer an error instead. Handlers do no I/O besides the owner round trip and their reply,
-with one exception: before a container is refused (or confined, at Synchronize) because a claim
-is not reserved for its pod, the claim is read once more, within the deadline
-(:mod:`dracpu.tasks.claim_recheck`), and the owner decides again. A malformed message is
-answered with INVALID_ARGUMENT; EOF, a socket error or a protocol violation ends the connection
-(the task reconnects), and bugs (non-DracpuError exceptions) end the task.
+On the socket, :class:`~dracpu.wire.mux.MuxConnection` carries two ttrpc connections (containerd/nri
+``pkg/net/multiplex``): on conn 1 we serve ``nri.pkg.api.v1alpha1.Plugin`` from the start
+(``Configure`` may arrive before the answer to our registration), on conn 2 we call the
+runtime's ``Runtime``: ``RegisterPlugin``, then the runtime's ``Configure`` (we subscribe to
+create, update, stop and remove container, mask 0x688) and ``Synchronize`` (possibly in parts),
+then container events, each an owner round trip whose reply carries the pins; once
+synchronized, the sender sends the link's queued ``UpdateContainers`` one at a time. A refusal
+of the owner, or an owner that does not answer well before the runtime's deadline, fails the
+container's creation (fail closed: a plugin that times out is dropped and the container created
+unpinned). A malformed message is answered INVALID_ARGUMENT; EOF, a socket error or a protocol
+violation ends the connection (the task reconnects), and bugs end the task. The rules are
+``docs/architecture.md``, "NRI" and "Claim ownership".
 """
 
 from __future__ import annotations
