@@ -7,10 +7,11 @@ modules (the queue and the rule itself live in :mod:`dracpu.tasks.nri_link`).
 On the socket, :class:`~dracpu.wire.mux.MuxConnection` carries two ttrpc connections (containerd/nri
 ``pkg/net/multiplex``): on conn 1 we serve ``nri.pkg.api.v1alpha1.Plugin`` from the start
 (``Configure`` may arrive before the answer to our registration), on conn 2 we call the
-runtime's ``Runtime``: ``RegisterPlugin``, then the runtime's ``Configure`` (we subscribe to
-create, update, stop and remove container, mask 0x688) and ``Synchronize`` (possibly in parts),
-then container events, each an owner round trip whose reply carries the pins; once
-synchronized, the sender sends the link's queued ``UpdateContainers`` one at a time. A refusal
+runtime's ``Runtime`` (``RegisterPlugin``, ``UpdateContainers``). The runtime then calls
+``Configure`` (we subscribe to create, update, stop and remove container, mask 0x688),
+``Synchronize`` (possibly in parts) and the container events, each an owner round trip whose
+reply carries the pins; once synchronized, the sender sends the link's queued
+``UpdateContainers`` one at a time. A refusal
 of the owner, or an owner that does not answer well before the runtime's deadline, fails the
 container's creation (fail closed: a plugin that times out is dropped and the container created
 unpinned). A malformed message is answered INVALID_ARGUMENT; EOF, a socket error or a protocol
