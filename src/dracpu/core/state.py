@@ -22,6 +22,7 @@ from dracpu.core.checkpoint_schema import CheckpointData, PreparedClaim
 from dracpu.core.commands import (
     AdoptClaims,
     Command,
+    ContainerStarted,
     CreateContainer,
     InvalidateContainers,
     PodsListed,
@@ -65,6 +66,7 @@ from dracpu.core.state_claims import (
     write_spec,
 )
 from dracpu.core.state_containers import (
+    container_started,
     create_container,
     forget_container,
     invalidate,
@@ -106,8 +108,12 @@ def apply(state: NodeState, command: Command) -> tuple[NodeState, list[Effect]]:
                 return unprepare(state, command)
             case UpdateClaimPods():
                 return update_claim_pods(state, command)
-            case CreateContainer() | UpdateContainer():
-                return create_container(state, command.container)
+            case CreateContainer():
+                return create_container(state, command.container, created=True)
+            case UpdateContainer():
+                return create_container(state, command.container, created=False)
+            case ContainerStarted():
+                return container_started(state, command.container_id)
             case StopContainer():
                 return forget_container(state, command.container_id, send_updates=True)
             case RemoveContainer():

@@ -1,17 +1,40 @@
 """What the daemon holds of the NRI task: its queue of updates, the rule that orders every write to
 the runtime, and its status.
 
-The pins live in the node state (:class:`~dracpu.core.state_values.ContainerRecord`, with
-``seq``, the number of the owner's decision that chose them) and reach the runtime in the reply
-to a container event or in an unsolicited ``UpdateContainers`` that this queue holds until the
-connection sends it (never from inside an event handler: containerd/containerd#13733). The two
-ways can arrive in the opposite order of the decisions; one rule keeps the last write to each
-container the owner's last decision: every write is built from the committed state when it
-goes out (:meth:`NriLink.fresh`, :meth:`NriLink.next_batch`), and once one has gone out every
-container whose record holds a newer decision is queued again (:meth:`NriLink.written`).
-:meth:`NriLink.settled` says when a stop may close the connection; :meth:`NriLink.status` tells
-``/readyz`` and ``/metrics`` about the runtime and the updates. The story is
-``docs/architecture.md``, "The pins and the order of writes to the runtime".
+The pins live in the node state (:class:`~dracpu.core.state_values.ContainerRecord`: cpus, mems
+and ``seq``, the number of the owner's decision that chose them). They reach the runtime two
+ways: in the reply to a container event (CreateContainer, UpdateContainer, StopContainer,
+Synchronize), and, after an Unprepare or a container's start (a pin it may have lost while
+starting), on a runtime that takes them, in an unsolicited ``UpdateContainers`` that this queue
+holds until the connection sends it (never from inside an event handler: containerd holds one
+lock across an event, and ``UpdateContainers`` needs it too, containerd/containerd#13733).
+
+The two ways can reach the runtime in the opposite order of the owner's decisions: an
+``UpdateContainers`` waiting for containerd's lock is applied after the event that holds it,
+whose reply may carry a newer pin; on a runtime that does not hold the lock, an update the owner
+decided after an event's answer may be applied before that answer's reply is written. One rule
+keeps the last write to each container the owner's last decision:
+
+* every write is built from the committed state when it goes out: an event reply's pins are
+  replaced by the record's pin when the record holds a newer decision (:meth:`NriLink.fresh`),
+  and a queued container is sent the record's pin (:meth:`NriLink.next_batch`);
+* once a write has gone out (a reply written, an ``UpdateContainers`` answered), every container
+  whose record now holds a newer decision than the one written is queued again
+  (:meth:`NriLink.written`): whichever write the runtime applied last, the newest follows.
+
+A container whose update the runtime failed gets an unknown cpuset in the node state
+(:class:`~dracpu.core.commands.InvalidateContainers`, sent by the connection with the failed
+decisions' numbers); the owner sends it its pin again in the next reply that can carry updates
+(any CreateContainer, UpdateContainer or StopContainer), and a reconnect's Synchronize re-pins
+every container anyway. Without a synchronized runtime that takes unsolicited updates nothing is
+queued (the updates are counted as dropped): the next Synchronize re-pins everything.
+
+At a stop the task waits (bounded) until :meth:`NriLink.settled`: nothing queued, no
+``UpdateContainers`` on its way and no event being answered, so the widening an Unprepare
+decided just before a SIGTERM still reaches the runtime.
+
+:meth:`NriLink.status` tells ``/readyz`` and ``/metrics`` whether a runtime is connected and
+synchronized, which one, and how the unsolicited updates fared.
 """
 
 from __future__ import annotations
