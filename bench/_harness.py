@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["emit", "measure", "measure_async", "percentiles", "rss_mib"]
+__all__ = ["cpu_list", "emit", "measure", "measure_async", "percentiles", "rss_mib"]
 
 
 def percentiles(samples_ms: list[float]) -> tuple[float, float]:
@@ -65,3 +65,13 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024  # the kernel reports kB
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def cpu_list(text: str) -> set[int]:
+    """A Linux cpu list (``0-3,8``) as a set, parsed here, not with dracpu's ``CpuSet``: a
+    benchmark that checks the daemon's cpusets must not share its parser."""
+    result: set[int] = set()
+    for part in filter(None, text.split(",")):
+        low, _, high = part.partition("-")
+        result.update(range(int(low), int(high or low) + 1))
+    return result

@@ -38,7 +38,7 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._harness import emit, percentiles, rss_mib
+from bench._harness import cpu_list, emit, percentiles, rss_mib
 from dracpu.sim.faults import api_outage
 from dracpu.sim.node import NodeSim, open_node_sim
 
@@ -57,25 +57,16 @@ def _fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def _cpus(text: str) -> set[int]:
-    """A Linux cpu list as a set (parsed here, not with dracpu's CpuSet)."""
-    result: set[int] = set()
-    for part in filter(None, text.split(",")):
-        low, _, high = part.partition("-")
-        result.update(range(int(low), int(high or low) + 1))
-    return result
-
-
 async def _cycle(sim: NodeSim, index: int) -> None:
     claim = sim.allocate(f"soak-{index}", CLAIM_SIZES[index % len(CLAIM_SIZES)])
     answer = (await sim.prepare(claim))[claim.uid]
     if answer.error:
         raise RuntimeError(f"cycle {index}: prepare failed: {answer.error}")
-    held = _cpus(sim.cdi_cpus(claim.uid) or "")
+    held = cpu_list(sim.cdi_cpus(claim.uid) or "")
     if len(held) != CLAIM_SIZES[index % len(CLAIM_SIZES)]:
         raise RuntimeError(f"cycle {index}: the claim holds cpus {sorted(held)}")
     pod, container = await sim.run_container(f"soak-{index}", claims=[claim])
-    if _cpus(container.cpus) != held:
+    if cpu_list(container.cpus) != held:
         raise RuntimeError(f"cycle {index}: container on {container.cpus}, claim on {held}")
     await sim.remove_pod(pod)
     sim.runtime.pods.pop(pod.id, None)

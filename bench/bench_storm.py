@@ -39,7 +39,7 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._harness import emit, percentiles
+from bench._harness import cpu_list, emit, percentiles
 from dracpu.sim.fake_kubelet import ClaimRef
 from dracpu.sim.node import NodeSim, SimClaim, open_node_sim
 from dracpu.sim.runtime_model import claim_env
@@ -53,14 +53,6 @@ CONCURRENCY = 16  # the kubelet's parallel pod workers preparing claims after a 
 CONTAINERS = 500
 RETRY_DELAY = 0.1  # seconds before a refused call is made again
 START_TIMEOUT = 120.0
-
-
-def _cpus(text: str) -> set[int]:
-    result: set[int] = set()
-    for part in filter(None, text.split(",")):
-        low, _, high = part.partition("-")
-        result.update(range(int(low), int(high or low) + 1))
-    return result
 
 
 async def _set_up(sim: NodeSim, claims: int, containers: int) -> dict[str, tuple[SimClaim, str]]:
@@ -153,9 +145,9 @@ def _check(sim: NodeSim, recorded: dict[str, tuple[SimClaim, str]]) -> None:
     }
     for uid, (claim, cpus) in recorded.items():
         spec = sim.cdi_cpus(uid)
-        if spec is None or _cpus(spec) != _cpus(cpus):
+        if spec is None or cpu_list(spec) != cpu_list(cpus):
             raise RuntimeError(f"claim {claim.name}: CDI spec cpus {spec}, recorded {cpus}")
-        if _cpus(pinned[uid]) != _cpus(cpus):
+        if cpu_list(pinned[uid]) != cpu_list(cpus):
             raise RuntimeError(f"claim {claim.name}: its container runs on {pinned[uid]}")
 
 

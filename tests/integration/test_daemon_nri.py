@@ -11,8 +11,8 @@ import anyio
 import pytest
 
 from dracpu.sim._pb2.nri.v1alpha1 import api_pb2 as nri
-from dracpu.sim.fake_runtime import PluginFailedError, claim_env
-from dracpu.sim.node import NodeSim, open_node_sim, wait_until
+from dracpu.sim.fake_runtime import FakePod, PluginFailedError, claim_env
+from dracpu.sim.node import NodeSim, SimClaim, open_node_sim, wait_until
 from tests.integration.conftest import checkpoint_claims, cpus, node_cpus
 
 pytestmark = pytest.mark.anyio
@@ -20,6 +20,17 @@ pytestmark = pytest.mark.anyio
 
 def _shared(sim: NodeSim) -> dict[str, set[int]]:
     return {cid: cpus(sim.cpus_of(cid)) for cid in sim.shared_ids()}
+
+
+async def _reserved_claim(sim: NodeSim) -> tuple[FakePod, SimClaim, str]:
+    """A pod, a claim of 4 CPUs reserved for it (status.reservedFor), prepared; its CPUs."""
+    await sim.wait_published()
+    pod = sim.runtime.add_pod("rightful")
+    claim = sim.allocate("exclusive", 4, reserved_for=[pod])
+    assert (await sim.prepare(claim))[claim.uid].error == ""
+    held = sim.cdi_cpus(claim.uid)
+    assert held is not None
+    return pod, claim, held
 
 
 def _claim_gets(sim: NodeSim, name: str) -> list[str]:
@@ -147,12 +158,7 @@ async def test_a_copied_claim_env_is_refused_confined_and_the_claims_own_contain
     the rightful container refused. The claim belongs to the pods its status.reservedFor names."""
     async with open_node_sim(shared_containers=1, extra_args=["--v=4"]) as sim:
         everything = node_cpus(sim)
-        await sim.wait_published()
-        rightful = sim.runtime.add_pod("rightful")
-        claim = sim.allocate("exclusive", 4, reserved_for=[rightful])
-        assert (await sim.prepare(claim))[claim.uid].error == ""
-        held = sim.cdi_cpus(claim.uid)
-        assert held is not None
+        rightful, claim, held = await _reserved_claim(sim)
         copied = sim.cdi_env(claim.uid)  # DRA_CPUSET_<uid>=<cpus>, exactly
 
         # CreateContainer of the copier's container fails, naming the claim and the pod.
@@ -192,12 +198,7 @@ async def test_a_container_confined_for_a_copied_env_is_warned_about_once() -> N
     ran. The look that confirms the copy notes the pod on the claim, in the checkpoint."""
     async with open_node_sim(shared_containers=1, extra_args=["--v=4"]) as sim:
         everything = node_cpus(sim)
-        await sim.wait_published()
-        rightful = sim.runtime.add_pod("rightful")
-        claim = sim.allocate("exclusive", 4, reserved_for=[rightful])
-        assert (await sim.prepare(claim))[claim.uid].error == ""
-        held = sim.cdi_cpus(claim.uid)
-        assert held is not None
+        _, claim, held = await _reserved_claim(sim)
         pool = everything - cpus(held)
         looks = len(_claim_gets(sim, claim.name))  # Prepare's
 

@@ -5,8 +5,9 @@ An adopted CDI spec of a claim no pod uses is released by the List at start (whi
 NRI ``Synchronize``): its CPUs go back to the shared containers at once and can be allocated
 from the published devices again. A claim whose pod went away without Unprepare is released
 after the grace while a claim its pod references stays. On a quiet node (no pod holds a claim),
-what an answer without claims means follows the kubelet's version. SIGHUP asks for a List; a
-kubelet without the socket keeps the daemon ready and is used once it comes.
+what an answer without claims means follows the kubelet's version, and nothing goes while the
+runtime is away (its containers unknown). SIGHUP asks for a List; a kubelet without the socket
+keeps the daemon ready and is used once it comes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import uuid
 import anyio
 import pytest
 
+from dracpu.sim.fake_runtime import FakePod
 from dracpu.sim.node import NodeSim, SimClaim, open_node_sim, wait_until
 from tests.integration.conftest import checkpoint_claims, cpus, node_cpus
 
@@ -35,6 +37,18 @@ def _write_spec(sim: NodeSim, uid: str, cpu_list: str) -> None:
         '{"cdiVersion":"0.5.0","kind":"dra.k8s.io/cpu","devices":[{"name":"claim-'
         f'{uid}","containerEdits":{{"env":["DRA_CPUSET_{uid}={cpu_list}"]}}}}]}}'
     )
+
+
+async def _lost_and_unknown(sim: NodeSim) -> tuple[FakePod, SimClaim, SimClaim]:
+    """Two claims of 2 CPUs, prepared: ``lost``, reserved for a pod whose container runs, and
+    ``unknown``, reserved for no pod."""
+    pod = sim.runtime.add_pod("batch")
+    lost = sim.allocate("lost", 2, device="cpudevnuma000", reserved_for=[pod])
+    unknown = sim.allocate("unknown", 2, device="cpudevnuma001")
+    await _prepare(sim, lost)
+    await _prepare(sim, unknown)
+    await sim.run_container("batch", claims=[lost], pod=pod)
+    return pod, lost, unknown
 
 
 async def _metric(sim: NodeSim, name: str) -> float | None:
@@ -160,12 +174,7 @@ async def test_on_a_quiet_node_orphans_go_after_the_grace_when_the_kubelet_shows
     async with open_node_sim(shared_containers=1, extra_args=flags) as sim:
         everything = node_cpus(sim)
         await sim.wait_published()
-        pod = sim.runtime.add_pod("batch")
-        lost = sim.allocate("lost", 2, device="cpudevnuma000", reserved_for=[pod])
-        unknown = sim.allocate("unknown", 2, device="cpudevnuma001")  # reserved for no pod
-        await _prepare(sim, lost)
-        await _prepare(sim, unknown)
-        await sim.run_container("batch", claims=[lost], pod=pod)
+        pod, lost, unknown = await _lost_and_unknown(sim)
         await sim.stop_daemon()
         leftover = str(uuid.uuid4())
         _write_spec(sim, leftover, "26-27")
@@ -203,6 +212,72 @@ async def test_on_a_quiet_node_orphans_go_after_the_grace_when_the_kubelet_shows
         assert sim.daemon.messages("error") == []
 
 
+async def test_on_a_quiet_node_nothing_is_released_while_the_runtimes_containers_are_unknown() -> (
+    None
+):
+    """The kubelet's answers show no claim and it is 1.35 (taken at its word), but the runtime
+    went away: until its next ``Synchronize`` the daemon cannot see which containers carry a
+    claim's env. Here one started unseen while the kubelet stopped listing its pod: listing
+    after listing misses the claim and it stays; the runtime's ``Synchronize`` shows the
+    container using it, so it still stays; once the pod has ended, it goes after the grace."""
+    flags = ["--podresources-interval=200ms", "--orphan-grace=1s", "--v=4"]
+    async with open_node_sim(shared_containers=1, extra_args=flags) as sim:
+        everything = node_cpus(sim)
+        await sim.wait_published()
+        pod = sim.runtime.add_pod("batch", namespace="default")
+        lost = sim.allocate("lost", 2, device="cpudevnuma000", reserved_for=[pod])
+        held = await _prepare(sim, lost)
+        sim.kubelet.pods.add_pod("default", "batch", {"main": [lost.uid]})
+        await sim.runtime.go_away()
+        await wait_until(
+            "the state owner to learn that the runtime is gone",
+            lambda: "RuntimeDisconnected applied (ok)" in sim.daemon.messages("debug"),
+            failed=sim.daemon.exited,
+        )
+        # Unseen by the daemon: the pod's container starts on the claim's CPUs, and the
+        # kubelet's listings no longer show the pod.
+        await sim.runtime.run_pod_sandbox(pod)
+        app = sim.runtime.add_container(
+            pod, "main", env=sim.cdi_env(lost.uid), cpus=",".join(map(str, sorted(held)))
+        )
+        sim.kubelet.pods.remove_pod("default", "batch")
+        server = sim.kubelet.pod_resources
+        assert server is not None
+        listed = len(server.calls)
+
+        def past_twice_the_grace() -> bool:  # listings that missed it, 2 s apart at least
+            since = server.calls[listed:]
+            return len(since) >= 5 and since[-1].at - since[0].at >= 2.0
+
+        await wait_until("listings past the grace", past_twice_the_grace, timeout=30)
+        assert sim.cdi_claims() == [lost.uid]
+        assert set(checkpoint_claims(sim.paths.checkpoint)) == {lost.uid}
+        assert not any("released orphan" in m for m in sim.daemon.messages("warning"))
+
+        # Back: Synchronize shows the container carrying the claim; it is kept and pinned.
+        await sim.runtime.come_back()
+        await sim.runtime.wait_plugin(20)
+        listed = len(server.calls)
+        await wait_until("five more listings", lambda: len(server.calls) >= listed + 5)
+        assert sim.cdi_claims() == [lost.uid]
+        assert cpus(sim.cpus_of(app.id)) == held
+        [shared] = sim.shared_ids()
+        assert cpus(sim.cpus_of(shared)) == everything - held
+
+        # The pod ends: the claim goes after the grace and its CPUs are shared again.
+        gone = anyio.current_time()
+        await sim.remove_pod(pod)
+        await wait_until("the orphan to go", lambda: lost.uid not in sim.cdi_claims(), timeout=15)
+        assert anyio.current_time() - gone >= 1.0
+        assert checkpoint_claims(sim.paths.checkpoint) == {}
+        await wait_until(
+            "the shared container to widen",
+            lambda: cpus(sim.cpus_of(shared)) == everything,
+            timeout=10,
+        )
+        assert sim.daemon.messages("error") == []
+
+
 async def test_before_1_34_only_claims_whose_pods_are_gone_are_released_from_empty_answers() -> (
     None
 ):
@@ -215,12 +290,7 @@ async def test_before_1_34_only_claims_whose_pods_are_gone_are_released_from_emp
         server = sim.kubelet.pod_resources
         assert server is not None
         server.dynamic_resources = False  # the gate is off: no claim is ever listed
-        pod = sim.runtime.add_pod("batch")
-        lost = sim.allocate("lost", 2, device="cpudevnuma000", reserved_for=[pod])
-        unknown = sim.allocate("unknown", 2, device="cpudevnuma001")  # reserved for no pod
-        await _prepare(sim, lost)
-        await _prepare(sim, unknown)
-        await sim.run_container("batch", claims=[lost], pod=pod)
+        pod, lost, unknown = await _lost_and_unknown(sim)
         await anyio.sleep(1.5)  # its pod is listed (and its container runs): nothing goes
         assert set(sim.cdi_claims()) == {lost.uid, unknown.uid}
 

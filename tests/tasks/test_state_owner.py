@@ -746,6 +746,20 @@ async def test_restore_keeps_fitting_claims_drops_others_and_rewrites_specs(
     )
 
 
+async def test_restore_says_which_reserved_cpus_are_not_online(
+    trees: SysfsTrees, scratch: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 20: ``--reserved-cpus 5`` on a 2-CPU machine was taken silently. Reserved CPUs that
+    are not online reserve nothing: one warning names them; the online ones are reserved."""
+    config = _config(trees, scratch, reserved_cpus=CpuSet.parse("0,64-65"))
+    with caplog.at_level(logging.WARNING, logger="dracpu"):
+        state = await _owner(config).restore()
+    assert [r.getMessage() for r in caplog.records if "reserved" in r.getMessage()] == [
+        "reserved cpus 64-65 are not online on this node; ignored"
+    ]
+    assert state.shared_pool == CpuSet.parse("1-63")
+
+
 async def test_restore_adopts_cdi_specs_the_checkpoint_lacks(
     trees: SysfsTrees, scratch: Path
 ) -> None:

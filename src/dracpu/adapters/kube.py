@@ -1,55 +1,16 @@
 """The Kubernetes API, as dracpu uses it: Nodes (read), ResourceClaims (read, status patch),
 ResourceSlices (list, watch, create, update, delete). The ONLY module that imports
 ``kubernetes`` (its import is a large part of the daemon's start and memory,
-``docs/performance.md``, so nothing else pays for it; the import-linter contract in
-``pyproject.toml`` keeps it so).
+``docs/performance.md``; the import-linter contract in ``pyproject.toml`` keeps it so).
 
-Every request goes through the official asyncio client ``kubernetes.aio``: its configuration
-loaders (kubeconfig, or the in-cluster service account whose token file is re-read by the
-``refresh_api_key_hook``; exec plugins and client certificates as the library runs them), its
-``ApiClient.param_serialize`` (URL, path quoting, query, credentials) and ``call_api`` (the
-library's ``RESTClientObject``: its TLS context, ``tls-server-name``, proxy and aiohttp session
-with its keep-alive pool). We pass plain ``dict`` bodies and read the raw aiohttp response
-ourselves, so objects are plain dicts, camelCase as on the wire, with every field the server
-sent: the generated pydantic models would drop fields this client version does not know and
-re-validate every one of a 128-device slice's fields on each call.
-
-What we set on the library's ``Configuration`` (:func:`_load_configuration`):
-
-- **Exec plugin tokens are renewed** when they expire (:func:`_refresh_exec_token`).
-- **No hidden retries.** ``retries = None`` keeps ``aiohttp_retry`` out. aiohttp itself sends a
-  request once more when its connection drops before the answer (RFC 9112 §9.3.1; aiohttp
-  ``client.py`` ``IDEMPOTENT_METHODS``, which include PUT and DELETE). A client middleware
-  (:func:`~dracpu.adapters.kube_transport.send_once`) lets it do that for GET only: a POST,
-  PUT, PATCH or DELETE may have been applied before the connection dropped and is never sent a
-  second time behind our back (a conditional PUT or DELETE would come back as a 409 for a
-  change that was ours). The task that called retries with its own backoff
-  (:mod:`dracpu.adapters.backoff`).
-- **The proxy is decided once, at open**: the kubeconfig ``proxy-url`` first, else
-  ``<scheme>_proxy`` / ``no_proxy`` for the server's URL (credentials from the proxy URL, else
-  from ``~/.netrc`` as aiohttp's ``proxies_from_env`` takes them), as client-go reads
-  ``http.ProxyFromEnvironment`` once. Only ``http://`` proxies: aiohttp tunnels through no
-  other kind. The library opens its session with ``trust_env=True``, which makes aiohttp look
-  the environment and ``~/.netrc`` up again in a worker thread on every request; we turn that
-  off. Credentials go into the proxy URL, where aiohttp sends them both on a CONNECT tunnel
-  (https servers) and on plain http requests
-  (:func:`~dracpu.adapters.kube_transport.proxy_url`).
-- **Connections**: at most :data:`MAX_CONNECTIONS` to the API server (the library's
-  ``connection_pool_maxsize``; its default of 100 is meant for controllers).
-
-Errors become the :mod:`dracpu.errors` tree. An answer with an error status keeps its status,
-reason and the server's message: 404 :class:`KubeNotFoundError`, 409 :class:`KubeConflictError`,
-other 4xx :class:`KubeClientError`, 5xx and 429 (too many requests: transient)
-:class:`KubeServerError`. Every failure to get an answer is a :class:`KubeServerError` with
-``status`` ``None`` whose message names the operation, the server's URL and the cause in words
-(connection refused or reset, TLS failure and which, timeout, DNS failure, proxy refusal, ...:
-:func:`~dracpu.adapters.kube_transport.describe_failure`).
-
-Watches (:meth:`KubeClient.watch_resource_slices`) list first, then stream events from the
-list's resourceVersion (the response body read line by line through aiohttp's stream reader),
-reconnecting from the last seen version when the server ends the stream; a ``410 Gone`` (the
-version was compacted away) makes them list again. A list is reported as one
-``("LISTED", <ResourceSliceList>)`` event so the consumer can resynchronise from it.
+Every request goes through the official asyncio client ``kubernetes.aio`` (its configuration
+loaders, ``ApiClient.param_serialize`` and ``call_api``) with plain ``dict`` bodies, read back
+as plain dicts. What we set on the library's ``Configuration`` (:func:`_load_configuration`: no
+hidden retries, the proxy decided once, at most :data:`MAX_CONNECTIONS` connections, exec
+tokens renewed), the errors (the :mod:`dracpu.errors` tree, each with status, reason and the
+server's message, or the cause in words) and the watches (list, then stream; relist on ``410
+Gone``; a list is one ``("LISTED", <ResourceSliceList>)`` event) are ``docs/architecture.md``,
+"Kubernetes API".
 """
 
 from __future__ import annotations

@@ -98,6 +98,7 @@ _PLAIN_SECONDS = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
 
 
 _E = TypeVar("_E", bound=StrEnum)
+_T = TypeVar("_T")
 
 
 class BadValue(ValueError):
@@ -190,12 +191,17 @@ def log_format(raw: object) -> LogFormat:
     raise BadValue('must be "text" or "json"')
 
 
+def _parsed(parse: Callable[[str], _T], raw: object, errors: type[Exception]) -> _T:
+    """``parse`` of the string ``raw``; its ``errors`` become :class:`BadValue`."""
+    try:
+        return parse(string(raw))
+    except errors as exc:
+        raise BadValue(str(exc)) from exc
+
+
 def cpuset(raw: object) -> CpuSet:
     """A CPU list in the kernel's syntax (``0-3,8``)."""
-    try:
-        return CpuSet.parse(string(raw))
-    except DracpuError as exc:
-        raise BadValue(str(exc)) from exc
+    return _parsed(CpuSet.parse, raw, DracpuError)
 
 
 def absolute_path(raw: object) -> Path:
@@ -231,10 +237,7 @@ def node_name(raw: object) -> str | None:
 
 
 def bind_address(raw: object) -> BindAddress:
-    try:
-        return BindAddress.parse(string(raw))
-    except ValueError as exc:
-        raise BadValue(str(exc)) from exc
+    return _parsed(BindAddress.parse, raw, ValueError)
 
 
 def verbosity(raw: object) -> int:

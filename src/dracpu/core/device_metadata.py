@@ -1,53 +1,13 @@
 """KEP-5304 device metadata of prepared claims: the files a workload reads to learn about its
 CPUs, and the CDI specs that mount them into its containers (pure: names, JSON, no I/O).
 
-The format and the layout are those of the Go kubelet-plugin helper, which upstream's driver
-uses (``k8s.io/dynamic-resource-allocation``: ``kubeletplugin/metadata.go``,
-``api/metadata/types.go``, ``api/metadata/helpers.go``, ``api/metadata/v1beta1``; dra-driver-cpu
-``pkg/driver/driver.go`` enables it with ``EnableDeviceMetadata(true, [v1beta1])`` and
-``pkg/driver/dra_hooks.go`` ``prepareDevices`` fills it). ``docs/architecture.md`` ("Device
-metadata") describes it with the facts this module relies on.
-
-Per prepared claim and per request of it that has a result of ours, two files:
-
-- the metadata file ``<metadata-dir>/<claimUID>_<request>.json`` (the metadata dir is
-  ``<kubelet-root>/plugins/dra.cpu/dra-device-metadata``): one ``DeviceMetadata`` object of
-  ``metadata.resource.k8s.io/v1beta1`` (the only version upstream writes), compact JSON, with
-  the claim's name, namespace and UID, ``generation: 1``, ``podClaimName`` for a claim made from
-  a template, and one request with one device entry per result (``driver``, ``pool``, ``name``,
-  ``attributes``);
-- the CDI spec ``<cdi-dir>/dra.cpu_metadata_<claimUID>_<request>.json`` of kind
-  ``dra.cpu/metadata`` whose device ``<claimUID>_<request>`` bind-mounts the file read-only at
-  ``/var/run/kubernetes.io/dra-device-attributes/resourceclaims/<claimName>/<request>/dra.cpu-metadata.json``,
-  or ``.../resourceclaimtemplates/<podClaimName>/...`` for a claim made from a template (its
-  ``resource.kubernetes.io/pod-claim-name`` annotation): the path a consumer can derive from
-  its pod spec. Prepare adds ``dra.cpu/metadata=<claimUID>_<request>`` to the CDI ids of the
-  request's first device, so the runtime applies the mount to the containers using the request.
-
-The spec's file name, kind and device name are the helper's, so a CDI id the kubelet got from
-either driver resolves after a swap. The host file's place is ours (only the runtime sees it): the
-helper writes ``<namespace>_<name>/<request>/metadata.json``, which two claims of one name share
-while an old one is still prepared, and which costs two directories per claim; ours is one file
-named by claim UID and request.
-
-The attributes of a device entry are the published device's (:class:`dracpu.core.slices.Device`),
-plus ``dra.cpu/allocatedNumCPUs`` on a grouped device (its consumed capacity: upstream's
-metadata-only attribute). Beyond upstream, a grouped device also carries one entry per allocated
-CPU, as list-typed attributes of the same length (``ints``, ``strings``, ``bools``), position
-``i`` of each being the ``i``-th CPU in ascending order: ``dra.cpu/allocatedCPUIDs``,
-``allocatedCoreIDs``, ``allocatedSocketIDs``, ``allocatedNUMANodeIDs``, ``allocatedCacheL3IDs``,
-``allocatedCoreTypes``, ``allocatedSMTEnabled``, each the value the CPU's individual-mode device
-publishes (:func:`dracpu.core.slices.cpu_attributes`). Attributes are the format's place for
-"additional attributes that are only relevant at runtime" (helper ``DeviceMetadata`` doc), so a
-consumer decoding the document with the helper's types gets them, and the document stays
-within the v1beta1 rules (at most 32 attributes per device, one value each, non-empty lists).
-An individual device is one CPU: its published attributes already are that CPU's topology.
-
-Which CPUs a grouped result got: the claim's CPUs on its device (the allocator picks each
-result's CPUs inside its device). Results sharing a device (two requests on one NUMA node) get
-the result's explicit ``cpuset`` if it has one, else the lowest remaining CPUs of their count,
-in result order; every container of the claim gets all of the claim's CPUs anyway
-(``DRA_CPUSET_<uid>`` is one env per claim).
+The format and the layout are those of the Go kubelet-plugin helper upstream's driver uses
+(``k8s.io/dynamic-resource-allocation`` ``kubeletplugin/metadata.go``, ``api/metadata``;
+dra-driver-cpu ``pkg/driver/driver.go``, ``pkg/driver/dra_hooks.go``): per request of a claim,
+a ``metadata.resource.k8s.io/v1beta1`` document (:func:`document`) and a CDI spec of kind
+``dra.cpu/metadata`` that bind-mounts it where the pod finds it (:func:`claim_files`). The
+names, paths, attributes and which CPUs a grouped result got are ``docs/architecture.md``,
+"Device metadata".
 """
 
 from __future__ import annotations

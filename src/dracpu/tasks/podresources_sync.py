@@ -16,9 +16,12 @@ and bursts of 10 for all its clients together), a malformed answer. The next try
 capped exponential backoff (a SIGHUP ends the wait early, except after ``RESOURCE_EXHAUSTED``),
 each change of failure is logged once (:class:`~dracpu.adapters.backoff.RetryLog`), and
 :class:`PodResourcesStatus` tells ``/metrics`` whether the sync works; the daemon stays ready.
-An answer that shows no DRA claim at all (the kubelet's ``KubeletPodResourcesDynamicResources``
-gate is off, or no pod holds one) releases nothing. Two Lists are at least
-:data:`~dracpu.config.values.MIN_PODRESOURCES_INTERVAL` apart, whatever asks for them.
+What an answer that shows no DRA claim at all means follows the kubelet's version, read from
+its Node at the first such answer and again after a failed List: from 1.34 its
+``KubeletPodResourcesDynamicResources`` gate is on by default and the answer is taken at its
+word; before, only a claim whose recorded pods are all missing from it can be judged.
+Two Lists are at least :data:`~dracpu.config.values.MIN_PODRESOURCES_INTERVAL` apart, whatever
+asks for them.
 
 :func:`run` needs only anyio (its tests run on asyncio and trio); the lister it is given is the
 grpclib client, which needs asyncio.

@@ -1,66 +1,12 @@
 """Publish this node's devices as ResourceSlices and keep them published.
 
-One pool named after the node, slices built by :func:`dracpu.core.slices.build_resource_slices`
-(fixed names ``<node>-dra.cpu-NNN``), each owned by the Node (``ownerReferences`` with the
-Node's UID, so the garbage collector removes them with the Node).
-
-A publish pass (:meth:`_Publisher.reconcile`) lists the slices of our driver on this node
-(field selector ``spec.driver=dra.cpu,spec.nodeName=<node>``; other drivers' slices are never
-looked at) and then, like the Go helper's controller (``k8s.io/dynamic-resource-allocation``
-``resourceslice/resourceslicecontroller.go``, ``syncPool``):
-
-1. deletes our slices that are not wanted: extra ones beyond the current count, and any other
-   name (an older dracpu layout, the upstream driver's generated names), each with ``uid`` and
-   ``resourceVersion`` preconditions;
-2. updates the wanted slices that differ (conditional on their ``resourceVersion``);
-3. creates the missing ones.
-
-Pool generation: the first pass after start uses ``max(existing generations) + 1``, so a restart
-never goes backwards; every later change of the devices (or of the owner, or the fallback below)
-bumps it again, and so does finding a slice of ours with a higher generation than ours. A pass
-that only repairs drift keeps the generation (the content stays the same).
-
-Consumable capacity: grouped devices carry ``requestPolicy`` (whole CPUs, by default the whole
-group). A server
-without ``DRAConsumableCapacity`` (off by default before Kubernetes 1.36) drops
-``requestPolicy`` and ``allowMultipleAllocations`` from what it stores; when a create or update
-answer shows that, the publisher switches to ``consumable_capacity=False`` for the rest of the
-process's life and publishes again. The form the server stored is what later passes compare
-with, so dropped fields never look like drift.
-
-Drift: a watch on our slices (``KubeClient.watch_resource_slices``) wakes a pass when one of them
-is deleted (the kubelet wipes a node's slices when it restarts: ``pkg/kubelet/cm/dra/plugin/``
-``registration.go``, ``wipeResourceSlices``), changed by someone else, or when a slice of ours
-appears that we do not want. Events caused by our own writes are recognised by their
-resourceVersion and ignored. A full pass also runs every ``resync_interval`` seconds, whatever
-the watch says.
-
-Failures: every API error (5xx, 409 conflict, connection loss, even 4xx such as a missing RBAC
-permission an administrator may still fix) is logged and the pass is retried with capped
-exponential backoff; the task never ends because of the API. Only a bug-level error (an invalid
-node name) ends it. While the server is unavailable (no answer, 5xx, 429) the delays are capped
-at :data:`UNAVAILABLE_RETRY_CAP`, and the wait ends at once when any request of this process
-works again (:meth:`KubeClient.on_success`: a Prepare's claim GET, the watch's relist), so the
-slices are back within seconds of the server's return: the scheduler places no new pod on the
-node without them. A republish request (SIGHUP) or a drift event ends any wait too. An error
-the server answered (403, 422, ...) is not cured by its return: those waits grow to 30 s. The
-log says each change once (:class:`~dracpu.adapters.backoff.RetryLog`): the first failure, a
-different one, the recovery; repeats go to DEBUG.
-
-Readiness: ``task_status.started()`` is called after the FIRST pass has been attempted, whether it
-succeeded or not (and at the latest after ``start_timeout`` seconds): Prepare and Unprepare of
-running pods must work even while the API server is briefly unreachable, and the start order
-puts this task last, so waiting for a successful publish would hold the whole daemon back for an
-outage that the retries cover anyway. Whether the slices are published is the ``health`` flag's
-(the daemon names it ``slices``): ready once a pass has stored them, not ready with the reason
-while passes fail (a conflict or a vanished slice excepted: the next pass relists), so
-``/readyz`` never says all is well while the scheduler cannot see the node's CPUs.
-
-What to publish: the devices travel with each request on the ``requests`` stream
-(:class:`Republish`, :func:`republish_channel`, :func:`request_republish`): the state owner sends
-one at start and one per Resync (SIGHUP, a topology change), with its node config's devices.
-Nothing is published before the first. Such a request is published without the debounce: it is
-one event, not the start of a burst. What to write is :func:`dracpu.core.slices.slice_writes`.
+The devices travel with each request on the ``requests`` stream (:class:`Republish`): the state
+owner sends one at start and one per Resync. A pass lists our slices on this node and sends
+what :func:`dracpu.core.slices.slice_writes` says (deletes, updates, creates; the pool
+generation by :func:`~dracpu.core.slices.next_generation`); a watch on our slices wakes a pass
+on drift (a kubelet restart wipes them), and API errors are retried with backoff, sooner while
+the server is away. The rules (generation, the consumable-capacity fallback, drift, failures,
+readiness) are ``docs/architecture.md``, "Publishing the slices".
 """
 
 from __future__ import annotations
