@@ -106,14 +106,15 @@ cluster *ARGS:
 
 # what the local cluster needs from Debian (tests/cluster/README.md)
 cluster-deps:
-    apt-get install -y runc podman busybox-static containernetworking-plugins gcc libc6-dev debootstrap openssl curl
+    apt-get install -y runc podman busybox-static containernetworking-plugins gcc libc6-dev debootstrap openssl curl \
+        conmon libseccomp-dev pkg-config
 
 # build (or reuse) the local cluster's binaries from tests/cluster/modules; prints their directory
 cluster-build:
     tests/cluster/build
 
 # the e2e suite on the local cluster: up, deploy, tests/e2e, artifacts on failure, down; args go
-# to pytest. DRACPU_CLUSTER_RUNTIME picks the runtime (containerd)
+# to pytest. DRACPU_CLUSTER_RUNTIME picks the runtime (containerd, or crio)
 [doc("the e2e suite on the local cluster (up, deploy, tests/e2e, down); args go to pytest")]
 e2e-local *ARGS:
     tests/cluster/e2e {{ARGS}}

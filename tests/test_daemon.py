@@ -280,6 +280,31 @@ async def test_the_stop_timeout_bounds_the_ordered_stop(caplog: pytest.LogCaptur
 
 
 @pytest.mark.anyio
+async def test_a_task_may_lengthen_the_stop_it_is_in(caplog: pytest.LogCaptureFixture) -> None:
+    # The NRI task's hand-over waits for the next dracpu beyond the stop's usual bound.
+    shutdown = Shutdown()
+    shutdown.extend(60)  # outside a stop: nothing
+    events: list[str] = []
+
+    async def handing_over(*, task_status: TaskStatus[None] = TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        try:
+            await anyio.sleep_forever()
+        finally:
+            with anyio.CancelScope(shield=True):
+                shutdown.extend(0.5)
+                await anyio.sleep(0.3)  # longer than the stop's 0.1 s
+                events.append("handed over")
+
+    journal = Journal()
+    tasks = [journal.task("a"), TaskSpec("nri", handing_over)]
+    assert await _serve(tasks, shutdown=shutdown, stop_timeout=0.1) == EXIT_OK
+    assert events == ["handed over"]
+    assert journal.events[-1] == "stop a"  # stopped after it, within the lengthened bound
+    assert not any("had not stopped yet" in m for m in caplog.messages)
+
+
+@pytest.mark.anyio
 async def test_a_second_stop_request_stops_at_once(caplog: pytest.LogCaptureFixture) -> None:
     journal = Journal()
     shutdown = Shutdown()

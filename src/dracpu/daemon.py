@@ -1,30 +1,36 @@
 """The supervisor of ``dracpu run``: one task group, start order, readiness, graceful stop.
 
-:func:`main` sets up logging and runs :func:`serve` on anyio's asyncio backend with the daemon's
+:func:`main` sets up logging, takes the state dir's owner lock (while another dracpu holds it,
+the process waits as a Ready standby for its hand-over: :mod:`dracpu.tasks.handover`) and runs
+:func:`serve` on anyio's asyncio backend with the daemon's
 tasks (:meth:`_Node.tasks`, in start order: signals, state owner, HTTP, debug dump, CDI watcher,
 device health, DRA socket, registration, NRI plugin, pod-resources sync, slice publisher). Each
 task reports ready through ``task_status.started()``; the readiness flags that are no task's
 (``kubelet-registration``, ``dra-socket``, ``cdi-dir``, ``state-dir``, ``slices``,
 ``host-cgroups``) are
 made here and handed to their owners. A stop cancels the tasks in reverse start order (a task
-after those it :attr:`TaskSpec.outlives`), within :data:`STOP_TIMEOUT`; a second signal cancels
-at once. A task that fails ends the daemon with exit code 1, a requested stop with 0. The story
-is ``docs/architecture.md`` ("Tasks and start order").
+after those it :attr:`TaskSpec.outlives`), within :data:`STOP_TIMEOUT` (lengthened by a
+hand-over to a waiting successor); a second signal cancels at once. A task that fails ends the
+daemon with exit code 1, a requested stop with 0. The story is ``docs/architecture.md``
+("Tasks and start order", "Rolling update").
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any, Protocol
 
 import anyio
 from anyio import TASK_STATUS_IGNORED
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from prometheus_client import CollectorRegistry
 
 from dracpu import __version__
 from dracpu.adapters.backoff import RetryLog, backoff_delays
@@ -52,6 +58,7 @@ from dracpu.tasks import (
     state_owner,
 )
 from dracpu.tasks.dra_cpu_metrics import DraCpuMetrics
+from dracpu.tasks.handover import HandOver
 from dracpu.tasks.http import Readiness
 from dracpu.tasks.nri_link import NriLink
 from dracpu.tasks.reload import ConfigSource, Reloader
@@ -85,6 +92,13 @@ EXIT_INTERRUPTED = 130  # Ctrl-C before the signal handlers were installed (128 
 # leaves half a second to close the event loop and exit. The kubelet waits 30 s by default
 # (terminationGracePeriodSeconds) before it kills the container.
 STOP_TIMEOUT = 4.5
+# At a stop with a successor waiting: the longest wait, NRI still connected, for it to restore
+# the state and be configured by the runtime (tasks/handover.py). It lengthens the stop by as
+# much: within the kubelet's default grace of 30 s.
+HANDOVER_TIMEOUT = 20.0
+# How often a standby looks whether a dracpu without the state dir lock still serves the DRA
+# socket (a connection each time, which grpclib accepts and drops).
+LEGACY_POLL = 0.05
 
 # The readiness flag that follows the kubelet's registration verdict (not a task's flag).
 KUBELET_REGISTRATION = "kubelet-registration"
@@ -135,6 +149,7 @@ class Shutdown:
     def __init__(self) -> None:
         self._requested = anyio.Event()
         self._force: Callable[[], None] | None = None
+        self._extend: Callable[[float], None] | None = None
         self.reason = ""
         self.failed = False
 
@@ -154,6 +169,16 @@ class Shutdown:
     def on_force(self, force: Callable[[], None] | None) -> None:
         """What a second request does (the supervisor cancels its stop sequence)."""
         self._force = force
+
+    def on_extend(self, extend: Callable[[float], None] | None) -> None:
+        """How a task lengthens the stop in progress (the supervisor moves its deadline)."""
+        self._extend = extend
+
+    def extend(self, seconds: float) -> None:
+        """Give the stop in progress ``seconds`` more (a hand-over waiting for the next
+        dracpu); nothing outside a stop."""
+        if self._extend is not None:
+            self._extend(seconds)
 
     def fail(self, task: str, error: BaseException | None) -> None:
         """Task ``task`` failed (``None``: it returned while it should run): log it, stop
@@ -307,11 +332,13 @@ def _stop_order(running: Sequence[_Running]) -> list[_Running]:
 async def _stop(running: Sequence[_Running], shutdown: Shutdown, stop_timeout: float) -> None:
     with anyio.move_on_after(stop_timeout) as scope:
         shutdown.on_force(scope.cancel)
+        shutdown.on_extend(lambda seconds: setattr(scope, "deadline", scope.deadline + seconds))
         for task in _stop_order(running):
             task.scope.cancel()
             await task.done.wait()
             logger.debug("task %s stopped", task.spec.name)
     shutdown.on_force(None)
+    shutdown.on_extend(None)
     left = [task.spec.name for task in running if not task.done.is_set()]
     if left:
         logger.warning("cancelling tasks that had not stopped yet: %s", ", ".join(left))
@@ -363,9 +390,11 @@ class _Node:
         receive: MemoryObjectReceiveStream[Request[Command]],
         readiness: Readiness,
         shutdown: Shutdown,
+        handover: HandOver,
         source: ConfigSource | None = None,
     ) -> None:
         self.config = config
+        self.handover = handover
         self.source = source
         self.kube = kube
         self.send = send
@@ -508,8 +537,30 @@ class _Node:
             lambda: self.owner.state,
             link=self.link,
             claims=self.kube,
+            on_configured=self.handover.configured,
+            hand_over=self.hand_over,
             task_status=task_status,
         )
+
+    async def hand_over(self) -> bool:
+        """At a stop, NRI still connected: give the state dir to the dracpu waiting for it, if
+        one is (:mod:`dracpu.tasks.handover`), and wait until it pins the containers."""
+        if not self.handover.successor_waiting():
+            return False
+        self.shutdown.extend(HANDOVER_TIMEOUT)
+        await self.owner.stop_writing()
+        self.handover.release()
+        logger.info(
+            "handing the state dir over; NRI stays connected until the next dracpu is configured"
+        )
+        if await self.handover.wait_successor(HANDOVER_TIMEOUT):
+            logger.info("the next dracpu is configured by the runtime: disconnecting from NRI")
+            return True
+        logger.warning(
+            "the next dracpu was not configured by the runtime within %g s: disconnecting",
+            HANDOVER_TIMEOUT,
+        )
+        return False
 
     async def run_podresources_sync(
         self, *, task_status: TaskStatus[None] = TASK_STATUS_IGNORED
@@ -568,9 +619,13 @@ class _Node:
             TaskSpec("device-health", self.run_device_health),
             TaskSpec("kubelet-plugin", self.run_kubelet_plugin),
             TaskSpec("registration", self.run_registration),
-            # Stopped after the sockets that answer Unprepare: their widenings reach the runtime.
+            # Stopped after the sockets that answer Unprepare (their widenings reach the
+            # runtime) and after the CDI watcher: at a hand-over the state dir then has no
+            # writer left but the owner, which stops writing before it is handed over.
             TaskSpec(
-                "nri-plugin", self.run_nri_plugin, outlives=("kubelet-plugin", "registration")
+                "nri-plugin",
+                self.run_nri_plugin,
+                outlives=("kubelet-plugin", "registration", "cdi-watcher"),
             ),
             TaskSpec("podresources-sync", self.run_podresources_sync),
             TaskSpec("slice-publisher", self.run_slice_publisher),
@@ -583,15 +638,77 @@ async def _serve_node(config: Config, source: ConfigSource | None) -> int:
     send: MemoryObjectSendStream[Request[Command]]
     receive: MemoryObjectReceiveStream[Request[Command]]
     send, receive = state_owner.create_request_stream()
-    with send, receive:  # the owner closes `receive` itself; this covers a failed start
-        async with open_kube_client(config.kubeconfig) as kube:
-            node = _Node(config, kube, send, receive, readiness, shutdown, source)
-            try:
-                return await serve(
-                    node.tasks(), readiness=readiness, shutdown=shutdown, on_running=_settle_heap
-                )
-            finally:
-                node.close()
+    handover = HandOver(config.state_dir)
+    try:
+        await _own_state_dir(config, handover)
+        with send, receive:  # the owner closes `receive` itself; this covers a failed start
+            async with open_kube_client(config.kubeconfig) as kube:
+                node = _Node(config, kube, send, receive, readiness, shutdown, handover, source)
+                try:
+                    return await serve(
+                        node.tasks(),
+                        readiness=readiness,
+                        shutdown=shutdown,
+                        on_running=_settle_heap,
+                    )
+                finally:
+                    node.close()
+    finally:
+        handover.close()
+
+
+async def _own_state_dir(config: Config, handover: HandOver) -> None:
+    """Own the state dir before anything reads it. While another dracpu owns it (a rolling
+    update's new pod beside the old one), wait as its successor: Ready, serving ``/healthz``
+    and ``/readyz`` (a ``standby`` flag), touching nothing else, until it hands over or exits.
+    A SIGTERM meanwhile ends the process at once (no handler is installed yet)."""
+    with contextlib.suppress(OSError):  # a dir that cannot be made is the state owner's to report
+        config.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    wait: Callable[[], Awaitable[None]]
+    if handover.try_own():
+        if not await _serves(config.dra_socket):
+            return
+        # A build without the lock serves the node (the first update to this one): wait until
+        # it stops, as its successor would (without its hand-over).
+        holder = f"a dracpu without the state dir lock, serving {config.dra_socket}"
+        wait = partial(_until_quiet, config.dra_socket)
+    else:
+        await handover.become_successor()
+        holder, wait = handover.holder(), handover.wait_own
+    logger.info(
+        "the state dir %s is owned by %s: waiting for its hand-over as a standby",
+        config.state_dir,
+        holder,
+    )
+    standby = Readiness()
+    standby.flag("standby").set_ready()
+    standby.set_started()
+    async with anyio.create_task_group() as tg:
+        try:
+            await tg.start(http.run, config.bind_address, standby, CollectorRegistry())
+        except DracpuError as exc:
+            # The probes reach whoever holds the port (on the host's network: the running
+            # dracpu, if it predates SO_REUSEPORT); the wait does not depend on them.
+            logger.warning("standby without /healthz and /readyz: %s", exc)
+        await wait()
+        tg.cancel_scope.cancel()
+
+
+async def _serves(socket: Path) -> bool:
+    """Does a process accept connections on ``socket`` (a stale file refuses them)?"""
+    try:
+        stream = await anyio.connect_unix(socket)
+    except OSError:
+        return False
+    await stream.aclose()
+    return True
+
+
+async def _until_quiet(socket: Path) -> None:
+    while True:
+        if not await _serves(socket):
+            return
+        await anyio.sleep(LEGACY_POLL)
 
 
 def _settle_heap() -> None:

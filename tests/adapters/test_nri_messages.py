@@ -43,9 +43,10 @@ OTHER = "66666666-7777-4888-9999-000000000000"
 # --- golden vectors -------------------------------------------------------------------------------
 
 
-def test_subscribed_mask_is_create_update_stop_remove_0x688() -> None:
-    assert messages.SUBSCRIBED_EVENT_MASK == 0x688
+def test_subscribed_mask_is_create_post_start_update_stop_remove_0x6c8() -> None:
+    assert messages.SUBSCRIBED_EVENT_MASK == 0x6C8
     assert messages.event_mask([api.CREATE_CONTAINER]) == 0x8
+    assert messages.event_mask([api.POST_START_CONTAINER]) == 0x40
     assert messages.event_mask([api.REMOVE_CONTAINER]) == 0x400
     assert messages.SUBSCRIBED_EVENT_MASK & ~0x7FF == 0  # valid on runtimes before NRI v0.10
 
@@ -58,7 +59,8 @@ def test_event_mask_refuses_non_events() -> None:
 
 
 def test_configure_response_golden() -> None:
-    assert messages.configure_response() == bytes.fromhex("10880d")
+    # field 2 (events), varint 0x6c8: what Go's proto.Marshal writes for ConfigureResponse
+    assert messages.configure_response() == bytes.fromhex("10c80d")
     assert messages.configure_response(0) == b""
     with pytest.raises(LocalProtocolError):
         messages.configure_response(1 << 31)

@@ -1,7 +1,7 @@
 """Device health (KEP-4680) from the online CPUs: every device mode, ``since``, the message.
 
 The devices are the real published devices of the simulator's fixture machines
-(:func:`dracpu.core.slices.published_devices`); which device holds which CPU is read from the
+(:func:`dracpu.core.devices.published_devices`); which device holds which CPU is read from the
 devices themselves, and the expected CPUs of each group from the fixture's description.
 """
 

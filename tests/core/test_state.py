@@ -19,6 +19,7 @@ from dracpu.core.commands import (
     ClaimEnv,
     Command,
     Container,
+    ContainerStarted,
     CreateContainer,
     DeviceResult,
     InvalidateContainers,
@@ -526,7 +527,7 @@ def test_exclusive_container_gets_its_claim_and_shrinks_the_shared_ones() -> Non
 def test_moved_shared_containers_get_immutable_records_and_updates() -> None:
     """The records and updates of a pool move (named tuples, for speed) hold every field and
     cannot be changed."""
-    assert ContainerRecord._fields == ("container", "claims", "cpus", "mems", "seq")
+    assert ContainerRecord._fields == ("container", "claims", "cpus", "mems", "seq", "adjusted")
     assert ContainerUpdate._fields == ("container_id", "cpus", "mems", "seq")
     state = NodeState.initial(INDIVIDUAL)
     for n in (1, 2, 3):
@@ -542,8 +543,9 @@ def test_moved_shared_containers_get_immutable_records_and_updates() -> None:
         assert type(update) is ContainerUpdate
         assert (update, hash(update), repr(update)) == (built, hash(built), repr(built))
         record = new.containers[update.container_id]
-        old = state.containers[update.container_id].container
-        expected = ContainerRecord(old, (), pool, None, new.pin_seq)
+        old = state.containers[update.container_id]
+        expected = ContainerRecord(old.container, (), pool, None, new.pin_seq, old.adjusted)
+        assert old.adjusted == int(update.container_id[-1])  # created by decision n
         assert type(record) is ContainerRecord
         assert (record, hash(record), repr(record)) == (expected, hash(expected), repr(expected))
         with pytest.raises(AttributeError):
@@ -1021,6 +1023,66 @@ def test_a_failed_pin_decided_anew_meanwhile_is_not_invalidated() -> None:
     gone, _, _ = ok(state, InvalidateContainers((("shared-1", 2),)))
     assert gone.containers["shared-1"].cpus == CpuSet()
     assert gone.containers["shared-1"].seq == 2
+
+
+# --- a pin lost while a container starts ---------------------------------------------------------
+
+
+def test_a_pin_decided_after_a_containers_creation_is_sent_again_at_its_start() -> None:
+    state = NodeState.initial(INDIVIDUAL)
+    state, _, _ = ok(state, Synchronize((), unsolicited_updates=True))  # decision 1
+    state, _, _ = ok(state, CreateContainer(shared_container(1)))  # decision 2, on the pool
+    state, _, _ = ok(state, individual(INDIVIDUAL, 1, [4]))
+    state, _, _ = ok(state, CreateContainer(claim_container(state, 1, 1)))  # 3 narrows shared-1
+    record = state.containers["shared-1"]
+    assert (record.adjusted, record.seq) == (2, 3)
+    assert 4 not in record.cpus
+    new, value, effects = ok(state, ContainerStarted("shared-1"))
+    assert value is None
+    assert new is state  # one writer, nothing to write: the pin is the record's
+    assert effects[1:] == [UpdateContainers((record.pin(),))]
+    # The claim's container runs on what it was created with; an unknown id is no error.
+    for cid in ("excl-1", "gone"):
+        same, _, effects = ok(state, ContainerStarted(cid))
+        assert same is state
+        assert effects == [Reply(None)]
+
+
+def test_without_unsolicited_updates_a_pin_lost_at_the_start_goes_in_the_next_reply() -> None:
+    state = NodeState.initial(INDIVIDUAL)
+    state, _, _ = ok(state, CreateContainer(shared_container(1)))  # decision 1
+    state, _, _ = ok(state, individual(INDIVIDUAL, 1, [4]))
+    state, _, _ = ok(state, CreateContainer(claim_container(state, 1, 1)))  # decision 2
+    pool = state.containers["shared-1"].cpus
+    new, _, effects = ok(state, ContainerStarted("shared-1"))
+    assert effects == [Reply(None)]
+    assert new.containers["shared-1"].cpus == CpuSet()  # unknown: the next reply sends it
+    _, value, _ = ok(new, StopContainer("nothing"))
+    assert value == ContainerForgotten("nothing", (ContainerUpdate("shared-1", pool, None, 3),))
+
+
+def test_a_container_listed_by_synchronize_is_sent_its_pin_again_at_its_start() -> None:
+    """Synchronize lists created containers too, and does not know what they were created
+    with: its reply can reach one while it starts."""
+    state = NodeState.initial(INDIVIDUAL)
+    state, _, _ = ok(state, Synchronize((shared_container(1),), unsolicited_updates=True))
+    record = state.containers["shared-1"]
+    assert (record.adjusted, record.seq) == (0, 1)
+    _, _, effects = ok(state, ContainerStarted("shared-1"))
+    assert effects[1:] == [UpdateContainers((record.pin(),))]
+
+
+def test_update_container_keeps_the_decision_the_container_was_created_with() -> None:
+    state = NodeState.initial(INDIVIDUAL)
+    state, _, _ = ok(state, Synchronize((), unsolicited_updates=True))
+    state, _, _ = ok(state, CreateContainer(shared_container(1)))  # decision 2
+    state, _, _ = ok(state, UpdateContainer(shared_container(1)))  # decision 3
+    record = state.containers["shared-1"]
+    assert (record.adjusted, record.seq) == (2, 3)
+    _, _, effects = ok(state, ContainerStarted("shared-1"))
+    assert effects[1:] == [UpdateContainers((record.pin(),))]
+    state, _, _ = ok(state, CreateContainer(shared_container(2)))  # decision 4, created
+    assert state.containers["shared-2"].adjusted == 4
 
 
 # --- adoption, resync, restore -------------------------------------------------------------------

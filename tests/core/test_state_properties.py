@@ -23,6 +23,7 @@ from dracpu.core.commands import (
     ClaimEnv,
     Command,
     Container,
+    ContainerStarted,
     CreateContainer,
     DeviceResult,
     InvalidateContainers,
@@ -157,6 +158,7 @@ def draw_command(data: st.DataObject, state: NodeState) -> Command:
                 "update",
                 "stop",
                 "remove",
+                "started",
                 "sync",
                 "listed",
                 "pods",
@@ -182,6 +184,8 @@ def draw_command(data: st.DataObject, state: NodeState) -> Command:
             return StopContainer(data.draw(container_ids, label="id"))
         case "remove":
             return RemoveContainer(data.draw(container_ids, label="id"))
+        case "started":
+            return ContainerStarted(data.draw(container_ids, label="id"))
         case "sync":
             count = data.draw(st.integers(0, 4), label="synced")
             containers = tuple(draw_container(data, state) for _ in range(count))
@@ -289,6 +293,13 @@ def check_step(state: NodeState, command: Command, new: NodeState, value: object
             assert {u.seq for u in (value.pin, *value.updates)} == {new.pin_seq}
             for update in value.updates:
                 assert new.containers[update.container_id].pin() == update
+            # It notes the decision it was created with (a start compares with it).
+            assert new.containers[container.id].adjusted == new.pin_seq
+        case ContainerStarted(container_id=started):
+            # No new decision: at most the started container's pin is unknown (sent again).
+            assert new.pin_seq == state.pin_seq
+            others = {cid: r for cid, r in new.containers.items() if cid != started}
+            assert others == {cid: r for cid, r in state.containers.items() if cid != started}
         case _:
             pass
     assert new.pin_seq >= state.pin_seq  # decisions are numbered in order

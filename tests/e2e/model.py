@@ -469,7 +469,7 @@ class ModelKubectl(Kubectl):
         if namespace == "dracpu":
             mode = "on" if self.unsolicited else "off (shared containers widen at the next event)"
             return (
-                "NRI: configured by containerd v2.3.1 (NRI v0.12.0) as 00-dra.cpu; events 0x688; "
+                "NRI: configured by containerd v2.3.1 (NRI v0.12.0) as 00-dra.cpu; events 0x6c8; "
                 f"unsolicited updates {mode}\n"
             )
         return self.pods[(namespace, name)].logs

@@ -12,14 +12,16 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import anyio
 import pytest
 
-from dracpu.sim.fake_kubelet import ClaimRef, HealthList, HealthWatch
+from dracpu.sim.fake_kubelet import ClaimRef
 from dracpu.sim.fake_runtime import open_fake_runtime
 from dracpu.sim.faults import api_outage
-from dracpu.sim.node import NodeSim, open_node_sim, wait_until
+from dracpu.sim.node import NodeSim, SimClaim, open_node_sim, wait_until
+from dracpu.tasks import cdi_watcher
 from tests.integration.conftest import checkpoint_claims, cpus, node_cpus
 from tests.mounts import full_tmpfs, read_only_bind
 
@@ -137,46 +139,71 @@ async def test_a_read_only_cdi_dir_at_start_is_waited_out() -> None:
 
 
 async def test_a_claim_whose_spec_cannot_be_written_again_is_unhealthy_until_it_is() -> None:
-    # The claim is prepared, then its CDI dir turns read-only and its spec is deleted (through
-    # a descriptor of the dir opened before the read-only mount: the mount shows the same
-    # files). The owner cannot put the spec back: the claim's device says why on the health
-    # stream, until the dir takes writes again and the spec is back.
+    # The claim is prepared, then its CDI dir turns read-only and its spec is deleted: the owner
+    # cannot put the spec back.
     async with open_node_sim() as sim:
-        await sim.wait_published()
-        claim = sim.allocate("claim", 2)
-        assert (await sim.prepare(claim))[claim.uid].error == ""
-        (device,) = set(claim.devices)
-        cdi = sim.paths.cdi_dir
-        spec = sim.paths.cdi_spec(claim.uid)
-        underneath = os.open(cdi, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            with sim.kubelet.watch_health() as watch, read_only_bind(cdi) as mount:
-                assert (await _health(watch, lambda h: device in h.health())).unhealthy() == {}
-                os.unlink(spec.name, dir_fd=underneath)
-                reason = (
-                    f"claim {claim.uid}: cannot write CDI spec {str(spec)!r}: Read-only file "
-                    "system; containers using the claim cannot start until it is written"
-                )
-                health = await _health(watch, lambda h: bool(h.unhealthy()))
-                assert health.unhealthy() == {device: reason}
-                assert not spec.exists()
-                mount.set_read_only(False)
-                await _health(watch, lambda h: h.health()[device] == "HEALTHY")
-                assert spec.exists()
-        finally:
-            os.close(underneath)
-        assert await sim.stop_daemon() == 0
+        await _unwritable_file(
+            sim,
+            lambda claim: sim.paths.cdi_spec(claim.uid),
+            "CDI spec",
+            "containers using the claim cannot start until it is written",
+            recovery=HELD,  # the owner's cdi-dir test finds the dir writable within 2 s
+        )
 
 
-async def _health(watch: HealthWatch, done: Callable[[HealthList], bool]) -> HealthList:
-    """The first health list for which ``done`` holds (within ``HELD`` seconds)."""
-    deadline = time.monotonic() + HELD
-    while time.monotonic() < deadline:
-        health = await watch.anext(HELD)
-        assert health is not None, "the daemon ended the health stream"
-        if done(health):
-            return health
-    raise AssertionError(f"no such health list within {HELD} s")
+async def test_a_claim_whose_device_metadata_cannot_be_written_again_is_unhealthy_until_it_is() -> (
+    None
+):
+    # The same with the claim's device metadata file (KEP-5304), in the kubelet's plugin dir.
+    async with open_node_sim() as sim:
+        metadata_dir = sim.paths.kubelet_root / "plugins" / "dra.cpu" / "dra-device-metadata"
+        await _unwritable_file(
+            sim,
+            lambda claim: metadata_dir / f"{claim.uid}_cpus.json",
+            "device metadata",
+            "containers using the claim do not find their device metadata until it is written",
+            # A mount turning writable makes no inotify event: the CDI watcher's next full pass
+            # (every DEFAULT_RESYNC_INTERVAL) finds the file still missing and asks again.
+            recovery=HELD + cdi_watcher.DEFAULT_RESYNC_INTERVAL,
+        )
+
+
+async def _unwritable_file(
+    sim: NodeSim,
+    file_of: Callable[[SimClaim], Path],
+    what: str,
+    consequence: str,
+    *,
+    recovery: float,
+) -> None:
+    """A prepared claim's file deleted while its dir is read-only (through a descriptor of the
+    dir opened before the read-only mount: the mount shows the same files): the claim's device
+    says why on the health stream, until the dir takes writes again and the file is back
+    (within ``recovery`` seconds)."""
+    await sim.wait_published()
+    claim = sim.allocate("claim", 2)
+    assert (await sim.prepare(claim))[claim.uid].error == ""
+    (device,) = set(claim.devices)
+    path = file_of(claim)
+    assert path.exists()
+    underneath = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with sim.kubelet.watch_health() as watch, read_only_bind(path.parent) as mount:
+            assert (await watch.until(lambda h: device in h.health(), HELD)).unhealthy() == {}
+            os.unlink(path.name, dir_fd=underneath)
+            reason = (
+                f"claim {claim.uid}: cannot write {what} {str(path)!r}: Read-only file "
+                f"system; {consequence}"
+            )
+            health = await watch.until(lambda h: bool(h.unhealthy()), HELD)
+            assert health.unhealthy() == {device: reason}
+            assert not path.exists()
+            mount.set_read_only(False)
+            await watch.until(lambda h: h.health()[device] == "HEALTHY", recovery)
+            assert path.exists()
+    finally:
+        os.close(underneath)
+    assert await sim.stop_daemon() == 0
 
 
 async def test_a_full_state_dir_at_start_is_waited_out() -> None:

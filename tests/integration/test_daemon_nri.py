@@ -335,3 +335,49 @@ async def test_sigterm_right_after_an_unprepare_still_widens_the_shared_containe
         assert "NRI: every update and answer in flight reached the runtime; disconnecting" in (
             sim.daemon.messages()
         )
+
+
+@pytest.mark.parametrize("version", ["2.4.0", "2.2.0"])
+async def test_a_shared_container_starting_while_a_claim_narrows_the_pool_leaves_its_cpus(
+    version: str,
+) -> None:
+    """docs/architecture.md, "What the real components found", item 5: containerd loses the
+    update of a container whose task exists but that is not RUNNING yet (the fake runtime does
+    too). The claim's container's reply narrows the starting shared container in vain; after its
+    start dracpu sends the pin again: at once where the runtime takes unsolicited updates
+    (containerd 2.4), else in the next reply (containerd 2.2, NRI v0.10)."""
+    async with open_node_sim(runtime_version=version) as sim:
+        everything = node_cpus(sim)
+        await sim.wait_published()
+        pod = sim.runtime.add_pod("starting")
+        await sim.runtime.run_pod_sandbox(pod)
+        starting = sim.runtime.new_container(pod, "app")
+        await sim.runtime.create_container(pod, starting)
+        assert cpus(sim.cpus_of(starting.id)) == everything
+        sim.runtime.create_task(starting.id)  # StartContainer has begun: runc made the cgroup
+
+        claim = sim.allocate("exclusive", 4)
+        assert (await sim.prepare(claim))[claim.uid].error == ""
+        held = cpus(sim.cdi_cpus(claim.uid) or "")
+        _, container = await sim.run_container("app", claims=[claim])
+        assert cpus(container.cpus) == held
+        assert [n.detail for n in sim.runtime.notes("update-lost")] == [
+            f"{starting.id}: starting, not running yet"
+        ]
+        assert cpus(sim.cpus_of(starting.id)) == everything  # on the claim's CPUs
+
+        await sim.runtime.start_container(starting.id)
+        if version == "2.4.0":
+            await wait_until(
+                "the started container to leave the claim's CPUs",
+                lambda: cpus(sim.cpus_of(starting.id)) == everything - held,
+                failed=sim.daemon.exited,
+            )
+            assert _unsolicited(sim) == 1
+        else:
+            assert cpus(sim.cpus_of(starting.id)) == everything  # nothing unsolicited
+            await sim.run_container("next")
+            assert cpus(sim.cpus_of(starting.id)) == everything - held
+            assert _unsolicited(sim) == 0
+        assert _shared(sim) == dict.fromkeys(sim.shared_ids(), everything - held)
+        assert sim.daemon.messages("error") == []

@@ -225,12 +225,12 @@ def add_shared(runtime: FakeRuntime, count: int, cpus: str = "0-63") -> list[str
 # --- registration, configuration, synchronization -------------------------------------------------
 
 
-async def test_registers_and_subscribes_with_mask_0x688() -> None:
+async def test_registers_and_subscribes_with_mask_0x6c8() -> None:
     async with open_node() as node:
         info = node.runtime.plugin
         assert info is not None
         assert (info.index, info.name) == ("00", "dra.cpu")
-        assert info.requested_events == 0x688 == info.events
+        assert info.requested_events == 0x6C8 == info.events
         # The NRI release our proto follows, as containerd/nri's stub sends its module version:
         # the runtime logs it instead of "NRI version unknown".
         assert info.nri_version == "v0.12.2"
@@ -244,7 +244,7 @@ async def test_registers_and_subscribes_with_mask_0x688() -> None:
         configure = node.runtime.calls("Configure")[0]
         assert configure.outcome == "ok"
         assert configure.response is not None
-        assert configure.response.SerializeToString(deterministic=True) == bytes.fromhex("10880d")
+        assert configure.response.SerializeToString(deterministic=True) == bytes.fromhex("10c80d")
         status = node.link.status()
         assert status.connected
         assert status.synchronized
@@ -525,6 +525,77 @@ async def _settled(node: Node) -> None:
     )
     await anyio.sleep(0.2)  # a late UpdateContainers must not undo it
     node.assert_shared_at(node.pool)
+
+
+# --- a pin lost while a container starts ----------------------------------------------------------
+
+
+async def _narrowed_while_starting(node: Node) -> tuple[str, str]:
+    """A shared container created on the whole pool, its task created (containerd's
+    StartContainer, before RUNNING), then a claim prepared and its container created: the
+    reply's narrowing of the starting container is lost. Its id and the narrow pool."""
+    pod = node.runtime.add_pod("shared")
+    starting = node.runtime.new_container(pod, "starting")
+    await node.runtime.create_container(pod, starting)
+    assert node.table()[starting.id][0] == ALLOCATABLE
+    node.runtime.create_task(starting.id)
+    await node.prepare(UID_A)
+    claimed = node.runtime.add_pod("guaranteed")
+    await node.runtime.create_container(claimed, node.exclusive(claimed, "app", UID_A))
+    assert [n.detail for n in node.runtime.notes("update-lost")] == [
+        f"{starting.id}: starting, not running yet"
+    ]
+    assert node.table()[starting.id][0] == ALLOCATABLE  # on the claim's CPUs
+    return starting.id, node.pool
+
+
+async def test_a_pin_lost_while_starting_is_sent_again_after_the_start() -> None:
+    async with open_node(nri_version="v0.12.1") as node:
+        cid, narrow = await _narrowed_while_starting(node)
+        await node.runtime.start_container(cid)
+        [started] = node.runtime.calls("PostStartContainer")
+        assert started.outcome == "ok"  # the dedicated v0.12 RPC, no StateChange fallback
+        await until(
+            lambda: bool(node.runtime.calls("UpdateContainers", caller="plugin")),
+            "the unsolicited UpdateContainers",
+        )
+        [call] = node.runtime.calls("UpdateContainers", caller="plugin")
+        assert isinstance(call.request, pb.UpdateContainersRequest)
+        assert [(u.container_id, u.linux.resources.cpu.cpus) for u in call.request.update] == [
+            (cid, narrow)
+        ]
+        assert node.table()[cid][0] == narrow
+
+
+async def test_a_pin_lost_while_starting_goes_in_the_next_reply_on_an_older_runtime() -> None:
+    async with open_node(runtime_version="2.1.4") as node:  # NRI v0.9: StateChange, no unsolicited
+        cid, narrow = await _narrowed_while_starting(node)
+        await node.runtime.start_container(cid)
+        assert not node.runtime.calls("PostStartContainer")
+        [change] = node.runtime.calls("StateChange")
+        assert isinstance(change.request, pb.StateChangeEvent)
+        assert change.request.event == pb.POST_START_CONTAINER
+        assert node.table()[cid][0] == ALLOCATABLE  # nothing sent behind the runtime's back
+        pod = node.runtime.add_pod("next")
+        reply = await node.runtime.create_container(pod, node.runtime.new_container(pod, "x"))
+        assert [(u.container_id, u.linux.resources.cpu.cpus) for u in reply.update] == [
+            (cid, narrow)
+        ]
+        assert node.table()[cid][0] == narrow
+
+
+async def test_a_start_after_no_newer_pin_sends_nothing() -> None:
+    async with open_node(setup=lambda rt: add_shared(rt, 2), nri_version="v0.12.1") as node:
+        pod = node.runtime.add_pod("shared")
+        ctr = node.runtime.new_container(pod, "app")
+        await node.runtime.create_container(pod, ctr)
+        before = node.state
+        await node.runtime.start_container(ctr.id)
+        assert [c.outcome for c in node.runtime.calls("PostStartContainer")] == ["ok"]
+        await node.link.settled()
+        assert node.state is before  # no new decision, no record changed
+        assert not node.runtime.calls("UpdateContainers", caller="plugin")
+        assert node.table()[ctr.id][0] == ALLOCATABLE
 
 
 # --- the ordering property, over random interleavings -------------------------------------------
@@ -811,11 +882,14 @@ async def test_exact_answers_to_a_bare_runtime() -> None:
         registration = await runtime.register()
         assert (registration.plugin_name, registration.plugin_idx) == ("dra.cpu", "00")
         assert registration.NRI_version == "v0.12.2"  # the NRI release of our proto
-        assert await runtime.answer(pending) == (0, "", bytes.fromhex("10880d"))
-        assert runtime.raw == bytes.fromhex("1203 10880d")  # Response{payload}, no status
+        assert await runtime.answer(pending) == (0, "", bytes.fromhex("10c80d"))
+        assert runtime.raw == bytes.fromhex("1203 10c80d")  # Response{payload}, no status
         sync = pb.SynchronizeRequest().SerializeToString()
         assert await runtime.call("Synchronize", sync) == (0, "", b"")
         assert runtime.raw == b""  # success with an empty message: a 0-byte Response
+        started = pb.PostStartContainerRequest(container=pb.Container(id="unknown"))
+        assert await runtime.call("PostStartContainer", started.SerializeToString()) == (0, "", b"")
+        assert runtime.raw == b""  # PostStartContainerResponse is empty; an unknown id is no error
         for method in ("RunPodSandbox", "PostCreateContainer", "ValidateContainerAdjustment"):
             assert await runtime.call(method) == (Code.UNIMPLEMENTED, f"method {method}", b"")
         unknown = await runtime.call("X", service="foo.Bar")

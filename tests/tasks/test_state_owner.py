@@ -45,6 +45,7 @@ from dracpu.core.effects import (
     ClaimPrepared,
     ClaimUnprepared,
     ConfineHostCgroups,
+    ContainerPinned,
     ContainerUpdate,
     DeleteCdiSpec,
     DeleteDeviceMetadata,
@@ -899,3 +900,26 @@ async def test_prune_removes_only_our_specs_that_are_not_kept(scratch: Path) -> 
     assert (scratch / FOREIGN).read_text() == "{}"
     with pytest.raises(DracpuError, match="PublishSlices is not a file effect"):
         files.run(PublishSlices(()))
+
+
+# --- the hand-over of a rolling update ------------------------------------------------------------
+
+
+async def test_after_stop_writing_no_file_is_written_and_container_events_are_still_served(
+    trees: SysfsTrees, scratch: Path
+) -> None:
+    async with running(trees, scratch) as node:
+        prepared = await node.ask(_grouped(UID_A, 2))
+        assert isinstance(prepared, ClaimPrepared)
+        await node.owner.stop_writing()
+        slots = {p: p.read_bytes() for p in scratch.joinpath("state").iterdir()}
+        node.files.ran.clear()
+        with pytest.raises(DracpuError, match="the state dir was handed over to the next dracpu"):
+            await node.ask(_grouped(UID_B, 2, device="cpudevnuma001"))
+        assert UID_B not in node.owner.state.claims
+        assert _specs(node.config) == {UID_A: prepared.cpus}
+        # A container event writes no file: it is answered from the state as before.
+        pinned = await node.ask(CreateContainer(Container("c1", "pod-1", name="main")))
+        assert isinstance(pinned, ContainerPinned)
+        assert not pinned.pin.cpus & prepared.cpus
+        assert {p: p.read_bytes() for p in scratch.joinpath("state").iterdir()} == slots

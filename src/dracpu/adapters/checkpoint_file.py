@@ -1,61 +1,16 @@
-"""The checkpoint on disk: two slot files overwritten in place in turn, and a restore that never
-loses a bad file (docs/architecture.md, "Crash safety", and why it is not a rename).
+"""The checkpoint on disk: two slot files overwritten in place in turn
+(``<state-dir>/checkpoint.json`` and ``checkpoint.1.json``, :func:`slot_paths`), and a restore
+that never loses a bad file.
 
-Slots: slot 0 is the configured checkpoint path (``<state-dir>/checkpoint.json``: the single
-file of earlier dracpu builds simply is slot 0), slot 1 is ``checkpoint.1.json`` next to it
-(:func:`slot_paths`; still a ``.json`` document, and not ``checkpoint.json.1``, which reads like
-a rotated backup that is safe to delete). Each slot holds one complete, self-validating
-checkpoint document (:mod:`dracpu.core.checkpoint_schema`: SHA-256 checksum over everything,
-including the write's ``sequence``). Both are mode 0600; a missing directory is created 0700.
-
-Write (:meth:`CheckpointStore.write`): the document gets the next sequence number and goes IN
-PLACE into the slot that does NOT hold the newest valid checkpoint: ``pwrite`` at offset 0, then
-``fdatasync``. No new inode, no rename, no directory change, so a write costs a fraction of the
-temp-file-and-rename it replaces (``checkpoint.encode+write.small`` in ``bench/bench_state.py``;
-figures in ``docs/performance.md``). At every instant the newest acknowledged
-checkpoint is whole in one slot, and a write torn by a power loss (any mix of old and new
-sectors) can only damage the other slot, whose new content was never acknowledged. Sizes:
-
-- shorter document than the slot held: padded with ASCII spaces after its final newline up to
-  the old content's end, so the file stays ONE JSON document (trailing whitespace is valid JSON)
-  and its size does not change (the fast ``fdatasync`` path). The store remembers how far each
-  slot's content reaches (bytes beyond are spaces already); when it does not know (after a
-  failed write), the file size counts. The hot path never truncates.
-- longer: the file grows (``fdatasync`` makes the new size durable too), rounded up to
-  :data:`GROWTH_STEP` with spaces so that a checkpoint growing claim by claim grows the file
-  only every few kilobytes;
-- no file yet: created (``O_CREAT|O_EXCL``, 0600), written, ``fsync``, then the directory is
-  fsynced so the new entry is durable (only on creation).
-
-A failed write raises :class:`CheckpointError` naming the file and the cause in words, and
-changes nothing in what the store takes for the newest slot: the next write goes to the same
-slot again, with the same sequence number. What it leaves in that slot never decodes: a
-document cut short never does (the checksum covers all of it), and a slot the write created is
-removed again (a full disk: an empty slot would be moved aside as damaged at the next start); a
-document that got in whole (the ``fdatasync`` failed: the complete new document is in the page
-cache) has its first byte overwritten, best effort, so that a restart never takes the
-unacknowledged document for the newest. A full disk stops a write only when its slot must be
-created or grow: the blocks of an existing slot are its own. The state owner's rollback then
-writes the old content again; with ``skip_unchanged``
-a write of the content the newest slot already holds is skipped unless a failed write may have
-left a newer document (that best effort failed), so undoing a write that left nothing is no
-write, and no error on a disk that is still full or read-only.
-
-Restore (:meth:`CheckpointStore.restore`): both slots are read first; one that exists but
-cannot be read (permissions, I/O error, a directory in the way) raises :class:`CheckpointError`
-(starting empty over a checkpoint we merely failed to read would lose claims). The valid slot
-with the highest sequence wins (a tie cannot happen; if it does, slot 0 wins, with a warning),
-except that a version-1 slot 0 beats a slot 1 of sequence >= 2 (an earlier build wrote it after
-a downgrade: see :data:`_DOWNGRADE_SEQUENCE`).
-A slot that does not decode is moved aside to ``<name>.corrupt-<n>`` (the lowest free ``n``:
-never overwritten, never deleted): a WARNING when the other slot is valid (a power loss during a
-write leaves this), an ERROR when no slot is (the state starts with no claims). No slot at all:
-empty state, and the first write goes to slot 0. Temp files of the earlier rename-based writer
-(``.checkpoint.json.<random>.tmp``) are removed, and the directory is fsynced once (the entry of
-a slot whose creation was cut short becomes durable before it is relied on).
-
-A store is used from one thread at a time (the state owner's file thread); nothing here is
-async. :func:`read_newest` reads the newest valid checkpoint without changing any file.
+:meth:`CheckpointStore.write` puts the next document (:mod:`dracpu.core.checkpoint_schema`,
+with its ``sequence``) into the slot that does not hold the newest valid checkpoint, with
+``pwrite`` and ``fdatasync``, padded, or grown in steps of :data:`GROWTH_STEP`, so the file
+stays one JSON document; a failed write raises :class:`CheckpointError` and leaves nothing
+that decodes. :meth:`CheckpointStore.restore` takes the valid slot with the highest sequence
+and moves a slot that does not decode aside (``<name>.corrupt-<n>``); :func:`read_newest`
+reads without changing a file. A store is used from one thread at a time (the state owner's
+file thread). The rules are ``docs/architecture.md``, "Crash safety"; why it is not a rename,
+"Where the code differs from the founding design".
 """
 
 from __future__ import annotations

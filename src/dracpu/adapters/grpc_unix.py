@@ -2,39 +2,16 @@
 
 :func:`open_grpc_server` serves grpclib services (betterproto2-generated ``*Base`` classes, or
 anything with ``__mapping__``) on a unix socket path for the life of an ``async with`` block:
-
-- the socket file follows :mod:`dracpu.adapters.socket_files`: bound under a temporary dot-name
-  with mode 0600, ``grpclib.server.Server.start(sock=...)`` serves it, and only then is it
-  renamed to its path (what an earlier run left there removed first), so the kubelet's plugin
-  watcher never sees a socket that does not answer;
-- messages are betterproto2's, through :class:`MessageCodec`: a request betterproto2 cannot
-  parse is answered ``INVALID_ARGUMENT`` naming the message type and the problem (grpclib's own
-  codec would let the exception escape as ``UNKNOWN``), and the server keeps serving; an answer
-  sent many times may be encoded once and sent as :class:`Encoded` bytes;
-- a connection remembers how its last :data:`CLOSED_STREAMS_KEPT` streams ended, not h2's
-  2**16 (see there): the kubelet keeps its connection for the life of the plugin;
-- the rest is grpclib's: HTTP/2 by python-hyper ``h2``, one task per call, the call's
-  ``grpc-timeout`` (the handler is cancelled when it passes and the call ends
-  ``DEADLINE_EXCEEDED``; grpclib starts the clock when the request's head has been read), a
-  call cancelled when the client resets its stream or the connection drops; an unknown method
-  is ``UNIMPLEMENTED`` (answered by us: grpclib's own answer lacks the ``content-type`` grpc-go
-  requires);
-- on exit: no more connections are accepted, calls in flight are cancelled and waited for (at
-  most :data:`STOP_TIMEOUT`), every connection is closed (grpclib leaves them open: asyncio's
-  ``Server.close_clients`` is Python 3.13+; the kubelet must see the plugin go away) and the
-  socket file is removed.
-
-betterproto2 parses leniently where Google's runtime refuses (a length-delimited field that runs
-past the end is cut short, wire types 6 and 7 and a field of the wrong wire type are accepted,
-the latter keeping a value of the wrong Python type): handlers check the Python types of the
-fields they use, see ``docs/architecture.md``. grpclib puts no limit on the size of a request
-message; the sockets are mode 0600 in root's directories, so only root can send one. A peer
-that does not read its answers is not read either (:class:`_Protocol`).
-
-grpclib runs on asyncio only: the tasks that serve with it run on anyio's asyncio backend, and
-this module uses asyncio directly to stop accepting connections. grpclib cancels a call's task
-with asyncio's ``Task.cancel``, which anyio's shielded cancel scopes do not hold off: handlers
-must be safe to cancel at any ``await``.
+the socket file published as :mod:`dracpu.adapters.socket_files` says, messages through
+:class:`MessageCodec` (a request betterproto2 cannot parse is ``INVALID_ARGUMENT``; an answer
+sent many times may be :class:`Encoded` once), an unknown method ``UNIMPLEMENTED`` in a proper
+gRPC answer, each connection remembering its last :data:`CLOSED_STREAMS_KEPT` closed streams,
+a peer that does not read its answers not read either (:class:`_Protocol`), and on exit every
+call cancelled (within :data:`STOP_TIMEOUT`), every connection closed and the socket removed.
+The rest is grpclib's (HTTP/2 by ``h2``, ``grpc-timeout``, a call cancelled with its stream).
+grpclib runs on asyncio only and cancels a call with ``Task.cancel``, which anyio's shielded
+scopes do not hold off: handlers must be safe to cancel at any ``await``. Why each of these, and
+betterproto2's leniency, are ``docs/architecture.md``, "DRA socket".
 """
 
 from __future__ import annotations

@@ -3,40 +3,14 @@ CPUs, and putting back what they held (the effect :class:`~dracpu.core.effects.C
 of the state owner; which paths and which CPUs are decided in the core,
 :mod:`dracpu.core.host_cgroups`).
 
-**Which hierarchy.** The cgroup fs of the host at ``<host-root>/sys/fs/cgroup``: cgroup v1 when
-``cpuset/cpuset.cpus`` is there (a v1 or hybrid node: the cpuset controller has its own
-hierarchy), else cgroup v2 when ``cgroup.controllers`` is (the unified hierarchy). Looked at on
-every confinement: a mount that appears later is used then.
-
-- **v2**: only the listed cgroups' ``cpuset.cpus`` is written; what runs below them follows
-  (``cpuset.cpus.effective`` is a cgroup's request within its parent's). ``cpuset.cpus`` exists
-  only where the parent enables the controller, so each ancestor's ``cgroup.subtree_control``
-  without ``cpuset`` gets ``+cpuset`` (logged once, and left enabled when the cgroup is given
-  back: a cgroup whose ``cpuset.cpus`` is empty uses its parent's CPUs, so the controller alone
-  changes nothing, and systemd or the kubelet may rely on it from then on).
-- **v1**: the listed cgroup and every cgroup below it are written, in the order the kernel
-  requires (:func:`dracpu.core.host_cgroups.v1_write_order`); the listed cgroup gets the CPUs
-  of its parent's cpuset among the wanted ones.
-
-**What it found** is kept in ``<state-dir>/host-cgroups.json`` (:data:`RECORD_FILE`): each
-cgroup's ``cpuset.cpus`` as it was before dracpu first wrote it, made durable (written to a
-temporary file, fsynced, renamed, the directory fsynced) before that first write. Not in the
-checkpoint: these are facts about files outside our state that only this adapter reads, written
-once per cgroup rather than at every Prepare, and the checkpoint's format is the claims' record
-that older builds must be able to read. After a crash the record is what is put back; a cgroup
-already in it is never recorded again (it holds dracpu's value by then). A cgroup is given back
-(its recorded ``cpuset.cpus`` written again, parents first where that widens, children first
-where it narrows) when it is no longer listed, and every one at :meth:`HostCgroups.release`
-(the daemon's stop); an entry is dropped once given back, or when its cgroup is gone. A record
-of another hierarchy than the node's now (a reboot into another cgroup mode) is of no use and is
-dropped; one that cannot be read is moved aside (``.corrupt``), as a damaged checkpoint slot is.
-
-**Never a failure of the command**: a cgroup that is missing, holds the pods' cgroup
-(:func:`dracpu.core.host_cgroups.pods_cgroup_name`), cannot be written, or whose original value
-cannot be recorded first (a state dir that takes no writes: then nothing is written to it) is
-reported in :meth:`HostCgroups.status` with the reason, and the state owner tries again. Calls
-come from the state owner's one worker thread at a time; :meth:`status` is read from the event
-loop (a tuple replaced whole).
+The hierarchy is looked at on every confinement (cgroup v1 where ``cpuset/cpuset.cpus`` is,
+else v2); what each cgroup held before dracpu first wrote it is recorded, durable, in
+``<state-dir>/host-cgroups.json`` (:data:`RECORD_FILE`) and given back when the cgroup is no
+longer listed and at :meth:`HostCgroups.release`. Nothing here fails the command: a cgroup that
+cannot be confined is reported in :meth:`HostCgroups.status` with the reason. Calls come from
+the state owner's one worker thread at a time; :meth:`status` is read from the event loop (a
+tuple replaced whole). The rules (v1 and v2, the record, why not the checkpoint) are
+``docs/architecture.md``, "Host cgroups", and ``docs/host-cgroups.md``.
 """
 
 from __future__ import annotations

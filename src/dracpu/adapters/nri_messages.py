@@ -104,8 +104,11 @@ _LAST_EVENT = api.VALIDATE_CONTAINER_ADJUSTMENT
 # The events a CPU pinner needs. All exist since NRI v0.2, so the mask is inside the 0x7FF that
 # runtimes before NRI v0.10 accept (containerd 1.7 - 2.1); 0 would subscribe to everything and
 # make us a validator on v0.10+ runtimes (nri pkg/adaptation/plugin.go, Configure).
+# PostStartContainer: a pin sent while the container was starting may have been lost
+# (dracpu.core.state_containers.container_started); it is sent again once the container runs.
 SUBSCRIBED_EVENTS = (
     api.CREATE_CONTAINER,
+    api.POST_START_CONTAINER,
     api.UPDATE_CONTAINER,
     api.STOP_CONTAINER,
     api.REMOVE_CONTAINER,
@@ -114,6 +117,7 @@ SUBSCRIBED_EVENTS = (
 # The request type of each container event we serve; all carry pod = 1, container = 2.
 CONTAINER_EVENTS: Mapping[str, type[Message]] = {
     "CreateContainer": api.CreateContainerRequest,
+    "PostStartContainer": api.PostStartContainerRequest,
     "UpdateContainer": api.UpdateContainerRequest,
     "StopContainer": api.StopContainerRequest,
     "RemoveContainer": api.RemoveContainerRequest,
@@ -151,7 +155,7 @@ def event_mask(events: Iterable[int]) -> int:
     return mask
 
 
-SUBSCRIBED_EVENT_MASK = event_mask(SUBSCRIBED_EVENTS)  # 0x688
+SUBSCRIBED_EVENT_MASK = event_mask(SUBSCRIBED_EVENTS)  # 0x6c8
 
 
 # --- the runtime's version ------------------------------------------------------------------------

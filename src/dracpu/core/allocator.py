@@ -2,54 +2,10 @@
 
 The allocator is pure: a :class:`~dracpu.core.topology.Topology`, the free CPUs and a count go in,
 a :class:`~dracpu.core.cpuset.CpuSet` comes out (or an :class:`~dracpu.errors.AllocationError`).
-
-How ``packed`` (the default) chooses, in the spirit of the kubelet CPU manager's NUMA-packed
-algorithm but written from its documented behaviour, with a stricter notion of "fits":
-
-The machine is a tree of *units*: the coarser of {NUMA node, socket} (NUMA first when there are at
-least as many sockets as NUMA nodes, as the kubelet does), then the finer one, then L3 cache
-groups, then physical cores (keyed by ``(socket, die, cluster, core_id)``, never by the raw
-``core_id``), then threads. A core belongs to the NUMA node, socket and L3 of its lowest CPU and a
-unit groups the cores that share its ancestors, so an L3 spanning two NUMA nodes is split at their
-boundary and the tree still nests. Starting at the top, at each level:
-
-1. If one unit can hold the whole (remaining) request, descend into the *best* such unit: the one
-   in which the request fits deepest (inside one L3 beats only inside one NUMA node; for a request
-   no larger than a core, inside one core), then the one with the fewest free CPUs (best fit),
-   then the lowest id.
-2. Otherwise take whole free units (every online CPU free) whose size the request covers, in
-   packing order: fewest free CPUs in the parent first, then in the unit, then lowest id.
-3. If what is left now fits one unit, descend as in 1; otherwise move one level down in the same
-   scope. At the thread level, threads are taken from the fullest cores first.
-4. Whole cores first: when what a unit's descent took splits a core (a thread taken, its free
-   sibling left) although whole free cores of the unit add up to the request, those cores are
-   taken instead (the earliest in packing order), as long as they span no more NUMA nodes,
-   sockets and L3 caches. Greedy whole units of an odd size (a core with an offline thread,
-   an L3 holding one) otherwise leave a remainder that only a split core can make.
-
-``spread`` runs the same descent over one representative thread per core (the lowest free one),
-in rounds: no core gives a second thread while another core with a free thread has given none.
-``full_cores`` runs ``packed`` over the cores whose every online thread is free and never splits
-one. There a unit "holds" a request only if some of its whole free cores add up to exactly the
-count (always true for a multiple of the width when its cores share one width; a subset sum
-otherwise, e.g. next to offline threads), and the core level picks cores by that subset sum, in
-packing order. If greedy whole units inside a unit leave an unreachable remainder, the choice is
-redone exactly inside that unit; failing everywhere, over the whole machine.
-
-Hybrid machines: with ``prefer_core_type`` (P-cores by default) the request is served from that
-core type alone when it has room, otherwise all of that type's usable CPUs are taken and the rest
-comes from the other cores (``spread`` and ``full_cores`` apply within each part); if whole cores
-cannot add up that way, one descent over all free CPUs decides.
-
-Deviations from the kubelet, each a ported test case in ``tests/core/kubelet_cases.py`` or listed
-there: a count of zero is an error; ``spread`` gives every core one thread before any core a
-second; the L3-aware step is always on and keeps best fit at the NUMA/socket levels above it;
-whole cores that add up exactly win over a split core where cores differ in width (a core with
-an offline thread, hybrid cores): the kubelet's ``takeFullCores`` takes free cores in its own
-order, a narrow core first, and ``takeRemainingCPUs`` then splits a core for the rest.
-
-Everything works on bit masks (``CpuSet.mask``) and a per-topology index built once; a request
-touches only the units on its way down, so a 1024-CPU machine costs well under a millisecond.
+``packed`` (the default), ``spread`` and ``full_cores`` descend a tree of units (NUMA node and
+socket, L3 cache, core, thread) on bit masks and a per-topology index built once; how each
+chooses, hybrid machines and the deviations from the kubelet's CPU manager are
+``docs/architecture.md``, "Choosing the CPUs".
 """
 
 from __future__ import annotations

@@ -1,52 +1,11 @@
 """The checkpoint: what survives a restart of dracpu (and a reboot of the node), as versioned JSON.
 
 Only the prepared claims are persisted: containers are learnt again from NRI ``Synchronize``.
-Layout (version 5)::
-
-    {"checksum": "sha256:<hex>",
-     "claims": {"<claimUID>": {"cpus": "4-5", "mems": "0" | null,
-                               "namespace": "ns", "name": "claim",
-                               "podClaimName": "cpus" | null,
-                               "podUids": ["<podUID>", ...],
-                               "podNames": ["<pod name>", ...],
-                               "copierPods": ["<podUID>", ...],
-                               "sharedPool": false,
-                               "results": [{"request": "req", "pool": "node", "device": "dev",
-                                            "consumedCpus": 2 | null, "cpuset": "4-5" | null}]}},
-     "sequence": 7,
-     "version": 5}
-
-``checksum`` is the SHA-256 of the canonical JSON (sorted keys, no whitespace, ASCII) of the
-document without the ``checksum`` key, so a flipped byte or a truncated file is detected even when
-it still parses. ``sequence`` (an integer >= 1, covered by the checksum) numbers the writes: the
-checkpoint is kept in two slot files written in turn (:mod:`dracpu.adapters.checkpoint_file`), and
-the valid slot with the highest sequence is the newest. Versions 1 (written by earlier dracpu
-builds: without ``sequence``, ``podClaimName`` and ``podUids``; it decodes as sequence 0), 2
-(without ``podClaimName`` and ``podUids``), 3 (without ``podNames`` and ``copierPods``) and 4
-(without ``sharedPool``) still decode, their claims without what their version lacks. Whitespace
-around the document (the spaces that pad a slot overwritten by a shorter document) is allowed.
-
-``mems`` are NUMA node ids (``null``: no memory pinning). ``results`` are the claim's allocation
-results, needed to tell an idempotent re-prepare from a conflicting one and to write its device
-metadata again; an adopted claim (found as a CDI spec only) has none. ``podClaimName``: the
-claim's ``resource.kubernetes.io/pod-claim-name`` annotation (a claim made from a template), which
-decides where its device metadata appears in the container (:mod:`dracpu.core.device_metadata`).
-
-``podUids`` (sorted, distinct) are the UIDs of the pods the claim is reserved for (its
-``status.reservedFor`` entries of resource ``pods``, read at Prepare and on a fresh look by the
-NRI task): only their containers may use the claim's CPUs; empty when not known (a claim
-adopted from its CDI spec, or decoded from version 1 or 2, which lack the key). ``podNames``
-(sorted, distinct): the names of the same pods (in the claim's namespace), which the kubelet's
-PodResources listing names them by (:mod:`dracpu.tasks.podresources_sync`); empty when not
-known. ``copierPods`` (sorted, distinct): UIDs of pods whose containers showed a copy of the
-claim's env and that a fresh look at the claim found not reserved for it; their containers are
-refused without another look or another warning. ``sharedPool``: the claim's containers also
-run on the shared pool (its opaque config's ``cpuConfig.sharedPool``; false before version 5).
-
-:func:`decode` refuses anything else with a :class:`CheckpointError` naming the problem: not
-UTF-8, not JSON, wrong shape, unknown version, bad checksum, bad field types, malformed or
-overlapping cpusets. Whether the claims fit the node (online, not reserved) is checked when the
-state is restored (:func:`dracpu.core.state.restore_state`), since it needs the topology.
+The document (version 5, a SHA-256 ``checksum`` over its canonical JSON, the write's
+``sequence``) and what each claim field means are ``docs/architecture.md``, "The checkpoint
+document"; versions 1 to 4 still decode. :func:`decode` refuses anything else with a
+:class:`CheckpointError` naming the problem; whether the claims fit the node is checked when
+the state is restored (:func:`dracpu.core.state.restore_state`), since it needs the topology.
 """
 
 from __future__ import annotations

@@ -5,63 +5,11 @@ driver, read raw by :func:`dracpu.core.claims.read_claim`) goes in; the claim's
 :class:`~dracpu.core.commands.DeviceResult` values, with their overrides, and the claim's memory
 pinning come out (:func:`claim_overrides`). Every problem is a
 :class:`~dracpu.errors.ClaimError` naming the claim, the config's place in
-``status.allocation.devices.config`` and the field.
-
-The parameters (``opaque.parameters``), upstream's schema (kubernetes-sigs/dra-driver-cpu
-``api/v1alpha1/types.go``, ``api/opaque_config.go``) with our fields next to ``cpuset``::
-
-    {"apiVersion": "v1alpha1",
-     "cpuConfig": {"cpuset": "0-3",            # upstream: these CPUs, exactly
-                   "policy": "packed",         # ours: packed | spread
-                   "fullCores": true,          # ours: whole physical cores only
-                   "memory": "pin",            # ours: pin | none (cpuset.mems)
-                   "sharedPool": true}}        # ours: the claim's CPUs plus the shared pool
-
-- ``apiVersion`` must be ``v1alpha1`` (upstream refuses any other, and a missing one);
-  ``cpuConfig`` must be an object. There is no ``kind``: upstream's type has none.
-- Every field of ``cpuConfig`` is optional; ``null`` is the same as leaving it out. Upstream
-  requires ``cpuset`` (its only field) and rejects an empty one; we reject an empty one too.
-- Unknown fields are errors (upstream's Go decoder ignores them, and matches names in any
-  case): a misspelt ``polcy`` must not silently do nothing. A field spelt in another case, or
-  one of ours put next to ``cpuConfig`` instead of inside it, is named with the right place.
-
-Which configs apply to a result (``k8s.io/dynamic-resource-allocation/resourceclaim``
-``ConfigForResult``): every config of our driver whose ``requests`` is empty, names the
-result's request (``req/sub`` for a subrequest) or its main request (``req``). Configs that
-apply to none of our results are not read (upstream reads only matching ones). They are taken
-class entries first (``FromClass``), then the claim's (``FromClaim``), each in listed order (the
-order the scheduler writes them, ``structured`` allocator), and for each field the last config
-that sets it wins: a DeviceClass can set defaults its claims override field by field.
-
-The rules beyond one field:
-
-- ``cpuset`` only from the claim (``FromClaim``): upstream refuses a DeviceClass's cpuset,
-  which would hand every claim of the class the same CPUs.
-- ``fullCores: true`` with ``policy: spread`` is refused: whole cores are taken packed.
-- ``memory`` is one value per claim (its containers get one ``cpuset.mems``): results of one
-  claim that resolve to ``pin`` and ``none`` are refused; a result without the field follows
-  the others, and a claim without it the node's ``--memory-pinning``.
-- ``sharedPool`` is one value per claim too (its containers get one cpuset: the claim's CPUs,
-  plus the shared pool when true), with the same rule; a claim without it is ``false``.
-
-The node's ``allocator`` (upstream 0.3's key, ``internal/driverconfig``; grouped mode only:
-upstream's individual mode consults no allocator) changes what a cpuset means:
-
-- not set (dracpu's default): as above; a result's cpuset are exactly its CPUs, in any grouped
-  mode. Upstream has no such mode.
-- ``cpumanager``: dracpu picks every result's CPUs; a claim whose config sets a cpuset is
-  refused (upstream ``cpuallocator.CPUManager``: "preferred CPUs not supported"). Our other
-  fields still apply.
-- ``external`` (upstream ``cpuallocator.External``): every request with a grouped result must
-  be targeted by exactly one opaque config of our driver, from the claim, with a cpuset of
-  exactly the CPUs the request's results consume together; each result then takes the lowest
-  of them still free on its device (:attr:`DeviceResult.request_cpuset`,
-  :func:`dracpu.core.state_claims.prepare`). Upstream's reasons are in the errors.
-
-The cpuset itself is checked where the node state is known
-(:func:`dracpu.core.state_claims.prepare`): of the result's size, online, not reserved, within
-the device, free. ``policy`` and ``fullCores`` steer only CPUs dracpu picks: an individual
-device (one CPU the scheduler chose) and an explicit cpuset are taken as they are.
+``status.allocation.devices.config`` and the field. The schema (upstream's
+``api/v1alpha1/types.go`` with our fields next to ``cpuset``), which configs apply and which
+wins (``ConfigForResult``), the rules beyond one field and what the node's ``allocator``
+changes are ``docs/claim-config.md``; the cpuset itself is checked where the node state is
+known (:func:`dracpu.core.state_claims.prepare`).
 """
 
 from __future__ import annotations

@@ -6,43 +6,12 @@ Pure: a ``resource.k8s.io/v1`` ResourceClaim as a plain JSON ``dict`` (what
 :class:`~dracpu.errors.ClaimError` naming the claim and the bad value.
 
 :func:`read_claim` checks what the Go kubelet-plugin helper checks before it calls a driver
-(``k8s.io/dynamic-resource-allocation/kubeletplugin``: the UID must be the one the kubelet asked
-for, else the claim "got replaced"; the claim must be allocated) and what upstream's
-``prepareGroupedResourceClaim`` checks per result. Results of other drivers are ignored. A result
-of OUR driver in another pool is refused: our devices live in the pool named after this node, so
-such a claim was allocated for another node and preparing only part of it would hand the pod
-fewer CPUs than the scheduler granted.
-
-How many CPUs a grouped result gets is what the scheduler wrote into its ``consumedCapacity``
-(``k8s.io/dynamic-resource-allocation/structured``, ``allocateDevice`` and
-``calculateConsumedCapacity``):
-
-- With ``DRAConsumableCapacity`` (beta and on from Kubernetes 1.36) our grouped devices are
-  allocatable many times (``allowMultipleAllocations``) and every result on them carries a
-  ``shareID`` and ``consumedCapacity`` with every capacity of the device: the request's
-  ``capacity.requests["dra.cpu/cpu"]`` rounded up by the device's ``requestPolicy`` (ours:
-  whole CPUs from 1), or, for a request without one, the policy's ``default`` (ours: the whole
-  group) or, without a policy (upstream's slices, or ours on a server that dropped it), the whole
-  capacity. The key is spelled as the device published it (``dra.cpu/cpu``); the scheduler may
-  one day write the short form (``cpu``, the same capacity in the driver's own domain), which we
-  read too. A fraction only reaches us without a policy, and is refused as upstream does ("must
-  be a whole number").
-- Without the feature on the API server, it drops ``allowMultipleAllocations`` and
-  ``requestPolicy`` from our slices and ``capacity`` from claims: a grouped device is then
-  allocated whole to one claim, and its result has no ``consumedCapacity``. Upstream fails such a
-  Prepare ("CPU capacity ... is missing"); so do we, naming the feature.
-- Individual devices have no capacity: their results carry none, and one CPU each.
-
-:func:`reserved_pods` reads the UIDs of the pods a claim is reserved for (``status.reservedFor``
-entries of resource ``pods`` in the core group): only their containers may use the claim's CPUs
-(:mod:`dracpu.core.state_containers`).
-
-:func:`device_status_patch` builds the JSON merge patch of the claim's ``status.devices``
-(``AllocatedDeviceStatus``) that records the prepared cpuset as ``data: {"cpuset": "0-3"}`` on
-each of our allocated devices. ``status.devices`` is replaced as a whole by a merge patch, so the
-patch carries every entry: other drivers' entries unchanged, ours updated (their ``conditions``
-kept), and ``metadata.resourceVersion`` so the server refuses it (409) if the claim changed since
-it was read.
+(``k8s.io/dynamic-resource-allocation/kubeletplugin``: the UID asked for, an allocated claim)
+and what upstream's ``prepareGroupedResourceClaim`` checks per result, and reads how many CPUs
+each grouped result consumes (``consumedCapacity``, as the scheduler's ``structured`` allocator
+writes it); :func:`reserved_pods` the pods of ``status.reservedFor``;
+:func:`device_status_patch` the JSON merge patch of ``status.devices`` that records the
+prepared cpuset. The rules are ``docs/devices.md``, "What Prepare reads".
 """
 
 from __future__ import annotations
@@ -73,7 +42,7 @@ __all__ = [
 ]
 
 # The capacity grouped devices publish and allocations consume (upstream
-# device.CPUResourceQualifiedName; dracpu.core.slices.CAPACITY_CPU), and its short form: an
+# device.CPUResourceQualifiedName; dracpu.core.devices.CAPACITY_CPU), and its short form: an
 # unqualified capacity name is in the driver's own domain (resource/v1 QualifiedName).
 CAPACITY_CPU = "dra.cpu/cpu"
 _CAPACITY_CPU_SHORT = CAPACITY_CPU.rpartition("/")[2]

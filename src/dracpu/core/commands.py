@@ -36,6 +36,7 @@ __all__ = [
     "ClaimEnv",
     "Command",
     "Container",
+    "ContainerStarted",
     "CreateContainer",
     "DeviceResult",
     "InvalidateContainers",
@@ -341,6 +342,16 @@ class StopContainer:
 
 
 @dataclass(frozen=True, slots=True)
+class ContainerStarted:
+    """NRI ``PostStartContainer`` (a state change without a reply payload): the container runs.
+    A pin decided for it after its ``CreateContainer`` reply is sent again: the runtime may
+    have lost it while the container was starting (containerd applies an update of a container
+    that is not running yet to its spec only, which runc has already read)."""
+
+    container_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class RemoveContainer:
     """NRI ``RemoveContainer`` (a state change without a reply payload): forget the container."""
 
@@ -388,6 +399,7 @@ Command = (
     | UpdateContainer
     | StopContainer
     | RemoveContainer
+    | ContainerStarted
     | Synchronize
     | RuntimeDisconnected
     | InvalidateContainers

@@ -6,52 +6,8 @@ numbering, attributes and capacity are the compatibility contract of the Go driv
 ``kubernetes-sigs/dra-driver-cpu`` (``pkg/device/builder.go``, ``pkg/device/attributes.go``,
 ``pkg/cpuinfo/cpuinfo.go``): a user who swaps it for dracpu keeps their DeviceClasses and
 ResourceClaimTemplates, and a claim allocated against its slices names the same CPUs in ours.
-``docs/devices.md`` explains each rule and lists where we deliberately differ.
-
-Which CPUs are published: the online, non-reserved ones. Upstream skips a CPU the kernel links
-to no NUMA node (``populateTopologyInfo`` fails for it), so such a CPU is in no individual, NUMA
-or socket device; only ``cpudevmachine`` (built from the ``online`` list) counts it. It stays in
-our shared pool.
-
-Individual mode (``cpudev000``, ``cpudev001``, ...): one device per published CPU. The number is
-an enumeration index, not the CPU id (upstream ``cpuDeviceInfos``): CPUs sharing
-(``physical_package_id``, ``cluster_id``, ``core_id``) are siblings when there are exactly two of
-them (``populateCpuSiblings``: the key has no die, and 3+ threads pair nobody); in ascending CPU
-order each CPU not yet numbered gets the next number and its sibling, unless reserved, the one
-after. Three digits, more from 1000 devices on (Go's ``%03d`` only pads).
-
-Grouped mode: one device per NUMA node (``cpudevnuma000``, the NUMA id), per socket
-(``cpudevsocket000``, the socket id) or one for the machine (``cpudevmachine``), with capacity
-``dra.cpu/cpu`` = the group's published CPUs and ``allowMultipleAllocations: true``. A NUMA node
-or socket with no such CPU is not published; ``cpudevmachine`` always is. The capacity carries a
-``requestPolicy`` that upstream does not: whole CPUs (``validRange {min: 1, step: 1}``), so the
-scheduler rounds ``1500m`` up to 2 instead of allocating a fraction that Prepare must refuse, and
-``default`` = the whole capacity, so a request without ``capacity.requests`` consumes the whole
-group exactly as it does without a policy (KEP-5075: no policy means full capacity).
-
-``dra.cpu/cacheL3ID`` is ``-1`` for a CPU without a level-3 cache (upstream ``UncoreCacheID``).
-
-``--expose-pcie-roots`` adds ``resource.kubernetes.io/pcieRoot`` (KEP-4381 standard attribute,
-list-typed: ``DRAListTypeAttributes``): the sorted names of the PCIe root complexes local to the
-device's CPUs (a group: local to any of them), omitted when there are none, and slices hold at
-most 64 devices whether or not a device has the attribute (upstream
-``Config.DevicesPerResourceSlice``). ``publishNodeAllocatableResourceMapping`` adds KEP-5517's
-``nodeAllocatableResources``: ``cpu`` mapped from the consumed ``dra.cpu/cpu`` capacity (grouped)
-or one CPU per device (individual).
-
-Our additions to the upstream attributes:
-
-* ``dra.cpu/isolated`` (bool) on **every** individual device, ``true`` on the kernel's isolated
-  CPUs (``isolcpus``). Present on every device so a selector is a plain
-  ``device.attributes["dra.cpu"].isolated`` / ``!device.attributes["dra.cpu"].isolated``: a CEL
-  selector that reads an absent attribute is an evaluation error, not ``false``.
-* ``dra.cpu/numIsolatedCPUs`` (int) on every grouped device. Isolated CPUs are part of their
-  group: they count in ``dra.cpu/cpu`` and ``dra.cpu/numCPUs`` and can be handed out to exclusive
-  claims like any other CPU (they never join the shared pool). The attribute only says how many
-  of the group's CPUs are isolated, so a claim can avoid (``== 0``) or look for such groups.
-
-Attribute keys are the full qualified names (``dra.cpu/socketID``), as upstream publishes them;
-in CEL they are grouped by domain (``device.attributes["dra.cpu"].socketID``).
+``docs/devices.md`` explains each rule (which CPUs, individual numbering, grouped capacity and
+its ``requestPolicy``, our added attributes) and lists where we deliberately differ.
 """
 
 from __future__ import annotations

@@ -1,41 +1,16 @@
-"""Device health (KEP-4680): which published devices are healthy, judged by the online CPUs.
+"""Device health (KEP-4680): which published devices are healthy, judged by the online CPUs and
+the claims' file problems.
 
-Pure: the devices as published (:class:`~dracpu.core.slices.Device`, each with its CPUs), the
+Pure: the devices as published (:class:`~dracpu.core.devices.Device`, each with its CPUs), the
 CPUs online now, the previous assessment and the time go in; the health of every device comes
-out, in the devices' order. :mod:`dracpu.tasks.device_health` keeps it current and streams it to
-the kubelet.
-
-A device is UNHEALTHY when a CPU it was published with is not online any more (taken offline,
-or hot-removed), with a message naming those CPUs; otherwise HEALTHY. In each mode:
-
-* individual (``cpudevNNN``): the device's one CPU is offline;
-* grouped (``cpudevnumaNNN``, ``cpudevsocketNNN``, ``cpudevmachine``): a CPU the group counted
-  in its ``dra.cpu/cpu`` capacity is offline.
-
-Offline CPUs are never published (:func:`dracpu.core.slices.published_devices` builds devices
-from the online CPUs only), so devices built from a fresh topology are all HEALTHY: a machine
-booted with ``nosmt``, or with CPUs taken offline on purpose, has no unhealthy device. A device
-turns UNHEALTHY when one of its CPUs goes offline while it stays published, and HEALTHY again
-when the CPU comes back.
-
-A SIGHUP publishes the devices again from a topology read after the change: the individual
-device of an offline CPU is no longer published and a group shrinks. What the kubelet is told
-is :func:`reported_devices`: the published devices, and the devices of CPUs that went offline
-while a claim held them (``NodeConfig.held``), as long as the claim holds them. Such a device
-stays UNHEALTHY for the pods using it, instead of vanishing from the list (the kubelet would
-show Unknown after its timeout) or turning HEALTHY with the CPU gone (a group). A device no
-claim holds is simply left out (no pod shows it).
-
-A device is also UNHEALTHY while a prepared claim it was allocated to has a file that could
-not be written (:func:`claim_device_problems`: its CDI spec or device metadata; the state owner
-keeps the reasons until a write of that file works), with the reason in the message. A grouped
-device serves several claims: it shows the problem of any of them, as upstream's
-``markClaimDevicesHealth`` marks a claim's allocated devices (dra-driver-cpu
-``pkg/driver/health.go``).
-
-``since``: the Unix time (seconds) at which the device's health (status or message) last
-changed, or at which the device was first assessed: ``DeviceHealth.last_updated_time`` of the
-kubelet's API.
+out, in the devices' order (:func:`assess`). A device is UNHEALTHY when a CPU it was published
+with is not online any more, or while a prepared claim it was allocated to has a file that
+could not be written (:func:`claim_device_problems`), with the reason in the message.
+:func:`reported_devices` says which devices the kubelet is told about after a SIGHUP (those of
+CPUs that went offline while a claim held them stay). ``since`` is the Unix time of the
+device's last change, the kubelet's ``DeviceHealth.last_updated_time``.
+:mod:`dracpu.tasks.device_health` keeps it current and streams it; the rules are
+``docs/architecture.md``, "Device health".
 """
 
 from __future__ import annotations

@@ -36,12 +36,12 @@ def _no_held() -> Mapping[str, CpuSet]:
 class NodeConfig:
     """What the state machine needs to know about the node; fixed until a topology Resync.
 
-    ``devices``: the published devices by name (:func:`dracpu.core.slices.published_devices`).
+    ``devices``: the published devices by name (:func:`dracpu.core.devices.published_devices`).
     ``policy``: the default allocation policy of grouped claims; ``pin_memory``: pin the
     containers of a claim to the NUMA nodes of its CPUs unless the claim says otherwise.
     ``mode`` / ``group_by``: how the devices were built (a Resync builds them again alike).
     ``numbering``: individual mode, the device number of every CPU numbered by this process
-    (:func:`dracpu.core.slices.individual_numbering`), published now or not.
+    (:func:`dracpu.core.devices.individual_numbering`), published now or not.
     ``external_allocator``: ``allocator: external``, so grouped devices carry ``dra.cpu/cpuIDs``
     and ``dra.cpu/smtLayout`` (:mod:`dracpu.core.external_attributes`).
     ``held``: devices (by name, as published before) whose CPUs went offline while a claim held
@@ -91,7 +91,7 @@ class NodeConfig:
     ) -> NodeConfig:
         """The config with the devices this node publishes in ``mode``/``group_by``;
         ``numbering``: the individual device numbers given before (see
-        :func:`~dracpu.core.slices.individual_numbering`), ``None`` at start."""
+        :func:`~dracpu.core.devices.individual_numbering`), ``None`` at start."""
         mode = CpuDeviceMode(mode)
         numbers: dict[int, int] = {}
         if mode is CpuDeviceMode.INDIVIDUAL:

@@ -6,7 +6,7 @@ Pure: the state, the topology read again and the settings read again go in; the 
 
 - **Devices** are built again in the same mode and grouping (a change of those needs a
   restart: the daemon refuses it before it gets here). An individual device keeps its name for
-  the life of the process (:func:`dracpu.core.slices.individual_numbering`): the scheduler's
+  the life of the process (:func:`dracpu.core.devices.individual_numbering`): the scheduler's
   allocations name devices, and a name that moved to another CPU would hand a new claim a CPU
   another claim holds. A grouped device keeps its name and shrinks or grows.
 - **A claim is never shrunk.** A CPU that went offline while a claim held it stays in the

@@ -4,61 +4,10 @@
 for bad input: a refused command returns the *same* state object and ``[Reply(error)]``. The
 state's values are in :mod:`dracpu.core.state_values`; what the claim commands do is
 :mod:`dracpu.core.state_claims`, what the container events do :mod:`dracpu.core.state_containers`.
-
-Rules (each checked by :func:`check_invariants` after every command in the property tests):
-
-1. No CPU is held by two claims; ``claimed`` is the union of the claims' CPUs, kept
-   incrementally (an apply never recomputes it over all claims).
-2. Claims hold only allocatable CPUs (online and not reserved), with one exception: a CPU
-   that went offline while a claim held it (found by a SIGHUP's ``Resync`` or at restore)
-   stays in the claim, which is never shrunk behind its pod's back; such CPUs count as
-   claimed and are in no device and not in the shared pool. No other command makes a claim
-   hold a CPU that is not allocatable (:func:`check_invariants` with ``previous``). Reserved
-   CPUs are in no claim and never in the shared pool.
-3. The shared pool is ``allocatable - claimed - isolated``: isolated CPUs are never shared.
-4. The shared pool is never emptied while shared containers exist: a Prepare (or adoption, or
-   topology change) that would empty it is refused. A shared container is never created with
-   an empty pool (NRI reads an empty cpuset as "no change": kubernetes-sigs/dra-driver-cpu#295).
-   Likewise the host pool (shared pool plus reserved CPUs) of the listed host cgroups
-   (:mod:`dracpu.core.host_cgroups`) is never emptied.
-5. Prepare is idempotent: the same claim UID with the same results gets the same CPUs and its
-   CDI spec rewritten (a reboot empties ``/var/run/cdi``). The same UID with other results is an
-   error. Unpreparing an unknown claim succeeds.
-6. A container gets a claim's CPUs only if the claim is prepared here with exactly the cpuset its
-   ``DRA_CPUSET_<uid>`` env says and its pod is one the claim is reserved for
-   (``PreparedClaim.pod_uids``); every container of those pods may use it. A claim whose pods
-   are not known goes to the first pod that uses it (``NodeState.owners``) until it is
-   unprepared (fail closed: a spoofed or copied env is an error for CreateContainer).
-7. When a container with a claim starts, the same reply moves every shared container off the
-   claim's CPUs, and every container of a shared-pool claim (``PreparedClaim.shared_pool``:
-   pinned to its claims' CPUs plus the pool) off the CPUs that are not its own.
-8. Every container's pin carries the number of the decision that chose it, never above
-   ``pin_seq``, which only grows.
-
-Effects and rollback. The effects before the one :class:`Reply` are the commit phase, in
-crash-safe order: Prepare reserves in the new state, then ``WriteCdiSpec`` →
-``WriteDeviceMetadata`` → ``WriteCheckpoint`` → ``Reply``; Unprepare ``DeleteCdiSpec`` →
-``DeleteDeviceMetadata`` → (CPUs freed in the new state) → ``WriteCheckpoint`` → ``Reply``. With
-host cgroups listed, a command that changes the shared pool has ``ConfineHostCgroups`` right
-before its ``Reply`` (:mod:`dracpu.core.host_cgroups`). The
-state owner (:mod:`dracpu.tasks.state_owner`) runs them like this::
-
-    new, effects = apply(state, command)
-    commit, reply, after = commit_phase(effects)
-    for i, effect in enumerate(commit):
-        try:
-            await execute(effect)
-        except DracpuError as error:           # translated by the adapter
-            for undo in rollback(state, commit[: i + 1], error):   # ends with Reply(error)
-                await execute_logging_failures(undo)
-            break                              # ``state`` (the old one) is kept
-    else:
-        state = new                            # committed
-        send(reply.value)
-        for effect in after:                   # post-commit (UpdateContainers to the NRI
-            await execute(effect)              # task): failures are logged only
-
-The checkpoint on disk therefore always equals the claims of the state the owner keeps.
+The effects before the one :class:`Reply` are the commit phase, in crash-safe order
+(:func:`commit_phase`); :func:`rollback` says how the state owner undoes one that failed.
+The rules every command keeps (:func:`check_invariants`, after every command in the property
+tests) and the order of the effects are ``docs/architecture.md``, "The state's rules".
 """
 
 from __future__ import annotations
@@ -73,6 +22,7 @@ from dracpu.core.checkpoint_schema import CheckpointData, PreparedClaim
 from dracpu.core.commands import (
     AdoptClaims,
     Command,
+    ContainerStarted,
     CreateContainer,
     InvalidateContainers,
     PodsListed,
@@ -116,6 +66,7 @@ from dracpu.core.state_claims import (
     write_spec,
 )
 from dracpu.core.state_containers import (
+    container_started,
     create_container,
     forget_container,
     invalidate,
@@ -157,8 +108,12 @@ def apply(state: NodeState, command: Command) -> tuple[NodeState, list[Effect]]:
                 return unprepare(state, command)
             case UpdateClaimPods():
                 return update_claim_pods(state, command)
-            case CreateContainer() | UpdateContainer():
-                return create_container(state, command.container)
+            case CreateContainer():
+                return create_container(state, command.container, created=True)
+            case UpdateContainer():
+                return create_container(state, command.container, created=False)
+            case ContainerStarted():
+                return container_started(state, command.container_id)
             case StopContainer():
                 return forget_container(state, command.container_id, send_updates=True)
             case RemoveContainer():

@@ -56,6 +56,7 @@ from dracpu.errors import (
 
 __all__ = [
     "claims_cpus",
+    "container_started",
     "create_container",
     "forget_container",
     "invalidate",
@@ -226,7 +227,7 @@ def _shared_updates(
 
 def _moved_record(record: ContainerRecord, cpus: CpuSet, seq: int) -> ContainerRecord:
     """``record`` pinned to ``cpus`` by decision ``seq``."""
-    return ContainerRecord(record.container, record.claims, cpus, record.mems, seq)
+    return ContainerRecord(record.container, record.claims, cpus, record.mems, seq, record.adjusted)
 
 
 def _pool_update(container_id: str, pool: CpuSet, seq: int) -> ContainerUpdate:
@@ -234,9 +235,14 @@ def _pool_update(container_id: str, pool: CpuSet, seq: int) -> ContainerUpdate:
     return ContainerUpdate(container_id, pool, None, seq)
 
 
-def create_container(state: NodeState, container: Container) -> tuple[NodeState, list[Effect]]:
-    """CreateContainer / UpdateContainer: pin the container (its claims' CPUs, or the shared
-    pool) and, in the same reply, move the other shared containers to the pool."""
+def create_container(
+    state: NodeState, container: Container, *, created: bool
+) -> tuple[NodeState, list[Effect]]:
+    """CreateContainer (``created``) / UpdateContainer: pin the container (its claims' CPUs, or
+    the shared pool) and, in the same reply, move the other shared containers to the pool.
+
+    A created container's record notes the decision it was created with (``adjusted``, for
+    :func:`container_started`); an updated one keeps what its record noted."""
     if not container.id:
         raise ClaimError(f"{container.describe()}: no container id")
     seq = state.pin_seq + 1
@@ -244,7 +250,8 @@ def create_container(state: NodeState, container: Container) -> tuple[NodeState,
     shared = set(state.shared)
     shared.discard(container.id)
     mixed = state.mixed - {container.id}
-    containers.pop(container.id, None)
+    previous = containers.pop(container.id, None)
+    adjusted = seq if created else (previous.adjusted if previous is not None else 0)
     owners = state.owners
     pool = state.shared_pool
     if container.exclusive or container.env_error is not None:
@@ -258,7 +265,7 @@ def create_container(state: NodeState, container: Container) -> tuple[NodeState,
         if _follows_pool(state, uids):
             cpus |= pool
             mixed |= {container.id}
-        containers[container.id] = ContainerRecord(container, uids, cpus, mems, seq)
+        containers[container.id] = ContainerRecord(container, uids, cpus, mems, seq, adjusted)
     else:
         if not pool:
             raise InsufficientCpusError(
@@ -266,7 +273,7 @@ def create_container(state: NodeState, container: Container) -> tuple[NodeState,
                 "held by a claim); refusing a container that would run unconfined"
             )
         cpus, mems = pool, None
-        containers[container.id] = ContainerRecord(container, (), pool, None, seq)
+        containers[container.id] = ContainerRecord(container, (), pool, None, seq, adjusted)
         shared.add(container.id)
     updates = _pool_updates(state, containers, shared, mixed, seq, skip=container.id)
     new = replace(
@@ -279,6 +286,30 @@ def create_container(state: NodeState, container: Container) -> tuple[NodeState,
     )
     pin = ContainerUpdate(container.id, cpus, mems, seq)
     return new, [Reply(ContainerPinned(pin, tuple(updates)))]
+
+
+def container_started(state: NodeState, container_id: str) -> tuple[NodeState, list[Effect]]:
+    """PostStartContainer: send the container its pin again if a decision after the one it was
+    created with (or a ``Synchronize``, which does not know that one) may have been lost.
+
+    containerd applies an update of a container that is not RUNNING to its spec only ("new
+    resource limit will be applied when container start", ``internal/cri/server/
+    container_update_resources.go``), but ``StartContainer`` has already created the task (runc
+    read the spec and made the cgroup) before it marks the container RUNNING: an update in
+    between reaches neither. CRI-O ignores an update of a container it has not finished
+    creating (``server/nri-api.go``). Once the runtime reports the start, an update reaches the
+    cgroup. On a runtime that takes unsolicited updates the pin goes at once; otherwise a
+    container that follows the shared pool gets an unknown cpuset, which the next reply that
+    can carry updates sends (as a failed update's, :func:`invalidate`); a container on its
+    claims' CPUs alone was created with those very CPUs, which no later decision changes.
+    Nothing changes, and nothing is sent, when no decision came after its creation.
+    """
+    record = state.containers.get(container_id)
+    if record is None or record.seq == record.adjusted or not record.cpus:
+        return state, [Reply(None)]
+    if state.unsolicited_updates:
+        return state, [Reply(None), UpdateContainers((record.pin(),))]
+    return invalidate(state, ((container_id, record.seq),))
 
 
 def forget_container(

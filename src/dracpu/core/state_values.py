@@ -62,7 +62,11 @@ class ContainerRecord(NamedTuple):
     the pin the owner last decided for it, which the NRI task sends to the runtime (in an event
     reply or an unsolicited update); ``cpus`` empty: unknown (never set, or the runtime failed
     the update that carried it), so the next reply that can carry updates sets it. ``seq``: the
-    number of that decision (:attr:`NodeState.pin_seq`).
+    number of that decision (:attr:`NodeState.pin_seq`). ``adjusted``: the decision its
+    ``CreateContainer`` reply created it with (0: not known, a container listed by
+    ``Synchronize``); when ``seq`` differs at its ``PostStartContainer``, a later pin may have
+    reached the runtime while the container was starting, which loses it
+    (:func:`dracpu.core.state_containers.container_started`).
     """
 
     container: Container
@@ -70,6 +74,7 @@ class ContainerRecord(NamedTuple):
     cpus: CpuSet
     mems: CpuSet | None = None
     seq: int = 0
+    adjusted: int = 0
 
     def pin(self) -> ContainerUpdate:
         """The container's pin as an update to send."""

@@ -137,13 +137,16 @@ class DaemonProcess:
         ]
 
     def _port_from_log(self) -> int | None:
+        """The port of the last server the log announced (a standby serves on one port, and
+        on another once it took over)."""
+        found = None
         for message in self.messages():
             if message.startswith(_LISTENING):
                 address = message[len(_LISTENING) :].strip()
                 port = address.rpartition(":")[2]
                 if port.isdigit():
-                    return int(port)
-        return None
+                    found = int(port)
+        return found
 
     async def wait_listening(self, timeout: float = READY_TIMEOUT) -> int:  # noqa: ASYNC109
         """Wait for the HTTP port (from the log); return it."""

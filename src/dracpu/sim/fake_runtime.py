@@ -38,6 +38,10 @@ Behaviour copied from containerd 2.x / NRI (each rule names its source in a comm
   ``"refuse"`` answers UNAVAILABLE while the lock is held; an update whose plugin connection
   closed while it waited is not applied (ttrpc cancels the requests of a closed connection);
   :meth:`busy` holds the lock as a long event does;
+* a container whose start has begun (:meth:`create_task`: containerd's ``NewTask``, runc has
+  made its cgroup) and that is not RUNNING yet loses every update, as containerd rewrites only
+  its spec then; CRI-O creates the cgroup in ``CreateContainer`` and takes updates of a
+  created container;
 * ``Synchronize`` is one message unless it exceeds the ttrpc limit (then it is split as
   ``recalcObjsPerSyncMsg`` does) or ``sync_chunk`` forces chunks; each ``more=true`` chunk must be
   answered with ``more=true`` and no updates, else the plugin is closed;

@@ -235,11 +235,29 @@ class NodeSim:
         ``wait_ready`` wait for ``/readyz`` 200. The seconds from launch to ready (or 0)."""
         if self.daemons and self.daemon.returncode is None:
             raise SimError(f"dracpu run is already running (pid {self.daemon.pid})")
-        self.paths.logs.mkdir(parents=True, exist_ok=True)
         # A socket a killed daemon left behind is no sign of the new one: the kubelet's plugin
         # watcher registers a socket when it is created (fsnotify), which the new daemon does by
         # renaming a fresh socket over the path.
         stale = self._socket_inodes()
+        daemon = await self._launch()
+        if register:
+            await self.register(stale)
+        if not wait_ready:
+            return 0.0
+        return await daemon.wait_ready()
+
+    async def start_successor(self) -> DaemonProcess:
+        """A rolling update's new pod beside the running one (``maxSurge: 1``): a second
+        ``dracpu run`` on the same node, returned once it answers ``/readyz`` 200 as the
+        standby; :attr:`daemon` is the new one from now on."""
+        if not self.daemons or self.daemon.returncode is not None:
+            raise SimError("no running dracpu run to succeed")
+        daemon = await self._launch()
+        await daemon.wait_ready()
+        return daemon
+
+    async def _launch(self) -> DaemonProcess:
+        self.paths.logs.mkdir(parents=True, exist_ok=True)
         log_path = self.paths.logs / f"daemon-{len(self.daemons) + 1}.log"
         log_file = log_path.open("wb")
         env = {
@@ -254,11 +272,7 @@ class NodeSim:
             raise
         daemon = DaemonProcess(process, log_path, log_file)
         self.daemons.append(daemon)
-        if register:
-            await self.register(stale)
-        if not wait_ready:
-            return 0.0
-        return await daemon.wait_ready()
+        return daemon
 
     def _socket_inodes(self) -> set[int]:
         inodes: set[int] = set()

@@ -250,7 +250,13 @@ class FakePod:
 
 @dataclass(frozen=True, slots=True)
 class FakeContainer:
-    """A container in the runtime's table; ``cpus``/``mems`` are the cpuset as last applied."""
+    """A container in the runtime's table; ``cpus``/``mems`` are the cpuset as last applied.
+
+    ``starting``: containerd's ``StartContainer`` has created the container's task (runc made
+    its cgroup from the spec as it was then) and not yet marked it RUNNING: an update now
+    rewrites only the spec, which nothing reads again, so it is lost
+    (:meth:`~dracpu.sim.runtime_table.ContainerTable.create_task`).
+    """
 
     id: str
     pod_id: str
@@ -261,6 +267,7 @@ class FakeContainer:
     mems: str = ""
     labels: Mapping[str, str] = field(default_factory=dict)
     annotations: Mapping[str, str] = field(default_factory=dict)
+    starting: bool = False
 
     @property
     def env_map(self) -> dict[str, str]:
@@ -322,7 +329,8 @@ class Note:
     Kinds: ``listening``, ``connected``, ``registered``, ``ready``, ``closed`` (the runtime
     closed the plugin: detail says why), ``disconnected``, ``violation`` (the plugin broke the
     protocol), ``dropped-frame``, ``stray-response``, ``garbage``, ``oversized-frame``,
-    ``restart``, ``sync-split``, ``update-failed``, ``evicted``.
+    ``restart``, ``sync-split``, ``update-failed``, ``update-lost`` (an update of a container
+    that was starting: containerd drops it, :attr:`FakeContainer.starting`), ``evicted``.
     """
 
     kind: str

@@ -153,6 +153,12 @@ class ContainerTable(RuntimeBase):
                 if not update.ignore_failure:
                     failed.append(update)
                 continue
+            if container.starting:
+                # containerd internal/cri/server/container_update_resources.go: a container
+                # that is not RUNNING gets only its spec rewritten ("new resource limit will be
+                # applied when container start"), but its task already exists: lost, no error.
+                self._note("update-lost", f"{container.id}: starting, not running yet")
+                continue
             cpu = update.linux.resources.cpu
             self.containers[container.id] = replace(
                 container, cpus=cpu.cpus or container.cpus, mems=cpu.mems or container.mems
@@ -208,12 +214,27 @@ class ContainerTable(RuntimeBase):
             await self._notify(nri.POST_CREATE_CONTAINER, pod, self.containers[container.id])
         return reply
 
+    def create_task(self, container_id: str) -> None:
+        """The first step of containerd's ``StartContainer`` (``internal/cri/server/
+        container_start.go``): ``container.NewTask``, where runc creates the container's cgroup
+        from its spec, outside the NRI lock. Until :meth:`start_container` marks it RUNNING (the
+        status update after ``task.Start``), an update of it is lost. CRI-O creates the
+        container with runc in ``CreateContainer`` and updates a created container with
+        ``runc update`` (``server/nri-api.go``): nothing to do for it here."""
+        container = self._container(container_id)
+        if container.state != nri.CONTAINER_CREATED:
+            raise FakeRuntimeError(f"container {container_id} is not created")
+        if self.runtime_name != "cri-o":
+            self.containers[container_id] = replace(container, starting=True)
+
     async def start_container(self, container_id: str) -> None:
-        """StartContainer then PostStartContainer; the container becomes RUNNING."""
+        """StartContainer then PostStartContainer; the container becomes RUNNING (and takes
+        updates again, after :meth:`create_task`)."""
         container = self._container(container_id)
         pod = self._pod(container.pod_id)
         async with self._lock:
             self._set_state(container_id, nri.CONTAINER_RUNNING)
+            self.containers[container_id] = replace(self.containers[container_id], starting=False)
             await self._notify(nri.START_CONTAINER, pod, self.containers[container_id])
             await self._notify(nri.POST_START_CONTAINER, pod, self.containers[container_id])
 

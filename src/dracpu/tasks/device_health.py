@@ -1,42 +1,14 @@
 """Device health for the kubelet (KEP-4680): the ``DRAResourceHealth`` service on the DRA socket.
 
-The kubelet (gate ``ResourceHealthStatus``, beta and on by default from 1.36) opens one
-long-lived ``NodeWatchResources`` call per registered plugin and shows each device's health in
-the status of the pods using it (``containerStatuses[].allocatedResourcesStatus``). Served in
-both versions the kubelet speaks, with the same messages (``k8s.io/kubelet``
-``pkg/apis/dra-health/v1`` and ``v1alpha1``): ``/v1.DRAResourceHealth/NodeWatchResources``
-(kubelets of the 1.37 cycle and later prefer it) and ``/v1alpha1.DRAResourceHealth/...`` (what
-1.34-1.36 call; 1.34/1.35 open it whether we advertise it or not), through one
-:class:`HealthStreams`.
-
-What it sends, on every call:
-
-* the complete list of the node's devices (pool = node name) at once: a device missing from a
-  list is one the kubelet takes for Unknown once its timeout has passed;
-* the list again whenever the health changes (:class:`DeviceHealthBoard`, the seam), the latest
-  one only when changes come faster than the kubelet reads;
-* the list again after :data:`RESEND_INTERVAL` without a change: the kubelet measures each
-  device's timeout from its last report of it (``healthInfoCache.updateHealthInfo`` stamps every
-  reported device with its own clock), so a quiet stream must still speak;
-* ``health_check_timeout_seconds`` = :data:`HEALTH_CHECK_TIMEOUT`, so a daemon that stalls turns
-  its devices Unknown in the kubelet;
-* ``last_updated_time``: the Unix second of the device's last health change, or of the first
-  assessment (:mod:`dracpu.core.health`).
-
-The health itself (:func:`dracpu.core.health.assess`): a device is UNHEALTHY when a CPU it was
-published with is not online. :class:`DeviceHealthBoard` is the seam that holds it: the devices
-come from the state owner (:class:`~dracpu.tasks.state_owner.StateOwner`: at restore, and
-whenever a command changes the node config or the claims on CPUs that went offline, e.g. a
-SIGHUP that read the topology again: :func:`dracpu.core.health.reported_devices`), the online
-CPUs from :func:`watch_online` (the daemon's ``device-health`` task reads them every
-:data:`ONLINE_POLL_INTERVAL`) and from the topology a SIGHUP read, and every stream wakes up on
-a change.
-
-The kubelet ends the call when it deregisters the plugin, and forgets the driver's health
-whenever a stream ends (it opens a new one after 5 s). When the DRA socket stops,
-:meth:`HealthStreams.ending` ends every call with status OK (a clean end of stream, which the
-kubelet logs as such) before the server closes the connections; what has not ended within
-:data:`END_TIMEOUT` is cancelled with the server's other calls.
+Served in both versions the kubelet speaks, with the same messages (``k8s.io/kubelet``
+``pkg/apis/dra-health/v1`` and ``v1alpha1``), through one :class:`HealthStreams`: every
+``NodeWatchResources`` call gets the complete list of the node's devices at once, again on
+every change of :class:`DeviceHealthBoard` (the seam: the devices and the claims' file problems
+from the state owner, the online CPUs from :func:`watch_online`) and again after
+:data:`RESEND_INTERVAL` without one, with ``health_check_timeout_seconds`` =
+:data:`HEALTH_CHECK_TIMEOUT`; :meth:`HealthStreams.ending` ends every call with status OK
+before the socket closes. What is unhealthy, and why the stream speaks when nothing changed,
+are ``docs/architecture.md``, "Device health".
 """
 
 from __future__ import annotations

@@ -209,20 +209,22 @@ def _application(readiness: Readiness, registry: CollectorRegistry) -> web.Appli
 async def _listen(bind: BindAddress) -> socket.socket:
     """One listening socket for ``bind``, as Go's ``net.Listen`` makes it: ``:port`` on every
     interface (dual-stack IPv6 where the host has it, else IPv4), a host name on the first of
-    its addresses."""
+    its addresses. With ``SO_REUSEPORT``: during a rolling update on the host's network the next
+    dracpu serves its probes on the same port beside this one (the kernel shares a port only
+    among sockets of the same user that all set it; :mod:`dracpu.tasks.handover`)."""
     try:
         if not bind.host:
             if socket.has_dualstack_ipv6():
                 return socket.create_server(
-                    ("", bind.port), family=socket.AF_INET6, dualstack_ipv6=True
+                    ("", bind.port), family=socket.AF_INET6, dualstack_ipv6=True, reuse_port=True
                 )
-            return socket.create_server(("", bind.port))
+            return socket.create_server(("", bind.port), reuse_port=True)
         family, _, _, _, address = (
             await anyio.getaddrinfo(
                 bind.host, bind.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
             )
         )[0]
-        return socket.create_server(address[:2], family=family)
+        return socket.create_server(address[:2], family=family, reuse_port=True)
     except OSError as exc:
         # socket.create_server adds the address to strerror; the message names it already.
         reason = os.strerror(exc.errno) if exc.errno else str(exc)

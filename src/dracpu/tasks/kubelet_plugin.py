@@ -1,45 +1,21 @@
 """The DRA gRPC service the kubelet calls: ``NodePrepareResources`` / ``NodeUnprepareResources``.
 
 Served on ``<kubelet-root>/plugins/dra.cpu/dra.sock`` in both versions the kubelet speaks
-(``k8s.io/kubelet`` ``pkg/apis/dra/v1`` and ``v1beta1``):
-``k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`` and ``k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin``,
-by grpclib (:func:`dracpu.adapters.grpc_unix.open_grpc_server`) with the betterproto2 messages
-and service bases of ``dracpu._gen.dra``. Both go through one :class:`DraService`; the versions
-differ only in v1's ``Device.share_id``. A request that does not decode fails the call with
-``INVALID_ARGUMENT`` saying what is wrong, and the server keeps serving.
-
-Prepare, for each claim of a call, concurrently (at most :data:`MAX_CONCURRENT_CLAIMS` claims at
-a time over all calls):
-
-1. GET the ResourceClaim ``namespace/name`` (the kubelet sends references only) and read it with
-   :func:`dracpu.core.claims.read_claim`: the UID must be the one asked for, the claim must be
-   allocated, our results (driver ``dra.cpu``, pool = node name) must be well formed; the pods
-   of its ``status.reservedFor`` are recorded with it (only their containers may use it); its
-   opaque configs of our driver (``cpuConfig``: an explicit cpuset, the policy, whole cores,
-   memory pinning) are read by :func:`dracpu.core.claim_config.claim_overrides`;
-2. send :class:`~dracpu.core.commands.PrepareClaim` to the state owner, which picks the CPUs,
-   writes the CDI spec and the checkpoint (and rewrites the spec when the claim was already
-   prepared: a reboot empties ``/var/run/cdi``);
-3. answer one entry per claim: a device per result of ours, with the main request name (the
-   Go helper strips ``/<subrequest>``; the kubelet matches containers by main request names),
-   pool, device and the claim's CDI id ``dra.k8s.io/cpu=claim-<uid>``, and on the first
-   device of each request the CDI id that mounts that request's device metadata
-   (``dra.cpu/metadata=<uid>_<request>``, :mod:`dracpu.core.device_metadata`), as the Go
-   helper does with ``EnableDeviceMetadata``;
-4. best effort, record the cpuset in the claim's ``status.devices[].data``
-   (:mod:`dracpu.tasks.status_patches`), only once the WHOLE answer (message and trailers) has
-   been handed to the transport: the Prepare rpc method works on the call's grpclib stream,
-   sends the message and the trailers itself, and only then leaves the block of the call's
-   :class:`~dracpu.tasks.status_patches.DeferredPatches`, which starts the patches.
-
-A claim that cannot be prepared gets its own ``error`` string; the other claims of the call are
-still prepared, and the call itself never fails at the gRPC level for a claim's problem (the
-kubelet then retries only what failed). Unprepare sends
-:class:`~dracpu.core.commands.UnprepareClaim` per claim; the claim object is not read (it may
-be gone) and an unknown claim succeeds.
-
-The same socket serves the devices' health (``v1.DRAResourceHealth`` and
-``v1alpha1.DRAResourceHealth``, :mod:`dracpu.tasks.device_health`).
+(``k8s.io/kubelet`` ``pkg/apis/dra/v1`` and ``v1beta1``, differing only in v1's
+``Device.share_id``) through one :class:`DraService`, by grpclib
+(:func:`dracpu.adapters.grpc_unix.open_grpc_server`) with the betterproto2 messages and service
+bases of ``dracpu._gen.dra``; the same socket serves the devices' health
+(:mod:`dracpu.tasks.device_health`). Prepare, for each claim of a call concurrently (at most
+:data:`MAX_CONCURRENT_CLAIMS` over all calls): GET and read the ResourceClaim
+(:func:`dracpu.core.claims.read_claim`, its opaque configs by
+:func:`dracpu.core.claim_config.claim_overrides`), send
+:class:`~dracpu.core.commands.PrepareClaim` to the state owner, answer a device per result of
+ours with the claim's CDI id (and, on each request's first device, its metadata's, as the Go
+helper does with ``EnableDeviceMetadata``), and only once the whole answer has been handed to
+the transport patch the claim's status (:mod:`dracpu.tasks.status_patches`). A claim that
+cannot be prepared gets its own ``error``; the call never fails for a claim's problem.
+Unprepare sends :class:`~dracpu.core.commands.UnprepareClaim` per claim without reading it. The
+walk is ``docs/architecture.md``, "The walk of one claim" and "DRA socket".
 """
 
 from __future__ import annotations

@@ -13,18 +13,21 @@ runtime's ``nri.pkg.api.v1alpha1.Runtime`` (containerd/nri ``pkg/net/multiplex``
    to our registration;
 2. ``RegisterPlugin{name, index, NRI_version}`` on conn 2 (``dra.cpu``/``00`` by default, and
    the NRI release our API follows, :data:`~dracpu.adapters.nri_messages.NRI_VERSION`);
-3. the runtime calls ``Configure``: we subscribe to CreateContainer, UpdateContainer,
-   StopContainer and RemoveContainer (mask 0x688, valid on every runtime since NRI v0.2) and
-   note the runtime's name and versions: unsolicited updates are allowed only with NRI >=
-   v0.12.1 (:func:`~dracpu.adapters.nri_messages.unsolicited_updates_supported`);
+3. the runtime calls ``Configure``: we subscribe to CreateContainer, PostStartContainer,
+   UpdateContainer, StopContainer and RemoveContainer (mask 0x6c8, valid on every runtime since
+   NRI v0.2) and note the runtime's name and versions: unsolicited updates are allowed only
+   with NRI >= v0.12.1 (:func:`~dracpu.adapters.nri_messages.unsolicited_updates_supported`);
 4. the runtime calls ``Synchronize`` (possibly in parts, ``more``): the state owner gets every
    container (:class:`~dracpu.core.commands.Synchronize`) and the reply re-pins all of them;
 5. events: ``CreateContainer`` pins the new container (its claims' CPUs, plus the shared pool
    for a ``sharedPool`` claim, or the shared pool) and the same reply moves every container that
    follows the pool off newly claimed CPUs; ``UpdateContainer`` and
-   ``StopContainer`` answer likewise; ``RemoveContainer`` (dedicated RPC or ``StateChange``)
-   forgets the container; the other Plugin methods answer UNIMPLEMENTED (code 12), so a v0.12
-   runtime falls back to ``StateChange`` for events we did not subscribe to anyway;
+   ``StopContainer`` answer likewise; ``PostStartContainer`` (dedicated RPC or
+   ``StateChange``) sends a container that started its pin again if a newer decision may have
+   been lost while it was starting (:class:`~dracpu.core.commands.ContainerStarted`);
+   ``RemoveContainer`` (likewise) forgets the container; the other Plugin methods answer
+   UNIMPLEMENTED (code 12), so a v0.12 runtime falls back to ``StateChange`` for events we did
+   not subscribe to anyway;
 6. once synchronized, the sender sends the link's queued unsolicited updates
    (:class:`~dracpu.tasks.nri_link.NriLink`), one ``UpdateContainers`` at a time.
 
@@ -64,6 +67,7 @@ from dracpu.config import Config
 from dracpu.core.commands import (
     Command,
     Container,
+    ContainerStarted,
     CreateContainer,
     InvalidateContainers,
     RemoveContainer,
@@ -160,12 +164,21 @@ class _Call:
 Handler = Callable[[Call], Awaitable[_Reply]]
 
 
+# The events whose answer carries nothing, as StateChange delivers them (runtimes before NRI
+# v0.12 have no dedicated RPC for them): the owner's command for each.
+_NOTICES: dict[int, type[ContainerStarted] | type[RemoveContainer]] = {
+    api.POST_START_CONTAINER: ContainerStarted,
+    api.REMOVE_CONTAINER: RemoveContainer,
+}
+
+
 class NriConnection:
     """One socket to the runtime: the mux, both ttrpc connections, the handlers, the sender.
 
-    ``on_synchronized`` is called once, after the first Synchronize was answered. ``recheck``
-    reads claims again before a container of a pod they are not reserved for is refused
-    (``None``: never).
+    ``on_synchronized`` is called once, after the first Synchronize was answered;
+    ``on_configured`` once the runtime's ``Configure`` is handled, just before its answer goes
+    out (the runtime asks for the ``Synchronize`` next). ``recheck`` reads claims again before a
+    container of a pod they are not reserved for is refused (``None``: never).
     """
 
     def __init__(
@@ -176,12 +189,14 @@ class NriConnection:
         link: NriLink,
         on_synchronized: Callable[[], None],
         recheck: ClaimRecheck | None = None,
+        on_configured: Callable[[], None] | None = None,
     ) -> None:
         self._stream = stream
         self._config = config
         self._owner = owner
         self._link = link
         self._on_synchronized = on_synchronized
+        self._on_configured = on_configured
         self._recheck = recheck
         self._mux = MuxConnection()
         self._server = TtrpcConnection(Role.SERVER)  # conn 1: the runtime calls us
@@ -199,6 +214,7 @@ class NriConnection:
             "Configure": self._configure,
             "Synchronize": self._synchronize,
             "CreateContainer": self._create_container,
+            "PostStartContainer": self._post_start_container,
             "UpdateContainer": self._update_container,
             "StopContainer": self._stop_container,
             "RemoveContainer": self._remove_container,
@@ -505,6 +521,8 @@ class NriConnection:
             messages.SUBSCRIBED_EVENT_MASK,
             "on" if self._unsolicited else "off (shared containers widen at the next event)",
         )
+        if self._on_configured is not None:
+            self._on_configured()
         return _Reply(messages.configure_response())
 
     async def _synchronize(self, call: Call) -> _Reply:
@@ -633,21 +651,30 @@ class NriConnection:
         pins = self._link.fresh(value.updates)
         return _Reply(messages.stop_container_response(pins), pins)
 
-    async def _forget(self, call: Call, container_id: str) -> None:
+    async def _tell(self, call: Call, command: ContainerStarted | RemoveContainer) -> None:
+        """Tell the owner of an event whose answer carries nothing: a refusal is logged, never
+        answered (the runtime goes on anyway: the container starts, or is gone)."""
         try:
-            await self._ask(RemoveContainer(container_id), self._deadline(call))
+            await self._ask(command, self._deadline(call))
         except _Refused as refused:
-            logger.warning("NRI: RemoveContainer %s: %s", container_id, refused.message)
+            name = type(command).__name__
+            logger.warning("NRI: %s %s: %s", name, command.container_id, refused.message)
 
     async def _remove_container(self, call: Call) -> _Reply:
         _, container = self._event_container(call)
-        await self._forget(call, container.id)
+        await self._tell(call, RemoveContainer(container.id))
         return _Reply(b"")  # RemoveContainerResponse is empty
+
+    async def _post_start_container(self, call: Call) -> _Reply:
+        _, container = self._event_container(call)
+        await self._tell(call, ContainerStarted(container.id))
+        return _Reply(b"")  # PostStartContainerResponse is empty
 
     async def _state_change(self, call: Call) -> _Reply:
         event = messages.read_state_change(call.payload)
-        if event.event == api.REMOVE_CONTAINER and event.container.id:
-            await self._forget(call, event.container.id)
+        notice = _NOTICES.get(event.event)
+        if notice is not None and event.container.id:
+            await self._tell(call, notice(event.container.id))
         return _Reply(b"")  # Empty
 
     async def _shutdown(self, call: Call) -> _Reply:

@@ -4,10 +4,10 @@ the runtime, and its status.
 The pins live in the node state (:class:`~dracpu.core.state_values.ContainerRecord`: cpus, mems
 and ``seq``, the number of the owner's decision that chose them). They reach the runtime two
 ways: in the reply to a container event (CreateContainer, UpdateContainer, StopContainer,
-Synchronize), and, after an Unprepare on a runtime that takes them, in an unsolicited
-``UpdateContainers`` that this queue holds until the connection sends it (never from inside an
-event handler: containerd holds one lock across an event, and ``UpdateContainers`` needs it
-too, containerd/containerd#13733).
+Synchronize), and, after an Unprepare or a container's start (a pin it may have lost while
+starting), on a runtime that takes them, in an unsolicited ``UpdateContainers`` that this queue
+holds until the connection sends it (never from inside an event handler: containerd holds one
+lock across an event, and ``UpdateContainers`` needs it too, containerd/containerd#13733).
 
 The two ways can reach the runtime in the opposite order of the owner's decisions: an
 ``UpdateContainers`` waiting for containerd's lock is applied after the event that holds it,

@@ -104,8 +104,10 @@ async def _connections(
     delays_factory: Callable[[], Iterator[float]],
     first_sync: anyio.Event,
     recheck: ClaimRecheck,
+    handing_over: anyio.Event,
+    on_configured: Callable[[], None] | None,
 ) -> None:
-    """Connect, serve, reconnect: forever."""
+    """Connect, serve, reconnect: until a connection ends during the hand-over."""
     delays = delays_factory()
     socket = config.nri_socket
     failures = 0
@@ -124,7 +126,9 @@ async def _connections(
             log("NRI: cannot connect to %s (attempt %d): %s; retrying", socket, failures, exc)
             await anyio.sleep(next(delays))
             continue
-        connection = NriConnection(stream, config, owner, link, synchronized, recheck)
+        connection = NriConnection(
+            stream, config, owner, link, synchronized, recheck, on_configured=on_configured
+        )
         reason = "connection ended"
         try:
             async with stream:
@@ -134,6 +138,10 @@ async def _connections(
         if connection.synchronized:
             delays = delays_factory()
             failures = 0
+        if handing_over.is_set():
+            # The state dir is the next dracpu's, which pins the containers now.
+            logger.info("NRI: connection to %s ended during the hand-over: %s", socket, reason)
+            return
         logger.warning("NRI: connection to %s ended: %s; reconnecting", socket, reason)
         await _tell_disconnected(owner)
         await anyio.sleep(next(delays))
@@ -150,6 +158,8 @@ async def run(
     delays: Callable[[], Iterator[float]] = reconnect_delays,
     start_timeout: float = START_TIMEOUT,
     drain_timeout: float = STOP_DRAIN_TIMEOUT,
+    on_configured: Callable[[], None] | None = None,
+    hand_over: Callable[[], Awaitable[bool]] | None = None,
     task_status: TaskStatus[None] = TASK_STATUS_IGNORED,
 ) -> None:
     """Be the node's NRI plugin until cancelled (see the module docstring).
@@ -164,6 +174,11 @@ async def run(
     ``task_status.started()`` comes after the first synchronized connection or after
     ``start_timeout`` seconds, whichever is first. Cancelled, it waits up to ``drain_timeout``
     seconds for the link to settle before the connection closes (see the module docstring).
+
+    The hand-over of a rolling update (:mod:`dracpu.tasks.handover`): ``on_configured`` is
+    called when a connection's ``Configure`` is handled; ``hand_over``, at a stop, after the
+    drain and before the connection closes: it returns once the next dracpu is configured
+    (``True``) or there is none; a connection that ends after it began is not made again.
     """
     link = NriLink() if link is None else link
     link.watch(committed)
@@ -172,7 +187,19 @@ async def run(
     # The connections run shielded from the task's cancellation: at a stop they end only once
     # the link has settled (or the drain timed out).
     connections = anyio.CancelScope(shield=True)
-    serve = partial(_connections, config, owner_send, link, connect, delays, first_sync, recheck)
+    handing_over = anyio.Event()
+    serve = partial(
+        _connections,
+        config,
+        owner_send,
+        link,
+        connect,
+        delays,
+        first_sync,
+        recheck,
+        handing_over,
+        on_configured,
+    )
     async with owner_send, anyio.create_task_group() as tg:
         tg.start_soon(_within, connections, serve)
         try:
@@ -190,6 +217,9 @@ async def run(
         finally:
             with anyio.CancelScope(shield=True):
                 await _drain(link, drain_timeout)
+                if hand_over is not None:
+                    handing_over.set()
+                    await hand_over()
             connections.cancel()
 
 

@@ -113,6 +113,7 @@ HOST_CGROUPS_CHECK = 10.0
 _HOST_CGROUPS_RETRY = partial(backoff_delays, initial=1.0, cap=30.0)
 
 C = TypeVar("C")
+T = TypeVar("T")
 
 ContainerUpdates = Callable[[UpdateContainers], None]
 """Takes the owner's unsolicited container updates without blocking and without failing (the
@@ -321,6 +322,7 @@ class StateOwner:
         # The file effects run in anyio's worker threads, one hop at a time and in order: the
         # owner awaits each hop, and this limiter keeps any other caller out of the way.
         self._files_limiter = anyio.CapacityLimiter(1)
+        self._handed_over = False  # the state dir is the next dracpu's: no file is written
         self._state: NodeState | None = None
         # The published devices' health (the DRA socket's health streams read it).
         self.health = DeviceHealthBoard()
@@ -402,6 +404,8 @@ class StateOwner:
         while True:
             cgroups = math.inf if self._cgroups_retry_at is None else self._cgroups_retry_at
             due = min(self._state_dir.due, self._cdi_dir.due, cgroups)
+            if self._handed_over:
+                due = math.inf  # the dirs are the next dracpu's to test
             with anyio.CancelScope(deadline=due):
                 try:
                     return await self._receive.receive()
@@ -417,22 +421,45 @@ class StateOwner:
 
     async def _confine_again(self) -> None:
         """Confine the listed host cgroups to the committed state's pool once more."""
+        if self._handed_over:
+            self._cgroups_retry_at = None
+            return
         state = self.state
         effect = ConfineHostCgroups(state.config.host_cgroups, state.host_pool)
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(
-                self._files.run_batch, (effect,), [], limiter=self._files_limiter
-            )
+            await self._files_call(self._files.run_batch, (effect,), [])
         self._follow_host_cgroups(retried=True)
 
     async def _release_host_cgroups(self) -> None:
-        """The daemon stops: every confined host cgroup gets back what it held."""
+        """The daemon stops: every confined host cgroup gets back what it held (unless the
+        state dir went to the next dracpu, which keeps them confined)."""
+        if self._handed_over:
+            return
         try:
-            await anyio.to_thread.run_sync(
-                self._files.release_host_cgroups, limiter=self._files_limiter
-            )
+            await self._files_call(self._files.release_host_cgroups)
         except Exception:  # a bug: never hide the reason the owner stopped
             logger.exception("giving the host cgroups back what they held failed")
+
+    async def stop_writing(self) -> None:
+        """The state dir goes to the next dracpu (:mod:`dracpu.tasks.handover`): wait for the
+        file effect in flight, then write no file any more. Commands that need one fail from
+        now on (and are rolled back); container events, which write none, are still served."""
+        async with self._files_limiter:
+            self._handed_over = True
+        self._cgroups_retry_at = None
+        logger.info("the state owner writes no file any more: the state dir is handed over")
+
+    async def _files_call(self, function: Callable[..., T], *args: object) -> T:
+        """``function(*args)`` in a worker thread, one at a time, unless the state dir was
+        handed over (checked under the limiter, so no write begins after
+        :meth:`stop_writing` returned)."""
+
+        def call() -> T:
+            if self._handed_over:
+                raise DracpuError("the state dir was handed over to the next dracpu")
+            return function(*args)
+
+        return await anyio.to_thread.run_sync(call, limiter=self._files_limiter)
 
     def _follow_host_cgroups(self, *, retried: bool = False) -> None:
         """Report the host cgroups after an attempt to confine them: the readiness flag (not
@@ -464,11 +491,11 @@ class StateOwner:
 
     async def _write_checkpoint(self) -> None:
         """Write the committed state's checkpoint (even unchanged): the state dir's test."""
+        if self._handed_over:
+            return
         data = self.state.checkpoint()
         try:
-            await anyio.to_thread.run_sync(
-                self._files.write_checkpoint, data, limiter=self._files_limiter
-            )
+            await self._files_call(self._files.write_checkpoint, data)
         except CheckpointError as error:
             self._state_dir.failed(str(error), "Prepare and Unprepare fail until then")
         else:
@@ -478,6 +505,8 @@ class StateOwner:
         """The CDI dir's test: while it works, a look at its file system (read-only, full?)
         that writes nothing; once a write failed, a probe file created and removed. When it
         works again after it failed, every claim's files are written again."""
+        if self._handed_over:
+            return
         condition = self._cdi_dir
         probe = condition.failing or condition.suspect
         try:
@@ -630,9 +659,7 @@ class StateOwner:
         (anyio's default: the thread is not abandoned)."""
         before = len(started)
         try:
-            await anyio.to_thread.run_sync(
-                self._files.run_batch, batch, started, limiter=self._files_limiter
-            )
+            await self._files_call(self._files.run_batch, batch, started)
         except DracpuError as error:
             begun = started[before:]
             for effect in begun[:-1]:
