@@ -44,6 +44,7 @@ from tests.e2e.workloads import (
     OBSERVE,
     OVERLAYS,
     REPO,
+    claim_sharing_pod,
     claim_template,
     exclusive_pod,
     load_manifest,
@@ -159,6 +160,12 @@ def _built_objects() -> list[tuple[str, dict[str, Any]]]:
             "exclusive-no-cpu",
             exclusive_pod("e", "e2e-ns", "dracpu-e2e-worker", template="cpus", cpu_resources=None),
         ),
+        (
+            "claim-sharing",
+            claim_sharing_pod(
+                "s", "e2e-ns", "dracpu-e2e-worker", template="cpus", cpu_resources="1"
+            ),
+        ),
     ]
 
 
@@ -188,6 +195,10 @@ def test_builders_set_what_the_tests_vary() -> None:
     }
     env = shared_pod("s", "ns", "n", env={"DRA_CPUSET_x": "1"})["spec"]["containers"][0]["env"]
     assert env == [{"name": "DRA_CPUSET_x", "value": "1"}]
+    sharing = claim_sharing_pod("c", "ns", "n", template="t", cpu_resources="1")["spec"]
+    users = [*sharing["initContainers"], *sharing["containers"]]
+    assert [c["name"] for c in users] == ["init", "work", "side"]
+    assert all(c["resources"]["claims"] == [{"name": "cpus"}] for c in users)
     # Builders copy: the cached manifest is never changed.
     assert load_manifest("exclusive-pod.yaml")["metadata"]["name"] == "exclusive"
 

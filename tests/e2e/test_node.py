@@ -1,6 +1,7 @@
 """dracpu's features as a real kubelet, API server and scheduler see them: device metadata and
-health in the pod, opaque claim config, the ValidatingAdmissionPolicy on dracpu's own token,
-rolling updates, SIGHUP, a pod deleted while dracpu is down, and individual mode.
+health in the pod, a claim shared by a pod's containers, opaque claim config, the
+ValidatingAdmissionPolicy on dracpu's own token, rolling updates, SIGHUP, a pod deleted while
+dracpu is down, and individual mode.
 
 Run with the rest of the suite (``just e2e-local``, ``just e2e``; ``DRACPU_E2E=1``). Tests that
 change the deployment (the config map, the DaemonSet) put it back afterwards, and wait until
@@ -33,7 +34,11 @@ from tests.e2e.workloads import (
     CLAIM_REQUEST,
     CPU_CAPACITY,
     DRIVER,
+    OBSERVE,
+    SEEN_BY_INIT,
+    SIDE_CONTAINER,
     WORK_CONTAINER,
+    claim_sharing_pod,
     claim_template,
     exclusive_pod,
     shared_pod,
@@ -134,6 +139,41 @@ def test_device_metadata_and_health_reach_the_container(
     assert resource["health"] == "Healthy"
     # The kubelet names the device by its first CDI device id: our spec's, for this claim.
     assert claim["metadata"]["uid"] in resource["resourceID"]
+
+
+# --- a claim used by several containers of its pod ------------------------------------------
+
+
+def test_a_claim_is_shared_by_its_pods_init_and_app_containers(
+    cluster: Cluster, target: Target, namespace: str
+) -> None:
+    """docs/pods.md: an init container and two app containers of the pod the claim is reserved
+    for all run on the claim's CPUs (a driver that refused the claim's second user would leave
+    the pod Pending with a failed CreateContainer), and a plain pod stays off them."""
+    cluster.create(claim_template("sharing", namespace, str(target.size)))
+    cluster.start(
+        claim_sharing_pod(
+            "sharing",
+            namespace,
+            target.node.name,
+            template="sharing",
+            cpu_resources=str(target.size),
+        )
+    )
+    cpus = cluster.exclusive_cpus(namespace, "sharing")  # the work container, env and pins
+    key = f"DRA_CPUSET_{cluster.claim_of(namespace, 'sharing')['metadata']['uid']}"
+    side = cluster.kube.exec_python(namespace, "sharing", SIDE_CONTAINER, OBSERVE)
+    init = json.loads(
+        cluster.kube.run(
+            "exec", "-n", namespace, "sharing", "-c", WORK_CONTAINER, "--", "cat", SEEN_BY_INIT
+        )
+    )
+    for name, seen in (("init", init), (SIDE_CONTAINER, side)):
+        assert parse_cpulist(seen["self"]) == cpus, f"{name}: {seen}, the claim's cpus {cpus}"
+        assert parse_cpulist(seen["pid1"]) == cpus, f"{name}: {seen}, the claim's cpus {cpus}"
+        assert seen["dra"] == {key: format_cpulist(cpus)}, f"{name}: {seen}"
+    cluster.start(shared_pod("shared", namespace, target.node.name))
+    cluster.expect_cpus(namespace, "shared", target.node.shareable - cpus, timeout=SOON)
 
 
 # --- opaque config ---------------------------------------------------------------------------

@@ -33,7 +33,10 @@ __all__ = [
     "OVERLAYS",
     "OVERLAY_ENV",
     "REPO",
+    "SEEN_BY_INIT",
+    "SIDE_CONTAINER",
     "WORK_CONTAINER",
+    "claim_sharing_pod",
     "claim_template",
     "deployed_overlay",
     "exclusive_pod",
@@ -60,6 +63,10 @@ CPU_CAPACITY = "dra.cpu/cpu"  # the capacity of grouped devices
 # Names used by the manifests.
 CLAIM_REQUEST = "cpus"  # the request of claim-template.yaml, the claim entry of exclusive-pod.yaml
 WORK_CONTAINER = "work"  # the container of shared-pod.yaml and exclusive-pod.yaml
+# claim_sharing_pod's second app container, and the file in which its init container left what
+# OBSERVE saw (an emptyDir the work container mounts too).
+SIDE_CONTAINER = "side"
+SEEN_BY_INIT = "/seen/init.json"
 _NODE_LABEL = "kubernetes.io/hostname"  # kind names each node after its hostname
 
 # Run inside a container (python3 -c): the Cpus_allowed_list of the process kubectl exec starts
@@ -168,6 +175,41 @@ def exclusive_pod(
             resources[kind].pop("cpu", None)
         else:
             resources[kind]["cpu"] = cpu_resources
+    return pod
+
+
+def claim_sharing_pod(
+    name: str, namespace: str, node: str, *, template: str, cpu_resources: str
+) -> dict[str, Any]:
+    """An exclusive pod (:func:`exclusive_pod`) whose one claim is used by three containers: an
+    init container, which runs :data:`OBSERVE` into :data:`SEEN_BY_INIT` and exits, the work
+    container and a second app container, :data:`SIDE_CONTAINER` (docs/pods.md: the containers
+    of the pods a claim is reserved for share its CPUs)."""
+    pod = exclusive_pod(name, namespace, node, template=template, cpu_resources=cpu_resources)
+    (work,) = pod["spec"]["containers"]
+    seen = Path(SEEN_BY_INIT).parent
+    mount = {"name": "seen", "mountPath": str(seen)}
+    pod["spec"]["volumes"] = [{"name": "seen", "emptyDir": {}}]
+    work["volumeMounts"] = [mount]
+    claim_only = {"claims": copy.deepcopy(work["resources"]["claims"])}
+    init = {
+        "name": "init",
+        "image": work["image"],
+        "imagePullPolicy": work["imagePullPolicy"],
+        # sh passes the script as $0 to python3, unquoted by nothing: OBSERVE has newlines.
+        "command": ["sh", "-c", f'python3 -c "$0" > {SEEN_BY_INIT}', OBSERVE],
+        "resources": claim_only,
+        "volumeMounts": [mount],
+    }
+    side = {
+        "name": SIDE_CONTAINER,
+        "image": work["image"],
+        "imagePullPolicy": work["imagePullPolicy"],
+        "command": work["command"],
+        "resources": copy.deepcopy(claim_only),
+    }
+    pod["spec"]["initContainers"] = [init]
+    pod["spec"]["containers"].append(side)
     return pod
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from dracpu.sim.fake_kubelet import ClaimRef, HealthList, HealthWatch
+from dracpu.sim.fake_kubelet import ClaimRef
 from dracpu.sim.fake_runtime import open_fake_runtime
 from dracpu.sim.faults import api_outage
 from dracpu.sim.node import NodeSim, SimClaim, open_node_sim, wait_until
@@ -189,34 +189,21 @@ async def _unwritable_file(
     underneath = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         with sim.kubelet.watch_health() as watch, read_only_bind(path.parent) as mount:
-            assert (await _health(watch, lambda h: device in h.health())).unhealthy() == {}
+            assert (await watch.until(lambda h: device in h.health(), HELD)).unhealthy() == {}
             os.unlink(path.name, dir_fd=underneath)
             reason = (
                 f"claim {claim.uid}: cannot write {what} {str(path)!r}: Read-only file "
                 f"system; {consequence}"
             )
-            health = await _health(watch, lambda h: bool(h.unhealthy()))
+            health = await watch.until(lambda h: bool(h.unhealthy()), HELD)
             assert health.unhealthy() == {device: reason}
             assert not path.exists()
             mount.set_read_only(False)
-            await _health(watch, lambda h: h.health()[device] == "HEALTHY", within=recovery)
+            await watch.until(lambda h: h.health()[device] == "HEALTHY", recovery)
             assert path.exists()
     finally:
         os.close(underneath)
     assert await sim.stop_daemon() == 0
-
-
-async def _health(
-    watch: HealthWatch, done: Callable[[HealthList], bool], *, within: float = HELD
-) -> HealthList:
-    """The first health list for which ``done`` holds (within ``within`` seconds)."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        health = await watch.anext(within)
-        assert health is not None, "the daemon ended the health stream"
-        if done(health):
-            return health
-    raise AssertionError(f"no such health list within {within} s")
 
 
 async def test_a_full_state_dir_at_start_is_waited_out() -> None:

@@ -46,16 +46,6 @@ async def _next(watch: HealthWatch) -> HealthList:
     return health
 
 
-async def _until_unhealthy(watch: HealthWatch, expected: dict[str, str]) -> HealthList:
-    """Read lists until one reports exactly ``expected`` unhealthy (at most WITHIN s)."""
-    deadline = time.monotonic() + WITHIN
-    while time.monotonic() < deadline:
-        health = await _next(watch)
-        if health.unhealthy() == expected:
-            return health
-    raise AssertionError(f"no health list with {expected} unhealthy within {WITHIN} s")
-
-
 async def test_health_stream_of_the_real_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
     async with open_node_sim(start=False) as sim:
         monkeypatch.setattr(sim, "command", lambda: _short_resend(sim))
@@ -88,7 +78,9 @@ async def test_health_stream_of_the_real_daemon(monkeypatch: pytest.MonkeyPatch)
             # a CPU of NUMA node 1 goes offline: that group turns unhealthy
             lost = numa1[1]
             online.write_text(",".join(str(c) for c in sorted(everything - {lost})) + "\n")
-            broken = await _until_unhealthy(watch, {"cpudevnuma001": f"cpu {lost} is offline"})
+            broken = await watch.until(
+                lambda h: h.unhealthy() == {"cpudevnuma001": f"cpu {lost} is offline"}, WITHIN
+            )
             assert broken.health() == {
                 "cpudevnuma000": "HEALTHY",
                 "cpudevnuma001": "UNHEALTHY",
@@ -103,7 +95,7 @@ async def test_health_stream_of_the_real_daemon(monkeypatch: pytest.MonkeyPatch)
 
             # back online: healthy again
             online.write_text(f"0-{max(everything)}\n")
-            await _until_unhealthy(watch, {})
+            await watch.until(lambda h: h.unhealthy() == {}, WITHIN)
 
             # the daemon stops: the stream ends cleanly (status OK), after any list in flight
             assert await sim.stop_daemon(signal.SIGTERM) == 0

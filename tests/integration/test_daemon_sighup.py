@@ -11,15 +11,12 @@ a claim holds one of the new CPUs.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from dracpu.core.cpuset import CpuSet
-from dracpu.sim.fake_kubelet import HealthList, HealthWatch
 from dracpu.sim.node import NodeSim, open_node_sim, wait_until
 from tests.integration.conftest import checkpoint_claims, cpus
 
@@ -41,16 +38,6 @@ async def _republished(sim: NodeSim, after: int) -> list[dict[str, Any]]:
         failed=sim.daemon.exited,
     )
     return await sim.wait_published()
-
-
-async def _until(watch: HealthWatch, done: Callable[[HealthList], bool]) -> HealthList:
-    deadline = time.monotonic() + WITHIN
-    while time.monotonic() < deadline:
-        health = await watch.anext(WITHIN)
-        assert health is not None, "the daemon ended the health stream"
-        if done(health):
-            return health
-    raise AssertionError(f"no such health list within {WITHIN} s")
 
 
 async def _logged(sim: NodeSim, start: str, *, since: int = 0) -> str:
@@ -90,7 +77,7 @@ async def test_individual_devices_shrink_the_claim_stays_and_reserved_cpus_apply
         assert cpus(sim.cpus_of(shared)) == set(range(64)) - {0, 32, 1}
 
         with sim.kubelet.watch_health() as watch:
-            first = await _until(watch, lambda h: len(h.devices) == 62)
+            first = await watch.until(lambda h: len(h.devices) == 62, WITHIN)
             assert first.unhealthy() == {}
 
             # cpu 1 (the claim's), its sibling 33 and a free cpu 40 go offline; SIGHUP
@@ -100,7 +87,7 @@ async def test_individual_devices_shrink_the_claim_stays_and_reserved_cpus_apply
             after = await _republished(sim, generation)
             # the three devices left the slices; every other device kept its name and CPU
             assert _by_cpu(after) == {c: n for c, n in names.items() if c not in (1, 33, 40)}
-            health = await _until(watch, lambda h: names[33] not in h.health())
+            health = await watch.until(lambda h: names[33] not in h.health(), WITHIN)
             # the claim's device is still reported, unhealthy; the free ones are gone
             assert health.unhealthy() == {names[1]: "cpu 1 is offline"}
             assert len(health.devices) == 60
@@ -171,7 +158,7 @@ async def test_grouped_capacity_shrinks_and_the_health_stream_reports_the_claims
             sim.kubelet.watch_health(version="v1alpha1") as v1alpha1,
         ):
             for watch in (v1, v1alpha1):
-                assert (await _until(watch, lambda h: len(h.devices) == 4)).unhealthy() == {}
+                assert (await watch.until(lambda h: len(h.devices) == 4, WITHIN)).unhealthy() == {}
             generation = _generation(sim)
             sim.set_offline(CpuSet([lost, free]))
             sim.sighup()
@@ -186,8 +173,8 @@ async def test_grouped_capacity_shrinks_and_the_health_stream_reports_the_claims
             # After the republish only the claim's offline CPU keeps its group unhealthy (the
             # one-second poll said "cpus ... are offline" of both before it).
             for watch in (v1, v1alpha1):
-                health = await _until(
-                    watch, lambda h: h.unhealthy() == {"cpudevnuma001": f"cpu {lost} is offline"}
+                health = await watch.until(
+                    lambda h: h.unhealthy() == {"cpudevnuma001": f"cpu {lost} is offline"}, WITHIN
                 )
                 assert len(health.devices) == 4
             assert checkpoint_claims(sim.paths.checkpoint)[claim.uid]["cpus"] == sim.cdi_cpus(
@@ -203,7 +190,7 @@ async def test_grouped_capacity_shrinks_and_the_health_stream_reports_the_claims
             assert {d["name"]: d["capacity"]["dra.cpu/cpu"]["value"] for d in after}[
                 "cpudevnuma001"
             ] == "16"
-            await _until(v1, lambda h: h.unhealthy() == {})
+            await v1.until(lambda h: h.unhealthy() == {}, WITHIN)
         line = await _logged(sim, "resync done: ")
         assert f"cpus {CpuSet([lost, free])} went offline" in line
         assert "devices resized: cpudevnuma001" in line

@@ -14,7 +14,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -31,10 +31,11 @@ from dracpu.core.commands import Command, DeviceResult, PrepareClaim, Resync
 from dracpu.core.cpuset import CpuSet
 from dracpu.core.devices import Device
 from dracpu.core.effects import NodeChanged, Resynced, StrandedClaim
-from dracpu.sim.fake_kubelet import HealthList, HealthVersion, HealthWatch
+from dracpu.sim.fake_kubelet import HealthVersion
 from dracpu.sim.hotplug import set_offline
 from dracpu.sim.topologies import FIXTURES, MachineSpec, write_sysfs
 from dracpu.tasks import signals
+from dracpu.tasks.device_health import RESEND_INTERVAL
 from dracpu.tasks.reload import ConfigSource, Reloader, report
 from dracpu.tasks.slice_publisher import republish_channel
 from dracpu.tasks.state_owner import Request, StateOwner, create_request_stream, request
@@ -279,16 +280,6 @@ async def running(host: Host, scratch: Path) -> AsyncIterator[Running]:
             tg.cancel_scope.cancel()
 
 
-async def _until(watch: HealthWatch, done: Callable[[HealthList], bool]) -> HealthList:
-    deadline = time.monotonic() + WITHIN
-    while time.monotonic() < deadline:
-        health = await watch.anext(WITHIN)
-        assert health is not None, "the stream ended"
-        if done(health):
-            return health
-    raise AssertionError("no such health list")
-
-
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the gRPC server needs asyncio
 @pytest.mark.parametrize("version", ["v1", "v1alpha1"])
 async def test_a_cpu_offline_plus_sighup_reaches_the_health_stream_within_a_second(
@@ -313,8 +304,9 @@ async def test_a_cpu_offline_plus_sighup_reaches_the_health_stream_within_a_seco
                 host.offline("5,37")
                 sent = time.monotonic()
                 os.kill(os.getpid(), signal.SIGHUP)
-                after = await _until(watch, lambda h: free not in h.health())
-                assert after.received - sent < 1.0
+                after = await watch.until(lambda h: free not in h.health(), WITHIN)
+                # at once, not at the next resend of an unchanged list
+                assert after.received - sent < RESEND_INTERVAL / 2
                 # The free CPU's device is gone; the claim's stays, unhealthy, for its pod.
                 assert len(after.devices) == 61
                 assert after.unhealthy() == {held: "cpu 5 is offline"}
@@ -326,7 +318,7 @@ async def test_a_cpu_offline_plus_sighup_reaches_the_health_stream_within_a_seco
                 # Back online: every device again, under its old name, healthy.
                 host.offline("")
                 os.kill(os.getpid(), signal.SIGHUP)
-                back = await _until(watch, lambda h: len(h.devices) == 62)
+                back = await watch.until(lambda h: len(h.devices) == 62, WITHIN)
                 assert back.health() == first.health()
         assert node.republished == ["resync"] * 3  # the start-up Resync, then the two SIGHUPs
         # Each request carries the devices of its moment: all, then without cpus 5 and 37, all.

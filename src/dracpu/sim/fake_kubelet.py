@@ -40,7 +40,7 @@ import queue
 import stat
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -298,6 +298,21 @@ class HealthWatch:
     async def anext(self, within: float = 10.0) -> HealthList | None:
         """:meth:`next` (``timeout=within``) in a worker thread."""
         return await anyio.to_thread.run_sync(self.next, within)
+
+    async def until(self, done: Callable[[HealthList], bool], within: float = 10.0) -> HealthList:
+        """The first list from now on for which ``done`` holds, read for at most ``within``
+        seconds; :class:`FakeKubeletError` when none came or the plugin ended the call."""
+        deadline = time.monotonic() + within
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                health = await self.anext(left)
+            except FakeKubeletError:
+                break
+            if health is None:
+                raise FakeKubeletError("the plugin ended the health stream")
+            if done(health):
+                return health
+        raise FakeKubeletError(f"no such health list within {within:g} s")
 
     def close(self) -> None:
         """Cancel the call (what the kubelet does when the plugin deregisters)."""
