@@ -13,6 +13,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from dracpu.sim.daemon_process import READY_TIMEOUT
 from dracpu.sim.fake_kubelet import FakeKubelet, RegistrationRefused
 from dracpu.sim.node import NodeSim, SimError, open_node_sim, wait_until
 
@@ -186,6 +187,7 @@ async def test_leftovers_at_the_kubelet_sockets_are_replaced_and_a_directory_wai
                 m.startswith("the DRA socket failed, retrying in")
                 for m in sim.daemon.messages("warning")
             ),
+            timeout=READY_TIMEOUT,  # logged as the daemon starts: a start's bound, not 10 s
             failed=sim.daemon.exited,
         )
         status, body = await sim.daemon.get("/readyz")
