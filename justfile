@@ -14,11 +14,11 @@ test *ARGS:
     scripts/test {{ARGS}}
 
 # the optional external peers some tests use, from Debian (they skip, saying why, without them):
-# podman (a real CDI consumer), grpc-go (the kubelet's gRPC stack, built in GOPATH mode) and
-# shellcheck (the e2e scripts)
-[doc("install from Debian the optional peers some tests use: podman, grpc-go, shellcheck")]
+# podman (a real CDI consumer) and shellcheck (the e2e scripts); the grpc-go peer is built from
+# its Go module (tests/peers_go/grpc_client) with the go on PATH
+[doc("install from Debian the optional peers some tests use: podman, shellcheck")]
 peers:
-    apt-get install -y podman runc busybox-static golang-go golang-google-grpc-dev shellcheck
+    apt-get install -y podman runc busybox-static shellcheck
 
 # regenerate requirements/*.lock from pyproject.toml: pinned, hashed, for Python 3.11 on any
 # platform; the current pins are kept unless ARGS say otherwise (e.g. --upgrade-package NAME)

@@ -7,12 +7,13 @@ bytes, ``tests.adapters.grpc_handlers``) that dials one insecure ``ClientConn`` 
 kubelet dials its plugins (a ``unix://`` target, or a bare path with its own unix dialer), reads
 batches of calls as JSON lines on stdin and prints one JSON result per call (a call may be
 server-streaming, as the kubelet's device-health watch: its replies in order). It is built once
-per session from Debian's grpc-go sources in GOPATH mode (about 10 s) and runs as a subprocess
+per session from its Go module (``tests/peers_go/grpc_client/go.mod``: grpc-go at the kubelet's
+version, from the Go module proxy into the user's module cache) and runs as a subprocess
 while our server runs on the test's event loop; successive batches are successive calls on the
 one kept connection, as the kubelet's.
 
-Without ``go`` or the grpc-go sources the tests are skipped (``apt-get install golang-go
-golang-google-grpc-dev``); with both present, a build failure fails them. To see the frames
+Without ``go`` the tests are skipped; with it, a build failure (a module that cannot be
+fetched included) fails them. To see the frames
 grpc-go sends and receives, run with ``GODEBUG=http2debug=2`` in the environment: the client's
 stderr is printed into the test's captured output (``-s`` to see it on success).
 """
@@ -81,14 +82,10 @@ G_V1 = load_pb2("dra/v1/api.proto")
 G_V1BETA1 = load_pb2("dra/v1beta1/api.proto")
 G_REG = load_pb2("pluginregistration/v1/api.proto")
 
-# Debian's Go toolchain and grpc-go sources (packages golang-go and golang-google-grpc-dev); the
-# sources and their dependencies live in Debian's GOPATH.
-GO_PACKAGES = "golang-go golang-google-grpc-dev"
-GOPATH = Path("/usr/share/gocode")
-GRPC_GO = GOPATH / "src" / "google.golang.org" / "grpc"
-CLIENT_SOURCE = Path(__file__).resolve().parent.parent / "peers_go" / "grpc_client" / "main.go"
-# A cold build of grpc-go takes ~10 s on one free core; generous for 2 shared ones.
-BUILD_TIMEOUT = 300.0
+# The client's Go module (main.go, go.mod, go.sum).
+CLIENT_MODULE = Path(__file__).resolve().parent.parent / "peers_go" / "grpc_client"
+# A cold build (modules fetched, grpc-go compiled) took about a minute on 2 shared cores.
+BUILD_TIMEOUT = 600.0
 
 # grpc-go's status codes (google.golang.org/grpc/codes), written out so that the numbers are
 # checked against ours rather than taken from them.
@@ -126,35 +123,29 @@ NOTIFY = "/pluginregistration.Registration/NotifyRegistrationStatus"
 
 @pytest.fixture(scope="session")
 def grpc_go(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The grpc-go client binary, built once per session (skip without Go or grpc-go)."""
+    """The grpc-go client binary, built once per session (skip without Go)."""
     go = shutil.which("go")
-    if go is None or not (GRPC_GO / "version.go").is_file():
-        missing = "no go command on PATH" if go is None else f"no grpc-go sources at {GRPC_GO}"
-        pytest.skip(f"{missing}: apt-get install {GO_PACKAGES}")
-    out = tmp_path_factory.mktemp("grpcgo")
-    binary = out / "grpc_client"
+    if go is None:
+        pytest.skip("no go command on PATH (Go 1.25 or newer builds the grpc-go peer)")
+    binary = tmp_path_factory.mktemp("grpcgo") / "grpc_client"
     env = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "HOME": str(out),
-        "GO111MODULE": "off",  # GOPATH mode: Debian's sources, no module download
-        "GOPATH": str(GOPATH),
-        "GOCACHE": str(out / "cache"),
-        "GOENV": "off",  # no user go.env (GOFLAGS, GOPROXY) changes the build
+        **os.environ,  # the user's module cache, build cache and proxy
+        "GOFLAGS": "-mod=readonly",  # go.sum pins every module: nothing is resolved anew
+        "GOTOOLCHAIN": "local",  # the go on PATH, never a toolchain download
         "CGO_ENABLED": "0",  # no C compiler needed
     }
     start = time.monotonic()
     built = subprocess.run(
-        [go, "build", "-o", str(binary), str(CLIENT_SOURCE)],
+        [go, "build", "-o", str(binary), "."],
         env=env,
-        cwd=out,
+        cwd=CLIENT_MODULE,
         capture_output=True,
         text=True,
         timeout=BUILD_TIMEOUT,
         check=False,
     )
-    shutil.rmtree(out / "cache", ignore_errors=True)  # ~50 MB, of no use after the build
     if built.returncode != 0:
-        pytest.fail(f"go build of {CLIENT_SOURCE} failed ({built.returncode}):\n{built.stderr}")
+        pytest.fail(f"go build of {CLIENT_MODULE} failed ({built.returncode}):\n{built.stderr}")
     print(f"built {binary} in {time.monotonic() - start:.1f} s")
     return binary
 

@@ -20,8 +20,9 @@
 // again by itself if the server goes away, as the kubelet's does).
 // "max_recv" raises grpc-go's receive limit (0: its default, 4 MiB); "wait_for_ready" makes a
 // call wait for a connection instead of failing fast; "metadata" adds request headers. Messages
-// are raw bytes: the codec passes them through untouched and the content-type stays
-// "application/grpc". "messages" > 0 makes the call server-streaming, as the kubelet's device
+// are raw bytes: the codec passes them through untouched, and it is registered as grpc-go's
+// default codec ("proto"), so the content-type is "application/grpc", as the kubelet sends it
+// (grpc-go sends "application/grpc+<name>" for a codec given with ForceCodec). "messages" > 0 makes the call server-streaming, as the kubelet's device
 // health watch (NodeWatchResources): the request is sent, the client half-closes, and up to
 // that many replies are read; then the client cancels the call, unless the server ended it
 // first.
@@ -52,6 +53,7 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/encoding"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 )
@@ -98,9 +100,13 @@ func (rawCodec) Unmarshal(data []byte, v interface{}) error {
 	return nil
 }
 
-func (rawCodec) Name() string { return "raw" }
+// Name is the proto codec's: registered in init, the raw codec serves every call as the
+// default codec, without a content-subtype.
+func (rawCodec) Name() string { return "proto" }
 
-// callContext is the call's deadline and metadata; callOptions its codec and limits.
+func init() { encoding.RegisterCodec(rawCodec{}) }
+
+// callContext is the call's deadline and metadata; callOptions its limits.
 func callContext(c call) (context.Context, context.CancelFunc) {
 	timeout := time.Duration(c.TimeoutMs) * time.Millisecond
 	if c.TimeoutMs <= 0 {
@@ -114,7 +120,7 @@ func callContext(c call) (context.Context, context.CancelFunc) {
 }
 
 func callOptions(c call) []grpc.CallOption {
-	options := []grpc.CallOption{grpc.ForceCodec(rawCodec{}), grpc.WaitForReady(c.WaitForReady)}
+	options := []grpc.CallOption{grpc.WaitForReady(c.WaitForReady)}
 	if c.MaxRecv > 0 {
 		options = append(options, grpc.MaxCallRecvMsgSize(c.MaxRecv))
 	}
