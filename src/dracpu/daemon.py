@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -96,6 +97,9 @@ STOP_TIMEOUT = 4.5
 # the state and be configured by the runtime (tasks/handover.py). It lengthens the stop by as
 # much: within the kubelet's default grace of 30 s.
 HANDOVER_TIMEOUT = 20.0
+# The pod's UID, which the DaemonSet sets from the downward API (metadata.uid): a hand-over
+# tells the successor which pod leaves (tasks/handover.py).
+POD_UID_ENV = "POD_UID"
 # How often a standby looks whether a dracpu without the state dir lock still serves the DRA
 # socket (a connection each time, which grpclib accepts and drops).
 LEGACY_POLL = 0.05
@@ -539,6 +543,7 @@ class _Node:
             claims=self.kube,
             on_configured=self.handover.configured,
             hand_over=self.hand_over,
+            leaving_pod=self.handover.predecessor_pod,
             task_status=task_status,
         )
 
@@ -549,7 +554,7 @@ class _Node:
             return False
         self.shutdown.extend(HANDOVER_TIMEOUT)
         await self.owner.stop_writing()
-        self.handover.release()
+        self.handover.release(os.environ.get(POD_UID_ENV))
         logger.info(
             "handing the state dir over; NRI stays connected until the next dracpu is configured"
         )

@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 from dracpu.adapters.state_lock import FileLock, StateLockError
-from dracpu.tasks.handover import OWNER_LOCK, HandOver
+from dracpu.tasks.handover import LEAVING_POD, OWNER_LOCK, HandOver
 from tests.tasks.both_backends import anyio_backend  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.anyio
@@ -57,6 +57,26 @@ async def test_the_hand_over_steps_in_order(tmp_path: Path) -> None:
     assert not await old.wait_successor(0.02)
     new.configured()
     assert await old.wait_successor(5)
+    new.close()
+    old.close()
+
+
+async def test_the_successor_learns_which_pod_leaves_once(tmp_path: Path) -> None:
+    old, new = HandOver(tmp_path, poll=0.001), HandOver(tmp_path, poll=0.001)
+    assert old.try_own()
+    await new.become_successor()
+    old.release("6f1c0f4e-1111-4222-8333-444455556666")
+    with anyio.fail_after(5):
+        await new.wait_own()
+    assert new.predecessor_pod == "6f1c0f4e-1111-4222-8333-444455556666"
+    assert not (tmp_path / LEAVING_POD).exists()  # read once: no later start takes it for its own
+    # A predecessor that could not say (no POD_UID, an older build): nothing is left out.
+    new.release()
+    later = HandOver(tmp_path, poll=0.001)
+    with anyio.fail_after(5):
+        await later.wait_own()
+    assert later.predecessor_pod is None
+    later.close()
     new.close()
     old.close()
 

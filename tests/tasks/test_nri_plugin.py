@@ -137,7 +137,11 @@ class Node:
         return gate
 
     def plugin(
-        self, socket: Path | None = None, *, start_timeout: float = 5.0
+        self,
+        socket: Path | None = None,
+        *,
+        start_timeout: float = 5.0,
+        leaving_pod: str | None = None,
     ) -> partial[Coroutine[Any, Any, None]]:
         """The NRI plugin task of this node (its link and owner, fast reconnects) for ``socket``
         (default: the fake runtime's), ready to start."""
@@ -151,10 +155,11 @@ class Node:
             claims=self.api,
             delays=fast_delays,
             start_timeout=start_timeout,
+            leaving_pod=leaving_pod,
         )
 
-    async def start_plugin(self) -> None:
-        await self.tg.start(self.plugin())
+    async def start_plugin(self, *, leaving_pod: str | None = None) -> None:
+        await self.tg.start(self.plugin(leaving_pod=leaving_pod))
 
     def exclusive(self, pod: FakePod, name: str, uid: str) -> FakeContainer:
         return self.runtime.new_container(pod, name, env=[claim_env(uid, str(self.claims[uid]))])
@@ -273,6 +278,30 @@ async def test_synchronize_repins_preexisting_containers() -> None:
             if cid != "exclusive":
                 assert cpus == pool, cid  # shared, spoofed and malformed: all in the pool
         assert node.state.shared == {cid for cid in table if cid != "exclusive"}
+
+
+async def test_synchronize_leaves_out_the_pod_of_the_dracpu_that_handed_over() -> None:
+    """CRI-O lists the previous dracpu's container while it stops, and an update of it that
+    runc refuses fails the whole Synchronize (docs/architecture.md, "What the real components
+    found", 6): the successor neither pins nor records it."""
+    leaving = "0f0f0f0f-0000-4000-8000-000000000001"
+    pods: dict[str, str] = {}
+
+    def setup(runtime: FakeRuntime) -> None:
+        pods["shared"] = add_shared(runtime, 2, cpus="0-63")[0]
+        old = runtime.add_pod("dracpu-old", namespace="dracpu", uid=leaving)
+        pods["old"] = runtime.add_container(old, "dracpu", cpus="1-63").id
+
+    async with open_node(setup=setup, prepared=CLAIM_A, start=False) as node:
+        await node.start_plugin(leaving_pod=leaving)
+        await node.runtime.wait_plugin(10)
+        [sync] = node.runtime.calls("Synchronize")
+        assert isinstance(sync.response, pb.SynchronizeResponse)
+        updated = {u.container_id for u in sync.response.update}
+        assert pods["shared"] in updated
+        assert pods["old"] not in updated
+        assert pods["old"] not in node.state.containers
+        assert node.table()[pods["old"]] == ("1-63", "")  # untouched
 
 
 async def test_synchronize_in_parts_answers_more_without_updates() -> None:

@@ -41,12 +41,16 @@ import anyio
 
 from dracpu.adapters.state_lock import FileLock, StateLockError
 
-__all__ = ["OWNER_LOCK", "POLL", "SETTLE", "SUCCESSOR_LOCK", "HandOver"]
+__all__ = ["LEAVING_POD", "OWNER_LOCK", "POLL", "SETTLE", "SUCCESSOR_LOCK", "HandOver"]
 
 logger = logging.getLogger(__name__)
 
 OWNER_LOCK = "dracpu.lock"
 SUCCESSOR_LOCK = "dracpu.successor.lock"
+# Written by the instance that hands over, read and removed by its successor: the leaving
+# instance's pod UID (the DaemonSet's POD_UID, from the downward API), whose containers the
+# successor's Synchronize leaves out (CRI-O lists them while they stop).
+LEAVING_POD = "dracpu.leaving-pod"
 # How often a waiting instance looks at a lock (flock cannot be waited on with a timeout
 # without a thread per wait; a look is one syscall).
 POLL = 0.005
@@ -61,8 +65,11 @@ class HandOver:
     def __init__(self, state_dir: Path, *, poll: float = POLL) -> None:
         self._owner = FileLock(state_dir / OWNER_LOCK)
         self._successor = FileLock(state_dir / SUCCESSOR_LOCK)
+        self._leaving = state_dir / LEAVING_POD
         self._poll = poll
         self.usable = True  # False when the lock files cannot be made (a read-only state dir)
+        # The pod of the instance this one took over from, when it said (wait_own).
+        self.predecessor_pod: str | None = None
 
     def try_own(self) -> bool:
         """Own the state dir now if no other instance does (``True``). A state dir where the
@@ -85,7 +92,16 @@ class HandOver:
     async def wait_own(self) -> None:
         """As the successor, wait until the owner hands over or exits."""
         await self._until(self._owner.try_acquire)
-        logger.info("took over the state dir in %s", self._owner.path.parent)
+        try:
+            self.predecessor_pod = self._leaving.read_text().strip() or None
+            self._leaving.unlink()
+        except OSError:  # none written (no POD_UID there, an older build): nothing to leave out
+            self.predecessor_pod = None
+        logger.info(
+            "took over the state dir in %s (from pod %s)",
+            self._owner.path.parent,
+            self.predecessor_pod or "unknown",
+        )
 
     def configured(self) -> None:
         """The runtime configured this instance, and asks for its ``Synchronize`` next: the
@@ -107,8 +123,14 @@ class HandOver:
             self._successor.release()
         return not free
 
-    def release(self) -> None:
-        """Give the state dir up (the state owner writes no file any more)."""
+    def release(self, pod_uid: str | None = None) -> None:
+        """Give the state dir up (the state owner writes no file any more), saying which pod
+        leaves (``pod_uid``) for the successor's ``Synchronize``."""
+        if pod_uid:
+            try:
+                self._leaving.write_text(pod_uid)
+            except OSError as exc:
+                logger.warning("cannot tell the next dracpu which pod leaves: %s", exc)
         self._owner.release()
 
     async def wait_successor(self, timeout: float) -> bool:  # noqa: ASYNC109

@@ -178,7 +178,10 @@ class NriConnection:
     ``on_synchronized`` is called once, after the first Synchronize was answered;
     ``on_configured`` once the runtime's ``Configure`` is handled, just before its answer goes
     out (the runtime asks for the ``Synchronize`` next). ``recheck`` reads claims again before a
-    container of a pod they are not reserved for is refused (``None``: never).
+    container of a pod they are not reserved for is refused (``None``: never). ``leaving_pod``:
+    the UID of the pod of the dracpu that handed this one the state dir, whose containers are
+    left out of ``Synchronize`` (CRI-O lists them while they stop, and an update of one that has
+    stopped fails the whole synchronization: ``docs/architecture.md``, "Rolling update").
     """
 
     def __init__(
@@ -190,8 +193,10 @@ class NriConnection:
         on_synchronized: Callable[[], None],
         recheck: ClaimRecheck | None = None,
         on_configured: Callable[[], None] | None = None,
+        leaving_pod: str | None = None,
     ) -> None:
         self._stream = stream
+        self._leaving_pod = leaving_pod
         self._config = config
         self._owner = owner
         self._link = link
@@ -533,10 +538,15 @@ class NriConnection:
             return _Reply(messages.synchronize_response(more=True))
         pods, self._sync_pods = self._sync_pods, []
         containers, self._sync_containers = self._sync_containers, []
-        command = Synchronize(
-            messages.synchronized_containers(pods, containers),
-            unsolicited_updates=self._unsolicited,
-        )
+        listed = messages.synchronized_containers(pods, containers)
+        kept = tuple(c for c in listed if c.pod_uid != self._leaving_pod)
+        if len(kept) < len(listed):
+            logger.info(
+                "NRI: %d containers of the previous dracpu's pod %s are left out of Synchronize",
+                len(listed) - len(kept),
+                self._leaving_pod,
+            )
+        command = Synchronize(kept, unsolicited_updates=self._unsolicited)
         self._link.start(unsolicited=self._unsolicited)
         deadline = self._deadline(call)
         value = await self._ask(command, deadline)

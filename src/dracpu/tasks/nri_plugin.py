@@ -106,6 +106,7 @@ async def _connections(
     recheck: ClaimRecheck,
     handing_over: anyio.Event,
     on_configured: Callable[[], None] | None,
+    leaving_pod: str | None,
 ) -> None:
     """Connect, serve, reconnect: until a connection ends during the hand-over."""
     delays = delays_factory()
@@ -127,7 +128,14 @@ async def _connections(
             await anyio.sleep(next(delays))
             continue
         connection = NriConnection(
-            stream, config, owner, link, synchronized, recheck, on_configured=on_configured
+            stream,
+            config,
+            owner,
+            link,
+            synchronized,
+            recheck,
+            on_configured=on_configured,
+            leaving_pod=leaving_pod,
         )
         reason = "connection ended"
         try:
@@ -160,6 +168,7 @@ async def run(
     drain_timeout: float = STOP_DRAIN_TIMEOUT,
     on_configured: Callable[[], None] | None = None,
     hand_over: Callable[[], Awaitable[bool]] | None = None,
+    leaving_pod: str | None = None,
     task_status: TaskStatus[None] = TASK_STATUS_IGNORED,
 ) -> None:
     """Be the node's NRI plugin until cancelled (see the module docstring).
@@ -179,6 +188,8 @@ async def run(
     called when a connection's ``Configure`` is handled; ``hand_over``, at a stop, after the
     drain and before the connection closes: it returns once the next dracpu is configured
     (``True``) or there is none; a connection that ends after it began is not made again.
+    ``leaving_pod``: the pod UID of the dracpu that handed this one the state dir, whose
+    containers every ``Synchronize`` leaves out.
     """
     link = NriLink() if link is None else link
     link.watch(committed)
@@ -199,6 +210,7 @@ async def run(
         recheck,
         handing_over,
         on_configured,
+        leaving_pod,
     )
     async with owner_send, anyio.create_task_group() as tg:
         tg.start_soon(_within, connections, serve)
