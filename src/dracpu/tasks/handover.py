@@ -14,8 +14,8 @@ only once the new one is Ready. So (``docs/architecture.md``, "Rolling update"):
    standby (it touches nothing of the state) and polls the owner lock;
 2. the old instance, stopping, finds the successor lock held: once its request sources are
    stopped (DRA and registration sockets, PodResources, CDI watcher), its state owner writes
-   no file any more and it releases the owner lock, while its NRI connection stays up and keeps
-   pinning the containers the runtime creates;
+   no file any more and it releases the owner lock (naming its pod in ``dracpu.leaving-pod``),
+   while its NRI connection stays up and keeps pinning the containers the runtime creates;
 3. the new instance takes the owner lock, restores the state the old one left, serves the
    kubelet's sockets, connects to NRI and, once the runtime has configured it, releases the
    successor lock;
